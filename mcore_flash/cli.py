@@ -1,0 +1,30 @@
+"""``mcore-flash`` command line: one subcommand per job, each in its own module."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with a ``main(argv)``, one-line help)
+COMMANDS = {
+    "bench-attention": ("mcore_flash.benchmarks.attention", "fwd+bwd time and saved bytes of attention implementations"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mcore-flash <command> [options]\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:<18} {help_text}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"mcore-flash: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""CPU backend: torch's fused flash kernel for the CPU, the reference kernel where it can't.
+
+``aten._scaled_dot_product_flash_attention_for_cpu`` takes ``[b, h, s, d]``, supports GQA
+natively and returns the logsumexp; its backward op takes it back. Its limits decide the
+fallback to :class:`ReferenceBackend` (decided from the arguments alone, so forward and
+backward always agree, and logged once per reason -- never silently ignored):
+
+* dropout > 0 (the kernel refuses it),
+* causal with ``sq != sk`` (the kernel aligns causal top-left, we promise bottom-right).
+
+A bool ``attn_mask`` is turned into the additive float mask the kernel takes; rows it
+masks entirely get ``lse = -inf`` (the kernel reports 0 for them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .base import AttentionBackend, AttentionParams, Tensor
+from .reference import ReferenceBackend
+
+logger = logging.getLogger("mcore_flash")
+
+_fused_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class CpuBackend(AttentionBackend):
+    """torch's fused CPU flash-attention kernel."""
+
+    name = "cpu"
+
+    def __init__(self, fallback: Optional[AttentionBackend] = None):
+        self.fallback = fallback or ReferenceBackend()
+        self._logged_reasons: set[str] = set()
+
+    def forward(self, q, k, v, params):
+        if self._needs_fallback(q, k, params):
+            return self.fallback.forward(q, k, v, params)
+        out, lse = _fused_forward(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            0.0,
+            params.causal,
+            attn_mask=_additive_mask(params.attn_mask, q.dtype),
+            scale=params.softmax_scale,
+        )
+        if params.attn_mask is not None:
+            lse = lse.masked_fill(params.attn_mask.all(dim=-1).expand_as(lse), float("-inf"))
+        return out.transpose(1, 2), lse, None
+
+    def backward(self, dout, q, k, v, out, lse, rng_state, params):
+        if self._needs_fallback(q, k, params):
+            return self.fallback.backward(dout, q, k, v, out, lse, rng_state, params)
+        dq, dk, dv = _fused_backward(
+            dout.transpose(1, 2),
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            out.transpose(1, 2),
+            # +inf on empty rows makes the kernel's exp(s - lse) exactly 0 there.
+            torch.where(torch.isneginf(lse), float("inf"), lse),
+            0.0,
+            params.causal,
+            attn_mask=_additive_mask(params.attn_mask, q.dtype),
+            scale=params.softmax_scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def _needs_fallback(self, q: Tensor, k: Tensor, params: AttentionParams) -> bool:
+        if params.dropout_p > 0:
+            reason = "dropout_p > 0 (torch's fused CPU kernel has no dropout)"
+        elif params.causal and q.shape[1] != k.shape[1]:
+            reason = "causal with sq != sk (torch's CPU kernel aligns causal top-left)"
+        else:
+            return False
+        if reason not in self._logged_reasons:
+            self._logged_reasons.add(reason)
+            logger.info("mcore_flash: cpu backend runs the reference kernel for %s", reason)
+        return True
+
+
+def _additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """Bool mask (True = masked out) -> float mask with -inf where masked."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
