@@ -78,7 +78,7 @@ class NpuBackend(AttentionBackend):
     def forward(self, q, k, v, params):
         mask, sparse_mode = self._mask_and_mode(params, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
         outputs = _torch_npu().npu_fusion_attention(
-            q, k, v, q.shape[2], "BSND", **self._common(params, mask, sparse_mode)
+            q, k, v, q.shape[2], "BSND", **self._common(params, mask, sparse_mode, _has_empty_rows(mask))
         )
         out, softmax_max, softmax_sum = outputs[0], outputs[1], outputs[2]
         return out, _lse_from_stats(softmax_max, softmax_sum), _rng_state(outputs)
@@ -89,7 +89,8 @@ class NpuBackend(AttentionBackend):
         grads = _torch_npu().npu_fusion_attention_grad(
             q, k, v, dout, q.shape[2], "BSND",
             softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out,
-            **self._common(params, mask, sparse_mode, grad=True), **_replay_kwargs(rng_state),
+            **self._common(params, mask, sparse_mode, _has_empty_rows(mask), grad=True),
+            **_replay_kwargs(rng_state),
         )  # fmt: skip
         return grads[0], grads[1], grads[2]
 
@@ -100,7 +101,7 @@ class NpuBackend(AttentionBackend):
         outputs = _torch_npu().npu_fusion_attention(
             q, k, v, q.shape[1], "TND",
             actual_seq_qlen=cu_seqlens_q[1:], actual_seq_kvlen=cu_seqlens_k[1:],
-            **self._common(params, mask, sparse_mode),
+            **self._common(params, mask, sparse_mode, _has_keyless_sequence(cu_seqlens_q, cu_seqlens_k)),
         )  # fmt: skip
         lse = _lse_from_stats(outputs[1], outputs[2])  # [T, N]
         return outputs[0], lse.transpose(0, 1).contiguous(), _rng_state(outputs)
@@ -112,14 +113,20 @@ class NpuBackend(AttentionBackend):
             q, k, v, dout, q.shape[1], "TND",
             softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out,
             actual_seq_qlen=cu_seqlens_q[1:], actual_seq_kvlen=cu_seqlens_k[1:],
-            **self._common(params, mask, sparse_mode, grad=True), **_replay_kwargs(rng_state),
+            **self._common(params, mask, sparse_mode, _has_keyless_sequence(cu_seqlens_q, cu_seqlens_k), grad=True),
+            **_replay_kwargs(rng_state),
         )  # fmt: skip
         return grads[0], grads[1], grads[2]
 
     # ---- shared arguments ----------------------------------------------------------------
 
     @staticmethod
-    def _common(params: AttentionParams, mask: Optional[Tensor], sparse_mode: int, grad: bool = False) -> dict:
+    def _common(
+        params: AttentionParams, mask: Optional[Tensor], sparse_mode: int, empty_rows: bool, grad: bool = False
+    ) -> dict:
+        """Keyword arguments shared by forward and grad. ``empty_rows``: some query row sees
+        no key, which needs ``inner_precise=2`` (the op only turns it on by itself for
+        sparse_mode=3 with Sq > Skv)."""
         scale_key = "scale_value" if grad else "scale"
         return {
             "pse": None,
@@ -129,7 +136,7 @@ class NpuBackend(AttentionBackend):
             "keep_prob": 1.0 - params.dropout_p,
             "pre_tockens": MAX_TOCKENS,
             "next_tockens": MAX_TOCKENS,
-            "inner_precise": 0,
+            "inner_precise": 2 if empty_rows else 0,
             "sparse_mode": sparse_mode,
         }
 
@@ -156,6 +163,18 @@ def _dense_mask(mask: Tensor, causal: bool, b: int, hq: int, sq: int, sk: int) -
     if mask.shape[0] == 1 and mask.shape[1] == hq and b > 1:  # 1NSS is not an accepted shape
         mask = mask.expand(b, hq, sq, sk)
     return mask.contiguous()
+
+
+def _has_empty_rows(mask: Optional[Tensor]) -> bool:
+    """Whether an explicit mask hides every key from some query row."""
+    return mask is not None and bool(mask.all(dim=-1).any())
+
+
+def _has_keyless_sequence(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
+    """Whether a packed sequence has queries but no keys."""
+    q_lens = [b - a for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
+    k_lens = [b - a for a, b in zip(cu_seqlens_k[:-1], cu_seqlens_k[1:])]
+    return any(nq > 0 and nk == 0 for nq, nk in zip(q_lens, k_lens))
 
 
 def _lse_from_stats(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
