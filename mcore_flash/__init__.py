@@ -6,3 +6,18 @@ modules and specs), then training, planning and the CLI.
 """
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "get_gpt_layer_flash_spec": "mcore_flash.transformer",
+    "get_gpt_decoder_block_flash_spec": "mcore_flash.transformer",
+    "FlashDotProductAttention": "mcore_flash.transformer",
+}
+
+
+def __getattr__(name):
+    """Import Megatron-dependent names on first use, so ``mcore_flash.ops`` stays Megatron-free."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mcore_flash' has no attribute {name!r}")

@@ -1,0 +1,102 @@
+"""Megatron ``ModuleSpec``s whose core attention is the fused kernel and whose norms are ours.
+
+``get_gpt_layer_flash_spec`` mirrors megatron-core's ``get_gpt_layer_local_spec`` (same
+modules, same checkpoint key map) with two substitutions: ``core_attention`` is
+:class:`FlashDotProductAttention`, and every norm is :mod:`mcore_flash.transformer.norms`
+(sequence-parallel capable, fused on NPU). ``get_gpt_decoder_block_flash_spec`` also
+replaces the final norm, which Megatron otherwise builds from apex or its SP-refusing
+torch norm; pass it to ``GPTModel(transformer_layer_spec=...)``.
+
+Fusions: attention (all devices) and RMSNorm (``npu_rms_norm`` on NPU) are fused. SwiGLU
+and RoPE use megatron-core's own code paths (``bias_activation_fusion`` /
+``apply_rope_fusion`` need TE or apex kernels, which do not exist on Ascend or CPU).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from .attention import FlashDotProductAttention
+from .norms import norm_class
+
+
+def get_gpt_layer_flash_spec(
+    normalization: str = "RMSNorm",
+    qk_layernorm: bool = False,
+    attention_backend: Optional[str] = None,
+) -> ModuleSpec:
+    """A ``TransformerLayer`` spec: our norms, Megatron's projections and MLP, fused attention.
+
+    Args:
+        normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (match ``config.normalization``).
+        qk_layernorm: normalise queries and keys per head (``config.qk_layernorm``).
+        attention_backend: ``"npu" | "cuda" | "cpu" | "reference"`` or None (by device).
+    """
+    norm = norm_class(normalization)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=ModuleSpec(module=FlashDotProductAttention, params={"backend": attention_backend}),
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=norm if qk_layernorm else IdentityOp,
+                    k_layernorm=norm if qk_layernorm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def get_gpt_decoder_block_flash_spec(
+    config: TransformerConfig,
+    normalization: Optional[str] = None,
+    qk_layernorm: Optional[bool] = None,
+    attention_backend: Optional[str] = None,
+    vp_stage: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """Submodules of this pipeline stage's ``TransformerBlock``, final norm included.
+
+    ``normalization`` and ``qk_layernorm`` default to the config's settings.
+    """
+    normalization = normalization or config.normalization
+    qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
+    layer_spec = get_gpt_layer_flash_spec(normalization, qk_layernorm, attention_backend)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * _num_layers_to_build(config, vp_stage),
+        layer_norm=norm_class(normalization),
+    )
+
+
+def _num_layers_to_build(config: TransformerConfig, vp_stage: Optional[int]) -> int:
+    """``get_num_layers_to_build`` across megatron-core versions (vp_stage arrived in 0.13)."""
+    if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
+        return get_num_layers_to_build(config, vp_stage=vp_stage)
+    return get_num_layers_to_build(config)
