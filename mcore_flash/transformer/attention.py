@@ -110,6 +110,9 @@ class FlashDotProductAttention(MegatronModule):
     def _dense_forward(self, query, key, value, attention_mask, causal_type, dropout_p) -> Tensor:
         sq, b, np_, hn = query.shape
         causal, mask = _resolve_mask(attention_mask, causal_type, b, np_, sq, key.shape[0])
+        # q, k, v are views into Megatron's fused QKV projection output; contiguous copies
+        # let the kernel keep [s, b, n, d] each instead of that whole buffer for backward.
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = flash_attn_func(
             query.transpose(0, 1),
             key.transpose(0, 1),

@@ -1,9 +1,10 @@
 """Megatron ``ModuleSpec``s whose core attention is the fused kernel and whose norms are ours.
 
 ``get_gpt_layer_flash_spec`` mirrors megatron-core's ``get_gpt_layer_local_spec`` (same
-modules, same checkpoint key map) with two substitutions: ``core_attention`` is
-:class:`FlashDotProductAttention`, and every norm is :mod:`mcore_flash.transformer.norms`
-(sequence-parallel capable, fused on NPU). ``get_gpt_decoder_block_flash_spec`` also
+modules, same checkpoint key map) with three substitutions: ``core_attention`` is
+:class:`FlashDotProductAttention`, every norm is :mod:`mcore_flash.transformer.norms`
+(sequence-parallel capable, fused on NPU), and the layer is :class:`FlashTransformerLayer`
+(``selective`` + ``core_attn`` recompute covers the whole attention sub-block). ``get_gpt_decoder_block_flash_spec`` also
 replaces the final norm, which Megatron otherwise builds from apex or its SP-refusing
 torch norm; pass it to ``GPTModel(transformer_layer_spec=...)``.
 
@@ -26,9 +27,10 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from .attention import FlashDotProductAttention
+from .layer import FlashTransformerLayer
 from .norms import norm_class
 
 
@@ -46,7 +48,7 @@ def get_gpt_layer_flash_spec(
     """
     norm = norm_class(normalization)
     return ModuleSpec(
-        module=TransformerLayer,
+        module=FlashTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(

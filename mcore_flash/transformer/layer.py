@@ -1,0 +1,51 @@
+"""``FlashTransformerLayer``: Megatron's ``TransformerLayer`` with attention-only recompute.
+
+With a fused attention kernel, Megatron's ``selective`` + ``core_attn`` recompute re-runs
+the kernel and saves nothing: the kernel keeps only q, k, v, out and the logsumexp, and
+the output projection keeps the attention output anyway (Megatron-LM issues 464, 1225,
+1732). With this layer the same settings (``recompute_granularity="selective"``,
+``"core_attn" in recompute_modules``) instead checkpoint the whole attention sub-block:
+
+    input_layernorm -> linear_qkv -> RoPE -> fused attention -> linear_proj -> bias-dropout-add
+
+keeps only the layer input ``[s/tp (SP) or s, b, h]`` for backward and recomputes the rest
+in backward through ``tensor_parallel.checkpoint`` (which replays the CPU/device RNG and
+the model-parallel RNG tracker, so attention and hidden dropout are identical). The
+boundary ends after the residual add so that nothing of the sub-block -- not even the
+dropout mask of the bias-dropout-add -- stays alive; measurements in docs/benchmarks.md.
+
+Megatron's other selective modules (``mlp``, ``layernorm`` for the pre-MLP norm) keep
+working; the input norm is inside the checkpoint, so its own ``layernorm`` recompute is
+switched off there.
+"""
+
+from __future__ import annotations
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+class FlashTransformerLayer(TransformerLayer):
+    """``TransformerLayer`` whose ``core_attn`` selective recompute covers the attention sub-block."""
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.recompute_attention = config.recompute_granularity == "selective" and "core_attn" in (
+            config.recompute_modules or []
+        )
+        if self.recompute_attention:
+            self.self_attention.checkpoint_core_attention = False  # covered, and would do nothing
+            self.recompute_input_layernorm = False  # inside the checkpoint already
+
+    def _forward_attention(self, hidden_states, *args, **kwargs):
+        if not (self.recompute_attention and self.training):
+            return super()._forward_attention(hidden_states, *args, **kwargs)
+        contexts = []
+
+        def attention_block(layer_input):
+            output, context = TransformerLayer._forward_attention(self, layer_input, *args, **kwargs)
+            contexts.append(context)
+            return output
+
+        output = tensor_parallel.checkpoint(attention_block, self.config.distribute_saved_activations, hidden_states)
+        return output, contexts[0]
