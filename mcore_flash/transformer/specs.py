@@ -8,13 +8,16 @@ modules, same checkpoint key map) with three substitutions: ``core_attention`` i
 replaces the final norm, which Megatron otherwise builds from apex or its SP-refusing
 torch norm; pass it to ``GPTModel(transformer_layer_spec=...)``.
 
-Fusions: attention (all devices) and RMSNorm (``npu_rms_norm`` on NPU) are fused. SwiGLU
-and RoPE use megatron-core's own code paths (``bias_activation_fusion`` /
-``apply_rope_fusion`` need TE or apex kernels, which do not exist on Ascend or CPU).
+Fusions: attention (all devices) and RMSNorm (``npu_rms_norm`` on NPU; a save-input-only
+autograd function elsewhere) always. SwiGLU when ``config.use_te_activation_func=True``
+(megatron-core's MLP activation hook, 0.16+; ``npu_swiglu`` on NPU): it keeps only the fc1
+output for backward. RoPE uses megatron-core's own code (``apply_rope_fusion`` needs TE or
+apex kernels, which do not exist on Ascend or CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Optional
 
@@ -29,6 +32,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from .activations import SwiGLU
 from .attention import FlashDotProductAttention
 from .layer import FlashTransformerLayer
 from .norms import norm_class
@@ -64,10 +68,7 @@ def get_gpt_layer_flash_spec(
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            ),
+            mlp=ModuleSpec(module=MLP, submodules=_mlp_submodules()),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -75,6 +76,13 @@ def get_gpt_layer_flash_spec(
             },
         ),
     )
+
+
+def _mlp_submodules() -> MLPSubmodules:
+    """Megatron's MLP with our fused SwiGLU where megatron-core has the hook (0.16+)."""
+    if "activation_func" in {f.name for f in dataclasses.fields(MLPSubmodules)}:
+        return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU)
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
 
 
 def get_gpt_decoder_block_flash_spec(
