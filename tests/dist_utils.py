@@ -1,0 +1,171 @@
+"""Run a function in N gloo processes (CPU) and collect what each rank returns.
+
+    from dist_utils import run_distributed, init_megatron, teardown_megatron
+
+    def _worker(rank, world_size, x):          # top level: spawn pickles it by name
+        init_megatron(tp=world_size)
+        try:
+            return do_something(x)               # must be picklable (tensors are fine)
+        finally:
+            teardown_megatron()
+
+    def test_it():
+        results = run_distributed(_worker, 2, 3.0)   # [rank0 result, rank1 result]
+
+A worker's exception fails the test with that worker's traceback. Everything is bounded
+by ``timeout`` seconds (process-group init and collectives included).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue as queue_mod
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "free_port", "init_megatron", "teardown_megatron"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(rank, world_size, port, timeout, fn, args, results):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, _dumps(out)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        parallel_state = sys.modules.get("megatron.core.parallel_state")  # never import it here
+        if parallel_state is not None:
+            try:
+                parallel_state.destroy_model_parallel()
+            except Exception:
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+
+    Returns the per-rank return values (rank order). Raises RuntimeError carrying the
+    failing worker's traceback, or TimeoutError after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, timeout, fn, args, results),
+            daemon=False,  # workers may start processes (dist-ckpt save does)
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"run_distributed({fn.__name__}): ranks {sorted(set(range(world_size)) - set(out))} "
+                    f"did not finish within {timeout} s"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [
+                    (r, p.exitcode)
+                    for r, p in enumerate(procs)
+                    if r not in out and p.exitcode is not None
+                ]
+                if dead:
+                    # give a late queue message a chance before declaring the rank dead
+                    try:
+                        rank, ok, payload = results.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        raise RuntimeError(
+                            f"run_distributed({fn.__name__}): rank(s) exited without a result "
+                            f"(rank, exitcode): {dead}"
+                        ) from None
+                else:
+                    continue
+            if not ok:
+                raise RuntimeError(
+                    f"run_distributed({fn.__name__}): rank {rank} failed:\n{payload}"
+                )
+            out[rank] = _loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    return [out[r] for r in range(world_size)]
+
+
+def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, **kwargs):
+    """Inside a worker: CPU platform, megatron's parallel state and model-parallel seeds."""
+    from mcore_flash import platform
+
+    platform.setup("cpu")
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        **kwargs,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def teardown_megatron():
+    """Undo ``init_megatron`` (the process group itself is destroyed by the runner)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
