@@ -7,6 +7,8 @@ import sys
 
 # subcommand -> (module with a ``main(argv)``, one-line help)
 COMMANDS = {
+    "pretrain": ("mcore_flash.pretrain", "pretrain a GPT on megatron-core with the fused-attention spec"),
+    "preprocess": ("mcore_flash.data.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
     "bench-attention": ("mcore_flash.benchmarks.attention", "fwd+bwd time and saved bytes of attention implementations"),
 }
 

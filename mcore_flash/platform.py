@@ -56,7 +56,7 @@ import types
 
 import torch
 
-__all__ = ["setup", "device_type", "torch_device", "applied_adaptations", "DEVICES"]
+__all__ = ["setup", "device_type", "torch_device", "peak_memory_bytes", "applied_adaptations", "DEVICES"]
 
 DEVICES = ("npu", "cuda", "cpu")
 
@@ -138,6 +138,16 @@ def torch_device() -> torch.device:
     else:
         index = getattr(torch, dev).current_device()
     return torch.device(dev, index)
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process on its device: allocator peak on cuda/npu, peak RSS on cpu."""
+    dev = device_type()
+    if dev == "cpu":
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return getattr(torch, dev).max_memory_allocated()
 
 
 def applied_adaptations() -> list[str]:

@@ -10,15 +10,17 @@ unfused SwiGLU runs and this module is never built.
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.module import MegatronModule
 
 from mcore_flash.ops.activations import swiglu
 
 
-class SwiGLU(torch.nn.Module):
-    """``[s, b, 2 * ffn/tp] -> [s, b, ffn/tp]``."""
+class SwiGLU(MegatronModule):
+    """``[s, b, 2 * ffn/tp] -> [s, b, ffn/tp]`` (no parameters; a MegatronModule so that
+    megatron's MLP can ask it for its (empty) sharded state dict)."""
 
     def __init__(self, config, **kwargs):
-        super().__init__()
+        super().__init__(config=config)
         if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
             raise ValueError("the fused SwiGLU needs gated_linear_unit=True and activation_func=F.silu (--swiglu)")
         if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):

@@ -1,0 +1,1 @@
+"""The pretraining entry point's parts: flags, distributed setup, model, data, loop, checkpoints."""

@@ -1,0 +1,141 @@
+"""Atomic, exactly-resumable checkpoints with megatron's ``dist_checkpointing``.
+
+Layout under ``--save`` (Megatron-LM's names)::
+
+    iter_0000100/                       model + optimizer (sharded), scheduler, counters
+        rng_rank00000.pt                each rank's RNG states (CPU, device, TP tracker)
+    latest_checkpointed_iteration.txt   "100"
+
+A checkpoint is written into ``iter_XXXXXXX.tmp/`` by all ranks, renamed to its final
+name by rank 0 once every rank has finished, and only then is the marker replaced (itself
+through a temporary file and ``os.replace``). A save killed at any point therefore leaves
+the previous checkpoint and marker untouched; stale ``.tmp`` directories are removed by
+the next save.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy
+import torch
+import torch.distributed as dist
+
+MARKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration the marker names, or None when ``root`` holds no finished checkpoint."""
+    marker = os.path.join(root, MARKER)
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        text = f.read().strip()
+    if not text.isdigit() or not os.path.isdir(checkpoint_dir(root, int(text))):
+        raise ValueError(f"--load {root}: {MARKER} says {text!r} but that checkpoint is missing or unreadable")
+    return int(text)
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
+    """Write checkpoint ``iteration`` under ``root`` atomically (collective over all ranks)."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = checkpoint_dir(root, iteration)
+    tmp = final + ".tmp"
+    if rank == 0:
+        for stale in glob.glob(os.path.join(root, "iter_*.tmp")):
+            shutil.rmtree(stale, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, is_loading=False)
+    dist_checkpointing.save(state, tmp)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_marker(root, iteration)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler) -> tuple[int, int]:
+    """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples)``."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise ValueError(f"--load {root}: no {MARKER} there; point --load at a --save directory of an earlier run")
+    path = checkpoint_dir(root, iteration)
+    state = _sharded_state(model, optimizer, scheduler, iteration, 0, is_loading=True)
+    loaded = dist_checkpointing.load(state, path)
+    _unwrap(model).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+    rng_file = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
+    if os.path.exists(rng_file):  # a run resumed on another world size draws fresh RNG streams
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return int(loaded["iteration"]), int(loaded["consumed_samples"])
+
+
+def _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, is_loading: bool) -> dict:
+    model_state = _unwrap(model).sharded_state_dict()
+    return {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "scheduler": scheduler.state_dict(),
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+    }
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def _write_marker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, MARKER))
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    from mcore_flash import platform
+
+    state = {
+        "python": random.getstate(),
+        "numpy": numpy.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if platform.device_type() != "cpu":
+        state["device"] = getattr(torch, platform.device_type()).get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    from mcore_flash import platform
+
+    random.setstate(state["python"])
+    numpy.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "device" in state:
+        getattr(torch, platform.device_type()).set_rng_state(state["device"])

@@ -1,0 +1,66 @@
+"""Tokenizer, datasets and the deterministic micro-batch order of the trainer.
+
+Sample order follows Megatron-LM's ``MegatronPretrainingSampler``: global batch ``g``
+covers samples ``[g * G, (g + 1) * G)``; micro-batch ``i`` of data-parallel rank ``r``
+holds samples ``g * G + i * m * d + r * m + [0, m)``. It depends only on the number of
+samples consumed, which checkpoints store, so a resumed run sees exactly the samples an
+uninterrupted one would. No attention mask is built: the model runs causal.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+
+from mcore_flash.data.synthetic import synthetic_dataset
+from mcore_flash.data.tokenizers import build_tokenizer, padded_vocab_size
+
+SYNTHETIC_DOCS = 4096
+
+
+def tokenizer_and_vocab(args):
+    """``(tokenizer, padded vocab size)`` for the flags (byte-level when none is given)."""
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    return tokenizer, padded_vocab_size(tokenizer.vocab_size, 128, args.tensor_model_parallel_size)
+
+
+def build_train_dataset(args, tokenizer):
+    """megatron's GPTDataset over ``--data-path``, mock data, or the built-in long-range task."""
+    from mcore_flash.data.datasets import build_datasets
+
+    data_path, split = args.data_path, args.split
+    if not data_path and not args.mock_data:
+        data_dir = os.path.join(args.save, "data")
+        prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, args.seq_length, seed=args.seed)
+        data_path, split = [prefix], "100,0,0"
+    train, _, _ = build_datasets(
+        data_path,
+        args.mock_data,
+        split,
+        args.seq_length,
+        args.seed,
+        tokenizer,
+        args.train_iters * args.global_batch_size,
+        None if args.mock_data else 0,
+        None if args.mock_data else 0,
+        cache_dir=args.data_cache_path or os.path.join(args.save, "data", "cache"),
+    )
+    return train
+
+
+def micro_batches(dataset, args, consumed_samples: int, dp_rank: int, dp_size: int) -> Iterator[dict]:
+    """This data-parallel rank's micro-batches from ``consumed_samples`` on (endless)."""
+    micro, per_step = args.micro_batch_size, args.micro_batch_size * dp_size
+    start = consumed_samples
+    while True:
+        for first in range(start, start + args.global_batch_size, per_step):
+            indices = range(first + dp_rank * micro, first + (dp_rank + 1) * micro)
+            yield _collate([dataset[i % len(dataset)] for i in indices])
+        start += args.global_batch_size
+
+
+def _collate(samples: list[dict]) -> dict:
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in keys}

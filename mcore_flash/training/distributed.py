@@ -1,0 +1,79 @@
+"""Process groups for training: torchrun or a single process, and a fake world for dry runs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from mcore_flash import platform
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def init_distributed(args, timeout_minutes: int = 10) -> str:
+    """Set up the device and ``torch.distributed`` + megatron's parallel state; returns the device.
+
+    Under ``torchrun`` the usual RANK/WORLD_SIZE/MASTER_* variables are used; otherwise a
+    one-process group on 127.0.0.1. ``args.world_size`` must match the real world size.
+    """
+    device = platform.setup()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != args.world_size:
+        raise ValueError(f"WORLD_SIZE={world_size} but the flags were validated for {args.world_size} ranks")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            _BACKENDS[device],
+            rank=int(os.environ["RANK"]),
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    _init_parallel_state(args)
+    return device
+
+
+def init_fake_world(args) -> None:
+    """A single-process stand-in for ``args.world_size`` ranks (rank 0), for ``--dry-run``.
+
+    torch's ``fake`` process-group backend accepts any world size and makes collectives
+    no-ops, so megatron's parallel state and model code see the real layout.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    platform.setup("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=args.world_size, store=FakeStore())
+    _init_parallel_state(args, create_gloo_process_groups=False)
+
+
+def _init_parallel_state(args, **kwargs) -> None:
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            **kwargs,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,65 @@
+"""The GPTModel the trainer builds: megatron-core's ``GPTModel`` with the flash block spec."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def transformer_config(args, padded_vocab_size: int):
+    """megatron's ``TransformerConfig`` for the parsed flags."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        use_te_activation_func=args.swiglu,  # megatron's activation hook -> our fused SwiGLU
+        add_bias_linear=not args.disable_bias_linear,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_cpu_initialization=True,
+        perform_initialization=not args.dry_run,
+        calculate_per_token_loss=True,
+        batch_p2p_comm=False,  # gloo has no batched p2p; harmless elsewhere
+        **args.recompute,
+    )
+
+
+def build_model(args, config, padded_vocab_size: int):
+    """This rank's pipeline stage of the GPT (on the current default device)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
+
+    return GPTModel(
+        config,
+        get_gpt_decoder_block_flash_spec(config, attention_backend=args.attention_backend),
+        vocab_size=padded_vocab_size,
+        max_sequence_length=max(args.max_position_embeddings, args.seq_length),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    )
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
