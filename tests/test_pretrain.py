@@ -1,0 +1,174 @@
+"""`mcore-flash pretrain`: parallel layouts agree, checkpoints resume exactly, stops are clean.
+
+Oracles: the one-process run (for DP=2 + distributed optimizer, TP=2 + SP, PP=2) and the
+uninterrupted run (for resume). Runs are tiny (2 layers, h 64, s 64) and read the
+built-in long-range dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dist_utils import run_distributed
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "1",
+    "--log-interval", "1",
+]  # fmt: skip
+
+
+def _losses(save_dir: str) -> dict[int, float]:
+    with open(os.path.join(save_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return {r["iteration"]: r["loss"] for r in records}
+
+
+def _w_pretrain(rank, world_size, argv):
+    from mcore_flash.pretrain import main
+
+    return main(argv)
+
+
+def _pretrain(save_dir, *extra, world_size=1):
+    argv = [*TINY, "--save", str(save_dir), *extra]
+    assert run_distributed(_w_pretrain, world_size, argv, timeout=300) == [0] * world_size
+    return _losses(str(save_dir))
+
+
+def test_data_parallel_with_distributed_optimizer_matches_one_process(tmp_path):
+    one = _pretrain(tmp_path / "dp1", "--train-iters", "4")
+    two = _pretrain(tmp_path / "dp2", "--train-iters", "4", "--use-distributed-optimizer", world_size=2)
+    assert one.keys() == two.keys() == {1, 2, 3, 4}
+    assert two == pytest.approx(one, abs=2e-5)
+    assert one[4] < one[1]  # it trains
+
+
+def test_resume_matches_uninterrupted_run_and_reshards_to_tp_sp_and_pp(tmp_path):
+    straight = _pretrain(tmp_path / "straight", "--train-iters", "4", "--save-interval", "100")
+    first = tmp_path / "resumed"
+    _pretrain(first, "--train-iters", "2")
+    shutil.copytree(first, tmp_path / "tp2", ignore=shutil.ignore_patterns("metrics.jsonl"))
+    shutil.copytree(first, tmp_path / "pp2", ignore=shutil.ignore_patterns("metrics.jsonl"))
+    resumed = _pretrain(first, "--train-iters", "4", "--load", str(first))
+    assert resumed[3] == straight[3] and resumed[4] == straight[4]  # exact, not approximate
+    tp2 = _pretrain(
+        tmp_path / "tp2", "--train-iters", "4", "--load", str(tmp_path / "tp2"),
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", world_size=2,
+    )  # fmt: skip
+    pp2 = _pretrain(
+        tmp_path / "pp2", "--train-iters", "4", "--load", str(tmp_path / "pp2"),
+        "--pipeline-model-parallel-size", "2", world_size=2,
+    )  # fmt: skip
+    for other in (tp2, pp2):
+        assert {k: other[k] for k in (3, 4)} == pytest.approx({k: straight[k] for k in (3, 4)}, abs=2e-5)
+
+
+def _w_killed_save(rank, world_size, save_dir):
+    """Train 2 iterations (checkpoint at 2), then die inside the save of iteration 4."""
+    from megatron.core import dist_checkpointing
+
+    from mcore_flash.pretrain import main
+
+    argv = [*TINY, "--save", save_dir, "--train-iters", "4", "--save-interval", "2"]
+    real_save = dist_checkpointing.save
+    calls = []
+
+    def dying_save(state, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            open(os.path.join(path, "partial.distcp"), "w").write("half a checkpoint")
+            raise KeyboardInterrupt("killed during save")
+        return real_save(state, path, *args, **kwargs)
+
+    dist_checkpointing.save = dying_save
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        return calls
+    raise AssertionError("the save was not interrupted")
+
+
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
+    save = tmp_path / "run"
+    run_distributed(_w_killed_save, 1, str(save), timeout=300)
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
+    resumed = _pretrain(save, "--train-iters", "3", "--load", str(save))
+    assert 3 in resumed  # loaded iteration 2 and went on
+
+
+def _cli(*argv, cwd=None, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_flash.pretrain", *argv],
+        capture_output=True, text=True, cwd=cwd, timeout=300, **kwargs,
+    )  # fmt: skip
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    save = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_flash.pretrain", *TINY, "--save", str(save), "--train-iters", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        if line.startswith("iteration") or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output
+    assert "stopped by a signal" in output
+    iteration = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= iteration < 100000 and (save / f"iter_{iteration:07d}").is_dir()
+
+
+def test_nan_loss_stops_with_clear_message(tmp_path):
+    result = _cli(*TINY, "--save", str(tmp_path), "--train-iters", "20", "--lr", "1e30", "--clip-grad", "0")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "training diverged" in result.stderr and "--lr" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv,world_size,flag",
+    [
+        (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads"),
+        (["--context-parallel-size", "3"], 3, "--seq-length"),
+        (["--global-batch-size", "3"], 1, "--global-batch-size"),
+        (["--data-path", "/nonexistent/corpus_text_document"], 1, "--data-path"),
+        (["--recompute-granularity", "full"], 1, "--recompute-method"),
+        (["--tensor-model-parallel-size", "2"], 3, "world size"),
+    ],
+)
+def test_bad_flags_fail_before_allocation(tmp_path, argv, world_size, flag):
+    from mcore_flash.training.arguments import parse_args
+
+    with pytest.raises(ValueError, match=flag):
+        parse_args([*TINY, "--save", str(tmp_path), *argv], world_size=world_size)
+
+
+def test_bad_flags_cli_message_and_unknown_preset(tmp_path):
+    result = _cli(*TINY, "--save", str(tmp_path), "--global-batch-size", "3")
+    assert result.returncode == 2 and "--global-batch-size" in result.stderr
+    result = _cli("--model", "llama9-1t")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_dry_run_llama2_70b_counts_parameters_on_meta_device():
+    result = _cli(
+        "--model", "llama2-70b", "--seq-length", "131072", "--tensor-model-parallel-size", "8",
+        "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+        "--bf16", "--dry-run", env={**os.environ, "WORLD_SIZE": "16"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "total parameters: 68,976,648,192" in result.stdout
