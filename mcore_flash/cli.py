@@ -9,6 +9,7 @@ import sys
 COMMANDS = {
     "pretrain": ("mcore_flash.pretrain", "pretrain a GPT on megatron-core with the fused-attention spec"),
     "preprocess": ("mcore_flash.data.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
+    "plan": ("mcore_flash.planning.cli", "per-device memory plan for a model, sequence length and layout"),
     "bench-attention": ("mcore_flash.benchmarks.attention", "fwd+bwd time and saved bytes of attention implementations"),
 }
 

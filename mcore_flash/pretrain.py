@@ -23,11 +23,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         from mcore_flash.training.dry_run import dry_run
 
+        from mcore_flash.planning.recipes import plan_for_pretrain_args
+
         result = dry_run(args)
         for stage, count in enumerate(result["per_stage"]):
             print(f"pipeline stage {stage}: {count:,} parameters per rank")
         print(f"total parameters: {result['total']:,}")
-        return 0
+        plan = plan_for_pretrain_args(args, device_memory=args.device_memory)
+        print(plan.format_text())
+        return 0 if plan.fits else 1
 
     from mcore_flash.training.distributed import destroy_distributed, init_distributed
     from mcore_flash.training.loop import TrainingDiverged, train

@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--save-interval", type=int, default=None)
     ckpt.add_argument("--log-interval", type=int, default=10)
     ckpt.add_argument("--tensorboard-dir", default=None)
+    ckpt.add_argument("--device-memory", default="64GB", help="per-device memory the --dry-run plan checks against")
     ckpt.add_argument("--dry-run", action="store_true",
                       help="validate flags and build one rank's model on the meta device (WORLD_SIZE from env)")  # fmt: skip
     return p
@@ -220,8 +221,6 @@ def validate_args(args: argparse.Namespace) -> None:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_indexed_dataset(prefix, arg="--data-path", scan_tokens=0)
-    if args.load and not os.path.isdir(args.load):
-        raise ValueError(f"--load {args.load}: no such directory")
     args.recompute = recompute_settings(
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules
     )

@@ -82,9 +82,13 @@ def train(args) -> dict:
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
 
+    logger = MetricsLogger(args, count_parameters(model))
     iteration, consumed = 0, 0
-    if args.load:
+    if args.load and checkpointing.latest_iteration(args.load) is not None:
         iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
+        logger.note(f"resumed from {args.load} at iteration {iteration} ({consumed} samples consumed)")
+    elif args.load:
+        logger.note(f"no checkpoint in --load {args.load} yet: starting from scratch")
     dataset = build_train_dataset(args, tokenizer)
     data = micro_batches(
         dataset,
@@ -95,7 +99,6 @@ def train(args) -> dict:
     )
     forward_backward = get_forward_backward_func()
     num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    logger = MetricsLogger(args, count_parameters(model))
     stop = _StopSignal()
     first_loss = last_loss = None
     while iteration < args.train_iters:

@@ -1,0 +1,386 @@
+"""Activation memory, term by term: what each module of a layer saves for backward.
+
+Every term is one tensor (or one kind of tensor) that autograd keeps from the forward pass
+to the backward pass, named after the module that saves it (the suffix
+``mcore_flash.memory.SavedBytes.per_layer()`` reports, ``"<layer>"`` for the layer itself),
+with its size in bytes as an exact ``Fraction`` of the symbols
+
+    s   sequence length (global),  b micro-batch size,  h hidden size,
+    a   attention heads,  g query groups (KV heads),  d head dim,  f FFN hidden size,
+    V   vocabulary,  t tensor-parallel size,  c context-parallel size,
+    B   activation dtype bytes (bf16: 2, fp32: 4),  sp sequence parallel on/off.
+
+With ``s_c = s / c`` (the context-parallel local sequence) and ``s_t = s_c / t`` under
+sequence parallel (``s_c`` without), one layer of our spec (fused attention, RMSNorm,
+SwiGLU, Megatron's RoPE) saves, with no recompute:
+
+    input_layernorm            x: s_t*b*h*B          rstd: s_t*b*4 (fp32)
+    self_attention.linear_qkv  input: s_t*b*h*B      (SP: the sharded input; all-gathered again in backward)
+    self_attention             RoPE cos/sin for q and k: 4*s_c*d*B  (independent of b and t)
+    self_attention.core_attention
+                               q: s_c*b*(a/t)*d*B    k, v: s_c*b*(g/t)*d*B each    out: s_c*b*(a/t)*d*B
+                               statistics: b*(a/t)*s_c*R   (R = 4: fp32 logsumexp on CPU/CUDA;
+                                                            64: softmax_max + softmax_sum [.., 8] fp32 on NPU)
+    self_attention.linear_proj input = the attention output above (same storage: 0 more)
+    pre_mlp_layernorm          x: s_t*b*h*B          rstd: s_t*b*4
+    mlp.linear_fc1             input: s_t*b*h*B
+    mlp                        SwiGLU: fc1 output s_c*b*(2f/t)*B + silu(gate) s_c*b*(f/t)*B
+                               + (up + 0) s_c*b*(f/t)*B                      (Megatron's unfused glu)
+    mlp.linear_fc2             input: s_c*b*(f/t)*B
+    <layer>                    hidden dropout masks (2 x s_t*b*h*M), only with hidden_dropout > 0
+
+No term grows with s^2. Recompute modes:
+
+* ``none``: all of the above;
+* ``attention`` (our selective ``core_attn``): input_layernorm .. linear_proj (and the first
+  bias-dropout-add) are replaced by the layer input ``s_t*b*h*B`` (``<layer>``);
+* ``full`` (uniform, 1 layer): only the layer input ``s_t*b*h*B`` per layer, plus the RoPE
+  frequencies ``s_c*d*4`` once per micro-batch (shared by all layers' checkpoints);
+* ``core_attention`` (Megatron's stock selective recompute, used for the Korthikanti
+  reproduction): the core attention keeps only its inputs q, k, v; its output is then
+  saved by linear_proj.
+
+The standard (unfused) attention instead keeps q, k, v (GQA expanded to a/t heads), the
+softmax output ``b*(a/t)*s_c^2`` (fp32 when the softmax runs in fp32), an ``[s_c, s_c]``
+bool causal mask and, with attention dropout, the dropout mask and output (else the
+softmax output cast back to B); see
+:data:`PROFILES` for the device and convention differences, and
+:func:`korthikanti_table2` for Korthikanti et al.'s formulas that the ``korthikanti``
+profile reproduces term by term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Optional
+
+from .models import ModelShape, get_model
+
+__all__ = [
+    "Profile",
+    "PROFILES",
+    "RECOMPUTE_MODES",
+    "Term",
+    "layer_terms",
+    "non_layer_terms",
+    "sum_terms",
+    "by_module",
+    "korthikanti_table2",
+    "korthikanti_model",
+]
+
+RECOMPUTE_MODES = ("none", "attention", "full", "core_attention")
+F = Fraction
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How the modules save tensors: the device's kernels and the modelling convention.
+
+    Attributes:
+        attention: ``"fused"`` (our FlashDotProductAttention) or ``"standard"`` (Megatron's
+            DotProductAttention: scores/probabilities materialised).
+        stats_bytes_per_row: fused attention statistics per (batch, head, query): 4 for the
+            fp32 logsumexp every backend keeps (64 would be Ascend's raw ``softmax_max`` +
+            ``softmax_sum``, each ``[B, N, S, 8]`` fp32, as MindSpeed keeps them).
+        norm_stats: the norm keeps its fp32 statistics (RMSNorm: rstd 4 bytes per row;
+            LayerNorm: mean + rstd, 8 bytes) besides its input.
+        rope: ``"megatron"`` (unfused ``apply_rotary_pos_emb``: keeps cos and sin cast to
+            the activation dtype, for q and for k) or ``"none"`` (nothing kept).
+        swiglu_fused: the SwiGLU keeps only its input (our fused SwiGLU through megatron's
+            activation hook, ``use_te_activation_func=True``, as the trainer builds it), else
+            Megatron's unfused glu (input, silu output, a copy of the up half).
+        softmax_fp32: standard attention's softmax runs (and saves its output) in fp32.
+        gqa_expanded: standard attention repeats K/V to all query heads before the matmuls.
+        causal_mask_saved: standard attention keeps an ``[s, s]`` bool causal mask, built
+            by every layer (``get_default_causal_mask``, not cached) and kept by the
+            masked fill of the unfused softmax (Megatron's fused CUDA kernel for
+            ``s <= 4096`` needs none).
+        dropout_mask_bytes: bytes per element of a dropout mask; None = the activation
+            dtype (torch on the CPU keeps a mask of the input's dtype); 1 on CUDA (bool);
+            1/8 on Ascend (bit mask).
+        attention_dropout, hidden_dropout: probabilities (> 0 adds the dropout terms).
+        dtype_bytes: the activation dtype's bytes, when the profile fixes it
+            (Korthikanti: 2); None = given per call.
+    """
+
+    name: str
+    attention: str = "fused"
+    stats_bytes_per_row: int = 4
+    norm_stats: bool = True
+    rope: str = "megatron"
+    swiglu_fused: bool = False
+    softmax_fp32: bool = True
+    gqa_expanded: bool = True
+    causal_mask_saved: bool = True
+    dropout_mask_bytes: Optional[Fraction] = None
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    dtype_bytes: Optional[int] = None
+
+    def with_(self, **changes) -> "Profile":
+        return replace(self, **changes)
+
+
+# Our trainer always runs the fused SwiGLU (megatron's activation hook), and every backend
+# keeps only the fp32 logsumexp (the NPU backend turns softmax_max/softmax_sum into it and
+# drops them), so all device profiles share those two settings.
+PROFILES: dict[str, Profile] = {
+    "npu": Profile("npu", stats_bytes_per_row=4, swiglu_fused=True, dropout_mask_bytes=F(1, 8)),
+    "cuda": Profile("cuda", stats_bytes_per_row=4, swiglu_fused=True, dropout_mask_bytes=F(1)),
+    "cpu": Profile("cpu", stats_bytes_per_row=4, swiglu_fused=True, dropout_mask_bytes=None),
+    # Korthikanti et al. 2022 (Table 2): fp16, standard attention with dropout, LayerNorm
+    # input only, bool (1 byte) dropout masks, softmax output in fp16, no RoPE.
+    "korthikanti": Profile(
+        "korthikanti",
+        attention="standard",
+        norm_stats=False,
+        rope="none",
+        softmax_fp32=False,
+        gqa_expanded=True,
+        causal_mask_saved=False,
+        dropout_mask_bytes=F(1),
+        attention_dropout=0.1,
+        hidden_dropout=0.1,
+        dtype_bytes=2,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Term:
+    """One saved tensor kind: ``module`` (layer-relative path), ``name``, exact ``bytes``.
+
+    ``category`` is ``"activations"`` or ``"attention_stats"``; ``scope`` is
+    ``"attention"`` or ``"mlp"`` for layer terms (what the attention recompute drops),
+    ``"layer"`` for the recompute input, ``"model"`` for terms outside the layers.
+    """
+
+    module: str
+    name: str
+    bytes: Fraction
+    category: str = "activations"
+    scope: str = "attention"
+
+
+def _profile(profile) -> Profile:
+    if isinstance(profile, Profile):
+        return profile
+    if profile not in PROFILES:
+        raise ValueError(f"unknown activation profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    return PROFILES[profile]
+
+
+def _dims(m: ModelShape, p: Profile, seq: int, micro_batch: int, tp: int, cp: int, sp: bool, dtype_bytes):
+    if sp and tp == 1:
+        sp = False
+    if seq % cp:
+        raise ValueError(f"seq_length {seq} is not divisible by the context-parallel size {cp}")
+    s_c = F(seq, cp)
+    s_t = s_c / tp if sp else s_c
+    if m.num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads ({m.num_attention_heads}) not divisible by TP size {tp}")
+    dtype = p.dtype_bytes if p.dtype_bytes is not None else dtype_bytes
+    if dtype is None:
+        raise ValueError(f"profile {p.name!r} needs dtype_bytes (2 for bf16/fp16, 4 for fp32)")
+    mask = F(dtype) if p.dropout_mask_bytes is None else F(p.dropout_mask_bytes)
+    g_local = F(m.num_query_groups, tp) if m.num_query_groups >= tp else F(1)
+    return s_c, s_t, F(micro_batch), F(dtype), mask, F(m.num_attention_heads, tp), g_local
+
+
+def layer_terms(
+    model,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = True,
+    recompute: str = "none",
+    profile="npu",
+    dtype_bytes: Optional[int] = 2,
+) -> list[Term]:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one device."""
+    m, p = get_model(model), _profile(profile)
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {recompute!r}: choose one of {RECOMPUTE_MODES}")
+    s_c, s_t, b, B, M, a_t, g_t = _dims(m, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
+    h, d, f, t = F(m.hidden_size), F(m.head_dim), F(m.ffn_hidden_size), F(tp)
+    stat = F(8 if m.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
+
+    layer_input = Term("<layer>", "layer input (recompute checkpoint)", s_t * b * h * B, scope="layer")
+    if recompute == "full":
+        return [layer_input]
+
+    attn: list[Term] = [
+        Term("input_layernorm", "input", s_t * b * h * B),
+        Term("input_layernorm", "statistics (fp32)", s_t * b * stat),
+        Term("self_attention.linear_qkv", "input", s_t * b * h * B),
+    ]
+    if p.rope == "megatron" and m.position_embedding_type == "rope":
+        rot = F(int(m.head_dim * m.rotary_percent))
+        attn.append(Term("self_attention", "RoPE cos/sin for q and k", 4 * s_c * rot * B))
+    kv_heads = a_t if (p.attention == "standard" and p.gqa_expanded) else g_t
+    q = Term("self_attention.core_attention", "q", s_c * b * a_t * d * B)
+    k = Term("self_attention.core_attention", "k", s_c * b * kv_heads * d * B)
+    v = Term("self_attention.core_attention", "v", s_c * b * kv_heads * d * B)
+    attn += [q, k, v]
+    if p.attention == "fused":
+        if recompute == "core_attention":  # checkpoint keeps q, k, v; linear_proj keeps the output
+            attn.append(Term("self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B))
+        else:
+            attn.append(Term("self_attention.core_attention", "out", s_c * b * a_t * d * B))
+            attn.append(
+                Term(
+                    "self_attention.core_attention",
+                    "softmax statistics",
+                    b * a_t * s_c * p.stats_bytes_per_row,
+                    category="attention_stats",
+                )
+            )
+    elif p.attention == "standard":
+        if recompute != "core_attention":
+            scores = b * a_t * s_c * s_c  # elements of one [b, a/t, s, s] tensor
+            softmax = F(4) if p.softmax_fp32 else B
+            attn.append(Term("self_attention.core_attention.scale_mask_softmax", "softmax output", scores * softmax))
+            if p.causal_mask_saved:
+                mask_name = "causal mask [s, s] bool (built by every layer)"
+                attn.append(Term("self_attention.core_attention.scale_mask_softmax", mask_name, s_c * s_c))
+            if p.attention_dropout > 0:
+                attn.append(Term("self_attention.core_attention.attention_dropout", "dropout mask", scores * M))
+                attn.append(Term("self_attention.core_attention", "dropped-out probabilities", scores * B))
+            elif softmax != B:
+                attn.append(Term("self_attention.core_attention", "probabilities cast to the dtype", scores * B))
+        attn.append(Term("self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B))
+    else:
+        raise ValueError(f"profile attention {p.attention!r}: 'fused' or 'standard'")
+    if p.hidden_dropout > 0:
+        attn.append(Term("<layer>", "attention bias-dropout-add mask", s_t * b * h * M))
+
+    mlp_terms = [
+        Term("pre_mlp_layernorm", "input", s_t * b * h * B, scope="mlp"),
+        Term("pre_mlp_layernorm", "statistics (fp32)", s_t * b * stat, scope="mlp"),
+        Term("mlp.linear_fc1", "input", s_t * b * h * B, scope="mlp"),
+    ]
+    if m.gated:
+        swiglu_module = "mlp.activation_func" if p.swiglu_fused else "mlp"
+        mlp_terms.append(Term(swiglu_module, "fc1 output (SwiGLU input)", s_c * b * 2 * f / t * B, scope="mlp"))
+        if not p.swiglu_fused:
+            mlp_terms.append(Term("mlp", "silu(gate) output", s_c * b * f / t * B, scope="mlp"))
+            mlp_terms.append(Term("mlp", "up-projection copy (x_linear + offset)", s_c * b * f / t * B, scope="mlp"))
+    else:
+        mlp_terms.append(Term("mlp", "fc1 output (activation input)", s_c * b * f / t * B, scope="mlp"))
+    mlp_terms.append(Term("mlp.linear_fc2", "input", s_c * b * f / t * B, scope="mlp"))
+    if p.hidden_dropout > 0:
+        mlp_terms.append(Term("<layer>", "MLP bias-dropout-add mask", s_t * b * h * M, scope="mlp"))
+
+    if recompute == "attention":
+        attn = [layer_input]
+    return [term for term in attn + mlp_terms if term.bytes]
+
+
+def non_layer_terms(
+    model,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = True,
+    recompute: str = "none",
+    profile="npu",
+    dtype_bytes: Optional[int] = 2,
+    first_stage: bool = True,
+    last_stage: bool = True,
+) -> list[Term]:
+    """Saved bytes outside the layers, per micro-batch: embedding, final norm, output layer, loss.
+
+    ``module`` is the model-level path (``embedding.word_embeddings``, ``output_layer``,
+    ``""`` for the loss, ``decoder`` for tensors the block's checkpoints keep).
+    """
+    m, p = get_model(model), _profile(profile)
+    s_c, s_t, b, B, M, a_t, g_t = _dims(m, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
+    h, V, t = F(m.hidden_size), F(m.vocab_size), F(tp)
+    stat = F(8 if m.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
+    terms: list[Term] = []
+
+    def add(module, name, nbytes, category="embeddings_logits"):
+        if nbytes:
+            terms.append(Term(module, name, nbytes, category=category, scope="model"))
+
+    if first_stage:
+        add("embedding.word_embeddings", "token ids (int64)", b * s_c * 8)
+        if tp > 1:
+            add("embedding.word_embeddings", "vocab-range mask (bool)", b * s_c)
+        if m.position_embedding_type == "learned_absolute":
+            add("embedding.position_embeddings", "position ids (int64)", b * s_c * 8)
+        if p.hidden_dropout > 0:
+            add("embedding.embedding_dropout", "dropout mask", s_t * b * h * M)
+    if recompute == "full" and m.position_embedding_type == "rope" and p.rope == "megatron":
+        rot = F(int(m.head_dim * m.rotary_percent))
+        add("decoder", "RoPE frequencies (fp32, shared by the layer checkpoints)", s_c * rot * 4, "activations")
+    if last_stage:
+        add("decoder.final_layernorm", "input", s_t * b * h * B)
+        add("decoder.final_layernorm", "statistics (fp32)", s_t * b * stat)
+        add("output_layer", "input", s_t * b * h * B)
+        add("", "cross-entropy softmax (fp32)", s_c * b * V / t * 4)
+        add("", "cross-entropy target mask (bool)", s_c * b)
+        add("", "cross-entropy masked targets (int64)", s_c * b * 8)
+    return terms
+
+
+def sum_terms(terms, category: Optional[str] = None) -> Fraction:
+    return sum((term.bytes for term in terms if category is None or term.category == category), F(0))
+
+
+def by_module(terms) -> dict[str, Fraction]:
+    """Terms summed by module path (what ``SavedBytes.per_layer()`` reports per layer)."""
+    out: dict[str, Fraction] = {}
+    for term in terms:
+        out[term.module] = out.get(term.module, F(0)) + term.bytes
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+# ------------------------------------------------------------------------------------------
+
+
+def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") -> Fraction:
+    """Table 2: activation bytes per layer.
+
+    Modes: ``none`` sbh(34 + 5as/h) (t = 1); ``tp`` sbh(10 + 24/t + 5as/(ht));
+    ``tp_sp`` sbh(34/t + 5as/(ht)); ``tp_selective`` sbh(10 + 24/t);
+    ``tp_sp_selective`` 34sbh/t; ``full`` 2sbh.
+    """
+    s, b, h, a, t = map(F, (s, b, h, a, t))
+    sbh = s * b * h
+    table = {
+        "none": sbh * (34 + 5 * a * s / h),
+        "tp": sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp_sp": sbh * (34 / t + 5 * a * s / (h * t)),
+        "tp_selective": sbh * (10 + 24 / t),
+        "tp_sp_selective": 34 * sbh / t,
+        "full": 2 * sbh,
+    }
+    if mode not in table:
+        raise ValueError(f"mode {mode!r}: choose one of {list(table)}")
+    return table[mode]
+
+
+def korthikanti_model(hidden_size: int, num_attention_heads: int, num_layers: int = 1, vocab_size: int = 51200) -> ModelShape:
+    """The GPT the paper models: 4h GELU MLP with biases, LayerNorm, MHA, learned positions."""
+    return ModelShape(
+        "korthikanti-gpt",
+        num_layers,
+        hidden_size,
+        4 * hidden_size,
+        num_attention_heads,
+        num_attention_heads,
+        vocab_size,
+        normalization="LayerNorm",
+        activation="gelu",
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+    )

@@ -1,0 +1,187 @@
+"""``mcore-flash plan``: per-device memory of a layout, a layout search, standard vs fused.
+
+    mcore-flash plan --model llama2-70b --seq-length 131072 --tp 8 --pp 2 --cp 16 \\
+        --num-devices 256 --recompute attention --device-memory 64GB [--json]
+    mcore-flash plan --search --num-devices 256 --device-memory 64GB [--top 5]
+    mcore-flash plan --compare-standard --model llama2-7b [--tp 1]
+
+Megatron-LM's long flag names (``--tensor-model-parallel-size`` ...) are accepted too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from .activations import PROFILES
+from .compare import DEFAULT_SEQ_LENGTHS, compare_standard, format_compare
+from .models import MODELS, get_model
+from .planner import Layout, plan_memory
+from .search import default_global_batch_size, search_layouts
+from .units import format_bytes, parse_bytes
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _seq(text: str) -> int:
+    text = text.strip().lower()
+    if text.endswith("k"):
+        return int(float(text[:-1]) * 1024)
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mcore-flash plan",
+        description="Per-device memory of a Megatron-Core layout with the fused attention; layout search.",
+    )
+    p.add_argument("--model", default="llama2-70b", help=f"preset: {', '.join(MODELS)} (default llama2-70b)")
+    p.add_argument("--seq-length", type=_seq, default=131072, help="tokens per sequence, e.g. 131072 or 128K")
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1)
+    p.add_argument("--vp", "--virtual-pipeline-size", dest="vp", type=int, default=1, help="interleaved chunks per rank")
+    devices = p.add_mutually_exclusive_group()
+    devices.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, help="data-parallel size")
+    devices.add_argument("--num-devices", type=int, help="total devices (dp = devices / (tp*pp*cp))")
+    p.add_argument("--recompute", choices=("none", "attention", "full"), default="none")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--global-batch-size", type=int, help="sequences per step (default: about 4M tokens)")
+    p.add_argument("--device-memory", help="memory per device, e.g. 64GB (binary: 64 GiB)")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    p.add_argument("--profile", choices=[k for k in PROFILES if k != "korthikanti"], default="npu",
+                   help="device kernels' saved tensors (default npu)")
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
+    p.add_argument("--runtime-reserve", default="2GiB", help="fixed reserve for runtime/collectives (default 2GiB)")
+    p.add_argument("--fragmentation", type=float, default=0.05, help="fraction of dynamic memory lost (default 0.05)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--search", action="store_true", help="enumerate TP/PP/CP/recompute layouts that fit")
+    p.add_argument("--top", type=int, default=5, help="layouts shown by --search (default 5)")
+    p.add_argument("--max-tp", type=int, default=8, help="largest TP --search tries (default 8: one node)")
+    p.add_argument("--interleave", default="1", help="--search: virtual pipeline sizes to try, e.g. 1,2 (default 1)")
+    p.add_argument("--compare-standard", action="store_true", help="standard vs fused attention by sequence length")
+    p.add_argument("--seq-lengths", help="--compare-standard lengths, e.g. 1K,4K,128K (default 1K..128K)")
+    p.add_argument("--attention-dropout", type=float, default=0.0, help="--compare-standard: attention dropout")
+    return p
+
+
+def _dp(args) -> int:
+    unit = args.tp * args.pp * args.cp
+    if args.num_devices is not None:
+        if args.num_devices % unit:
+            raise ValueError(f"--num-devices {args.num_devices} is not divisible by tp*pp*cp = {unit}")
+        return args.num_devices // unit
+    return args.dp or 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        get_model(args.model)
+        dtype_bytes = DTYPE_BYTES[args.dtype]
+        if args.compare_standard:
+            return _compare(args, dtype_bytes)
+        if args.search:
+            return _search(args, parser, dtype_bytes)
+        return _plan(args, dtype_bytes)
+    except ValueError as error:
+        print(f"mcore-flash plan: {error}", file=sys.stderr)
+        return 2
+
+
+def _plan_kwargs(args, dtype_bytes):
+    return dict(
+        profile=args.profile,
+        dtype_bytes=dtype_bytes,
+        runtime_reserve=args.runtime_reserve,
+        fragmentation=args.fragmentation,
+    )
+
+
+def _plan(args, dtype_bytes) -> int:
+    dp = _dp(args)
+    gbs = args.global_batch_size or default_global_batch_size(args.seq_length, args.micro_batch_size, dp)
+    layout = Layout(
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        dp=dp,
+        vp=args.vp,
+        sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=gbs,
+        distributed_optimizer=args.distributed_optimizer,
+    )
+    plan = plan_memory(args.model, args.seq_length, layout, device_memory=args.device_memory, **_plan_kwargs(args, dtype_bytes))
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.format_text())
+    return 0 if plan.fits is not False else 1
+
+
+def _search(args, parser, dtype_bytes) -> int:
+    if args.num_devices is None or args.device_memory is None:
+        parser.error("--search needs --num-devices and --device-memory")
+    plans = search_layouts(
+        args.model,
+        args.seq_length,
+        args.num_devices,
+        args.device_memory,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        vp_choices=[int(v) for v in args.interleave.split(",")],
+        max_tp=args.max_tp,
+        sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.distributed_optimizer,
+        **_plan_kwargs(args, dtype_bytes),
+    )
+    shown = plans[: args.top]
+    if args.json:
+        print(json.dumps({"num_fitting": len(plans), "layouts": [p.to_dict() for p in shown]}, indent=2))
+        return 0 if plans else 1
+    capacity = parse_bytes(args.device_memory)
+    print(
+        f"{args.model} at {args.seq_length:,} tokens on {args.num_devices} devices of {format_bytes(capacity)}: "
+        f"{len(plans)} layouts fit; best {len(shown)} by estimated step time (recompute FLOPs x pipeline bubble):"
+    )
+    for rank, plan in enumerate(shown, 1):
+        lay = plan.layout
+        print(
+            f"\n{rank}. TP{lay.tp}{' SP' if lay.sp else ''} PP{lay.pp}{f' v{lay.vp}' if lay.vp > 1 else ''} "
+            f"CP{lay.cp} DP{lay.dp}, recompute {lay.recompute}: {format_bytes(plan.total)} per device "
+            f"({format_bytes(plan.headroom)} free); recompute +{plan.recompute_overhead:.1%}, "
+            f"bubble +{plan.pipeline_bubble:.1%} ({lay.num_microbatches} micro-batches)"
+        )
+        for note in plan.notes:
+            print(f"   note: {note}")
+        print(f"   {plan.launch_command()}")
+    if not plans:
+        print("nothing fits: add devices, a longer pipeline or context parallelism, or recompute")
+    return 0 if plans else 1
+
+
+def _compare(args, dtype_bytes) -> int:
+    lengths = [_seq(x) for x in args.seq_lengths.split(",")] if args.seq_lengths else list(DEFAULT_SEQ_LENGTHS)
+    rows = compare_standard(
+        args.model,
+        lengths,
+        micro_batch_size=args.micro_batch_size,
+        tp=args.tp,
+        cp=args.cp,
+        sequence_parallel=args.sequence_parallel,
+        profile=args.profile,
+        dtype_bytes=dtype_bytes,
+        attention_dropout=args.attention_dropout,
+    )
+    if args.json:
+        print(json.dumps({"model": args.model, "tp": args.tp, "cp": args.cp, "rows": rows}, indent=2))
+    else:
+        print(format_compare(rows, args.model, args.micro_batch_size, args.tp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

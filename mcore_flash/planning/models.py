@@ -1,0 +1,90 @@
+"""Model shapes the planner knows by name (pure Python: no torch, no megatron)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+__all__ = ["ModelShape", "MODELS", "get_model"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only GPT shape as megatron-core's ``GPTModel`` builds it.
+
+    ``kv_channels`` defaults to ``hidden_size // num_attention_heads``. ``gated_linear_unit``
+    makes ``linear_fc1`` ``h -> 2 * ffn`` (SwiGLU); ``activation`` is ``"swiglu"`` or
+    ``"gelu"`` (the plain 2-matrix MLP).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    kv_channels: Optional[int] = None
+    normalization: str = "RMSNorm"  # or "LayerNorm" (weight + bias)
+    activation: str = "swiglu"  # or "gelu"
+    add_bias_linear: bool = False
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    position_embedding_type: str = "rope"  # or "learned_absolute"
+    max_position_embeddings: int = 4096
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"{self.name}: num_query_groups ({self.num_query_groups}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"{self.name}: hidden_size must be divisible by num_attention_heads (or give kv_channels)")
+        if self.activation not in ("swiglu", "gelu"):
+            raise ValueError(f"{self.name}: activation {self.activation!r}: choose 'swiglu' or 'gelu'")
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"{self.name}: normalization {self.normalization!r}: choose 'RMSNorm' or 'LayerNorm'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    def with_(self, **changes) -> "ModelShape":
+        """A copy with some fields changed (``name`` kept unless given)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+MODELS: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        # Llama-2-70B: 80 layers, hidden 8192, FFN 28672, 64 heads, 8 KV groups, vocab 32000.
+        ModelShape("llama2-70b", 80, 8192, 28672, 64, 8, 32000),
+        ModelShape("llama2-13b", 40, 5120, 13824, 40, 40, 32000),
+        ModelShape("llama2-7b", 32, 4096, 11008, 32, 32, 32000),
+        # Llama-3-70B: same body, 128K vocabulary, RoPE base 500000, 8K positions.
+        ModelShape("llama3-70b", 80, 8192, 28672, 64, 8, 128256, max_position_embeddings=8192, rotary_base=500000),
+        ModelShape("llama3-8b", 32, 4096, 14336, 32, 8, 128256, max_position_embeddings=8192, rotary_base=500000),
+        # The tests' tiny Llama (tests/gpt_models.py): 2 layers, h 64, 4 heads, 2 groups, ffn 128.
+        ModelShape("tiny", 2, 64, 128, 4, 2, 128, max_position_embeddings=128),
+    )
+}
+
+
+def get_model(name_or_shape) -> ModelShape:
+    """A preset by name (``llama2-70b``, ``llama3-70b``, ``tiny`` ...) or a ModelShape as is."""
+    if isinstance(name_or_shape, ModelShape):
+        return name_or_shape
+    key = str(name_or_shape).lower()
+    if key not in MODELS:
+        raise ValueError(f"unknown model {name_or_shape!r}; choose one of {', '.join(MODELS)}")
+    return MODELS[key]

@@ -1,0 +1,146 @@
+"""Parameter counts: the whole model, one layer, one (TP rank, PP stage) device.
+
+The formulas are pure Python and count exactly what megatron-core's ``GPTModel`` builds with
+the flash spec (:func:`meta_parameter_count` builds it on the meta device to check). Under
+tensor parallelism column/row-parallel weights and column-parallel biases are split;
+norm weights/biases and row-parallel biases are replicated on every TP rank.
+
+Bytes per parameter (Megatron's mixed precision with bf16 params, fp32 main grads and
+Adam): weights 2, gradients 4, optimizer 12 (fp32 master copy, exp_avg, exp_avg_sq); the
+distributed optimizer shards the 12 over the data-parallel group including context
+parallelism (``dp * cp`` ranks): ``6 + 12/d`` bytes per parameter instead of 18.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .models import ModelShape, get_model
+
+__all__ = [
+    "layer_parameters",
+    "total_parameters",
+    "stage_parameters",
+    "optimizer_bytes_per_parameter",
+    "meta_parameter_count",
+]
+
+
+def _div(n: int, t: int, what: str) -> int:
+    if n % t:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {t}")
+    return n // t
+
+
+def layer_parameters(model, tp: int = 1) -> dict[str, int]:
+    """Parameters of one transformer layer on one TP rank, by submodule."""
+    m = get_model(model)
+    h, d, a, g, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    qkv_out = _div((a + 2 * g) * d, tp, "query/key/value projection width")
+    fc1_out = _div((2 if m.gated else 1) * f, tp, "linear_fc1 width")
+    bias = m.add_bias_linear
+    parts = {
+        "input_layernorm": norm,
+        "self_attention.linear_qkv": h * qkv_out + (qkv_out if bias else 0),
+        "self_attention.linear_proj": _div(a * d, tp, "attention width") * h + (h if bias else 0),
+        "pre_mlp_layernorm": norm,
+        "mlp.linear_fc1": h * fc1_out + (fc1_out if bias else 0),
+        "mlp.linear_fc2": _div(f, tp, "ffn_hidden_size") * h + (h if bias else 0),
+    }
+    if m.qk_layernorm:
+        qk_norm = d * (2 if m.normalization == "LayerNorm" else 1)
+        parts["self_attention.q_layernorm"] = qk_norm
+        parts["self_attention.k_layernorm"] = qk_norm
+    return parts
+
+
+def _embedding_parameters(m: ModelShape, tp: int) -> int:
+    count = _div(m.vocab_size, tp, "vocab_size") * m.hidden_size
+    if m.position_embedding_type == "learned_absolute":
+        count += m.max_position_embeddings * m.hidden_size
+    return count
+
+
+def stage_parameters(model, tp: int = 1, pp: int = 1, stage: int = 0) -> dict[str, int]:
+    """Parameters held by one device of pipeline stage ``stage`` (0-based), by part.
+
+    Keys: ``layers`` (all of the stage's layers), ``embedding`` (first stage),
+    ``final_layernorm`` and ``output_layer`` (last stage; with tied embeddings and
+    ``pp > 1`` the last stage holds a copy of the word embeddings, as Megatron does).
+    """
+    m = get_model(model)
+    if m.num_layers % pp:
+        raise ValueError(f"num_layers ({m.num_layers}) must be divisible by the pipeline-parallel size {pp}")
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
+    parts = {"layers": sum(layer_parameters(m, tp).values()) * (m.num_layers // pp)}
+    if stage == 0:
+        parts["embedding"] = _embedding_parameters(m, tp)
+    if stage == pp - 1:
+        parts["final_layernorm"] = m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            parts["output_layer"] = _div(m.vocab_size, tp, "vocab_size") * m.hidden_size
+    return parts
+
+
+def total_parameters(model) -> int:
+    """Parameters of the whole (unsharded) model; tied embeddings count once."""
+    return sum(stage_parameters(model, 1, 1, 0).values())
+
+
+def optimizer_bytes_per_parameter(distributed: bool, dp: int, cp: int = 1) -> float:
+    """Bytes of fp32 master weights + Adam states per parameter (12, or 12/(dp*cp) sharded)."""
+    return 12.0 / (dp * cp) if distributed else 12.0
+
+
+def meta_parameter_count(model, tp: int = 1, vp_stage: Optional[int] = None) -> int:
+    """Build ``GPTModel`` with the flash spec on the meta device and count its parameters.
+
+    Needs torch and megatron-core; megatron's parallel state must be initialised (one
+    process at TP=1 counts the whole model; at TP=t the count is this rank's share). The
+    pipeline stage is this rank's. Nothing is allocated: every tensor lives on "meta".
+    """
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
+
+    m = get_model(model)
+    config = TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim,
+        normalization=m.normalization,
+        gated_linear_unit=m.gated,
+        activation_func=torch.nn.functional.silu if m.gated else torch.nn.functional.gelu,
+        add_bias_linear=m.add_bias_linear,
+        qk_layernorm=m.qk_layernorm,
+        tensor_model_parallel_size=tp,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_cpu_initialization=True,  # allocations without an explicit device -> meta
+        perform_initialization=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    with torch.device("meta"):
+        gpt = GPTModel(
+            config,
+            get_gpt_decoder_block_flash_spec(config, vp_stage=vp_stage),
+            vocab_size=m.vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            position_embedding_type=m.position_embedding_type,
+            rotary_percent=m.rotary_percent,
+            rotary_base=m.rotary_base,
+            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        )
+    params = list(gpt.parameters())
+    off_meta = [p for p in params if p.device.type != "meta"]
+    if off_meta:
+        raise RuntimeError(f"{len(off_meta)} parameters were allocated off the meta device")
+    return sum(p.numel() for p in params)

@@ -1,0 +1,106 @@
+"""The layouts our launch scripts use, as plans (``scripts/pretrain_70b.sh --dry-run``).
+
+Llama-2-70B at 128K tokens on 64 GB devices (Ascend 910B): TP8 with sequence parallel
+(inside a node), PP2, CP16 (8K tokens per CP rank: ring attention can hide its
+communication), attention-only recompute, distributed optimizer, micro-batch 1, 32
+sequences (4M tokens) per step on 256 devices (DP1). Per device (stage 0): 8.0 GiB
+weights, 16.1 GiB fp32 grads, 3.0 GiB optimizer shard, 16.9 GiB activations (40 layers x
+2 micro-batches in flight x 216 MiB), ~3.5 GiB estimated buffers/reserve: about 47.5 GiB
+of 64 GiB. Without recompute the same layout needs about 52.3 GiB (+0% FLOPs, 11.7 GiB
+free); with full recompute 31.3 GiB at +33% FLOPs instead of +21%.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .planner import Layout, MemoryPlan, plan_memory
+
+__all__ = ["RECIPE_70B_128K", "plan_for_recipe", "plan_for_pretrain_args"]
+
+RECIPE_70B_128K = dict(
+    model="llama2-70b",
+    seq_length=131072,
+    tp=8,
+    pp=2,
+    cp=16,
+    dp=1,
+    vp=1,
+    sequence_parallel=True,
+    recompute="attention",
+    micro_batch_size=1,
+    global_batch_size=32,
+    distributed_optimizer=True,
+    device_memory="64GB",
+)
+
+
+def plan_for_recipe(
+    model: Optional[str] = None,
+    seq_length: Optional[int] = None,
+    *,
+    num_devices: Optional[int] = None,
+    profile: str = "npu",
+    **overrides,
+) -> MemoryPlan:
+    """The memory plan of the 70B/128K recipe, with any setting overridden.
+
+    Keywords: ``tp, pp, cp, dp, vp, sequence_parallel, recompute, micro_batch_size,
+    global_batch_size, distributed_optimizer, device_memory`` (as in :data:`RECIPE_70B_128K`)
+    and ``num_devices`` (sets ``dp = num_devices / (tp*pp*cp)``); other keywords go to
+    :func:`~mcore_flash.planning.planner.plan_memory` (``runtime_reserve``, ...).
+    """
+    settings = dict(RECIPE_70B_128K)
+    if model is not None:
+        settings["model"] = model
+    if seq_length is not None:
+        settings["seq_length"] = seq_length
+    layout_keys = {f for f in Layout.__dataclass_fields__}
+    plan_kwargs = {k: v for k, v in overrides.items() if k not in layout_keys and k != "device_memory"}
+    settings.update({k: v for k, v in overrides.items() if k in layout_keys or k == "device_memory"})
+    if num_devices is not None:
+        unit = settings["tp"] * settings["pp"] * settings["cp"]
+        if num_devices % unit:
+            raise ValueError(f"num_devices {num_devices} is not divisible by tp*pp*cp = {unit}")
+        settings["dp"] = num_devices // unit
+    layout = Layout(**{k: settings[k] for k in layout_keys})
+    return plan_memory(
+        settings["model"],
+        settings["seq_length"],
+        layout,
+        device_memory=settings["device_memory"],
+        profile=profile,
+        **plan_kwargs,
+    )
+
+
+def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> MemoryPlan:
+    """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included).
+
+    Megatron's selective recompute counts as ``attention`` when it includes ``core_attn``
+    (our spec's attention-only mode) and as ``none`` otherwise (a conservative upper bound).
+    """
+    from .models import get_model
+
+    recompute = args.recompute.get("recompute_granularity")
+    if recompute == "selective":
+        recompute = "attention" if "core_attn" in args.recompute["recompute_modules"] else "none"
+    shape = get_model(args.model).with_(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+    )
+    layout = Layout(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        cp=args.context_parallel_size,
+        dp=args.data_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        recompute=recompute or "none",
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return plan_memory(shape, args.seq_length, layout, device_memory=device_memory, profile=profile)

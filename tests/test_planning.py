@@ -1,0 +1,302 @@
+"""Memory planner: formulas vs measured saved bytes, parameter counts, Korthikanti, CLI.
+
+Oracles: ``mcore_flash.memory.measure_activation_bytes`` on tiny GPTModels built with our
+spec (TP1 in one process, TP2 +/- SP in two; all configs of one TP size share a worker),
+megatron-core's GPTModel built on the meta device (parameter counts), and the formulas of
+Korthikanti et al. 2022, Table 2.
+"""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+
+from dist_utils import init_megatron, run_distributed, teardown_megatron
+from gpt_models import VOCAB, build_gpt, tiny_config
+
+from mcore_flash.planning import (
+    PROFILES,
+    Layout,
+    ModelShape,
+    by_module,
+    compare_standard,
+    korthikanti_model,
+    korthikanti_table2,
+    layer_terms,
+    non_layer_terms,
+    plan_for_recipe,
+    plan_memory,
+    stage_parameters,
+    sum_terms,
+    total_parameters,
+)
+from mcore_flash.planning.cli import main as plan_main
+
+TOL = 0.02
+RECOMPUTE = {
+    "none": {},
+    "attention": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+# the tiny model (tests/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
+TINY = ModelShape("tiny", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
+ODD = ModelShape("odd", 3, 96, 160, 6, 3, VOCAB, max_position_embeddings=128)
+
+
+def _case(name, shape=TINY, recompute="none", b=2, s=256, dtype="fp32", sp=False, attention="fused", **extra):
+    return dict(name=name, shape=shape, recompute=recompute, b=b, s=s, dtype=dtype, sp=sp, attention=attention, extra=extra)
+
+
+TP1_CASES = [
+    _case("none"),
+    _case("attention", recompute="attention"),
+    _case("full", recompute="full"),
+    _case("bf16-none", dtype="bf16", b=1, s=512),
+    _case("bf16-attention", dtype="bf16", recompute="attention", b=1, s=512),
+    _case("odd-none", shape=ODD, b=3, s=128),
+    _case("odd-attention", shape=ODD, recompute="attention", b=3, s=128),
+    _case("dropout-none", hidden_dropout=0.1),
+    _case("fused-swiglu", use_te_activation_func=True),
+    _case("fused-swiglu-attention", recompute="attention", use_te_activation_func=True),
+    _case("standard-fp32", attention="standard"),
+    _case("standard-bf16-dropout", attention="standard", dtype="bf16", attention_dropout=0.1),
+]
+TP2_CASES = [_case(f"{mode}-sp{int(sp)}", recompute=mode, sp=sp) for sp in (False, True) for mode in RECOMPUTE]
+
+
+def _build(case, tp):
+    from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
+
+    shape = case["shape"]
+    dtype = dict(bf16=True, params_dtype=torch.bfloat16) if case["dtype"] == "bf16" else {}
+    config = tiny_config(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=case["sp"],
+        **RECOMPUTE[case["recompute"]],
+        **dtype,
+        **case["extra"],
+    )
+    spec = get_gpt_decoder_block_flash_spec(config)
+    if case["attention"] == "standard":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    return build_gpt(config, spec)
+
+
+def _w_measure(rank, world_size, cases, meta_models):
+    """Per case: (per_layer, by_module, total) of one forward; parameter counts."""
+    init_megatron(tp=world_size)
+    try:
+        from mcore_flash.memory import measure_activation_bytes
+        from mcore_flash.planning import meta_parameter_count
+
+        out = {"cases": {}, "params": {}}
+        for case in cases:
+            model = _build(case, world_size).train()
+            generator = torch.Generator().manual_seed(3)
+            tokens = torch.randint(0, VOCAB, (case["b"], case["s"]), generator=generator)
+            positions = torch.arange(case["s"]).expand(case["b"], case["s"])
+            saved = measure_activation_bytes(model, tokens, positions, None, labels=tokens)
+            out["cases"][case["name"]] = (saved.per_layer(), saved.by_module, saved.total)
+            out["params"].setdefault(case["shape"].name, sum(p.numel() for p in model.parameters()))
+        out["meta"] = {name: meta_parameter_count(name, tp=world_size) for name in meta_models}
+        return out
+    finally:
+        teardown_megatron()
+
+
+def _predict(case, tp):
+    profile = PROFILES["cpu"].with_(
+        attention=case["attention"],
+        swiglu_fused=case["extra"].get("use_te_activation_func", False),
+        hidden_dropout=case["extra"].get("hidden_dropout", 0.0),
+        attention_dropout=case["extra"].get("attention_dropout", 0.0),
+    )
+    kwargs = dict(
+        tp=tp,
+        sequence_parallel=case["sp"],
+        recompute=case["recompute"],
+        profile=profile,
+        dtype_bytes=2 if case["dtype"] == "bf16" else 4,
+    )
+    layer = layer_terms(case["shape"], case["s"], case["b"], **kwargs)
+    outside = non_layer_terms(case["shape"], case["s"], case["b"], **kwargs)
+    return layer, outside
+
+
+def _close(predicted, measured, what):
+    assert measured > 0 or predicted == 0, what
+    assert abs(float(predicted) - measured) <= TOL * max(measured, 1), f"{what}: predicted {float(predicted)}, measured {measured}"
+
+
+def _check_case(case, measured, tp, table):
+    per_layer, modules, total = measured
+    layer, outside = _predict(case, tp)
+    layers = case["shape"].num_layers
+    predicted_total = layers * sum_terms(layer) + sum_terms(outside)
+    _close(predicted_total, total, f"{case['name']} tp{tp}: whole model")
+    table.append((f"tp{tp} {case['name']} (whole model)", float(predicted_total), total))
+    if case["recompute"] == "full":
+        # each layer's input is kept by the block's checkpoints ("decoder"), with the
+        # RoPE frequencies they share
+        decoder = layers * sum_terms(layer) + sum(t.bytes for t in outside if t.module == "decoder")
+        _close(decoder, modules["decoder"], f"{case['name']} tp{tp}: decoder")
+        assert per_layer == {}
+        rope = float(decoder - layers * sum_terms(layer))
+        table.append((f"tp{tp} {case['name']}", float(sum_terms(layer)), (modules["decoder"] - rope) / layers))
+        return
+    predicted = by_module(layer)
+    for module in set(predicted) | set(per_layer):
+        _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']} tp{tp}: {module}")
+    _close(sum_terms(layer), sum(per_layer.values()), f"{case['name']} tp{tp}: layer total")
+    table.append((f"tp{tp} {case['name']}", float(sum_terms(layer)), sum(per_layer.values())))
+
+
+@pytest.fixture(scope="module")
+def measured():
+    tp1 = run_distributed(_w_measure, 1, TP1_CASES, ("llama2-70b", "llama3-70b", "tiny"), timeout=300)[0]
+    tp2 = run_distributed(_w_measure, 2, TP2_CASES, ("llama2-70b",), timeout=300)
+    return tp1, tp2
+
+
+def test_predicted_activation_bytes_match_measured(measured):
+    tp1, tp2 = measured
+    table = []
+    for case in TP1_CASES:
+        _check_case(case, tp1["cases"][case["name"]], 1, table)
+    for rank, rank_result in enumerate(tp2):
+        for case in TP2_CASES:
+            _check_case(case, rank_result["cases"][case["name"]], 2, table if rank == 0 else [])
+    print("\nconfig                         predicted/layer  measured/layer")
+    for name, predicted, got in table:
+        print(f"{name:<30} {predicted:>15.0f} {got:>15.0f}")
+
+
+def test_attention_recompute_keeps_only_the_layer_input(measured):
+    """Guards the premise of the 'attention' terms: our spec's selective core_attn."""
+    per_layer = measured[0]["cases"]["attention"][0]
+    assert not any(k.startswith(("self_attention", "input_layernorm")) for k in per_layer), per_layer
+    assert per_layer["<layer>"] == 256 * 2 * 64 * 4
+
+
+def test_parameter_counts_match_megatron(measured):
+    tp1, tp2 = measured
+    assert tp1["meta"]["llama2-70b"] == total_parameters("llama2-70b") == 68_976_648_192
+    assert tp1["meta"]["llama3-70b"] == total_parameters("llama3-70b")
+    assert tp1["meta"]["tiny"] == tp1["params"]["tiny"] == total_parameters(TINY)
+    assert tp1["params"]["odd"] == total_parameters(ODD)
+    for rank_result in tp2:  # per TP rank: split weights, replicated norms
+        assert rank_result["params"]["tiny"] == sum(stage_parameters(TINY, tp=2).values())
+        assert rank_result["meta"]["llama2-70b"] == sum(stage_parameters("llama2-70b", tp=2).values())
+
+
+def test_llama2_70b_parameter_count():
+    assert total_parameters("llama2-70b") == 68_976_648_192
+    assert total_parameters("llama3-70b") == 70_553_706_496
+    parts = stage_parameters("llama2-70b", tp=8, pp=2, stage=0)
+    assert parts["layers"] == 40 * (855_654_400 - 16384) // 8 + 40 * 16384 and parts["embedding"] == 32000 * 8192 // 8
+
+
+@pytest.mark.parametrize("s,b,h,a,t", [(2048, 1, 12288, 96, 8), (4096, 2, 8192, 64, 4), (512, 3, 1024, 16, 1)])
+def test_korthikanti_table2_reproduced_term_by_term(s, b, h, a, t):
+    model, profile = korthikanti_model(h, a), PROFILES["korthikanti"]
+
+    def ours(tp, sp, recompute):
+        return sum_terms(layer_terms(model, s, b, tp=tp, sequence_parallel=sp, recompute=recompute, profile=profile))
+
+    assert ours(1, False, "none") == korthikanti_table2(s, b, h, a, 1, "none")
+    assert ours(t, False, "none") == korthikanti_table2(s, b, h, a, t, "tp")
+    assert ours(t, True, "none") == korthikanti_table2(s, b, h, a, t, "tp_sp")
+    assert ours(t, False, "core_attention") == korthikanti_table2(s, b, h, a, t, "tp_selective")
+    assert ours(t, True, "core_attention") == korthikanti_table2(s, b, h, a, t, "tp_sp_selective")
+    assert ours(t, False, "full") == korthikanti_table2(s, b, h, a, t, "full") == 2 * s * b * h
+    sbh = Fraction(s * b * h)
+    assert korthikanti_table2(s, b, h, a, 1, "none") == sbh * (34 + Fraction(5 * a * s, h))
+
+
+def test_context_parallel_divides_the_local_sequence():
+    """Per CP rank, a layer keeps what a layer of an s/cp-token sequence keeps (no cp-only terms)."""
+    for recompute in ("none", "attention", "full"):
+        kwargs = dict(tp=8, sequence_parallel=True, recompute=recompute, profile="npu")
+        assert layer_terms("llama2-70b", 131072, 1, cp=16, **kwargs) == layer_terms("llama2-70b", 8192, 1, cp=1, **kwargs)
+
+
+def test_fused_layer_has_no_quadratic_term():
+    def layer(seq):
+        return sum_terms(layer_terms("llama2-70b", seq, 1, tp=8, cp=1, profile="npu"))
+
+    assert layer(131072) == 32 * layer(4096)  # linear in s
+    rows = {r["seq_length"]: r for r in compare_standard("llama2-7b", [4096, 131072], profile="cuda")}
+    assert rows[4096]["scores_bytes"] == 2**30  # B*H*S^2*2 bytes at 32 heads, 4K: 1 GiB, not 4 GB
+    assert rows[131072]["ratio"] > 100
+
+
+def test_optimizer_and_weight_bytes_per_parameter():
+    base = dict(tp=8, pp=2, cp=16, dp=2, global_batch_size=32)
+    dist = plan_memory("llama2-70b", 131072, Layout(**base))
+    plain = plan_memory("llama2-70b", 131072, Layout(**base, distributed_optimizer=False))
+    params = dist.worst_stage.parameters
+    d = 2 * 16  # the distributed optimizer shards over dp x cp
+    assert dist.per_device["weights"] + dist.per_device["gradients"] == 6 * params
+    assert dist.per_device["optimizer_state"] == -(-12 * params // d)
+    assert plain.per_device["weights"] + plain.per_device["gradients"] + plain.per_device["optimizer_state"] == 18 * params
+
+
+def test_in_flight_microbatches_1f1b_and_interleaved():
+    assert [Layout(pp=4).in_flight(i) for i in range(4)] == [4, 3, 2, 1]
+    assert Layout(pp=4, global_batch_size=2).in_flight(0) == 2
+    # interleaved: L/(pp v) layers x (2(pp-1) + (v-1)pp + 1) chunks = L (1 + (pp-1)/(pp v))
+    lay = Layout(pp=4, vp=2)
+    assert Fraction(80, 8) * lay.in_flight(0) == 80 * (1 + Fraction(3, 8))
+
+
+def test_recipe_70b_128k_fits_64gb():
+    plan = plan_for_recipe()
+    assert plan.layout.tp == 8 and plan.layout.sp and plan.layout.distributed_optimizer
+    assert plan.fits and plan.headroom > 4 * 2**30, plan.format_text()
+    # exact parts, by hand: 40 layers x 2 micro-batches in flight x (layer input 16 MiB +
+    # pre-MLP norm input 16 + fc1 input 16 + fused-SwiGLU input 112 + fc2 input 56 MiB
+    # + 4 KiB rstd); s/cp = 8192 tokens, /tp = 1024 under SP, bf16
+    assert plan.per_device["activations"] == 80 * sum_terms(plan.layer_terms) == 80 * (216 * 2**20 + 4096)
+    assert not plan_for_recipe(pp=1).fits
+
+
+def test_cli_plan_json(capsys):
+    rc = plan_main(
+        "--model llama2-70b --seq-length 131072 --tp 8 --pp 2 --cp 16 --num-devices 256 "
+        "--recompute attention --micro-batch-size 1 --device-memory 64GB --json".split()
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] is True
+    assert out["total_parameters"] == 68_976_648_192
+    assert set(out["per_device_bytes"]) >= {"weights", "gradients", "optimizer_state", "activations", "attention_statistics"}
+    assert out["total_bytes_per_device"] == sum(out["per_device_bytes"].values())
+    assert "--recompute-granularity selective --recompute-modules core_attn" in out["launch_command"]
+
+
+def test_cli_plan_verdict_does_not_fit(capsys):
+    rc = plan_main("--tp 8 --pp 1 --cp 1 --seq-length 128K --device-memory 64GB".split())
+    assert rc == 1 and "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_cli_search_lists_fitting_layouts_with_commands(capsys):
+    rc = plan_main("--search --num-devices 256 --device-memory 64GB --top 3".split())
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("mcore-flash pretrain") == 3
+    assert "--tensor-model-parallel-size 8" in out and "--context-parallel-size" in out
+
+
+def test_cli_compare_standard(capsys):
+    assert plan_main("--compare-standard --model llama2-7b --seq-lengths 1K,4K,128K".split()) == 0
+    out = capsys.readouterr().out
+    assert "4K" in out and "1.00 GiB" in out and "128K" in out
