@@ -1,0 +1,375 @@
+"""Tokenizers that ``megatron.core.datasets`` accepts (duck-typed, megatron-core 0.12 .. 0.16).
+
+What megatron.core.datasets 0.16.1 reads from ``config.tokenizer``:
+
+* ``GPTDatasetConfig.__post_init__``: ``vocab_size`` (picks ``token_dtype_code``).
+* ``MegatronDataset.__init__``: ``unique_identifiers`` (JSON-dumped into the hash that names
+  the cached index files), ``pad`` (padding id; tokens equal to it are zeroed and their loss
+  masked, so it must never occur in real data), ``special_tokens_dict`` / ``eos`` / ``eod``
+  (only to detect a pad id that collides with another special token).
+* ``GPTDataset.__getitem__``: ``eod`` (for reset_position_ids / eod_mask_loss).
+* ``MockGPTDataset``: ``vocab_size`` and ``eod``.
+
+So a tokenizer here is a plain object with ``tokenize(text) -> list[int]``,
+``detokenize(ids) -> str``, ``vocab_size``, ``eod`` (== ``eos``), ``pad``,
+``unique_identifiers`` (an OrderedDict of JSON-able values) and ``unique_description``.
+It deliberately does not subclass megatron's ``MegatronLegacyTokenizer`` (deprecated; logs a
+warning on construction) nor need ``megatron.core.tokenizers`` (which wants the tokenizer
+libraries installed).
+
+``vocab_size`` is the tokenizer's true vocabulary size, as in Megatron-LM. The model's
+embedding is padded separately: :func:`padded_vocab_size` is Megatron-LM's
+``--make-vocab-size-divisible-by`` rule (``ByteTokenizer``: 258 -> 384 with the default 128).
+
+Tokenizer types (``--tokenizer-type``; the names are Megatron-LM's where it has one):
+
+=========================  ======================================================================
+``ByteTokenizer``          default; UTF-8 bytes 0..255, ``eod`` = 256, ``pad`` = 257,
+                           ``vocab_size`` = 258. No file, no download. (Megatron-LM has no
+                           byte tokenizer type; megatron-core's ``ByteLevelTokenizer`` puts eos/pad
+                           on bytes 0/1, which collide with real data, so this one is our own.)
+``HuggingFaceTokenizer``   ``--tokenizer-model`` = a ``tokenizer.json`` file or a directory holding
+                           one, loaded with ``tokenizers.Tokenizer.from_file`` (optional package
+                           ``tokenizers``; Megatron-LM's type of the same name goes through
+                           ``transformers.AutoTokenizer`` instead).
+``SentencePieceTokenizer`` ``--tokenizer-model`` = a ``.model`` file (optional package
+                           ``sentencepiece``); ``GPTSentencePieceTokenizer`` is accepted as an alias.
+``NullTokenizer``          ``--vocab-size V``: text is space-separated integer ids < V; ``eod`` = V,
+                           ``vocab_size`` = V + 1 (Megatron-LM's NullTokenizer).
+=========================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections import OrderedDict
+from typing import Iterable, Optional
+
+from mcore_flash.data.errors import DataError
+
+__all__ = [
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "SentencePieceTokenizer",
+    "NullTokenizer",
+    "TOKENIZER_TYPES",
+    "DEFAULT_TOKENIZER_TYPE",
+    "build_tokenizer",
+    "padded_vocab_size",
+]
+
+DEFAULT_TOKENIZER_TYPE = "ByteTokenizer"
+TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+_ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
+# Megatron-LM --tokenizer-type values that have no implementation here.
+_MEGATRON_LM_ONLY = (
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "GPT2BPETokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+    "MultimodalTokenizer",
+    "NullMultimodalTokenizer",
+    "SFTTokenizer",
+)
+
+_HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+_HF_PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|finetune_right_pad_id|>")
+
+
+class Tokenizer:
+    """Base class: the duck type megatron.core.datasets needs (see the module docstring)."""
+
+    tokenizer_type: str = ""
+
+    def __init__(self, **identifiers) -> None:
+        self.unique_identifiers: "OrderedDict[str, object]" = OrderedDict()
+        self.unique_identifiers["class"] = type(self).__name__
+        for key, value in identifiers.items():
+            self.unique_identifiers[key] = value
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+
+    # --- the interface -------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eod(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def pad(self) -> int:
+        """Padding id; never produced by ``tokenize`` (``-1`` when the tokenizer has none)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens: ids 0..255, ``eod`` = 256, ``pad`` = 257, ``vocab_size`` = 258."""
+
+    tokenizer_type = "ByteTokenizer"
+    EOD = 256
+    PAD = 257
+    VOCAB_SIZE = 258
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.VOCAB_SIZE
+
+    @property
+    def eod(self) -> int:
+        return self.EOD
+
+    @property
+    def pad(self) -> int:
+        return self.PAD
+
+
+class NullTokenizer(Tokenizer):
+    """Megatron-LM's NullTokenizer: text is space-separated ids < ``vocab_size_arg``;
+    ``eod`` = ``vocab_size_arg``, ``vocab_size`` = ``vocab_size_arg`` + 1, no pad (-1)."""
+
+    tokenizer_type = "NullTokenizer"
+
+    def __init__(self, vocab_size: int) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise DataError(
+                f"--vocab-size {vocab_size!r}: NullTokenizer needs a positive integer vocabulary size"
+            )
+        self._n = vocab_size
+        super().__init__(vocab_size=vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = []
+        for word in text.split():
+            try:
+                value = int(word)
+            except ValueError:
+                raise DataError(
+                    f"NullTokenizer: {word[:40]!r} is not an integer id; its text must be "
+                    "space-separated integer ids (or choose another --tokenizer-type)"
+                ) from None
+            if not 0 <= value < self._n:
+                raise DataError(
+                    f"NullTokenizer: id {value} is outside [0, {self._n}); raise --vocab-size"
+                )
+            ids.append(value)
+        return ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n + 1
+
+    @property
+    def eod(self) -> int:
+        return self._n
+
+    @property
+    def pad(self) -> int:
+        return -1
+
+
+def _missing_package(tokenizer_type: str, package: str) -> DataError:
+    return DataError(
+        f"--tokenizer-type {tokenizer_type} needs the optional package `{package}`, which is not "
+        f"installed: `pip install {package}` (or use the default --tokenizer-type "
+        f"{DEFAULT_TOKENIZER_TYPE}, which needs nothing)"
+    )
+
+
+class HFTokenizer(Tokenizer):
+    """A HuggingFace ``tokenizers`` tokenizer from a ``tokenizer.json`` (or a directory with one).
+
+    ``eod``: the first of ``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<eos>``, ... found in
+    the vocabulary; if none is, an extra id equal to the tokenizer's size (``vocab_size`` then
+    counts it). ``pad``: ``<pad>``/``[PAD]``/... if present, else -1 (megatron's "no pad").
+    Encoding adds no special tokens (no BOS), like Megatron-LM's default.
+    """
+
+    tokenizer_type = "HuggingFaceTokenizer"
+
+    def __init__(self, path: str) -> None:
+        try:
+            import tokenizers  # optional dependency, imported only when asked for
+        except ImportError:
+            raise _missing_package("HuggingFaceTokenizer", "tokenizers") from None
+        file = _existing_model_path("HuggingFaceTokenizer", path, dir_file="tokenizer.json")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(file)
+        except Exception as err:  # the library raises a bare Exception on a bad file
+            raise DataError(
+                f"--tokenizer-model {path}: not a HuggingFace tokenizer.json ({err}); pass the "
+                "tokenizer.json of a `tokenizers`/`transformers` fast tokenizer"
+            ) from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        self._eod = next((vocab[t] for t in _HF_EOD_CANDIDATES if t in vocab), None)
+        if self._eod is None:
+            self._eod = self._size
+            self._size += 1
+        self._pad = next((vocab[t] for t in _HF_PAD_CANDIDATES if t in vocab), -1)
+        super().__init__(tokenizer_path=[os.path.abspath(file)])
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self._tok.get_vocab_size(True)])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model`` (optional package ``sentencepiece``): ``eod`` = the model's
+    ``eos_id()`` (an extra id past the vocabulary when the model has none), ``pad`` =
+    ``pad_id()`` (-1 when none). Encoding adds no BOS/EOS."""
+
+    tokenizer_type = "SentencePieceTokenizer"
+
+    def __init__(self, model_path: str) -> None:
+        try:
+            import sentencepiece  # optional dependency, imported only when asked for
+        except ImportError:
+            raise _missing_package("SentencePieceTokenizer", "sentencepiece") from None
+        file = _existing_model_path("SentencePieceTokenizer", model_path, dir_file="tokenizer.model")
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=file)
+        except Exception as err:
+            raise DataError(
+                f"--tokenizer-model {model_path}: not a SentencePiece model ({err}); pass the "
+                ".model file written by spm_train"
+            ) from None
+        self._size = int(self._sp.vocab_size())
+        eos = int(self._sp.eos_id())
+        if eos < 0:
+            eos = self._size
+            self._size += 1
+        self._eod = eos
+        self._pad = int(self._sp.pad_id())
+        super().__init__(tokenizer_path=[os.path.abspath(file)])
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._sp.encode(text))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        n = int(self._sp.vocab_size())
+        return self._sp.decode([int(i) for i in ids if 0 <= int(i) < n])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+
+def _existing_model_path(tokenizer_type: str, path: Optional[str], dir_file: str) -> str:
+    if not path:
+        raise DataError(
+            f"--tokenizer-type {tokenizer_type} needs --tokenizer-model (the tokenizer file)"
+        )
+    if os.path.isdir(path):
+        candidate = os.path.join(path, dir_file)
+        if not os.path.isfile(candidate):
+            raise DataError(
+                f"--tokenizer-model {path}: the directory has no {dir_file}; pass the file itself"
+            )
+        return candidate
+    if not os.path.isfile(path):
+        raise DataError(f"--tokenizer-model {path}: no such file")
+    return path
+
+
+def build_tokenizer(
+    tokenizer_type: Optional[str] = DEFAULT_TOKENIZER_TYPE,
+    tokenizer_model: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+) -> Tokenizer:
+    """The tokenizer for ``--tokenizer-type``/``--tokenizer-model``/``--vocab-size``.
+
+    Raises :class:`DataError` naming the flag and the fix for an unknown type, a missing or bad
+    model file, a missing optional package, or a flag the type does not use.
+    """
+    name = tokenizer_type or DEFAULT_TOKENIZER_TYPE
+    name = _ALIASES.get(name, name)
+    if name not in TOKENIZER_TYPES:
+        if name in _MEGATRON_LM_ONLY:
+            raise DataError(
+                f"--tokenizer-type {name}: a Megatron-LM tokenizer type that mcore-flash does not "
+                f"implement; choose one of {', '.join(TOKENIZER_TYPES)} (a HuggingFace tokenizer.json "
+                "covers GPT-2 BPE, Llama, ... via HuggingFaceTokenizer)"
+            )
+        lowered = {t.lower(): t for t in TOKENIZER_TYPES}
+        stem = name.lower().rstrip("s").replace("tokenizer", "")
+        close = [t for low, t in lowered.items() if stem and low.startswith(stem)]
+        close = close or [lowered[c] for c in difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=0.5)]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise DataError(
+            f"--tokenizer-type {name!r} is unknown{hint}; choose one of {', '.join(TOKENIZER_TYPES)}"
+        )
+    if name != "NullTokenizer" and vocab_size is not None:
+        raise DataError(f"--vocab-size is only used by --tokenizer-type NullTokenizer, not {name}; drop it")
+    if name in ("ByteTokenizer", "NullTokenizer") and tokenizer_model:
+        raise DataError(
+            f"--tokenizer-model {tokenizer_model}: --tokenizer-type {name} uses no model file; drop "
+            "--tokenizer-model, or pass --tokenizer-type HuggingFaceTokenizer / SentencePieceTokenizer"
+        )
+    if name == "ByteTokenizer":
+        return ByteTokenizer()
+    if name == "NullTokenizer":
+        if vocab_size is None:
+            raise DataError("--tokenizer-type NullTokenizer needs --vocab-size (number of ids)")
+        return NullTokenizer(vocab_size)
+    if name == "HuggingFaceTokenizer":
+        return HFTokenizer(tokenizer_model)
+    return SentencePieceTokenizer(tokenizer_model)
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1) -> int:
+    """Megatron-LM's embedding size: ``vocab_size`` rounded up to a multiple of
+    ``make_vocab_size_divisible_by * tensor_model_parallel_size``."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple

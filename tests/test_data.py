@@ -1,0 +1,380 @@
+"""Data layer: tokenizers, ``mcore-flash preprocess``, the synthetic task, build_datasets, errors."""
+
+from __future__ import annotations
+
+import datetime
+import gzip
+import json
+import math
+import os
+import socket
+import sys
+import time
+
+import numpy
+import pytest
+import torch
+
+from mcore_flash.data import DataError
+from mcore_flash.data.indexed import check_indexed_dataset
+from mcore_flash.data.preprocess import main as preprocess_main
+from mcore_flash.data.preprocess import preprocess
+from mcore_flash.data.synthetic import (
+    QUERY,
+    START,
+    SEP,
+    answer_loss_mask,
+    generate_documents,
+    make_task,
+    synthetic_dataset,
+    write_synthetic_dataset,
+)
+from mcore_flash.data.tokenizers import ByteTokenizer, build_tokenizer, padded_vocab_size
+
+
+def _read(prefix):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))], ds.index.dtype
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row))
+            f.write("\n")
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer():
+    tok = build_tokenizer()  # default type
+    assert isinstance(tok, ByteTokenizer)
+    text = "héllo, wörld ✓"
+    ids = tok.tokenize(text)
+    assert ids == list(text.encode("utf-8"))
+    assert tok.detokenize(ids + [tok.eod, tok.pad]) == text
+    assert (tok.vocab_size, tok.eod, tok.pad, tok.eos) == (258, 256, 257, 256)
+    json.dumps(tok.unique_identifiers)
+    assert padded_vocab_size(tok.vocab_size) == 384
+    assert padded_vocab_size(tok.vocab_size, 8, 2) == 272
+
+
+def test_null_tokenizer():
+    tok = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tok.tokenize("1 2 99") == [1, 2, 99]
+    assert (tok.vocab_size, tok.eod) == (101, 100)
+    with pytest.raises(DataError, match="--vocab-size"):
+        tok.tokenize("100")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(tokenizer_type="Bytes"), "did you mean ByteTokenizer"),
+        (dict(tokenizer_type="GPT2BPETokenizer"), "HuggingFaceTokenizer"),
+        (dict(tokenizer_type="NullTokenizer"), "--vocab-size"),
+        (dict(tokenizer_type="ByteTokenizer", tokenizer_model="x.json"), "drop"),
+        (dict(tokenizer_type="ByteTokenizer", vocab_size=5), "--vocab-size is only used"),
+    ],
+)
+def test_build_tokenizer_errors(kwargs, needle):
+    with pytest.raises(DataError, match="--tokenizer-type|--tokenizer-model|--vocab-size") as info:
+        build_tokenizer(**kwargs)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "tokenizer_type, package",
+    [("HuggingFaceTokenizer", "tokenizers"), ("SentencePieceTokenizer", "sentencepiece")],
+)
+def test_optional_tokenizer_package_missing(monkeypatch, tokenizer_type, package):
+    monkeypatch.setitem(sys.modules, package, None)  # makes `import <package>` fail
+    with pytest.raises(DataError) as info:
+        build_tokenizer(tokenizer_type, "tok.model")
+    assert f"--tokenizer-type {tokenizer_type}" in str(info.value)
+    assert f"pip install {package}" in str(info.value)
+
+
+def test_hf_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    with pytest.raises(DataError, match="--tokenizer-model .*no such file"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "nope.json"))
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    corpus = ["the quick brown fox", "jumps over the lazy dog"] * 20
+    hf.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(special_tokens=["<unk>", "</s>", "<pad>"]))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))  # a directory with tokenizer.json
+    assert (tok.eod, tok.pad) == (1, 2)
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"text": t} for t in corpus[:2]])
+    prefix = preprocess(str(src), str(tmp_path / "hf"), tokenizer_type="HuggingFaceTokenizer",
+                        tokenizer_model=str(tmp_path / "tokenizer.json"), append_eod=True, log=sys.stdout)["text"]
+    assert _read(prefix)[0] == [tok.tokenize(t) + [1] for t in corpus[:2]]
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    (tmp_path / "c.txt").write_text("\n".join(["the quick brown fox", "jumps over the lazy dog"] * 20))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=30)
+    tok = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "sp.model"))
+    assert tok.detokenize(tok.tokenize("the lazy fox")) == "the lazy fox"
+    assert tok.eod == 2 and tok.vocab_size == 30
+
+
+# --------------------------------------------------------------------------- preprocess
+
+
+def test_preprocess_roundtrip(tmp_path, capsys):
+    texts = ["hello world", "ünïcödé ✓ text", "", "third\ndocument with a newline"]
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"text": t, "other": 1} for t in texts] + [""])  # trailing blank line
+    out = tmp_path / "out" / "corpus"
+    rc = preprocess_main(
+        ["--input", str(src), "--output-prefix", str(out), "--json-keys", "text", "--append-eod", "--log-interval", "1"]
+    )
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "processed 1 documents" in err and "done: 3 documents" in err and "1 empty documents skipped" in err
+    prefix = str(out) + "_text_document"
+    docs, dtype = _read(prefix)
+    assert dtype == numpy.uint16
+    assert docs == [list(t.encode("utf-8")) + [256] for t in texts if t]
+    assert sorted(os.listdir(out.parent)) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+    assert check_indexed_dataset(prefix, vocab_size=258).num_tokens == sum(len(d) for d in docs)
+
+    # gzip input, two workers, no eod: same token ids
+    gz = tmp_path / "in.jsonl.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    prefixes = preprocess(str(gz), str(tmp_path / "w2"), ["text"], workers=2, log=sys.stdout)
+    docs2, _ = _read(prefixes["text"])
+    assert docs2 == [list(t.encode("utf-8")) for t in texts if t]
+
+
+@pytest.mark.parametrize(
+    "rows, needle",
+    [
+        ([{"text": "a"}, {"text": "b"}, '{"text": "c",'], "line 3: invalid JSON"),
+        ([{"text": "a"}, {"body": "b"}], "line 2: no key 'text' (keys present: 'body'); name the text field with --json-keys"),
+        ([{"text": 5}], "line 1: key 'text' holds a int, expected a string"),
+        ([[1, 2]], "line 1: expected a JSON object"),
+        (["", ""], "no non-empty documents"),
+    ],
+)
+def test_preprocess_bad_input(tmp_path, rows, needle, capsys):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, rows)
+    rc = preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--input" in err and needle in err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # atomic: nothing left behind
+
+
+def test_preprocess_missing_input_and_bad_utf8(tmp_path):
+    with pytest.raises(DataError, match=r"--input .*nope.jsonl: no such file"):
+        preprocess(str(tmp_path / "nope.jsonl"), str(tmp_path / "o"))
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n')
+    with pytest.raises(DataError, match="line 2: not valid UTF-8"):
+        preprocess(str(src), str(tmp_path / "o"))
+
+
+# --------------------------------------------------------------------------- synthetic task
+
+
+def test_synthetic_structure(tmp_path):
+    s = 64
+    task = write_synthetic_dataset(str(tmp_path / "syn"), num_docs=50, seq_length=s, seed=3)
+    k = task.key_length
+    assert (k, task.distance) == (4, s - k - 2) and task.distance >= 3 * s // 4
+    docs, dtype = _read(str(tmp_path / "syn"))
+    assert dtype == numpy.uint16 and len(docs) == 50
+    keys = set()
+    for doc in docs:
+        assert len(doc) == s
+        assert doc[0] == START and doc[1 + k] == SEP and doc[task.query_position] == QUERY and doc[-1] == 256
+        key = doc[1 : 1 + k]
+        assert all(ord("a") <= t <= ord("z") for t in key)
+        assert all(ord("0") <= t <= ord("9") for t in doc[2 + k : task.query_position])
+        assert doc[task.answer_start : task.answer_start + k] == key
+        # each answer token is the key token exactly `distance` back
+        assert all(doc[task.answer_start + j] == doc[task.answer_start + j - task.distance] for j in range(k))
+        keys.add(tuple(key))
+    assert len(keys) > 45  # random keys
+    # floors: the answer part is the only gap between them
+    assert task.local_floor - task.perfect_floor == pytest.approx(k * math.log(26) / s)
+    t256 = make_task(256)
+    assert (t256.key_length, t256.distance) == (16, 238)
+    assert (round(t256.local_floor, 3), round(t256.perfect_floor, 3)) == (2.386, 2.182)
+    # shorter distance: the rest becomes lead filler
+    t = make_task(64, key_length=4, distance=40)
+    d = generate_documents(t, 2, seed=0)
+    assert t.lead_length == 18 and (d[:, t.lead_length] == START).all()
+    assert (d[:, t.answer_start : t.answer_start + 4] == d[:, t.key_start : t.key_start + 4]).all()
+    with pytest.raises(DataError, match="distance"):
+        make_task(64, key_length=4, distance=70)
+
+
+def test_synthetic_deterministic_and_fast(tmp_path):
+    t0 = time.perf_counter()
+    write_synthetic_dataset(str(tmp_path / "a"), 4000, 256, seed=7)
+    elapsed = time.perf_counter() - t0
+    write_synthetic_dataset(str(tmp_path / "b"), 4000, 256, seed=7)
+    write_synthetic_dataset(str(tmp_path / "c"), 4000, 256, seed=8)
+    read = lambda n: (tmp_path / n).read_bytes()  # noqa: E731
+    assert read("a.bin") == read("b.bin") and read("a.idx") == read("b.idx")
+    assert read("a.bin") != read("c.bin")
+    assert elapsed < 5.0, elapsed
+    prefix, task = synthetic_dataset(str(tmp_path / "cache"), 100, 64, seed=1)
+    mtime = os.path.getmtime(prefix + ".bin")
+    assert synthetic_dataset(str(tmp_path / "cache"), 100, 64, seed=1)[0] == prefix
+    assert os.path.getmtime(prefix + ".bin") == mtime  # reused, not rewritten
+
+
+# --------------------------------------------------------------------------- build_datasets
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    """A single-process gloo group (megatron's dataset builder is collective when one exists)."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        world_size=1,
+        rank=0,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_build_datasets_synthetic(tmp_path, gloo_group):
+    from mcore_flash.data.datasets import SAMPLE_KEYS, build_datasets
+
+    s = 64
+    data_dir = tmp_path / "data"
+    prefix, task = synthetic_dataset(str(data_dir), 200, s, seed=0)
+    cache = tmp_path / "cache"
+    train, valid, test = build_datasets(
+        [prefix], False, "90,5,5", s, 1234, ByteTokenizer(), 300, 20, 20, cache_dir=str(cache)
+    )
+    assert len(train) >= 300 and len(valid) >= 20 and len(test) >= 20
+    for ds in (train, valid, test):
+        for i in (0, len(ds) - 1):
+            sample = ds[i]
+            assert set(sample) == set(SAMPLE_KEYS)  # no attention_mask
+            assert all(sample[key].shape == (s,) for key in SAMPLE_KEYS)
+            assert torch.equal(sample["position_ids"], torch.arange(s))
+            assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
+            assert sample["loss_mask"].sum() == s
+            # documents are seq_length long, so each sample is one whole document
+            assert sample["tokens"][0] == START and sample["tokens"][-1] == 256
+            mask = answer_loss_mask(sample["tokens"], task.key_length)
+            answer = sample["labels"][mask.bool()]
+            key = sample["tokens"][task.key_start : task.key_start + task.key_length]
+            assert torch.equal(answer, key)
+    assert os.listdir(cache) and sorted(os.listdir(data_dir)) == sorted(
+        os.path.basename(prefix) + ext for ext in (".bin", ".idx")
+    )  # megatron's index cache went to cache_dir, not next to the data
+
+    # weighted blend of two prefixes; valid split switched off
+    prefix2, _ = synthetic_dataset(str(data_dir), 100, s, seed=1)
+    train, valid, test = build_datasets(
+        ["0.7", prefix, "0.3", prefix2], False, "9,0,1", s, 1, ByteTokenizer(), 50, 0, 10, cache_dir=str(cache)
+    )
+    assert valid is None and len(train) == 50 and len(test) == 10
+    assert set(train[3]) == set(SAMPLE_KEYS) | {"dataset_id"}  # BlendedDataset adds the source index
+
+
+def test_build_datasets_mock(tmp_path, gloo_group):
+    from mcore_flash.data.datasets import SAMPLE_KEYS, build_datasets
+
+    train, valid, test = build_datasets(None, True, "1,1,1", 32, 0, ByteTokenizer(), 8, 4, 4)
+    sample = train[0]
+    assert set(sample) == set(SAMPLE_KEYS) and sample["tokens"].shape == (32,)
+
+
+# --------------------------------------------------------------------------- bad data paths
+
+
+@pytest.fixture
+def good_prefix(tmp_path):
+    prefix = str(tmp_path / "syn")
+    write_synthetic_dataset(prefix, 20, 32, seed=0)
+    return prefix
+
+
+def _build(prefix, tmp_path, tokenizer=None, split="8,1,1", sizes=(10, 2, 2)):
+    from mcore_flash.data.datasets import build_datasets
+
+    return build_datasets(
+        [prefix], False, split, 32, 0, tokenizer or ByteTokenizer(), *sizes, cache_dir=str(tmp_path / "c")
+    )
+
+
+def _corrupt_idx(path, how):
+    data = bytearray(open(path, "rb").read())
+    if how == "truncate":
+        data = data[: len(data) // 2]
+    elif how == "garbage":
+        data[: 64] = numpy.random.default_rng(0).integers(0, 256, 64, dtype=numpy.uint8).tobytes()
+    elif how == "pointers":  # same size, garbage in the middle (sequence offsets)
+        data[34 + 20 * 4 : 34 + 20 * 4 + 16] = b"\xff" * 16
+    elif how == "empty":
+        data = b""
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncate", "garbage", "pointers", "empty"])
+def test_corrupt_idx(good_prefix, tmp_path, how):
+    _corrupt_idx(good_prefix + ".idx", how)
+    with pytest.raises(DataError) as info:
+        _build(good_prefix, tmp_path)
+    msg = str(info.value)
+    assert f"--data-path {good_prefix}" in msg and good_prefix + ".idx is corrupt" in msg
+    assert "mcore-flash preprocess" in msg
+
+
+def test_bad_data_paths(good_prefix, tmp_path):
+    with pytest.raises(DataError, match=r"\.idx not found; run `mcore-flash preprocess` first"):
+        _build(str(tmp_path / "missing"), tmp_path)
+    with pytest.raises(DataError, match="without .bin"):
+        _build(good_prefix + ".bin", tmp_path)
+    # preprocess output named without the _text_document suffix
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"text": "abc"}])
+    preprocess(str(src), str(tmp_path / "corpus"), log=sys.stdout)
+    with pytest.raises(DataError, match="did you mean --data-path .*corpus_text_document"):
+        _build(str(tmp_path / "corpus"), tmp_path)
+    # data from another tokenizer
+    with pytest.raises(DataError, match="token id .* outside the vocabulary .*--tokenizer-type"):
+        _build(good_prefix, tmp_path, tokenizer=build_tokenizer("NullTokenizer", vocab_size=50))
+    # an empty split would make megatron loop forever
+    with pytest.raises(DataError, match="--split 98,1,1: the valid split .* gets none of its 20 documents"):
+        _build(good_prefix, tmp_path, split="98,1,1")
+    train, valid, test = _build(good_prefix, tmp_path, split="98,1,1", sizes=(10, 0, None))
+    assert len(train) >= 10 and len(valid) == 0 and len(test) == 0
+    with pytest.raises(DataError, match="--split"):
+        _build(good_prefix, tmp_path, split="train")
+    # truncated .bin
+    with open(good_prefix + ".bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(DataError, match=r"syn\.bin is truncated"):
+        _build(good_prefix, tmp_path)
