@@ -168,7 +168,7 @@ def test_dry_run_llama2_70b_counts_parameters_on_meta_device():
     result = _cli(
         "--model", "llama2-70b", "--seq-length", "4096", "--tensor-model-parallel-size", "8",
         "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-        "--bf16", "--dry-run", env={**os.environ, "WORLD_SIZE": "16"},
+        "--bf16", "--global-batch-size", "64", "--dry-run", env={**os.environ, "WORLD_SIZE": "128"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "total parameters: 68,976,648,192" in result.stdout

@@ -34,7 +34,6 @@ def transformer_config(args, padded_vocab_size: int):
         bf16=args.bf16,
         fp16=args.fp16,
         use_cpu_initialization=True,
-        perform_initialization=not args.dry_run,
         calculate_per_token_loss=True,
         batch_p2p_comm=False,  # gloo has no batched p2p; harmless elsewhere
         **args.recompute,
