@@ -78,7 +78,7 @@ def flash_attn_func(
         backend: ``"npu" | "cuda" | "cpu" | "reference"``, an :class:`AttentionBackend`
             instance, or None for the automatic choice (see :mod:`mcore_flash.ops.backends`).
         return_lse: also return the logsumexp ``[b, hq, sq]`` (float32, natural log).
-        attn_mask: optional bool mask, True = masked out, dims each 1 or ``[b, hq, sq, sk]``
+        attn_mask: optional bool mask, True = masked out, shaped ``[b|1, hq|1, sq, sk]``
             (an extension over flash-attn; combined with ``causal``).
 
     Returns:

@@ -62,6 +62,7 @@ def get_backend(name: Union[str, AttentionBackend, None] = None, device_type: st
     """
     global _last_used
     if isinstance(name, AttentionBackend):
+        _last_used = name.name
         return name
     name = name or os.environ.get(ENV_VAR) or _auto_name(device_type)
     if name not in _BACKENDS:

@@ -14,8 +14,8 @@ Conventions shared by all backends (tensors in the flash-attn layout):
 * ``causal`` is aligned bottom-right (flash-attn >= 2.1): key ``j`` is visible to query ``i``
   iff ``j <= i + sk - sq``.
 * A query row with no visible key yields ``out = 0``, ``lse = -inf`` and zero gradients.
-* ``attn_mask`` is bool, True = masked out, 4-D with each dim either 1 or the full size of
-  ``[b, hq, sq, sk]``; it is combined with ``causal``.
+* ``attn_mask`` is bool, True = masked out, shaped ``[b|1, hq|1, sq, sk]``; it is combined
+  with ``causal``.
 """
 
 from __future__ import annotations

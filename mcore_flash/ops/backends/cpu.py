@@ -6,7 +6,8 @@ fallback to :class:`ReferenceBackend` (decided from the arguments alone, so forw
 backward always agree, and logged once per reason -- never silently ignored):
 
 * dropout > 0 (the kernel refuses it),
-* causal with ``sq != sk`` (the kernel aligns causal top-left, we promise bottom-right).
+* causal with ``sq != sk`` (the kernel aligns causal top-left, we promise bottom-right),
+* an empty query or key sequence (the kernel crashes the process with SIGFPE).
 
 A bool ``attn_mask`` is turned into the additive float mask the kernel takes; rows it
 masks entirely get ``lse = -inf`` (the kernel reports 0 for them).
@@ -50,7 +51,7 @@ class CpuBackend(AttentionBackend):
             scale=params.softmax_scale,
         )
         if params.attn_mask is not None:
-            lse = lse.masked_fill(params.attn_mask.all(dim=-1).expand_as(lse), float("-inf"))
+            lse = lse.masked_fill(_empty_rows(params).expand_as(lse), float("-inf"))
         return out.transpose(1, 2), lse, None
 
     def backward(self, dout, q, k, v, out, lse, rng_state, params):
@@ -72,7 +73,9 @@ class CpuBackend(AttentionBackend):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     def _needs_fallback(self, q: Tensor, k: Tensor, params: AttentionParams) -> bool:
-        if params.dropout_p > 0:
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            reason = "an empty sequence (torch's CPU kernel dies with SIGFPE on it)"
+        elif params.dropout_p > 0:
             reason = "dropout_p > 0 (torch's fused CPU kernel has no dropout)"
         elif params.causal and q.shape[1] != k.shape[1]:
             reason = "causal with sq != sk (torch's CPU kernel aligns causal top-left)"
@@ -82,6 +85,15 @@ class CpuBackend(AttentionBackend):
             self._logged_reasons.add(reason)
             logger.info("mcore_flash: cpu backend runs the reference kernel for %s", reason)
         return True
+
+
+def _empty_rows(params: AttentionParams) -> Tensor:
+    """``[b|1, h|1, sq]``: rows the mask (combined with causal, sq == sk here) hides entirely."""
+    mask = params.attn_mask
+    if params.causal:
+        sq, sk = mask.shape[-2:]
+        mask = mask | torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu_(1)
+    return mask.all(dim=-1)
 
 
 def _additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:

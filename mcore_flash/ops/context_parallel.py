@@ -1,0 +1,395 @@
+"""Context-parallel attention: the sequence is split over the ranks of a process group.
+
+Knows nothing of Megatron: it takes a ``torch.distributed`` ProcessGroup (Megatron's CP
+group, or any other) and calls the backend kernels of :mod:`mcore_flash.ops.backends`.
+
+    from mcore_flash.ops.context_parallel import context_parallel_attn_func, split_for_cp_rank
+
+    q_local = split_for_cp_rank(q, seq_dim=1, cp_size=cp, cp_rank=rank)   # same for k, v
+    out_local = context_parallel_attn_func(q_local, k_local, v_local, group, causal=True)
+
+Layout (Megatron's ``get_batch_on_this_cp_rank``): the sequence is cut into ``2*cp`` equal
+chunks and rank ``r`` holds chunks ``r`` and ``2*cp-1-r``, concatenated, so every rank
+gets the same causal work. Tensors use the flash-attn layout of :mod:`mcore_flash.ops.api`
+(``q [b, s_local, hq, d]``, ``k``/``v`` ``[b, s_local, hkv, d]``).
+
+Two algorithms (``comm_type``):
+
+``"p2p"`` -- ring attention (Megatron/TE ``cp_comm_type="p2p"``, MindSpeed
+``megatron_cp_algo``). K/V blocks travel around the ring (rank r sends to r+1, receives
+from r-1) while the current block is computed: the send of the next block is posted
+(``isend``/``irecv``) before the kernel runs and waited after it. At step ``i`` rank ``r``
+holds the K/V of rank ``src = (r - i) mod cp``; with ``c = s_local / 2`` and causal:
+
+* ``i == 0`` (own block): q ``[2c]`` x kv ``[2c]`` causal (the concatenation of chunks r and
+  2cp-1-r is in increasing position order, so the plain causal mask is exact);
+* ``src < r``: kv chunk ``src`` precedes both query chunks, kv chunk ``2cp-1-src`` follows
+  both: q ``[2c]`` x kv first half ``[c]``, no mask;
+* ``src > r``: both kv chunks precede query chunk ``2cp-1-r`` and follow chunk ``r``:
+  q second half ``[c]`` x kv ``[2c]``, no mask.
+
+Without causal every step is q ``[2c]`` x kv ``[2c]``, no mask. Each block returns
+``(out_i, lse_i)``; partial results merge by their logsumexp (fp32 accumulators)::
+
+    lse = logaddexp(lse_acc, lse_i)
+    out = out_acc * exp(lse_acc - lse) + out_i * exp(lse_i - lse)
+
+which is MindSpeed's ``m = max(m1, m2); s_i' = s_i exp(m_i - m); out = sum_i o_i s_i'/s``
+written with ``lse_i = m_i + log s_i``. Backward replays the ring: each block's kernel
+backward is called with the MERGED ``out`` and ``lse`` (so ``exp(s - lse)`` are the final
+probabilities and ``rowsum(dout * out)`` the final ``D``); dq accumulates locally, and an
+fp32 dK/dV accumulator travels with the K/V block, one hop behind it, so that after ``cp``
+hops each rank receives the complete dK/dV of its own block. The dK/dV hop of step ``i``
+is overlapped with the kernel of step ``i+1``.
+
+The autograd function saves only the local ``q, k, v, out`` and the fp32 ``lse`` (plus the
+per-block dropout replay states): saved bytes per rank are ``1/cp`` of the unsplit ones.
+
+``"a2a"`` -- Ulysses (DeepSpeed): an all-to-all turns ``[b, s_local, h, d]`` into
+``[b, s_total, h/cp, d]`` (every rank gets the whole sequence for ``1/cp`` of the heads),
+the chunks are put back in position order, one fused kernel call runs, and the inverse
+all-to-all returns ``[b, s_local, h, d]``. Needs ``hq % cp == 0``; key/value heads are
+replicated when ``hkv < cp`` and ``cp % hkv == 0``.
+
+Neither algorithm supports an explicit attention mask or packed (varlen) sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import checks
+from .api import _FlashAttnFunction, flash_attn_func
+from .backends import AttentionBackend, AttentionParams, get_backend
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "COMM_TYPES",
+    "context_parallel_attn_func",
+    "split_for_cp_rank",
+    "gather_from_cp_ranks",
+    "cp_chunk_ids",
+]
+
+COMM_TYPES = ("p2p", "a2a")
+
+_KV_TAG = 1917  # point-to-point tags keep the K/V and the dK/dV hops apart
+_DKV_TAG = 1918
+
+
+# ---- layout --------------------------------------------------------------------------------
+
+
+def cp_chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two sequence chunks (out of ``2*cp_size``) rank ``cp_rank`` holds."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def split_for_cp_rank(x: Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> Tensor:
+    """Rank ``cp_rank``'s part of ``x`` along ``seq_dim``: chunks r and 2cp-1-r of 2cp.
+
+    Megatron's ``get_batch_on_this_cp_rank`` split. Raises ValueError when the length is not
+    divisible by ``2*cp_size``.
+    """
+    seq = x.shape[seq_dim]
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} is outside a context-parallel group of size {cp_size}")
+    if seq % (2 * cp_size):
+        raise ValueError(
+            f"sequence length {seq} is not divisible by 2 * context-parallel size = {2 * cp_size} "
+            "(each rank holds two equal chunks)"
+        )
+    if cp_size == 1:
+        return x
+    chunks = x.chunk(2 * cp_size, dim=seq_dim)
+    first, second = cp_chunk_ids(cp_size, cp_rank)
+    return torch.cat([chunks[first], chunks[second]], dim=seq_dim)
+
+
+def gather_from_cp_ranks(parts: list[Tensor], seq_dim: int) -> Tensor:
+    """Inverse of :func:`split_for_cp_rank`: every rank's part (rank order) -> the whole."""
+    cp_size = len(parts)
+    chunks: list[Optional[Tensor]] = [None] * (2 * cp_size)
+    for rank, part in enumerate(parts):
+        first, second = cp_chunk_ids(cp_size, rank)
+        chunks[first], chunks[second] = part.chunk(2, dim=seq_dim)
+    return torch.cat(chunks, dim=seq_dim)
+
+
+# ---- public entry point ----------------------------------------------------------------------
+
+
+def context_parallel_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Optional[dist.ProcessGroup],
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    comm_type: str = "p2p",
+    backend: Union[str, AttentionBackend, None] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """Attention over a sequence split across ``group`` (see the module docstring).
+
+    Args:
+        q: ``[b, s_local, hq, d]``; k, v: ``[b, s_local, hkv, d]`` -- this rank's chunks
+            ``r`` and ``2cp-1-r`` of ``2cp`` (:func:`split_for_cp_rank`), ``s_local`` even.
+        group: the context-parallel process group (None or size 1: plain attention).
+        causal: causal over the WHOLE sequence (positions from the chunk layout).
+        comm_type: ``"p2p"`` (ring) or ``"a2a"`` (Ulysses all-to-all over heads).
+        Other arguments as in :func:`mcore_flash.ops.flash_attn_func`.
+
+    Returns:
+        ``out [b, s_local, hq, d]`` (same layout as q), or ``(out, lse [b, hq, s_local])``.
+    """
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"comm_type={comm_type!r} is not supported; choose one of {COMM_TYPES}")
+    cp_size = 1 if group is None else group.size()
+    if cp_size == 1:
+        return flash_attn_func(
+            q, k, v, dropout_p, softmax_scale, causal, backend=backend, return_lse=return_lse
+        )
+    checks.check_qkv(q, k, v, packed=False)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"context parallelism is self-attention over one split sequence: q has {q.shape[1]} "
+            f"local tokens, k/v {k.shape[1]}"
+        )
+    if q.shape[1] % 2:
+        raise ValueError(
+            f"local sequence length {q.shape[1]} is odd: each context-parallel rank holds two equal "
+            f"chunks, so the total length must be divisible by 2 * cp = {2 * cp_size}"
+        )
+    params = AttentionParams(
+        causal=bool(causal),
+        softmax_scale=checks.resolve_scale(softmax_scale, q.shape[-1]),
+        dropout_p=checks.check_dropout(dropout_p),
+    )
+    impl = get_backend(backend, q.device.type)
+    impl.check_inputs(q, k, v, params)
+    if comm_type == "a2a":
+        out, lse = _ulysses(q, k, v, group, impl, params)
+    else:
+        out, lse = _RingAttention.apply(q, k, v, group, impl, params)
+    return (out, lse) if return_lse else out
+
+
+# ---- ring (p2p) ------------------------------------------------------------------------------
+
+
+class _Ring:
+    """Neighbours of this rank in ``group`` and asynchronous hops along the ring."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = group.size()
+        self.rank = group.rank()
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def hop(self, send: Tensor, recv: Tensor, tag: int) -> list:
+        """Post ``send -> next`` and ``recv <- prev``; returns the requests to wait on."""
+        return [
+            dist.isend(send, dst=self.next, group=self.group, tag=tag),
+            dist.irecv(recv, src=self.prev, group=self.group, tag=tag),
+        ]
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _block(step: int, rank: int, size: int, causal: bool, half: int) -> tuple[slice, slice, bool]:
+    """``(query rows, kv rows, causal)`` this rank computes at ``step`` of the ring."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    src = (rank - step) % size
+    if step == 0:
+        return everything, everything, True  # the diagonal block
+    if src < rank:
+        return everything, slice(0, half), False  # kv chunk src precedes, 2cp-1-src follows
+    return slice(half, None), everything, False  # both kv chunks precede chunk 2cp-1-r only
+
+
+def _merge(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Fold one block's ``(out [b, s, h, d], lse [b, h, s])`` into the accumulators in place."""
+    new_lse = torch.logaddexp(lse_acc, lse)
+    safe = torch.where(torch.isneginf(new_lse), 0.0, new_lse)  # rows nothing was visible to yet
+    w_acc = torch.exp(lse_acc - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    out_acc.copy_(out_acc * w_acc + out.to(out_acc.dtype) * w_new)
+    lse_acc.copy_(new_lse)
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention; saves only the local q, k, v, merged out and merged lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, backend: AttentionBackend, params: AttentionParams):
+        ring = _Ring(group)
+        half = q.shape[1] // 2
+        acc_dtype = _accumulator_dtype(q.dtype)
+        out_acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc_dtype, device=q.device)
+        lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])  # one message per hop
+        rng_states: list[Any] = []
+        for step in range(ring.size):
+            if step + 1 < ring.size:  # send the next block while this one is computed
+                incoming = torch.empty_like(kv)
+                requests = ring.hop(kv, incoming, _KV_TAG)
+            rows, cols, causal = _block(step, ring.rank, ring.size, params.causal, half)
+            block_params = _with_causal(params, causal)
+            out, lse, rng_state = backend.forward(
+                q[:, rows].contiguous(), kv[0][:, cols].contiguous(), kv[1][:, cols].contiguous(), block_params
+            )
+            rng_states.append(rng_state)
+            _merge(out_acc[:, rows], lse_acc[..., rows], out, lse.float())
+            if step + 1 < ring.size:
+                _wait(requests)
+                kv = incoming
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.group, ctx.backend, ctx.params, ctx.rng_states = group, backend, params, rng_states
+        ctx.mark_non_differentiable(lse_acc)
+        return out, lse_acc
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        params = ctx.params
+        ring = _Ring(ctx.group)
+        half = q.shape[1] // 2
+        acc_dtype = _accumulator_dtype(q.dtype)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        kv = torch.stack([k, v])
+        dkv_requests: list = []
+        dkv_incoming: Optional[Tensor] = None
+        for step in range(ring.size):
+            if step + 1 < ring.size:
+                kv_incoming = torch.empty_like(kv)
+                kv_requests = ring.hop(kv, kv_incoming, _KV_TAG)
+            rows, cols, causal = _block(step, ring.rank, ring.size, params.causal, half)
+            dq_blk, dk_blk, dv_blk = ctx.backend.backward(
+                dout[:, rows].contiguous(),
+                q[:, rows].contiguous(),
+                kv[0][:, cols].contiguous(),
+                kv[1][:, cols].contiguous(),
+                out[:, rows].contiguous(),
+                lse[..., rows].contiguous(),
+                ctx.rng_states[step],
+                _with_causal(params, causal),
+            )
+            dq[:, rows] += dq_blk
+            if step == 0:  # the dK/dV accumulator of our own block starts here ...
+                dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
+            else:  # ... the others arrive from the previous rank, one hop behind K/V
+                _wait(dkv_requests)
+                dkv = dkv_incoming
+            dkv[0][:, cols] += dk_blk
+            dkv[1][:, cols] += dv_blk
+            dkv_incoming = torch.empty_like(dkv)
+            dkv_requests = ring.hop(dkv, dkv_incoming, _DKV_TAG)  # after the last step: to its owner
+            if step + 1 < ring.size:
+                _wait(kv_requests)
+                kv = kv_incoming
+        _wait(dkv_requests)
+        dk, dv = dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None
+
+
+def _with_causal(params: AttentionParams, causal: bool) -> AttentionParams:
+    if params.causal == causal:
+        return params
+    return AttentionParams(causal=causal, softmax_scale=params.softmax_scale, dropout_p=params.dropout_p)
+
+
+# ---- Ulysses (a2a) ---------------------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split ``x`` along ``scatter_dim`` over the group and concatenate what arrives along
+    ``gather_dim`` (in rank order). Backward is the inverse all-to-all. Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def _all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
+    size = group.size()
+    send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+def _natural_order(cp_size: int) -> list[int]:
+    """Index of each sequence chunk (position order) in the rank-order concatenation."""
+    where = {}
+    for rank in range(cp_size):
+        first, second = cp_chunk_ids(cp_size, rank)
+        where[first], where[second] = 2 * rank, 2 * rank + 1
+    return [where[chunk] for chunk in range(2 * cp_size)]
+
+
+def _reorder_chunks(x: Tensor, order: list[int], dim: int) -> Tensor:
+    chunks = x.chunk(len(order), dim=dim)
+    return torch.cat([chunks[i] for i in order], dim=dim)
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, index in enumerate(order):
+        inverse[index] = position
+    return inverse
+
+
+def _ulysses(q, k, v, group, backend: AttentionBackend, params: AttentionParams) -> tuple[Tensor, Tensor]:
+    cp_size = group.size()
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % cp_size:
+        raise ValueError(
+            f"a2a context parallelism splits the {hq} query heads of this rank over {cp_size} ranks: "
+            f"the number of heads must be divisible by the context-parallel size"
+        )
+    if hkv % cp_size:
+        if cp_size % hkv:
+            raise ValueError(
+                f"a2a context parallelism: {hkv} key/value heads can neither be split over nor "
+                f"replicated to {cp_size} ranks (need hkv % cp == 0 or cp % hkv == 0)"
+            )
+        # replicate each kv head to cp/hkv ranks; the query heads of one rank share one kv head
+        k = k.repeat_interleave(cp_size // hkv, dim=2)
+        v = v.repeat_interleave(cp_size // hkv, dim=2)
+    order = _natural_order(cp_size)
+
+    def seq_to_heads(x):  # [b, s_local, h, d] -> [b, s_total, h/cp, d], position order
+        return _reorder_chunks(_AllToAll.apply(x, group, 2, 1), order, dim=1)
+
+    def heads_to_seq(x):  # inverse
+        return _AllToAll.apply(_reorder_chunks(x, _inverse(order), dim=1), group, 1, 2)
+
+    out, lse = _FlashAttnFunction.apply(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), backend, params)
+    with torch.no_grad():  # lse [b, h/cp, s_total] -> [b, h, s_local]
+        lse = heads_to_seq(lse.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2).contiguous()
+    return heads_to_seq(out), lse
