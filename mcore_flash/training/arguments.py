@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--split", default="98,2,0")
     data.add_argument("--tokenizer-type", default=None)
     data.add_argument("--tokenizer-model", default=None)
+    data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                      help="pad the vocabulary to a multiple of this x TP (Megatron-LM's rule)")  # fmt: skip
     data.add_argument("--mock-data", action="store_true")
     data.add_argument("--data-cache-path", default=None)
 
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--save", default=None, help="checkpoint + metrics directory (default runs/<model>)")
     ckpt.add_argument("--load", default=None)
     ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument("--exit-interval", type=int, default=None, help="save and exit after iteration N (same schedule)")
     ckpt.add_argument("--log-interval", type=int, default=10)
     ckpt.add_argument("--tensorboard-dir", default=None)
     ckpt.add_argument("--device-memory", default="64GB", help="per-device memory the --dry-run plan checks against")

@@ -44,7 +44,9 @@ def latest_iteration(root: str) -> Optional[int]:
     return int(text)
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
+def save_checkpoint(
+    root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, padded_vocab_size: int
+) -> str:
     """Write checkpoint ``iteration`` under ``root`` atomically (collective over all ranks)."""
     from megatron.core import dist_checkpointing
 
@@ -56,7 +58,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, is_loading=False)
+    state = _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, padded_vocab_size, False)
     dist_checkpointing.save(state, tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
     dist.barrier()
@@ -69,15 +71,26 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     return final
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler) -> tuple[int, int]:
-    """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples)``."""
+def load_checkpoint(root: str, model, optimizer, scheduler, padded_vocab_size: int) -> tuple[int, int]:
+    """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples)``.
+
+    Any TP/PP/DP layout loads any other (dist_checkpointing reshards), as long as the
+    embedding has the same padded size (it grows with TP: see --make-vocab-size-divisible-by).
+    """
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
     if iteration is None:
         raise ValueError(f"--load {root}: no {MARKER} there; point --load at a --save directory of an earlier run")
     path = checkpoint_dir(root, iteration)
-    state = _sharded_state(model, optimizer, scheduler, iteration, 0, is_loading=True)
+    saved_vocab = dist_checkpointing.load_common_state_dict(path).get("padded_vocab_size")
+    if saved_vocab != padded_vocab_size:
+        raise ValueError(
+            f"--load {root}: the checkpoint's embedding has {saved_vocab} rows, this run pads the vocabulary "
+            f"to {padded_vocab_size} (padding is a multiple of --make-vocab-size-divisible-by x TP); choose "
+            "--make-vocab-size-divisible-by so both layouts pad alike"
+        )
+    state = _sharded_state(model, optimizer, scheduler, iteration, 0, padded_vocab_size, True)
     loaded = dist_checkpointing.load(state, path)
     _unwrap(model).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
@@ -88,14 +101,20 @@ def load_checkpoint(root: str, model, optimizer, scheduler) -> tuple[int, int]:
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
 
-def _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, is_loading: bool) -> dict:
+def _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, padded_vocab_size, is_loading) -> dict:
     model_state = _unwrap(model).sharded_state_dict()
     return {
         "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        # 'fully_reshardable': the distributed optimizer's state in the canonical per-parameter
+        # form, so a checkpoint reloads under another TP/PP/DP layout (megatron 0.16's default
+        # format is refused by its own dist_checkpointing)
+        "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        ),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed_samples,
+        "padded_vocab_size": padded_vocab_size,
     }
 
 

@@ -23,7 +23,9 @@ SYNTHETIC_DOCS = 4096
 def tokenizer_and_vocab(args):
     """``(tokenizer, padded vocab size)`` for the flags (byte-level when none is given)."""
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    return tokenizer, padded_vocab_size(tokenizer.vocab_size, 128, args.tensor_model_parallel_size)
+    return tokenizer, padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )
 
 
 def build_train_dataset(args, tokenizer):

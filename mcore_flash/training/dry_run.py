@@ -22,7 +22,7 @@ def dry_run(args) -> dict:
     _, vocab = tokenizer_and_vocab(args)
     if args.tokenizer_type is None and args.tokenizer_model is None:
         vocab = _preset_vocab(args)
-    config = transformer_config(args, vocab)
+    config = transformer_config(args)
     per_stage, total = [], 0
     for stage in range(args.pipeline_model_parallel_size):
         parallel_state.set_pipeline_model_parallel_rank(stage)

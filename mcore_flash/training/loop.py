@@ -37,7 +37,7 @@ def train(args) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tokenizer, vocab = tokenizer_and_vocab(args)
-    config = transformer_config(args, vocab)
+    config = transformer_config(args)
     model = build_model(args, config, vocab).to(platform.torch_device())
     model = DistributedDataParallel(
         config,
@@ -85,7 +85,7 @@ def train(args) -> dict:
     logger = MetricsLogger(args, count_parameters(model))
     iteration, consumed = 0, 0
     if args.load and checkpointing.latest_iteration(args.load) is not None:
-        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
+        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, vocab)
         logger.note(f"resumed from {args.load} at iteration {iteration} ({consumed} samples consumed)")
     elif args.load:
         logger.note(f"no checkpoint in --load {args.load} yet: starting from scratch")
@@ -130,11 +130,13 @@ def train(args) -> dict:
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             logger.log(iteration, loss, optimizer.param_groups[0]["lr"], grad_norm, time.perf_counter() - start)
         interrupted = stop.requested()
-        if iteration % args.save_interval == 0 or iteration == args.train_iters or interrupted:
-            path = checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+        exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        if iteration % args.save_interval == 0 or iteration == args.train_iters or interrupted or exiting:
+            path = checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, vocab)
             logger.note(f"saved checkpoint {path}")
-        if interrupted:
-            logger.note(f"stopped by a signal after iteration {iteration}; resume with --load {args.save}")
+        if interrupted or exiting:
+            reason = "a signal" if interrupted else "--exit-interval"
+            logger.note(f"stopped by {reason} after iteration {iteration}; resume with --load {args.save}")
             break
     stop.restore()
     logger.close()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 
-def transformer_config(args, padded_vocab_size: int):
+def transformer_config(args):
     """megatron's ``TransformerConfig`` for the parsed flags."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
