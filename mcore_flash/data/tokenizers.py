@@ -41,6 +41,7 @@ Tokenizer types (``--tokenizer-type``; the names are Megatron-LM's where it has 
 
 from __future__ import annotations
 
+import abc
 import difflib
 import json
 import os
@@ -80,41 +81,47 @@ _HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eo
 _HF_PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|finetune_right_pad_id|>")
 
 
-class Tokenizer:
-    """Base class: the duck type megatron.core.datasets needs (see the module docstring)."""
+class Tokenizer(abc.ABC):
+    """Base class: the duck type megatron.core.datasets needs (see the module docstring).
+
+    Subclasses pass their ``vocab_size``, ``eod`` and ``pad`` (``-1``: none) ids and the
+    identifiers that make megatron's dataset caches unique.
+    """
 
     tokenizer_type: str = ""
 
-    def __init__(self, **identifiers) -> None:
+    def __init__(self, vocab_size: int, eod: int, pad: int, **identifiers) -> None:
+        self._vocab_size, self._eod, self._pad = vocab_size, eod, pad
         self.unique_identifiers: "OrderedDict[str, object]" = OrderedDict()
         self.unique_identifiers["class"] = type(self).__name__
         for key, value in identifiers.items():
             self.unique_identifiers[key] = value
         self.unique_description = json.dumps(self.unique_identifiers, indent=4)
 
-    # --- the interface -------------------------------------------------------------------
+    @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """Text -> token ids (no BOS/EOS added)."""
 
+    @abc.abstractmethod
     def detokenize(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+        """Token ids -> text (ids outside the vocabulary are dropped)."""
 
     @property
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        return self._vocab_size
 
     @property
     def eod(self) -> int:
-        raise NotImplementedError
+        return self._eod
 
     @property
     def eos(self) -> int:
-        return self.eod
+        return self._eod
 
     @property
     def pad(self) -> int:
         """Padding id; never produced by ``tokenize`` (``-1`` when the tokenizer has none)."""
-        raise NotImplementedError
+        return self._pad
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
@@ -129,25 +136,13 @@ class ByteTokenizer(Tokenizer):
     VOCAB_SIZE = 258
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(self.VOCAB_SIZE, self.EOD, self.PAD)
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.VOCAB_SIZE
-
-    @property
-    def eod(self) -> int:
-        return self.EOD
-
-    @property
-    def pad(self) -> int:
-        return self.PAD
 
 
 class NullTokenizer(Tokenizer):
@@ -162,7 +157,7 @@ class NullTokenizer(Tokenizer):
                 f"--vocab-size {vocab_size!r}: NullTokenizer needs a positive integer vocabulary size"
             )
         self._n = vocab_size
-        super().__init__(vocab_size=vocab_size)
+        super().__init__(vocab_size + 1, vocab_size, -1, vocab_size_arg=vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
         ids = []
@@ -183,18 +178,6 @@ class NullTokenizer(Tokenizer):
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._n + 1
-
-    @property
-    def eod(self) -> int:
-        return self._n
-
-    @property
-    def pad(self) -> int:
-        return -1
 
 
 def _missing_package(tokenizer_type: str, package: str) -> DataError:
@@ -230,31 +213,18 @@ class HFTokenizer(Tokenizer):
                 "tokenizer.json of a `tokenizers`/`transformers` fast tokenizer"
             ) from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        self._size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-        self._eod = next((vocab[t] for t in _HF_EOD_CANDIDATES if t in vocab), None)
-        if self._eod is None:
-            self._eod = self._size
-            self._size += 1
-        self._pad = next((vocab[t] for t in _HF_PAD_CANDIDATES if t in vocab), -1)
-        super().__init__(tokenizer_path=[os.path.abspath(file)])
+        size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        eod = next((vocab[t] for t in _HF_EOD_CANDIDATES if t in vocab), None)
+        if eod is None:
+            eod, size = size, size + 1
+        pad = next((vocab[t] for t in _HF_PAD_CANDIDATES if t in vocab), -1)
+        super().__init__(size, eod, pad, tokenizer_path=[os.path.abspath(file)])
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self._tok.get_vocab_size(True)])
-
-    @property
-    def vocab_size(self) -> int:
-        return self._size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -277,14 +247,11 @@ class SentencePieceTokenizer(Tokenizer):
                 f"--tokenizer-model {model_path}: not a SentencePiece model ({err}); pass the "
                 ".model file written by spm_train"
             ) from None
-        self._size = int(self._sp.vocab_size())
-        eos = int(self._sp.eos_id())
-        if eos < 0:
-            eos = self._size
-            self._size += 1
-        self._eod = eos
-        self._pad = int(self._sp.pad_id())
-        super().__init__(tokenizer_path=[os.path.abspath(file)])
+        size = int(self._sp.vocab_size())
+        eod = int(self._sp.eos_id())
+        if eod < 0:
+            eod, size = size, size + 1
+        super().__init__(size, eod, int(self._sp.pad_id()), tokenizer_path=[os.path.abspath(file)])
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._sp.encode(text))
@@ -292,18 +259,6 @@ class SentencePieceTokenizer(Tokenizer):
     def detokenize(self, ids: Iterable[int]) -> str:
         n = int(self._sp.vocab_size())
         return self._sp.decode([int(i) for i in ids if 0 <= int(i) < n])
-
-    @property
-    def vocab_size(self) -> int:
-        return self._size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
 
 def _existing_model_path(tokenizer_type: str, path: Optional[str], dir_file: str) -> str:
