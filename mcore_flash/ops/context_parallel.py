@@ -18,7 +18,7 @@ Two algorithms (``comm_type``):
 ``"p2p"`` -- ring attention (Megatron/TE ``cp_comm_type="p2p"``, MindSpeed
 ``megatron_cp_algo``). K/V blocks travel around the ring (rank r sends to r+1, receives
 from r-1) while the current block is computed: the send of the next block is posted
-(``isend``/``irecv``) before the kernel runs and waited after it. At step ``i`` rank ``r``
+(``batch_isend_irecv``) before the kernel runs and waited after it. At step ``i`` rank ``r``
 holds the K/V of rank ``src = (r - i) mod cp``; with ``c = s_local / 2`` and causal:
 
 * ``i == 0`` (own block): q ``[2c]`` x kv ``[2c]`` causal (the concatenation of chunks r and
@@ -195,11 +195,17 @@ class _Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def hop(self, send: Tensor, recv: Tensor, tag: int) -> list:
-        """Post ``send -> next`` and ``recv <- prev``; returns the requests to wait on."""
-        return [
-            dist.isend(send, dst=self.next, group=self.group, tag=tag),
-            dist.irecv(recv, src=self.prev, group=self.group, tag=tag),
-        ]
+        """Post ``send -> next`` and ``recv <- prev``; returns the requests to wait on.
+
+        One ``batch_isend_irecv`` per hop: NCCL/HCCL then run the pair as one group (a ring
+        of separately posted blocking sends could deadlock there); gloo runs it as is.
+        """
+        return dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, send, self.next, self.group, tag),
+                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+            ]
+        )
 
 
 def _wait(requests: list) -> None:

@@ -20,6 +20,14 @@ Megatron conventions kept exactly:
 * attention dropout is drawn inside ``get_cuda_rng_tracker().fork()`` when sequence
   parallel is off (as Megatron does): different per TP rank, replayed by recompute.
 
+Context parallelism (``context_parallel_size > 1``; the stock module refuses it): each rank
+holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` of the sequence (Megatron's
+``get_batch_on_this_cp_rank``; :mod:`mcore_flash.transformer.context_parallel` for the
+trainer), and :func:`mcore_flash.ops.context_parallel.context_parallel_attn_func` runs over
+Megatron's CP group (``pg_collection.cp``, else ``parallel_state``): ``cp_comm_type`` "p2p"
+(default; ring with K/V passing) or "a2a" (Ulysses; heads divisible by TP x CP). Causal and
+unmasked attention only (an explicit mask must be the causal one); no packed sequences.
+
 Differences from the stock module: causal is aligned bottom-right when ``sq != sk``
 (flash-attn >= 2.1; identical when ``sq == sk``), and a query row whose keys are all
 masked gives 0 (Megatron's -10000 fill gives a uniform average).
@@ -38,6 +46,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_flash.ops import backend_names, flash_attn_func, flash_attn_varlen_func
+from mcore_flash.ops.context_parallel import COMM_TYPES, context_parallel_attn_func, split_for_cp_rank
 
 Tensor = torch.Tensor
 
@@ -64,11 +73,14 @@ class FlashDotProductAttention(MegatronModule):
         tp_size = _tensor_parallel_size(pg_collection, kwargs.get("model_comm_pgs"))
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
         _check_heads(heads, groups, tp_size)
+        self.cp_group, self.cp_comm_type = None, None
         if config.context_parallel_size > 1:
-            raise ValueError(
-                f"context_parallel_size={config.context_parallel_size}: FlashDotProductAttention does not "
-                "implement context parallelism yet; use --context-parallel-size 1"
+            self.cp_comm_type = _check_cp_comm_type(cp_comm_type, config.context_parallel_size)
+            self.cp_group = _context_parallel_group(
+                pg_collection, kwargs.get("model_comm_pgs"), config.context_parallel_size
             )
+            if self.cp_comm_type == "a2a":
+                _check_a2a_heads(heads, groups, tp_size, config.context_parallel_size)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the fused kernel; use 'vanilla'")
         if getattr(config, "window_size", None) is not None:
@@ -103,6 +115,10 @@ class FlashDotProductAttention(MegatronModule):
         causal_type = (attn_mask_type or self.attn_mask_type) in _CAUSAL_TYPES
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout_p):
+            if self.cp_group is not None:
+                return self._context_parallel_forward(
+                    query, key, value, attention_mask, causal_type, dropout_p, packed_seq_params
+                )
             if packed_seq_params is not None:
                 return self._packed_forward(query, key, value, attention_mask, causal_type, dropout_p, packed_seq_params)
             return self._dense_forward(query, key, value, attention_mask, causal_type, dropout_p)
@@ -150,6 +166,42 @@ class FlashDotProductAttention(MegatronModule):
         )  # [t, np, hn]
         return out.reshape(out.shape[0], -1)
 
+    def _context_parallel_forward(self, query, key, value, attention_mask, causal_type, dropout_p, packed_seq_params):
+        """The sequence is split over the CP group (chunks r and 2cp-1-r of 2cp on rank r)."""
+        cp_size = self.cp_group.size()
+        if packed_seq_params is not None:
+            raise ValueError(
+                f"packed sequences (THD) are not supported with context parallelism "
+                f"(--context-parallel-size {cp_size}); use --context-parallel-size 1 for packed "
+                "batches, or feed unpacked [s, b] batches"
+            )
+        sq, b, np_, hn = query.shape
+        if key.shape[0] != sq:
+            raise ValueError(
+                f"context parallelism needs self-attention over one sequence: query has {sq} tokens "
+                f"per rank, key/value {key.shape[0]}"
+            )
+        if sq % 2:
+            raise ValueError(
+                f"{sq} tokens per context-parallel rank is odd: --seq-length must be divisible by "
+                f"2 x --context-parallel-size = {2 * cp_size} (split batches with "
+                "mcore_flash.transformer.context_parallel.get_batch_on_this_cp_rank)"
+            )
+        causal = _resolve_cp_mask(attention_mask, causal_type, b, sq, cp_size, self.cp_group.rank())
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        out = context_parallel_attn_func(
+            query.transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            self.cp_group,
+            causal=causal,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            comm_type=self.cp_comm_type,
+            backend=self.backend,
+        )  # [b, sq, np, hn]
+        return out.transpose(0, 1).reshape(sq, b, np_ * hn)
+
     def _dropout_rng(self, dropout_p: float):
         """Megatron's RNG scope for attention dropout (tracker fork unless sequence parallel)."""
         if dropout_p > 0 and not self.config.sequence_parallel:
@@ -181,6 +233,94 @@ def _check_heads(heads: int, groups: int, tp_size: int) -> None:
             f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp_size}) "
             "(or smaller than it, then key/value heads are replicated); change --num-query-groups"
         )
+
+
+def _check_cp_comm_type(cp_comm_type, cp_size: int) -> str:
+    """``None`` -> "p2p" (Megatron's default); only the algorithms we implement pass."""
+    if cp_comm_type is None:
+        return "p2p"
+    if cp_comm_type not in COMM_TYPES:
+        raise ValueError(
+            f"cp_comm_type={cp_comm_type!r} is not supported by FlashDotProductAttention with "
+            f"--context-parallel-size {cp_size}; use --cp-comm-type p2p (ring) or --cp-comm-type a2a (Ulysses)"
+        )
+    return cp_comm_type
+
+
+def _context_parallel_group(pg_collection, model_comm_pgs, cp_size: int):
+    """Megatron's CP group: ``pg_collection.cp`` (0.15+), ``model_comm_pgs.cp`` (0.13-0.14) or mpu."""
+    group = None
+    for groups in (pg_collection, model_comm_pgs):
+        group = getattr(groups, "cp", None)
+        if group is not None:
+            break
+    if group is None:
+        group = parallel_state.get_context_parallel_group(check_initialized=False)
+    if group is None:
+        raise ValueError(
+            f"context_parallel_size={cp_size} but no context-parallel process group exists: initialise "
+            f"megatron with initialize_model_parallel(context_parallel_size={cp_size}) "
+            f"(--context-parallel-size {cp_size}) or pass pg_collection with a cp group; "
+            "otherwise use --context-parallel-size 1"
+        )
+    if group.size() != cp_size:
+        raise ValueError(
+            f"context_parallel_size={cp_size} in the config but the context-parallel group has "
+            f"{group.size()} ranks; pass the same --context-parallel-size to the config and to "
+            "initialize_model_parallel"
+        )
+    return group
+
+
+def _check_a2a_heads(heads: int, groups: int, tp_size: int, cp_size: int) -> None:
+    """Ulysses splits each TP rank's heads over the CP ranks."""
+    if heads % (tp_size * cp_size):
+        raise ValueError(
+            f"--cp-comm-type a2a splits the attention heads over tensor x context parallel ranks: "
+            f"num_attention_heads ({heads}) must be divisible by --tensor-model-parallel-size x "
+            f"--context-parallel-size = {tp_size} x {cp_size}; change --num-attention-heads or "
+            "--context-parallel-size, or use --cp-comm-type p2p"
+        )
+    groups_per_rank = max(1, groups // tp_size)
+    if groups_per_rank % cp_size and cp_size % groups_per_rank:
+        raise ValueError(
+            f"--cp-comm-type a2a: {groups_per_rank} key/value heads per tensor-parallel rank can neither be "
+            f"split over nor replicated to --context-parallel-size {cp_size} ranks; change "
+            "--num-query-groups or --context-parallel-size, or use --cp-comm-type p2p"
+        )
+
+
+def _resolve_cp_mask(mask: Optional[Tensor], causal_type: bool, b: int, sq: int, cp_size: int, cp_rank: int) -> bool:
+    """Whether the context-parallel attention is causal; only masks the ring can honour pass.
+
+    ``None`` -> the mask type decides. Otherwise the mask must be the causal one: either the
+    whole ``[b|1, 1, S, S]`` mask, or its rows for this rank's tokens ``[b|1, 1, sq, S]`` (what
+    Megatron's ``get_batch_on_this_cp_rank`` leaves of it), with ``S = sq * cp``; an all-False
+    mask means no masking.
+    """
+    if mask is None:
+        return causal_type
+    total = sq * cp_size
+    shape_ok = mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == 1
+    if mask.dtype != torch.bool or not shape_ok or tuple(mask.shape[-2:]) not in ((sq, total), (total, total)):
+        raise ValueError(
+            f"attention_mask of dtype {mask.dtype} and shape {tuple(mask.shape)} cannot be honoured with "
+            f"context parallelism (--context-parallel-size {cp_size}): the ring computes causal or unmasked "
+            f"attention only, and accepts a bool causal mask [b|1, 1, {total}, {total}] or its rows for this "
+            f"rank [b|1, 1, {sq}, {total}]. Build batches without an attention mask (causal attn_mask_type), "
+            "or use --context-parallel-size 1 for arbitrary masks"
+        )
+    if not mask.any():
+        return False
+    positions = torch.arange(total, device=mask.device)
+    rows = positions if mask.shape[-2] == total else split_for_cp_rank(positions, 0, cp_size, cp_rank)
+    causal = positions.unsqueeze(0) > rows.unsqueeze(-1)
+    if bool((mask == causal).all()):
+        return True
+    raise ValueError(
+        f"attention_mask is neither causal nor empty: an arbitrary mask cannot be honoured with context "
+        f"parallelism (--context-parallel-size {cp_size}); use --context-parallel-size 1 for such masks"
+    )
 
 
 def _resolve_mask(

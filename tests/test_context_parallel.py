@@ -1,0 +1,477 @@
+"""Context parallelism (ring "p2p" and Ulysses "a2a") against the unsplit computation.
+
+Oracles: the same kernel on the whole sequence (CP=1, fp32) and the float64 naive oracle
+(tests/oracle.py) for the op; a CP=1 (TP=1) run of the same GPTModel for the model; Megatron's
+own ``get_batch_on_this_cp_rank`` for the batch split.
+
+Three spawns, each batching many checks (module-scoped fixtures): 1 process (the CP=1 GPT
+reference), 2 processes (op at CP=2 on the cpu and npu-double backends, comm/compute
+overlap, dropout replay, saved bytes; GPT at CP=2 with p2p and a2a) and 4 processes (op at
+CP=4; GPT at TP=2 x CP=2 with p2p and a2a).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import oracle
+from dist_utils import init_megatron, run_distributed, teardown_megatron
+from gpt_models import SEQ, batch, causal_mask, flash_gpt, full_grads, tiny_config
+
+B, S, HQ, HKV, D = 2, 32, 4, 2, 8
+TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 against fp32 CP=1 / float64
+CASES = [(backend, comm, causal) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for causal in (True, False)]
+GPT_COMMS = ("p2p", "a2a")
+
+
+def _inputs(dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, HQ, D, generator=generator, dtype=dtype)
+    k = torch.randn(B, S, HKV, D, generator=generator, dtype=dtype)
+    v = torch.randn(B, S, HKV, D, generator=generator, dtype=dtype)
+    dout = torch.randn(B, S, HQ, D, generator=generator, dtype=dtype)
+    return q, k, v, dout
+
+
+# ---- workers -------------------------------------------------------------------------------
+
+
+def _op_checks(rank, world_size, with_extras):
+    """Ring and Ulysses on the WORLD group (size = world_size) for every case in CASES."""
+    import torch.distributed as dist
+
+    import npu_double
+    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.ops.context_parallel import context_parallel_attn_func, split_for_cp_rank
+
+    double = npu_double.make_module()
+    sys.modules["torch_npu"] = double
+    group = dist.group.WORLD
+    q, k, v, dout = _inputs()
+
+    def local(x):
+        return split_for_cp_rank(x, 1, world_size, rank).detach().requires_grad_()
+
+    results, calls = {}, {}
+    for backend, comm, causal in CASES:
+        double.calls.clear()
+        ql, kl, vl = local(q), local(k), local(v)
+        out, lse = context_parallel_attn_func(
+            ql, kl, vl, group, causal=causal, comm_type=comm, backend=backend, return_lse=True
+        )
+        out.backward(split_for_cp_rank(dout, 1, world_size, rank))
+        results[backend, comm, causal] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
+        calls[backend, comm, causal] = [
+            (c["name"], c["sparse_mode"], c["mask_shape"], c["q_shape"][1], c["k_shape"][1], c["score_shape"])
+            for c in double.calls
+        ]
+    extras = _op_extras(rank, world_size, group, local, measure_saved_bytes) if with_extras else None
+    return results, calls, extras
+
+
+def _op_extras(rank, world_size, group, local, measure_saved_bytes):
+    """Communication/compute order, dropout replay, saved bytes (CP=2 worker only)."""
+    import torch.distributed as dist
+
+    from mcore_flash.ops import context_parallel as cpmod
+    from mcore_flash.ops.backends.cpu import CpuBackend
+
+    q, k, v, dout = _inputs()
+    events = []
+
+    class Recording(CpuBackend):
+        def forward(self, *args):
+            events.append("fwd")
+            return super().forward(*args)
+
+        def backward(self, *args):
+            events.append("bwd")
+            return super().backward(*args)
+
+    real_hop, real_wait = cpmod._Ring.hop, cpmod._wait
+    tags = {cpmod._KV_TAG: "send:kv", cpmod._DKV_TAG: "send:dkv"}
+    cpmod._Ring.hop = lambda self, send, recv, tag: events.append(tags[tag]) or real_hop(self, send, recv, tag)
+    cpmod._wait = lambda requests: events.append("wait") or real_wait(requests)
+    try:
+        ql, kl, vl = local(q), local(k), local(v)
+        out = cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, backend=Recording())
+        forward_events = list(events)
+        events.clear()
+        out.backward(split(dout, world_size, rank))
+        backward_events = list(events)
+    finally:
+        cpmod._Ring.hop, cpmod._wait = real_hop, real_wait
+
+    # dropout: the backward replays each block's mask -> gradient = directional derivative
+    q64, k64, v64, _ = _inputs(torch.float64, seed=3)
+    weight = split(torch.randn(B, S, HQ, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64), world_size, rank)
+    dirs = [split(x, world_size, rank) for x in _inputs(torch.float64, seed=5)[:3]]
+
+    def objective(xs, dropout_p=0.25):
+        torch.manual_seed(11)  # same dropout seeds on every call
+        out = cpmod.context_parallel_attn_func(
+            *xs, group, causal=True, dropout_p=dropout_p, backend="reference"
+        )
+        return out, (out * weight).sum()
+
+    xs = [local(x) for x in (q64, k64, v64)]
+    out_drop, value = objective(xs)
+    value.backward()
+    analytic = sum((x.grad * d).sum() for x, d in zip(xs, dirs)).detach()
+
+    def central_difference(eps):
+        with torch.no_grad():
+            plus = objective([x + eps * d for x, d in zip(xs, dirs)])[1]
+            minus = objective([x - eps * d for x, d in zip(xs, dirs)])[1]
+        return (plus - minus) / (2 * eps)
+
+    # Richardson-extrapolated central differences: the blocks' fp32 lse makes the merged
+    # output noisy at ~1e-7 relative, so a tiny eps would measure rounding, not the slope
+    numeric = (4 * central_difference(5e-3) - central_difference(1e-2)) / 3
+    with torch.no_grad():
+        out_plain = objective(xs, dropout_p=0.0)[0]
+    for t in (analytic, numeric):
+        dist.all_reduce(t, group=group)
+
+    ql, kl, vl = local(q), local(k), local(v)
+    _, saved = measure_saved_bytes(lambda: cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, backend="cpu"))
+    return dict(
+        forward_events=forward_events,
+        backward_events=backward_events,
+        dropout=(analytic.item(), numeric.item(), (out_drop - out_plain).abs().max().item()),
+        saved_bytes=saved.total,
+    )
+
+
+def split(x, world_size, rank):
+    from mcore_flash.ops.context_parallel import split_for_cp_rank
+
+    return split_for_cp_rank(x, 1, world_size, rank)
+
+
+def _gpt_run(tp, cp, comm, with_mask_check=False):
+    """Loss (global token mean), per-token losses (whole sequence), grads, saved bytes per rank."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.ops.context_parallel import gather_from_cp_ranks
+    from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
+
+    config = tiny_config(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), flash_gpt(config))
+    tokens, labels, positions = batch()
+    loss_mask = torch.ones(labels.shape)
+    local = get_batch_on_this_cp_rank(dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=positions))
+    losses, saved = measure_saved_bytes(
+        lambda: model(local["tokens"], local["position_ids"], None, labels=local["labels"]), model
+    )
+    num_tokens = loss_mask.sum()
+    # DDP averages gradients over data x context parallel ranks: scale by cp (Megatron's loss_func)
+    ((losses * local["loss_mask"]).sum() / num_tokens * cp).backward()
+    finalize_model_grads([model])
+    cp_group = parallel_state.get_context_parallel_group()
+    loss = (losses * local["loss_mask"]).sum().detach()
+    torch.distributed.all_reduce(loss, group=cp_group)
+    parts = [torch.empty_like(losses) for _ in range(cp)]
+    torch.distributed.all_gather(parts, losses.detach().contiguous(), group=cp_group)
+    result = dict(
+        loss=loss / num_tokens,
+        token_losses=gather_from_cp_ranks(parts, 1),
+        grads=full_grads(model),
+        saved_bytes=saved.total,
+    )
+    if with_mask_check:  # Megatron-split causal mask, whole causal mask, no mask: same logits
+        mask_rows = get_batch_on_this_cp_rank(dict(attention_mask=causal_mask()))["attention_mask"]
+        with torch.no_grad():
+            result["logits"] = [model(local["tokens"], local["position_ids"], m) for m in (None, mask_rows, causal_mask())]
+    return result
+
+
+def _w_reference(rank, world_size):
+    init_megatron(tp=1, cp=1)
+    try:
+        return _gpt_run(1, 1, None)
+    finally:
+        teardown_megatron()
+
+
+def _w_cp2(rank, world_size):
+    ops = _op_checks(rank, world_size, with_extras=True)
+    init_megatron(tp=1, cp=2)
+    try:
+        return ops, {comm: _gpt_run(1, 2, comm, with_mask_check=comm == "p2p") for comm in GPT_COMMS}
+    finally:
+        teardown_megatron()
+
+
+def _w_cp4_and_tp2_cp2(rank, world_size):
+    ops = _op_checks(rank, world_size, with_extras=False)
+    init_megatron(tp=2, cp=2)
+    try:
+        return ops, {comm: _gpt_run(2, 2, comm) for comm in GPT_COMMS}
+    finally:
+        teardown_megatron()
+
+
+@pytest.fixture(scope="module")
+def reference_run():
+    return run_distributed(_w_reference, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def cp2_run():
+    return run_distributed(_w_cp2, 2)
+
+
+@pytest.fixture(scope="module")
+def cp4_run():
+    return run_distributed(_w_cp4_and_tp2_cp2, 4)
+
+
+# ---- the op: CP=2 and CP=4 equal CP=1 and the float64 oracle ------------------------------
+
+
+def _unsplit_references(causal):
+    from mcore_flash.ops import flash_attn_func
+
+    q, k, v, dout = _inputs()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = flash_attn_func(*leaves, causal=causal, backend="cpu", return_lse=True)
+    out.backward(dout)
+    cp1 = (out.detach(), lse, *(x.grad for x in leaves))
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    out, lse = oracle.attention(*leaves, causal=causal)
+    out.backward(dout.double())
+    return cp1, (out.detach(), lse.detach(), *(x.grad for x in leaves))
+
+
+def _check_op(per_rank_results):
+    from mcore_flash.ops.context_parallel import gather_from_cp_ranks
+
+    names = ("out", "lse", "dq", "dk", "dv")
+    references = {causal: _unsplit_references(causal) for causal in (True, False)}
+    for case in CASES:
+        cp1, exact = references[case[2]]
+        for i, name in enumerate(names):
+            seq_dim = 2 if name == "lse" else 1
+            got = gather_from_cp_ranks([results[case][i] for results, _, _ in per_rank_results], seq_dim)
+            assert got.dtype == cp1[i].dtype
+            torch.testing.assert_close(got, cp1[i], **TOL, msg=f"{case} {name} vs CP=1")
+            torch.testing.assert_close(got.double(), exact[i].double(), **TOL, msg=f"{case} {name} vs float64")
+
+
+def _check_npu_calls(per_rank_results, cp):
+    """Diagonal: sparse_mode 3 + compressed mask; other blocks: no mask, half the rows or keys."""
+    local, half = S // cp, S // (2 * cp)
+    work = []
+    for rank, (_, calls, _) in enumerate(per_rank_results):
+        for name in ("npu_fusion_attention", "npu_fusion_attention_grad"):
+            got = [c[1:5] for c in calls["npu", "p2p", True] if c[0] == name]
+            expected = [(3, (2048, 2048), local, local)]
+            for step in range(1, cp):
+                src = (rank - step) % cp
+                expected.append((0, None, local, half) if src < rank else (0, None, half, local))
+            assert got == expected, (rank, name)
+            unmasked = [c[1:5] for c in calls["npu", "p2p", False] if c[0] == name]
+            assert unmasked == [(0, None, local, local)] * cp
+        a2a = [c[1:5] for c in calls["npu", "a2a", True]]
+        assert a2a == [(3, (2048, 2048), S, S)] * 2  # one fused call on the whole sequence
+        work.append(sum(c[5][-1] * c[5][-2] for c in calls["npu", "p2p", True] if c[0] == "npu_fusion_attention"))
+    assert len(set(work)) == 1, f"causal work per rank is unbalanced: {work}"
+
+
+def test_op_cp2_equals_cp1(cp2_run):
+    ops = [ops for ops, _ in cp2_run]
+    _check_op(ops)
+    _check_npu_calls(ops, cp=2)
+
+
+def test_op_cp4_equals_cp1(cp4_run):
+    ops = [ops for ops, _ in cp4_run]
+    _check_op(ops)
+    _check_npu_calls(ops, cp=4)
+
+
+def test_ring_overlaps_communication_with_compute(cp2_run):
+    for (_, _, extras), _ in cp2_run:
+        # forward: the next K/V block is in flight while this block is computed
+        assert extras["forward_events"] == ["send:kv", "fwd", "wait", "fwd"]
+        # backward: K/V ahead, dK/dV one hop behind (waited after the next block's kernel),
+        # and a last hop that delivers each rank its own complete dK/dV
+        assert extras["backward_events"] == ["send:kv", "bwd", "send:dkv", "wait", "bwd", "wait", "send:dkv", "wait"]
+
+
+def test_ring_replays_dropout_in_backward(cp2_run):
+    for (_, _, extras), _ in cp2_run:
+        analytic, numeric, dropped = extras["dropout"]
+        assert dropped > 0.1  # dropout is on
+        # a backward that replays another block's mask is off by tens of percent
+        assert analytic == pytest.approx(numeric, rel=1e-3)
+
+
+def test_op_saved_bytes_per_rank_are_half_at_cp2(cp2_run):
+    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.ops import flash_attn_func
+
+    q, k, v, _ = (x.requires_grad_() for x in _inputs())
+    _, saved = measure_saved_bytes(lambda: flash_attn_func(q, k, v, causal=True, backend="cpu"))
+    for (_, _, extras), _ in cp2_run:
+        assert extras["saved_bytes"] * 2 == saved.total  # q, k, v, out, lse: all per token
+
+
+# ---- the model: GPTModel (RoPE, GQA) under CP equals CP=1 -------------------------------------
+
+
+def _check_gpt(run, reference, what):
+    torch.testing.assert_close(run["loss"], reference["loss"], atol=1e-6, rtol=1e-6, msg=what)
+    torch.testing.assert_close(run["token_losses"], reference["token_losses"], atol=1e-5, rtol=1e-5, msg=what)
+    assert run["grads"].keys() == reference["grads"].keys()
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(run["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("comm", GPT_COMMS)
+def test_gpt_cp2_equals_cp1(cp2_run, reference_run, comm):
+    for _, gpt in cp2_run:
+        _check_gpt(gpt[comm], reference_run, f"cp2 {comm}")
+
+
+@pytest.mark.parametrize("comm", GPT_COMMS)
+def test_gpt_tp2_cp2_equals_tp1_cp1(cp4_run, reference_run, comm):
+    for _, gpt in cp4_run:
+        _check_gpt(gpt[comm], reference_run, f"tp2 x cp2 {comm}")
+
+
+def test_gpt_causal_masks_under_cp_take_the_causal_path(cp2_run):
+    for _, gpt in cp2_run:
+        no_mask, rows_mask, whole_mask = gpt["p2p"]["logits"]
+        torch.testing.assert_close(rows_mask, no_mask, atol=0, rtol=0)
+        torch.testing.assert_close(whole_mask, no_mask, atol=0, rtol=0)
+
+
+def test_gpt_saved_bytes_per_rank_about_half_at_cp2(cp2_run, reference_run):
+    for _, gpt in cp2_run:
+        for comm in GPT_COMMS:
+            ratio = gpt[comm]["saved_bytes"] / reference_run["saved_bytes"]
+            assert 0.45 <= ratio <= 0.55, (comm, ratio)
+
+
+# ---- the batch helper -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_batch_helper_matches_megatron_split(monkeypatch, cp):
+    import megatron.core.utils as mutils
+
+    from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
+
+    monkeypatch.setattr(mutils, "get_pg_size", lambda group=None: group.size())
+    monkeypatch.setattr(mutils, "get_pg_rank", lambda group=None: group.rank())
+    tokens, labels, positions = batch(seq=SEQ)
+    full = dict(
+        tokens=tokens, labels=labels, loss_mask=torch.rand(labels.shape), position_ids=positions,
+        attention_mask=causal_mask(), unused=None,
+    )  # fmt: skip
+    for rank in range(cp):
+        group = types.SimpleNamespace(size=lambda: cp, rank=lambda r=rank: r)
+        ours = get_batch_on_this_cp_rank(full, group)
+        theirs = mutils.get_batch_on_this_cp_rank(dict(full), cp_group=group)
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if value is None:
+                assert ours[key] is None
+            else:
+                assert torch.equal(ours[key], value), (rank, key)
+        assert ours["tokens"].shape[1] == SEQ // cp
+        assert ours["position_ids"][0].tolist()[: SEQ // (2 * cp)] == list(range(rank * SEQ // (2 * cp), (rank + 1) * SEQ // (2 * cp)))
+
+
+def test_batch_helper_rejects_length_not_divisible():
+    from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
+
+    with pytest.raises(ValueError, match="--seq-length as a multiple of 8"):
+        get_batch_on_this_cp_rank({"tokens": torch.zeros(2, 36, dtype=torch.long)}, cp_size=4, cp_rank=1)
+
+
+# ---- bad input (no process group needed: every check runs before communication) -----------
+
+
+def _fake_group(size, rank=0):
+    return types.SimpleNamespace(size=lambda: size, rank=lambda: rank)
+
+
+def _cp_attention(cp=2, tp=1, comm=None, **overrides):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcore_flash.transformer import FlashDotProductAttention
+
+    pg = types.SimpleNamespace(tp=_fake_group(tp), cp=_fake_group(cp))
+    config = tiny_config(context_parallel_size=cp, **overrides)
+    return FlashDotProductAttention(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, cp_comm_type=comm, pg_collection=pg
+    )
+
+
+def test_unsupported_cp_comm_type_names_the_flag():
+    with pytest.raises(ValueError, match="--cp-comm-type p2p"):
+        _cp_attention(comm="all_gather")
+
+
+def test_a2a_heads_not_divisible_by_tp_times_cp():
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size x --context-parallel-size = 1 x 8"):
+        _cp_attention(cp=8, comm="a2a")
+    with pytest.raises(ValueError, match="--num-query-groups"):
+        _cp_attention(cp=2, comm="a2a", num_attention_heads=6, num_query_groups=3, kv_channels=16)
+    _cp_attention(cp=8, comm="p2p")  # the ring has no such limit
+
+
+def test_a2a_op_heads_not_divisible():
+    from mcore_flash.ops.context_parallel import context_parallel_attn_func
+
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="divisible by the context-parallel size"):
+        context_parallel_attn_func(q, k, v, _fake_group(3), comm_type="a2a", backend="cpu")
+
+
+def test_cp_group_size_must_match_config():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcore_flash.transformer import FlashDotProductAttention
+
+    pg = types.SimpleNamespace(tp=_fake_group(1), cp=_fake_group(4))
+    with pytest.raises(ValueError, match="same --context-parallel-size"):
+        FlashDotProductAttention(tiny_config(context_parallel_size=2), 1, AttnMaskType.causal, pg_collection=pg)
+
+
+def test_odd_local_length_names_seq_length():
+    attention = _cp_attention(cp=2)
+    q, k = torch.randn(7, 1, 4, 16), torch.randn(7, 1, 2, 16)
+    with pytest.raises(ValueError, match="--seq-length must be divisible by 2 x --context-parallel-size = 4"):
+        attention(q, k, k, None)
+
+
+def test_arbitrary_mask_is_refused_under_cp():
+    attention = _cp_attention(cp=2)
+    q, k = torch.randn(8, 2, 4, 16), torch.randn(8, 2, 2, 16)
+    padding = torch.zeros(2, 1, 8, 16, dtype=torch.bool)
+    padding[1, ..., 12:] = True
+    with pytest.raises(ValueError, match="neither causal nor empty.*--context-parallel-size 1"):
+        attention(q, k, k, padding)
+    with pytest.raises(ValueError, match="cannot be honoured.*--context-parallel-size 1"):
+        attention(q, k, k, torch.zeros(1, 1, 8, 8, dtype=torch.bool))  # a local-only mask
+
+
+def test_packed_sequences_are_refused_under_cp():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attention = _cp_attention(cp=2)
+    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    with pytest.raises(ValueError, match="packed sequences .*--context-parallel-size 1"):
+        attention(q, k, k, None, packed_seq_params=params)
