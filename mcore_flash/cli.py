@@ -11,6 +11,8 @@ COMMANDS = {
     "preprocess": ("mcore_flash.data.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
     "plan": ("mcore_flash.planning.cli", "per-device memory plan for a model, sequence length and layout"),
     "bench-attention": ("mcore_flash.benchmarks.attention", "fwd+bwd time and saved bytes of attention implementations"),
+    "bench-recompute": ("mcore_flash.benchmarks.recompute", "saved bytes and time of the recompute modes"),
+    "bench-cp": ("mcore_flash.benchmarks.context_parallel", "per-rank time and saved bytes of context parallelism"),
 }
 
 

@@ -46,19 +46,23 @@ def _pretrain(save_dir, *extra, world_size=1):
 
 
 def test_data_parallel_with_distributed_optimizer_matches_one_process(tmp_path):
+    """DP=2 with the distributed optimizer, interrupted at 2 and resumed, = one process."""
     one = _pretrain(tmp_path / "dp1", "--train-iters", "4")
-    two = _pretrain(tmp_path / "dp2", "--train-iters", "4", "--use-distributed-optimizer", world_size=2)
+    dp2 = ["--train-iters", "4", "--use-distributed-optimizer"]
+    _pretrain(tmp_path / "dp2", *dp2, "--exit-interval", "2", world_size=2)
+    two = _pretrain(tmp_path / "dp2", *dp2, "--load", str(tmp_path / "dp2"), world_size=2)
     assert one.keys() == two.keys() == {1, 2, 3, 4}
     assert two == pytest.approx(one, abs=2e-5)
     assert one[4] < one[1]  # it trains
 
 
-def test_resume_matches_uninterrupted_run_and_reshards_to_tp_sp_and_pp(tmp_path):
+def test_resume_matches_uninterrupted_run_and_reshards_to_tp_sp_pp_and_cp(tmp_path):
     straight = _pretrain(tmp_path / "straight", "--train-iters", "4", "--save-interval", "100")
     first = tmp_path / "resumed"
     _pretrain(first, "--train-iters", "4", "--exit-interval", "2")  # same schedule, stopped at 2
     shutil.copytree(first, tmp_path / "tp2", ignore=shutil.ignore_patterns("metrics.jsonl"))
     shutil.copytree(first, tmp_path / "pp2", ignore=shutil.ignore_patterns("metrics.jsonl"))
+    shutil.copytree(first, tmp_path / "cp2", ignore=shutil.ignore_patterns("metrics.jsonl"))
     resumed = _pretrain(first, "--train-iters", "4", "--load", str(first))
     assert resumed[3] == straight[3] and resumed[4] == straight[4]  # exact, not approximate
     tp2 = _pretrain(
@@ -69,7 +73,11 @@ def test_resume_matches_uninterrupted_run_and_reshards_to_tp_sp_and_pp(tmp_path)
         tmp_path / "pp2", "--train-iters", "4", "--load", str(tmp_path / "pp2"),
         "--pipeline-model-parallel-size", "2", world_size=2,
     )  # fmt: skip
-    for other in (tp2, pp2):
+    cp2 = _pretrain(
+        tmp_path / "cp2", "--train-iters", "4", "--load", str(tmp_path / "cp2"),
+        "--context-parallel-size", "2", world_size=2,
+    )  # fmt: skip
+    for other in (tp2, pp2, cp2):
         assert {k: other[k] for k in (3, 4)} == pytest.approx({k: straight[k] for k in (3, 4)}, abs=2e-5)
 
 
@@ -173,3 +181,16 @@ def test_dry_run_llama2_70b_counts_parameters_on_meta_device():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "total parameters: 68,976,648,192" in result.stdout
     assert "FITS" in result.stdout  # the planner's verdict for this layout
+
+
+def test_70b_recipe_script_dry_run_fits_64gb():
+    """scripts/pretrain_70b.sh --dry-run: validates the cluster flags for 256 ranks, counts
+    parameters on the meta device and asks the planner whether the layout fits 64 GB."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_70b.sh")
+    result = subprocess.run(
+        ["bash", script, "--dry-run"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHON": sys.executable},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "total parameters: 68,976,648,192" in result.stdout
+    assert "FITS" in result.stdout and "of 64.00 GiB" in result.stdout

@@ -90,10 +90,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, padded_vocab_size: i
             f"to {padded_vocab_size} (padding is a multiple of --make-vocab-size-divisible-by x TP); choose "
             "--make-vocab-size-divisible-by so both layouts pad alike"
         )
+    _materialise_optimizer_state(optimizer)
     state = _sharded_state(model, optimizer, scheduler, iteration, 0, padded_vocab_size, True)
     loaded = dist_checkpointing.load(state, path)
     _unwrap(model).load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
     if os.path.exists(rng_file):  # a run resumed on another world size draws fresh RNG streams
@@ -105,17 +108,51 @@ def _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, pad
     model_state = _unwrap(model).sharded_state_dict()
     return {
         "model": model_state,
-        # 'fully_reshardable': the distributed optimizer's state in the canonical per-parameter
-        # form, so a checkpoint reloads under another TP/PP/DP layout (megatron 0.16's default
-        # format is refused by its own dist_checkpointing)
+        # The distributed optimizer's 'dp_reshardable' format: megatron 0.16's default format is
+        # refused by its own dist_checkpointing, and 'fully_reshardable' cannot load without
+        # apex/TE (it drops torch Adam's per-parameter 'step'). So a distributed-optimizer
+        # run resumes with any DP size but the same TP/PP; the plain optimizer reshards freely.
         "optimizer": optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
         ),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "padded_vocab_size": padded_vocab_size,
     }
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer its Adam state before loading into it.
+
+    Its state dict needs the per-parameter state (and its ``step``), which torch's Adam only
+    creates at the first step; megatron's own helper takes one zero-gradient step, whose
+    values the load then overwrites in place (the scheduler's lr is 0 before warm-up, so
+    the parameters do not move).
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(inner, "_init_optimizer_states_with_dummy_values") and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(optimizer, loaded_state: dict) -> None:
+    """Set each parameter's torch-Adam ``step`` from the checkpoint, as its own tensor.
+
+    Without apex/TE, megatron 0.16's distributed optimizer saves the step count in its param
+    groups but does not put it back into torch Adam's per-parameter state on load (and where
+    it does, one tensor is shared by every parameter, which torch then advances once per
+    parameter): either way Adam's bias correction after a resume would be wrong.
+    """
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [loaded_state] if len(inners) == 1 else [loaded_state[i] for i in range(len(inners))]
+    for inner, state in zip(inners, states):
+        groups = state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []
+        steps = {group["step"] for group in groups if "step" in group}
+        if not hasattr(inner, "_init_optimizer_states_with_dummy_values") or len(steps) != 1:
+            continue  # the plain optimizer restores torch's own state dict, steps included
+        step = float(steps.pop())
+        for param_state in inner.optimizer.state.values():
+            param_state["step"] = torch.tensor(step)
 
 
 def _unwrap(model):

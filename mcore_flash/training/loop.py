@@ -22,6 +22,7 @@ from mcore_flash.training import checkpointing
 from mcore_flash.training.data import build_train_dataset, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
 from mcore_flash.training.model import build_model, count_parameters, transformer_config
+from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
 
 class TrainingDiverged(RuntimeError):
@@ -144,15 +145,16 @@ def train(args) -> dict:
 
 
 def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
     device = platform.torch_device()
-    batch = {key: value.to(device) for key, value in batch.items()}
+    batch = {key: value.to(device) for key, value in next(data_iterator).items()}
+    batch = get_batch_on_this_cp_rank(batch)  # chunks r and 2cp-1-r of the sequence (no-op at CP=1)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
 def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Sum of masked token losses and the token count (megatron divides by the total)."""
+    """Sum of masked token losses and the token count of this rank's tokens (megatron
+    all-reduces the count over data x context parallel ranks and divides by the total)."""
     mask = loss_mask.reshape(-1).float()
     loss = (per_token_loss.float().reshape(-1) * mask).sum()
     tokens = mask.sum().to(torch.int)
