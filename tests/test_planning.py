@@ -115,7 +115,7 @@ def _w_measure(rank, world_size, cases, meta_models):
         teardown_megatron()
 
 
-def _predict(case, tp):
+def _predict(case, tp, cp=1):
     profile = PROFILES["cpu"].with_(
         attention=case["attention"],
         swiglu_fused=case["extra"].get("use_te_activation_func", False),
@@ -124,6 +124,7 @@ def _predict(case, tp):
     )
     kwargs = dict(
         tp=tp,
+        cp=cp,
         sequence_parallel=case["sp"],
         recompute=case["recompute"],
         profile=profile,
@@ -160,6 +161,46 @@ def _check_case(case, measured, tp, table):
         _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']} tp{tp}: {module}")
     _close(sum_terms(layer), sum(per_layer.values()), f"{case['name']} tp{tp}: layer total")
     table.append((f"tp{tp} {case['name']}", float(sum_terms(layer)), sum(per_layer.values())))
+
+
+CP2_CASES = [_case(f"cp2-{mode}", recompute=mode) for mode in RECOMPUTE] + [
+    _case("cp2-fused-swiglu", use_te_activation_func=True)
+]
+
+
+def _w_measure_cp(rank, world_size, cases):
+    """Per case at CP=2: this rank's (per_layer, by_module, total) on its half of the tokens."""
+    init_megatron(cp=world_size)
+    try:
+        from mcore_flash.memory import measure_activation_bytes
+        from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
+
+        out = {}
+        for case in cases:
+            case = dict(case, extra=dict(case["extra"], context_parallel_size=world_size))
+            model = _build(case, 1).train()
+            generator = torch.Generator().manual_seed(3)
+            tokens = torch.randint(0, VOCAB, (case["b"], case["s"]), generator=generator)
+            batch = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": torch.arange(case["s"]).expand_as(tokens)})
+            saved = measure_activation_bytes(model, batch["tokens"], batch["position_ids"], None, labels=batch["tokens"])
+            out[case["name"]] = (saved.per_layer(), saved.by_module, saved.total)
+        return out
+    finally:
+        teardown_megatron()
+
+
+def test_predicted_activation_bytes_match_measured_under_context_parallel():
+    """CP=2: each rank keeps the terms of s/2 tokens (ring attention keeps local q, k, v, out, lse)."""
+    for rank_result in run_distributed(_w_measure_cp, 2, CP2_CASES, timeout=300):
+        for case in CP2_CASES:
+            per_layer, modules, _ = rank_result[case["name"]]
+            layer, _ = _predict(case, 1, cp=2)
+            if case["recompute"] == "full":
+                assert per_layer == {} and modules["decoder"] >= case["shape"].num_layers * sum_terms(layer)
+                continue
+            predicted = by_module(layer)
+            for module in set(predicted) | set(per_layer):
+                _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}")
 
 
 @pytest.fixture(scope="module")
