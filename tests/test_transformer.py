@@ -207,7 +207,8 @@ def test_query_groups_not_dividing_heads():
         _attention(tp_size=1, num_attention_heads=4, num_query_groups=3, kv_channels=16)
 
 
-def test_context_parallel_not_yet_supported():
+def test_context_parallel_without_a_cp_group_is_refused():
+    """CP > 1 needs megatron's CP process group (initialize_model_parallel(context_parallel_size=...))."""
     with pytest.raises(ValueError, match="--context-parallel-size 1"):
         _attention(context_parallel_size=2)
 
