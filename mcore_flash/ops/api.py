@@ -55,6 +55,24 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def resolve_call(
+    q: Tensor,
+    causal: bool,
+    softmax_scale: Optional[float],
+    dropout_p: float,
+    backend: Union[str, AttentionBackend, None],
+    attn_mask: Optional[Tensor] = None,
+) -> tuple[AttentionBackend, AttentionParams]:
+    """The backend and the checked :class:`AttentionParams` of one attention call."""
+    params = AttentionParams(
+        causal=bool(causal),
+        softmax_scale=checks.resolve_scale(softmax_scale, q.shape[-1]),
+        dropout_p=checks.check_dropout(dropout_p),
+        attn_mask=attn_mask,
+    )
+    return get_backend(backend, q.device.type), params
+
+
 def flash_attn_func(
     q: Tensor,
     k: Tensor,
@@ -87,13 +105,7 @@ def flash_attn_func(
     """
     checks.check_qkv(q, k, v, packed=False)
     checks.check_attn_mask(attn_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-    params = AttentionParams(
-        causal=bool(causal),
-        softmax_scale=checks.resolve_scale(softmax_scale, q.shape[-1]),
-        dropout_p=checks.check_dropout(dropout_p),
-        attn_mask=attn_mask,
-    )
-    impl = get_backend(backend, q.device.type)
+    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, attn_mask)
     impl.check_inputs(q, k, v, params)
     out, lse = _FlashAttnFunction.apply(q, k, v, impl, params)
     return (out, lse) if return_lse else out
@@ -133,12 +145,7 @@ def flash_attn_varlen_func(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
             f"got {len(cu_q) - 1} and {len(cu_k) - 1}"
         )
-    params = AttentionParams(
-        causal=bool(causal),
-        softmax_scale=checks.resolve_scale(softmax_scale, q.shape[-1]),
-        dropout_p=checks.check_dropout(dropout_p),
-    )
-    impl = get_backend(backend, q.device.type)
+    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend)
     impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
     out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_q, cu_k, impl, params)
     return (out, lse) if return_lse else out

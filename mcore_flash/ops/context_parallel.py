@@ -62,8 +62,8 @@ import torch
 import torch.distributed as dist
 
 from . import checks
-from .api import _FlashAttnFunction, flash_attn_func
-from .backends import AttentionBackend, AttentionParams, get_backend
+from .api import _FlashAttnFunction, flash_attn_func, resolve_call
+from .backends import AttentionBackend, AttentionParams
 
 Tensor = torch.Tensor
 
@@ -167,12 +167,7 @@ def context_parallel_attn_func(
             f"local sequence length {q.shape[1]} is odd: each context-parallel rank holds two equal "
             f"chunks, so the total length must be divisible by 2 * cp = {2 * cp_size}"
         )
-    params = AttentionParams(
-        causal=bool(causal),
-        softmax_scale=checks.resolve_scale(softmax_scale, q.shape[-1]),
-        dropout_p=checks.check_dropout(dropout_p),
-    )
-    impl = get_backend(backend, q.device.type)
+    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend)
     impl.check_inputs(q, k, v, params)
     if comm_type == "a2a":
         out, lse = _ulysses(q, k, v, group, impl, params)
