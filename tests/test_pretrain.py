@@ -45,6 +45,36 @@ def _pretrain(save_dir, *extra, world_size=1):
     return _losses(str(save_dir))
 
 
+def _w_built_in_dataset(rank, world_size, save_dir):
+    """Build the built-in dataset with a slow writer; return (prefix, writes on this rank)."""
+    import types
+
+    import torch.distributed as dist
+
+    import mcore_flash.data.synthetic as synthetic
+    from mcore_flash.training.data import _built_in_dataset
+
+    writes, write = [], synthetic.write_synthetic_dataset
+
+    def slow_write(*args, **kwargs):  # widen the window in which a second writer would race
+        writes.append(args[0])
+        time.sleep(1.0)
+        return write(*args, **kwargs)
+
+    synthetic.write_synthetic_dataset = slow_write
+    args = types.SimpleNamespace(save=save_dir, seq_length=64, seed=5)
+    prefix = _built_in_dataset(args)
+    dist.barrier()
+    return prefix, len(writes)
+
+
+def test_built_in_dataset_is_written_by_rank_0_only(tmp_path):
+    """Ranks sharing --save never write the built-in dataset concurrently (CI race, stop 8)."""
+    (p0, w0), (p1, w1) = run_distributed(_w_built_in_dataset, 2, str(tmp_path), timeout=120)
+    assert p0 == p1 and (w0, w1) == (1, 0)
+    assert os.path.getsize(p0 + ".bin") == 4096 * 64 * 2  # uint16 tokens, complete
+
+
 def test_data_parallel_with_distributed_optimizer_matches_one_process(tmp_path):
     """DP=2 with the distributed optimizer, interrupted at 2 and resumed, = one process."""
     one = _pretrain(tmp_path / "dp1", "--train-iters", "4")

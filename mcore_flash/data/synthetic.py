@@ -175,9 +175,14 @@ def synthetic_dataset(
     seed: int,
     key_length: Optional[int] = None,
     distance: Optional[int] = None,
+    *,
+    create: bool = True,
 ) -> tuple[str, LongRangeTask]:
     """The prefix of the synthetic dataset for these settings under ``directory``, written
-    if it is not there yet (or is damaged). Returns ``(prefix, task)`` for ``--data-path``."""
+    if it is not there yet (or is damaged). Returns ``(prefix, task)`` for ``--data-path``.
+
+    ``create=False``: only look; raise DataError if the dataset is missing or damaged (the
+    non-writing ranks of a distributed run, which must not race the writer)."""
     from mcore_flash.data.indexed import check_indexed_dataset
 
     task = make_task(seq_length, key_length, distance)
@@ -190,6 +195,11 @@ def synthetic_dataset(
         ok = summary.num_sequences == num_docs and summary.num_tokens == num_docs * seq_length
     except DataError:
         ok = False
+    if not ok and not create:
+        raise DataError(
+            f"synthetic dataset {prefix}: missing or incomplete on this rank after rank 0 wrote it; "
+            "--save must be a directory every rank shares (or pass --data-path / --mock-data)"
+        )
     if not ok:
         write_synthetic_dataset(prefix, num_docs, seq_length, seed, task.key_length, task.distance)
     return prefix, task

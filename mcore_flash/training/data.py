@@ -34,9 +34,7 @@ def build_train_dataset(args, tokenizer):
 
     data_path, split = args.data_path, args.split
     if not data_path and not args.mock_data:
-        data_dir = os.path.join(args.save, "data")
-        prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, args.seq_length, seed=args.seed)
-        data_path, split = [prefix], "100,0,0"
+        data_path, split = [_built_in_dataset(args)], "100,0,0"
     train, _, _ = build_datasets(
         data_path,
         args.mock_data,
@@ -50,6 +48,21 @@ def build_train_dataset(args, tokenizer):
         cache_dir=args.data_cache_path or os.path.join(args.save, "data", "cache"),
     )
     return train
+
+
+def _built_in_dataset(args) -> str:
+    """Prefix of the built-in long-range task under ``--save``/data: global rank 0 writes it
+    (if absent), then every other rank checks it, so no two ranks write the same files."""
+    data_dir = os.path.join(args.save, "data")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    writer = not distributed or torch.distributed.get_rank() == 0
+    if writer:
+        prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, args.seq_length, seed=args.seed)
+    if distributed:
+        torch.distributed.barrier()
+    if not writer:
+        prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, args.seq_length, seed=args.seed, create=False)
+    return prefix
 
 
 def micro_batches(dataset, args, consumed_samples: int, dp_rank: int, dp_size: int) -> Iterator[dict]:
