@@ -23,17 +23,21 @@ from mcore_flash.planning import (
     ModelShape,
     by_module,
     compare_standard,
+    forward_flops,
     korthikanti_model,
     korthikanti_table2,
     layer_terms,
     non_layer_terms,
     plan_for_recipe,
     plan_memory,
+    recompute_overhead,
     stage_parameters,
+    step_flops,
     sum_terms,
     total_parameters,
 )
 from mcore_flash.planning.cli import main as plan_main
+from mcore_flash.planning.flops import FUSED_ATTENTION_BACKWARD
 
 TOL = 0.02
 RECOMPUTE = {
@@ -109,10 +113,30 @@ def _w_measure(rank, world_size, cases, meta_models):
             saved = measure_activation_bytes(model, tokens, positions, None, labels=tokens)
             out["cases"][case["name"]] = (saved.per_layer(), saved.by_module, saved.total)
             out["params"].setdefault(case["shape"].name, sum(p.numel() for p in model.parameters()))
+            if case["recompute"] == "none" and case["dtype"] == "fp32" and case["attention"] == "fused":
+                out.setdefault("flops", {})[case["name"]] = _count_gemm_flops(model, tokens, positions)
         out["meta"] = {name: meta_parameter_count(name, tp=world_size) for name in meta_models}
         return out
     finally:
         teardown_megatron()
+
+
+def _count_gemm_flops(model, tokens, positions):
+    """torch's FlopCounterMode over one fwd+bwd: the FLOPs of each leaf linear (by module name,
+    forward and backward) and of the whole step, attention-kernel ops left out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, positions, None, labels=tokens).mean().backward()
+    per_module, step = {}, 0
+    for module, ops in counter.get_flop_counts().items():
+        gemms = sum(n for op, n in ops.items() if "scaled_dot_product" not in str(op))
+        if module == "Global":
+            step = gemms
+        elif module.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")):
+            per_module[module] = gemms
+    model.zero_grad()
+    return per_module, step
 
 
 def _predict(case, tp, cp=1):
@@ -228,6 +252,47 @@ def test_attention_recompute_keeps_only_the_layer_input(measured):
     per_layer = measured[0]["cases"]["attention"][0]
     assert not any(k.startswith(("self_attention", "input_layernorm")) for k in per_layer), per_layer
     assert per_layer["<layer>"] == 256 * 2 * 64 * 4
+
+
+def test_flop_model_matches_torch_flop_counter(measured):
+    """Projection, MLP and logit FLOPs (forward x 3 for fwd+bwd) = torch's count of the real
+    model's matmuls; the attention-kernel terms = torch's own SDPA counts, causal half."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    counted = measured[0]["flops"]
+    assert {"none", "odd-none"} <= set(counted)
+    for case in TP1_CASES:
+        if case["name"] not in counted:
+            continue
+        shape, s, b = case["shape"], case["s"], case["b"]
+        per_module, step = counted[case["name"]]
+        predicted = forward_flops(shape, s, b)
+        group = lambda *names: sum(n for m, n in per_module.items() if m.endswith(names))  # noqa: E731
+        assert group("linear_qkv", "linear_proj") == 3 * shape.num_layers * predicted["attention_projections"]
+        assert group("linear_fc1", "linear_fc2") == 3 * shape.num_layers * predicted["mlp"]
+        assert group("output_layer") == 3 * predicted["logits"]
+        kernel_step = (1 + FUSED_ATTENTION_BACKWARD) * shape.num_layers * predicted["attention_kernel"]
+        assert step == b * step_flops(shape, s) - kernel_step
+
+        a, g, d = shape.num_attention_heads, shape.num_query_groups, shape.head_dim
+        q, kv = (b, a, s, d), (b, g, s, d)
+        assert sdpa_flop_count(q, kv, kv) == 2 * predicted["attention_kernel"]  # no causal skip
+        assert sdpa_backward_flop_count(q, q, kv, kv) == FUSED_ATTENTION_BACKWARD * sdpa_flop_count(q, kv, kv)
+
+
+def test_recompute_overhead_by_mode():
+    """Each mode adds one forward of what it recomputes; at long s the kernel dominates."""
+    fl = forward_flops("llama2-70b", 131072)
+    step = step_flops("llama2-70b", 131072)
+    full = recompute_overhead("llama2-70b", 131072, "full")
+    assert full == pytest.approx(80 * (fl["attention_projections"] + fl["attention_kernel"] + fl["mlp"]) / step)
+    assert 0 < recompute_overhead("llama2-70b", 131072, "core_attention") < recompute_overhead(
+        "llama2-70b", 131072, "attention"
+    ) < full < 1 / 3
+    assert recompute_overhead("llama2-70b", 131072, "full", fused_attention=False) == pytest.approx(1 / 3, rel=0.02)
+    assert recompute_overhead("llama2-70b", 4096, "attention") < recompute_overhead("llama2-70b", 131072, "attention")
+    with pytest.raises(ValueError, match="recompute 'selective'"):
+        recompute_overhead("llama2-70b", 4096, "selective")
 
 
 def test_parameter_counts_match_megatron(measured):

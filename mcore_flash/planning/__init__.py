@@ -24,7 +24,7 @@ from .activations import (
     sum_terms,
 )
 from .compare import compare_standard
-from .flops import forward_flops, pipeline_bubble, recompute_overhead
+from .flops import forward_flops, pipeline_bubble, recompute_overhead, step_flops
 from .models import MODELS, ModelShape, get_model
 from .parameters import (
     layer_parameters,
@@ -70,6 +70,7 @@ __all__ = [
     "recompute_overhead",
     "search_layouts",
     "stage_parameters",
+    "step_flops",
     "sum_terms",
     "total_parameters",
 ]

@@ -405,7 +405,7 @@ def plan_memory(
         stages=stages,
         layer_terms=terms,
         device_memory=None if device_memory is None else parse_bytes(device_memory),
-        recompute_overhead=recompute_overhead(m, seq_length, lay.recompute),
+        recompute_overhead=recompute_overhead(m, seq_length, lay.recompute, prof.attention != "standard"),
         pipeline_bubble=pipeline_bubble(lay.pp, lay.num_microbatches, lay.vp),
         notes=notes,
     )
