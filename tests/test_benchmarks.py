@@ -1,0 +1,81 @@
+"""The benchmark commands run end to end on tiny shapes and report what they measure exactly.
+
+Timings are not asserted (they belong in docs/benchmarks.md); byte counts, call counts and
+gradient agreement are deterministic and checked against independent numbers: q + k + v +
+out + lse computed from the shapes, the layer input, torch's gradients without recompute.
+Each benchmark runs in a subprocess (they set up their own process groups).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+MIB = 2**20
+
+
+def _bench(command: str, *argv: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "mcore_flash.cli", command, *argv], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.strip(), "progress goes to stderr"
+    return result.stdout
+
+
+def _rows(table: str, first_column: str) -> list[list[str]]:
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in table.splitlines()
+        if line.startswith(f"| {first_column} ")
+    ]
+
+
+def test_bench_attention_saves_exactly_qkv_out_lse():
+    b, heads, kv_heads, d, s = 1, 4, 2, 64, 1024
+    out = _bench(
+        "bench-attention", "--seq-lengths", str(s), "--heads", str(heads), "--kv-heads", str(kv_heads),
+        "--head-dim", str(d), "--repeats", "1", "--threads", "1", "--impls", "stock,cpu,reference",
+    )  # fmt: skip
+    rows = {row[0]: row for row in _rows(out, "stock") + _rows(out, "cpu") + _rows(out, "reference")}
+    expected = 4 * b * s * d * (2 * heads + 2 * kv_heads) + 4 * b * heads * s  # fp32 q, out, k, v; lse
+    for impl in ("cpu", "reference"):
+        assert float(rows[impl][3]) == round(expected / MIB, 1), rows[impl]
+    assert float(rows["stock"][3]) > 4 * float(rows["cpu"][3])  # keeps the [b, h, s, s] probabilities
+
+
+def test_bench_recompute_reports_bytes_calls_and_exact_gradients():
+    out = _bench(
+        "bench-recompute", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "128",
+        "--seq-lengths", "64,128", "--repeats", "1",
+    )  # fmt: skip
+    rows = {(row[0], int(row[1])): row for mode in ("none", "attention", "full") for row in _rows(out, mode)}
+    assert len(rows) == 6
+    for (mode, s), row in rows.items():
+        assert row[9].endswith("(0)")  # the fused backward, never the fallback
+        assert row[10] == "0"  # no [.., s, s] tensor saved in forward or recompute
+        if mode != "none":
+            assert float(row[12]) == 0.0  # gradients identical to no recompute
+    verdicts = [line for line in out.splitlines() if line.startswith("- ")]
+    attention = [v for v in verdicts if v.startswith("- attention")]
+    full = [v for v in verdicts if v.startswith("- full")]
+    assert len(attention) == len(full) == 2
+    for s, line in zip((64, 128), attention):
+        layer_input = s * 64 * 4 / MIB
+        assert f"attention sub-block keeps 0.000 MiB + checkpoint input {layer_input:.3f} MiB" in line
+        assert float(re.search(r"saved bytes cut ([\d.]+)%", line).group(1)) >= 25
+    assert all("only inputs + shared RoPE table" in line for line in full)
+
+
+def test_bench_cp_halves_saved_bytes_at_cp2():
+    out = _bench(
+        "bench-cp", "--seq-length", "512", "--cp-sizes", "1,2", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--repeats", "1",
+    )  # fmt: skip
+    rows = _rows(out, "1") + _rows(out, "2")
+    assert [(row[0], row[1]) for row in rows] == [("1", "-"), ("2", "p2p"), ("2", "a2a")]
+    for row in rows[1:]:
+        assert float(row[7]) == 0.5  # saved bytes per rank vs cp=1 (kv heads >= cp: a2a needs no K/V copies)
+        assert float(row[8]) > 0  # K/V travelled
