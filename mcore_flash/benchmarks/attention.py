@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
-import os
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +33,8 @@ from typing import Callable, Optional
 import torch
 
 from mcore_flash.memory import measure_saved_bytes
+
+from .common import MegatronGroup, int_list, loadavg
 
 Tensor = torch.Tensor
 
@@ -118,49 +117,6 @@ def _parse_impl(impl: str) -> tuple[str, int, int]:
             raise ValueError(f"block sizes must be positive, got {impl!r}")
         return name, block_q, block_k
     return name, 0, 0
-
-
-class _Megatron:
-    """A one-process gloo group with Megatron's model-parallel state (for ``stock``)."""
-
-    def __init__(self) -> None:
-        self.started_dist = False
-
-    def __enter__(self) -> "_Megatron":
-        from mcore_flash import platform
-
-        platform.setup("cpu")
-        import torch.distributed as dist
-        from megatron.core import parallel_state, tensor_parallel
-
-        if not dist.is_initialized():
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
-                rank=0,
-                world_size=1,
-                timeout=datetime.timedelta(seconds=60),
-            )
-            self.started_dist = True
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel()
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self.started_dist:
-            return
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stock_module(case: Case) -> torch.nn.Module:
@@ -354,16 +310,6 @@ def run_length(cases: list[Case], repeats: int, max_bytes: float, log: Callable[
 # ---- command line -------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _impl_list(text: str) -> list[str]:
     impls = [x.strip() for x in text.split(",") if x.strip()]
     for impl in impls:
@@ -379,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mcore-flash bench-attention",
         description="Time fwd+bwd and measure saved-for-backward bytes of attention implementations.",
     )
-    parser.add_argument("--seq-lengths", type=_int_list, default=[1024, 2048, 4096, 8192, 16384],
+    parser.add_argument("--seq-lengths", type=int_list, default=[1024, 2048, 4096, 8192, 16384],
                         help="comma-separated sequence lengths (default: 1024,2048,4096,8192,16384)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8, help="query heads")
@@ -438,8 +384,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"b={args.batch_size} heads={args.heads} kv_heads={kv_heads} d={args.head_dim} {args.dtype} "
         f"causal={args.causal} repeats={args.repeats} threads={torch.get_num_threads()} torch {torch.__version__}"
     )
-    megatron = _Megatron() if any(_parse_impl(i)[0] == "stock" for i in args.impls) else contextlib.nullcontext()
-    load_before = _loadavg()
+    megatron = MegatronGroup() if any(_parse_impl(i)[0] == "stock" for i in args.impls) else contextlib.nullcontext()
+    load_before = loadavg()
     results: list[Result] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's "Transformer Engine and Apex are not installed"
@@ -450,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     for impl in args.impls
                 ]
                 results += run_length(cases, args.repeats, args.max_memory_gb * GIB, log)
-    load = f", load average {load_before} -> {_loadavg()}" if load_before else ""
+    load = f", load average {load_before} -> {loadavg()}" if load_before else ""
     title = (
         f"b={args.batch_size}, {args.heads} heads, {kv_heads} kv heads, d={args.head_dim}, {args.dtype}, "
         f"{'causal' if args.causal else 'non-causal'}, {torch.get_num_threads()} threads, "
@@ -459,13 +405,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{title}\n")
     print(format_table(results))
     return 0
-
-
-def _loadavg() -> str:
-    try:
-        return "{:.1f}".format(os.getloadavg()[0])
-    except (AttributeError, OSError):
-        return ""
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import argparse
 import datetime
 import os
 import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +37,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .common import choice_list, free_port, int_list, loadavg
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
@@ -135,19 +136,13 @@ def _worker(rank: int, case: Case, port: int, threads: int, repeats: int, result
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(case: Case, threads: int, repeats: int, timeout: float = 3600) -> Result:
     """Run ``case`` in ``case.cp`` spawned processes; raises RuntimeError on a rank failure."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, case, port, threads, repeats, results)) for r in range(case.cp)]
     for p in procs:
         p.start()
@@ -201,32 +196,14 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(x < 1 for x in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _comm_list(text: str) -> list[str]:
-    values = [x for x in text.split(",") if x]
-    bad = [x for x in values if x not in ("p2p", "a2a")]
-    if bad or not values:
-        raise argparse.ArgumentTypeError(f"--comm-types takes p2p and/or a2a, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcore-flash bench-cp",
         description="Per-rank time, saved bytes and communication of context-parallel attention (gloo)",
     )
     parser.add_argument("--seq-length", type=int, default=8192, help="total tokens (split over the CP ranks)")
-    parser.add_argument("--cp-sizes", type=_int_list, default=[1, 2, 4])
-    parser.add_argument("--comm-types", type=_comm_list, default=["p2p", "a2a"])
+    parser.add_argument("--cp-sizes", type=int_list, default=[1, 2, 4])
+    parser.add_argument("--comm-types", type=choice_list("--comm-types", ("p2p", "a2a")), default=["p2p", "a2a"])
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
@@ -261,11 +238,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"bench-cp: cp={case.cp} {case.comm} ...", file=sys.stderr, flush=True)
         results.append(run_case(case, args.threads, args.repeats))
     cores = os.cpu_count()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"seq {args.seq_length} (total), b {args.batch_size}, heads {args.heads}/{args.kv_heads} (q/kv), "
         f"head_dim {args.head_dim}, {args.dtype}, {'causal' if args.causal else 'full'}, backend "
-        f"{args.backend}, {args.threads} thread(s)/rank, {cores} cores, load avg {load:.1f}, "
+        f"{args.backend}, {args.threads} thread(s)/rank, {cores} cores, load avg {loadavg() or 'n/a'}, "
         f"median of {args.repeats}\n"
     )
     print(format_table(results))

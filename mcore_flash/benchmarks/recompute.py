@@ -47,7 +47,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .attention import _int_list, _loadavg, _Megatron
+from .common import MegatronGroup, choice_list, int_list, loadavg
 
 MIB = 2**20
 MODES = ("none", "attention", "full")
@@ -308,10 +308,6 @@ def _probs_numel(r: Result, args) -> int:
     return args.micro_batch_size * args.num_attention_heads * r.s * r.s
 
 
-def _rel(value: float, base: Optional[float]) -> str:
-    return f"{value / base:.2f}x" if base else "n/a"
-
-
 def format_summary(results: list[Result], args) -> str:
     num_layers = args.num_layers
     base = {r.s: r for r in results if r.mode == "none"}
@@ -406,21 +402,13 @@ def verdicts(results: list[Result], args) -> list[str]:
 # ---- command line -------------------------------------------------------------------------
 
 
-def _mode_list(text: str) -> list[str]:
-    modes = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(f"modes must be from {','.join(MODES)}, got {text!r}")
-    return modes
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcore-flash bench-recompute",
         description="Saved-for-backward bytes per layer and fwd+bwd time of recompute modes none/attention/full "
         "for a Llama-shaped GPTModel with the fused-attention spec.",
     )
-    parser.add_argument("--seq-lengths", type=_int_list, default=[512, 1024, 2048],
+    parser.add_argument("--seq-lengths", type=int_list, default=[512, 1024, 2048],
                         help="comma-separated sequence lengths (default: 512,1024,2048)")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=1024)
@@ -430,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=9, help="timed steps per mode and length (median reported)")
-    parser.add_argument("--modes", type=_mode_list, default=list(MODES), help="comma-separated: none,attention,full")
+    parser.add_argument("--modes", type=choice_list("--modes", MODES), default=list(MODES), help="comma-separated: none,attention,full")
     parser.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
                         help="our fused SwiGLU via config.use_te_activation_func (default: on, as the trainer)")
     parser.add_argument("--threads", type=int, default=1,
@@ -462,12 +450,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"groups={args.num_query_groups} b={args.micro_batch_size} fused_swiglu={args.fused_swiglu} "
         f"repeats={args.repeats} threads={torch.get_num_threads()} torch {torch.__version__}"
     )
-    load_before = _loadavg()
+    load_before = loadavg()
     results: list[Result] = []
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's "Transformer Engine and Apex are not installed"
-        with _Megatron():
+        with MegatronGroup():
             models = {mode: build_model(args, mode, max(args.seq_lengths)) for mode in args.modes}
             counter = CallCounter()
             try:
@@ -475,7 +463,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     results += run_length(models, s, args, counter, log)
             finally:
                 counter.close()
-    load = f", load average {load_before} -> {_loadavg()}" if load_before else ""
+    load = f", load average {load_before} -> {loadavg()}" if load_before else ""
     log(f"done in {time.perf_counter() - started:.0f} s")
     title = (
         f"{args.num_layers} layers, h={args.hidden_size}, ffn={args.ffn_hidden_size}, {args.num_attention_heads} heads, "
