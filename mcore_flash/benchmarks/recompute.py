@@ -97,11 +97,11 @@ def ratio_spread(times: list[float], base: list[float]) -> tuple[float, float]:
     return low, high
 
 
-def predicted_extra(args, mode: str, s: int) -> float:
-    """Extra FLOPs of ``mode`` over no recompute by the planner's FLOP model (fused attention)."""
-    from mcore_flash.planning import ModelShape, recompute_overhead
+def bench_shape(args, max_s: int):
+    """The benchmark's model as a planner ``ModelShape`` (one source for the model and its FLOPs)."""
+    from mcore_flash.planning import ModelShape
 
-    shape = ModelShape(
+    return ModelShape(
         "bench",
         args.num_layers,
         args.hidden_size,
@@ -109,9 +109,15 @@ def predicted_extra(args, mode: str, s: int) -> float:
         args.num_attention_heads,
         args.num_query_groups,
         args.vocab_size,
-        max_position_embeddings=s,
+        max_position_embeddings=max_s,
     )
-    return recompute_overhead(shape, s, mode)
+
+
+def predicted_extra(args, mode: str, s: int) -> float:
+    """Extra FLOPs of ``mode`` over no recompute by the planner's FLOP model (fused attention)."""
+    from mcore_flash.planning import recompute_overhead
+
+    return recompute_overhead(bench_shape(args, s), s, mode)
 
 
 # ---- the model ----------------------------------------------------------------------------
@@ -120,37 +126,14 @@ def predicted_extra(args, mode: str, s: int) -> float:
 def build_model(args, mode: str, max_s: int) -> torch.nn.Module:
     """The Llama-shaped GPTModel with our spec and ``mode``'s recompute settings."""
     from megatron.core import tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mcore_flash import get_gpt_decoder_block_flash_spec
+    from mcore_flash.planning import build_flash_gpt
     from mcore_flash.transformer.recompute import recompute_mode_settings
 
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        use_te_activation_func=args.fused_swiglu,
-        add_bias_linear=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        use_cpu_initialization=True,
-        **recompute_mode_settings(mode),
-    )
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    model = GPTModel(
-        config,
-        get_gpt_decoder_block_flash_spec(config),
-        vocab_size=args.vocab_size,
-        max_sequence_length=max_s,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
+    model = build_flash_gpt(
+        bench_shape(args, max_s), use_te_activation_func=args.fused_swiglu, **recompute_mode_settings(mode)
     )
     model.train()
     return model

@@ -6,7 +6,8 @@
                        device_memory="64GB")
     plan.fits, plan.per_device, plan.to_dict(), print(plan.format_text())
 
-Pure Python: only :func:`meta_parameter_count` imports torch and megatron-core. The
+Pure Python: only :func:`build_flash_gpt` and :func:`meta_parameter_count` (which uses it)
+import torch and megatron-core. The
 per-layer activation terms (:mod:`.activations`) are checked against the bytes measured
 by :func:`mcore_flash.memory.measure_activation_bytes` (tests/test_planning.py).
 """
@@ -27,6 +28,7 @@ from .compare import compare_standard
 from .flops import forward_flops, pipeline_bubble, recompute_overhead, step_flops
 from .models import MODELS, ModelShape, get_model
 from .parameters import (
+    build_flash_gpt,
     layer_parameters,
     meta_parameter_count,
     optimizer_bytes_per_parameter,
@@ -50,6 +52,7 @@ __all__ = [
     "RECIPE_70B_128K",
     "RECOMPUTE_MODES",
     "Term",
+    "build_flash_gpt",
     "by_module",
     "compare_standard",
     "format_bytes",

@@ -23,6 +23,7 @@ __all__ = [
     "stage_parameters",
     "optimizer_bytes_per_parameter",
     "meta_parameter_count",
+    "build_flash_gpt",
 ]
 
 
@@ -94,12 +95,12 @@ def optimizer_bytes_per_parameter(distributed: bool, dp: int, cp: int = 1) -> fl
     return 12.0 / (dp * cp) if distributed else 12.0
 
 
-def meta_parameter_count(model, tp: int = 1, vp_stage: Optional[int] = None) -> int:
-    """Build ``GPTModel`` with the flash spec on the meta device and count its parameters.
+def build_flash_gpt(model, tp: int = 1, vp_stage: Optional[int] = None, **config_overrides):
+    """megatron-core ``GPTModel`` with the flash spec for a model shape, on the current
+    default device (this rank's pipeline stage; fp32, no dropout unless overridden).
 
-    Needs torch and megatron-core; megatron's parallel state must be initialised (one
-    process at TP=1 counts the whole model; at TP=t the count is this rank's share). The
-    pipeline stage is this rank's. Nothing is allocated: every tensor lives on "meta".
+    ``config_overrides`` go to ``TransformerConfig`` (e.g. ``params_dtype``, recompute
+    settings). Needs torch and megatron-core with its parallel state initialised.
     """
     import torch
     from megatron.core.models.gpt import GPTModel
@@ -108,7 +109,7 @@ def meta_parameter_count(model, tp: int = 1, vp_stage: Optional[int] = None) -> 
     from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
 
     m = get_model(model)
-    config = TransformerConfig(
+    settings = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
@@ -121,23 +122,35 @@ def meta_parameter_count(model, tp: int = 1, vp_stage: Optional[int] = None) -> 
         add_bias_linear=m.add_bias_linear,
         qk_layernorm=m.qk_layernorm,
         tensor_model_parallel_size=tp,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        use_cpu_initialization=True,  # allocations without an explicit device -> meta
-        perform_initialization=False,
+        use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    with torch.device("meta"):
-        gpt = GPTModel(
-            config,
-            get_gpt_decoder_block_flash_spec(config, vp_stage=vp_stage),
-            vocab_size=m.vocab_size,
-            max_sequence_length=m.max_position_embeddings,
-            position_embedding_type=m.position_embedding_type,
-            rotary_percent=m.rotary_percent,
-            rotary_base=m.rotary_base,
-            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+    config = TransformerConfig(**{**settings, **config_overrides})
+    return GPTModel(
+        config,
+        get_gpt_decoder_block_flash_spec(config, vp_stage=vp_stage),
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.max_position_embeddings,
+        position_embedding_type=m.position_embedding_type,
+        rotary_percent=m.rotary_percent,
+        rotary_base=m.rotary_base,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+    )
+
+
+def meta_parameter_count(model, tp: int = 1, vp_stage: Optional[int] = None) -> int:
+    """Build ``GPTModel`` with the flash spec on the meta device and count its parameters.
+
+    Needs torch and megatron-core; megatron's parallel state must be initialised (one
+    process at TP=1 counts the whole model; at TP=t the count is this rank's share). The
+    pipeline stage is this rank's. Nothing is allocated: every tensor lives on "meta".
+    """
+    import torch
+
+    with torch.device("meta"):  # use_cpu_initialization: allocations without a device -> meta
+        gpt = build_flash_gpt(
+            model, tp, vp_stage, params_dtype=torch.bfloat16, bf16=True, perform_initialization=False
         )
     params = list(gpt.parameters())
     off_meta = [p for p in params if p.device.type != "meta"]
