@@ -7,9 +7,9 @@
     plan.fits, plan.per_device, plan.to_dict(), print(plan.format_text())
 
 Pure Python: only :func:`build_flash_gpt` and :func:`meta_parameter_count` (which uses it)
-import torch and megatron-core. The
-per-layer activation terms (:mod:`.activations`) are checked against the bytes measured
-by :func:`mcore_flash.memory.measure_activation_bytes` (tests/test_planning.py).
+import torch and megatron-core. The per-layer activation terms (:mod:`.activations`) are
+checked against the bytes measured by :func:`mcore_flash.memory.measure_activation_bytes`
+(tests/test_planning.py).
 """
 
 from .activations import (

@@ -53,15 +53,14 @@ def build_train_dataset(args, tokenizer):
 def _built_in_dataset(args) -> str:
     """Prefix of the built-in long-range task under ``--save``/data: global rank 0 writes it
     (if absent), then every other rank checks it, so no two ranks write the same files."""
-    data_dir = os.path.join(args.save, "data")
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     writer = not distributed or torch.distributed.get_rank() == 0
-    if writer:
-        prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, args.seq_length, seed=args.seed)
-    if distributed:
+    if distributed and not writer:
+        torch.distributed.barrier()  # released once rank 0 has written
+    data_dir = os.path.join(args.save, "data")
+    prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, args.seq_length, seed=args.seed, create=writer)
+    if distributed and writer:
         torch.distributed.barrier()
-    if not writer:
-        prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, args.seq_length, seed=args.seed, create=False)
     return prefix
 
 
