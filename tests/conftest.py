@@ -7,13 +7,10 @@ import pytest
 
 @pytest.fixture
 def npu_double(monkeypatch):
-    """Install a fresh pure-PyTorch ``torch_npu`` double (tests/npu_double.py) and yield it.
+    """Install a fresh ``torch_npu`` of operator doubles (``mcore_flash.emulation.op_double``)
+    and yield it. ``npu_double.calls`` records every op call; the module is removed afterwards."""
+    from mcore_flash.emulation import op_double
 
-    ``npu_double.calls`` records every op call; the module is removed again afterwards.
-    """
-    import npu_double as double_mod
-
-    module = double_mod.make_module()
+    module = op_double()
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     yield module
-

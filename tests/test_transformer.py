@@ -119,13 +119,13 @@ def test_packed_sequences_match_each_sequence_alone():
 def _w_npu_vs_cpu(rank, world_size):
     import sys
 
-    import npu_double
+    from mcore_flash.emulation import op_double
 
     init_megatron(tp=1)
     try:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        double = npu_double.make_module()
+        double = op_double()
         sys.modules["torch_npu"] = double
         config = tiny_config()
         cpu, npu = flash_gpt(config, attention_backend="cpu"), flash_gpt(config, attention_backend="npu")
@@ -137,7 +137,7 @@ def _w_npu_vs_cpu(rank, world_size):
         positions = torch.cat([torch.arange(7), torch.arange(25)]).unsqueeze(0)
         with torch.no_grad():
             packed = [model(tokens, positions, None, packed_seq_params=params) for model in (cpu, npu)]
-        return results, packed, [(c["name"], c["layout"], c["sparse_mode"]) for c in double.calls]
+        return results, packed, [(c["name"], c["layout"], c["sparse_mode"], c["noncontiguous"]) for c in double.calls]
     finally:
         teardown_megatron()
 
@@ -148,9 +148,11 @@ def test_npu_path_through_torch_npu_double_matches_cpu():
     for name in cpu[1]:
         torch.testing.assert_close(npu[1][name], cpu[1][name], atol=ATOL, rtol=1e-4, msg=name)
     torch.testing.assert_close(packed_npu, packed_cpu, atol=ATOL, rtol=1e-5)
-    assert ("npu_fusion_attention", "BSND", 3) in calls  # causal: bottom-right compressed mask
-    assert ("npu_fusion_attention_grad", "BSND", 3) in calls
-    assert ("npu_fusion_attention", "TND", 3) in calls
+    # Megatron's [s, b, n, d] goes in as "SBH" and packed [t, n, d] as "TND", never copied by the op
+    assert ("npu_fusion_attention", "SBH", 3, []) in calls  # causal: bottom-right compressed mask
+    assert ("npu_fusion_attention_grad", "SBH", 3, []) in calls
+    assert ("npu_fusion_attention", "TND", 3, []) in calls
+    assert all(noncontiguous == [] for *_, noncontiguous in calls)
 
 
 def _w_dropout(rank, world_size):

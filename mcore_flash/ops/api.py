@@ -1,8 +1,9 @@
 """The flash-attn-style public API: :func:`flash_attn_func` and :func:`flash_attn_varlen_func`.
 
 Both are differentiable in q, k, v. Forward saves exactly ``q, k, v, out`` and the float32
-``lse`` for backward -- never a ``[sq, sk]`` matrix -- and backward calls the backend's
-kernel, which recomputes the probabilities.
+softmax statistics for backward (the logsumexp; on NPU the kernel's row max and row sum)
+-- never a ``[sq, sk]`` matrix -- and backward calls the backend's kernel, which
+recomputes the probabilities.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from . import checks
 from .backends import AttentionBackend, AttentionParams, get_backend
+from .backends.base import LAYOUTS, SoftmaxStats, backward_kernel, forward_kernel
 
 Tensor = torch.Tensor
 
@@ -22,16 +24,18 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, backend: AttentionBackend, params: AttentionParams):
-        out, lse, rng_state = backend.forward(q, k, v, params)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, stats, rng_state = forward_kernel(backend, q, k, v, params)
+        ctx.save_for_backward(q, k, v, out, *stats.tensors())
         ctx.backend, ctx.params, ctx.rng_state = backend, params, rng_state
+        lse = stats.lse()
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward(dout, q, k, v, out, lse, ctx.rng_state, ctx.params)
+        q, k, v, out, *stats = ctx.saved_tensors
+        stats = SoftmaxStats.from_tensors(stats)
+        dq, dk, dv = backward_kernel(ctx.backend, dout, q, k, v, out, stats, ctx.rng_state, ctx.params)
         return dq, dk, dv, None, None
 
 
@@ -40,17 +44,18 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q: list, cu_k: list, backend: AttentionBackend, params: AttentionParams):
-        out, lse, rng_state = backend.varlen_forward(q, k, v, cu_q, cu_k, params)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, stats, rng_state = backend.varlen_forward(q, k, v, cu_q, cu_k, params)
+        ctx.save_for_backward(q, k, v, out, *stats.tensors())
         ctx.cu, ctx.backend, ctx.params, ctx.rng_state = (cu_q, cu_k), backend, params, rng_state
+        lse = stats.lse()[0]  # [hq, tq]
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, *stats = ctx.saved_tensors
         dq, dk, dv = ctx.backend.varlen_backward(
-            dout, q, k, v, out, lse, ctx.rng_state, *ctx.cu, ctx.params
+            dout, q, k, v, out, SoftmaxStats.from_tensors(stats), ctx.rng_state, *ctx.cu, ctx.params
         )
         return dq, dk, dv, None, None, None, None
 
@@ -62,6 +67,7 @@ def resolve_call(
     dropout_p: float,
     backend: Union[str, AttentionBackend, None],
     attn_mask: Optional[Tensor] = None,
+    layout: str = "bshd",
 ) -> tuple[AttentionBackend, AttentionParams]:
     """The backend and the checked :class:`AttentionParams` of one attention call."""
     params = AttentionParams(
@@ -69,6 +75,7 @@ def resolve_call(
         softmax_scale=checks.resolve_scale(softmax_scale, q.shape[-1]),
         dropout_p=checks.check_dropout(dropout_p),
         attn_mask=attn_mask,
+        layout=layout,
     )
     return get_backend(backend, q.device.type), params
 
@@ -84,12 +91,13 @@ def flash_attn_func(
     backend: Union[str, AttentionBackend, None] = None,
     return_lse: bool = False,
     attn_mask: Optional[Tensor] = None,
+    layout: str = "bshd",
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Fused scaled-dot-product attention.
 
     Args:
-        q: ``[b, sq, hq, d]``.
-        k, v: ``[b, sk, hkv, d]`` with ``hq % hkv == 0`` (GQA/MQA; not expanded).
+        q: ``[b, sq, hq, d]`` (``layout="sbhd"``: ``[sq, b, hq, d]``).
+        k, v: ``[b, sk, hkv, d]`` (``[sk, b, hkv, d]``) with ``hq % hkv == 0`` (GQA/MQA; not expanded).
         dropout_p: attention-probability dropout (training only; pass 0.0 in eval).
         softmax_scale: defaults to ``1 / sqrt(d)``.
         causal: bottom-right aligned causal mask (flash-attn >= 2.1 semantics).
@@ -98,14 +106,18 @@ def flash_attn_func(
         return_lse: also return the logsumexp ``[b, hq, sq]`` (float32, natural log).
         attn_mask: optional bool mask, True = masked out, shaped ``[b|1, hq|1, sq, sk]``
             (an extension over flash-attn; combined with ``causal``).
+        layout: ``"bshd"`` (flash-attn's) or ``"sbhd"`` (Megatron's; an extension: the NPU
+            kernel takes it without a copy).
 
     Returns:
-        ``out [b, sq, hq, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``. Rows
-        that see no key give ``out = 0`` and ``lse = -inf``.
+        ``out`` (q's layout and dtype), or ``(out, lse [b, hq, sq])`` with ``return_lse``.
+        Rows that see no key give ``out = 0`` and ``lse = -inf``.
     """
-    checks.check_qkv(q, k, v, packed=False)
-    checks.check_attn_mask(attn_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, attn_mask)
+    checks.check_layout(layout, LAYOUTS)
+    checks.check_qkv(q, k, v, packed=False, layout=layout)
+    seq, batch = layout.index("s"), layout.index("b")
+    checks.check_attn_mask(attn_mask, q.shape[batch], q.shape[2], q.shape[seq], k.shape[seq])
+    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, attn_mask, layout)
     impl.check_inputs(q, k, v, params)
     out, lse = _FlashAttnFunction.apply(q, k, v, impl, params)
     return (out, lse) if return_lse else out

@@ -12,19 +12,26 @@ Tensor = torch.Tensor
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, packed: bool) -> None:
+def check_layout(layout, layouts: tuple[str, ...]) -> None:
+    if layout not in layouts:
+        raise ValueError(f"layout={layout!r} is not supported; choose one of {layouts}")
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, packed: bool, layout: str = "bshd") -> None:
     """Check types, ranks, dtypes and head counts of q, k, v.
 
-    Dense (``packed=False``): q ``[b, sq, hq, d]``, k/v ``[b, sk, hkv, d]``.
+    Dense (``packed=False``): q ``[b, sq, hq, d]``, k/v ``[b, sk, hkv, d]`` (``layout="sbhd"``:
+    ``[sq, b, hq, d]``, ``[sk, b, hkv, d]``).
     Packed (``packed=True``): q ``[total_q, hq, d]``, k/v ``[total_k, hkv, d]``.
     """
-    layout = "[total, heads, head_dim]" if packed else "[batch, seqlen, heads, head_dim]"
+    names = {"b": "batch", "s": "seqlen", "h": "heads", "d": "head_dim"}
+    shape = "[total, heads, head_dim]" if packed else "[" + ", ".join(names[c] for c in layout) + "]"
     rank = 3 if packed else 4
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != rank:
-            raise ValueError(f"{name} must have {rank} dims {layout}, got shape {tuple(x.shape)}")
+            raise ValueError(f"{name} must have {rank} dims {shape}, got shape {tuple(x.shape)}")
         if x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; use float16, bfloat16, float32 or float64")
     if not (q.dtype == k.dtype == v.dtype):
@@ -33,8 +40,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, packed: bool) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if not packed and q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    batch = layout.index("b")
+    if not packed and q.shape[batch] != k.shape[batch]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[batch]} and {k.shape[batch]}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head_dim of q ({q.shape[-1]}) and k ({k.shape[-1]}) must match")
     hq, hkv = q.shape[-2], k.shape[-2]

@@ -10,8 +10,9 @@ group, or any other) and calls the backend kernels of :mod:`mcore_flash.ops.back
 
 Layout (Megatron's ``get_batch_on_this_cp_rank``): the sequence is cut into ``2*cp`` equal
 chunks and rank ``r`` holds chunks ``r`` and ``2*cp-1-r``, concatenated, so every rank
-gets the same causal work. Tensors use the flash-attn layout of :mod:`mcore_flash.ops.api`
-(``q [b, s_local, hq, d]``, ``k``/``v`` ``[b, s_local, hkv, d]``).
+gets the same causal work. Tensors use the layouts of :mod:`mcore_flash.ops.api`:
+``"bshd"`` (``q [b, s_local, hq, d]``, ``k``/``v`` ``[b, s_local, hkv, d]``) or Megatron's
+``"sbhd"`` (sequence first: the ring's row blocks are then contiguous slices).
 
 Two algorithms (``comm_type``):
 
@@ -29,21 +30,23 @@ holds the K/V of rank ``src = (r - i) mod cp``; with ``c = s_local / 2`` and cau
   q second half ``[c]`` x kv ``[2c]``, no mask.
 
 Without causal every step is q ``[2c]`` x kv ``[2c]``, no mask. Each block returns
-``(out_i, lse_i)``; partial results merge by their logsumexp (fp32 accumulators)::
+``(out_i, stats_i)``; partial results merge as (row max, row sum) pairs, MindSpeed's rule
+(fp32 accumulators)::
 
-    lse = logaddexp(lse_acc, lse_i)
-    out = out_acc * exp(lse_acc - lse) + out_i * exp(lse_i - lse)
+    m = max(m_acc, m_i);  w_acc = s_acc exp(m_acc - m);  w_i = s_i exp(m_i - m)
+    s = w_acc + w_i;      out = (out_acc w_acc + out_i w_i) / s
 
-which is MindSpeed's ``m = max(m1, m2); s_i' = s_i exp(m_i - m); out = sum_i o_i s_i'/s``
-written with ``lse_i = m_i + log s_i``. Backward replays the ring: each block's kernel
-backward is called with the MERGED ``out`` and ``lse`` (so ``exp(s - lse)`` are the final
+A logsumexp is the pair ``(lse, 1)``, and a merged pair of logsumexp statistics is kept as
+``lse = m + log s``; the npu kernel's own ``softmax_max``/``softmax_sum`` stay (max, sum)
+pairs, which is what its grad op takes. Backward replays the ring: each block's kernel
+backward is called with the MERGED ``out`` and statistics (so they give the final
 probabilities and ``rowsum(dout * out)`` the final ``D``); dq accumulates locally, and an
 fp32 dK/dV accumulator travels with the K/V block, one hop behind it, so that after ``cp``
 hops each rank receives the complete dK/dV of its own block. The dK/dV hop of step ``i``
 is overlapped with the kernel of step ``i+1``.
 
-The autograd function saves only the local ``q, k, v, out`` and the fp32 ``lse`` (plus the
-per-block dropout replay states): saved bytes per rank are ``1/cp`` of the unsplit ones.
+The autograd function saves only the local ``q, k, v, out`` and the fp32 statistics (plus
+the per-block dropout replay states): saved bytes per rank are ``1/cp`` of the unsplit ones.
 
 ``"a2a"`` -- Ulysses (DeepSpeed): an all-to-all turns ``[b, s_local, h, d]`` into
 ``[b, s_total, h/cp, d]`` (every rank gets the whole sequence for ``1/cp`` of the heads),
@@ -56,6 +59,7 @@ Neither algorithm supports an explicit attention mask or packed (varlen) sequenc
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import torch
@@ -64,6 +68,7 @@ import torch.distributed as dist
 from . import checks
 from .api import _FlashAttnFunction, flash_attn_func, resolve_call
 from .backends import AttentionBackend, AttentionParams
+from .backends.base import LAYOUTS, SoftmaxStats, backward_kernel, forward_kernel
 
 Tensor = torch.Tensor
 
@@ -135,39 +140,43 @@ def context_parallel_attn_func(
     comm_type: str = "p2p",
     backend: Union[str, AttentionBackend, None] = None,
     return_lse: bool = False,
+    layout: str = "bshd",
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention over a sequence split across ``group`` (see the module docstring).
 
     Args:
         q: ``[b, s_local, hq, d]``; k, v: ``[b, s_local, hkv, d]`` -- this rank's chunks
-            ``r`` and ``2cp-1-r`` of ``2cp`` (:func:`split_for_cp_rank`), ``s_local`` even.
+            ``r`` and ``2cp-1-r`` of ``2cp`` (:func:`split_for_cp_rank`), ``s_local`` even
+            (``layout="sbhd"``: ``[s_local, b, h, d]``).
         group: the context-parallel process group (None or size 1: plain attention).
         causal: causal over the WHOLE sequence (positions from the chunk layout).
         comm_type: ``"p2p"`` (ring) or ``"a2a"`` (Ulysses all-to-all over heads).
         Other arguments as in :func:`mcore_flash.ops.flash_attn_func`.
 
     Returns:
-        ``out [b, s_local, hq, d]`` (same layout as q), or ``(out, lse [b, hq, s_local])``.
+        ``out`` (q's layout), or ``(out, lse [b, hq, s_local])``.
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"comm_type={comm_type!r} is not supported; choose one of {COMM_TYPES}")
     cp_size = 1 if group is None else group.size()
     if cp_size == 1:
         return flash_attn_func(
-            q, k, v, dropout_p, softmax_scale, causal, backend=backend, return_lse=return_lse
+            q, k, v, dropout_p, softmax_scale, causal, backend=backend, return_lse=return_lse, layout=layout
         )
-    checks.check_qkv(q, k, v, packed=False)
-    if q.shape[1] != k.shape[1]:
+    checks.check_layout(layout, LAYOUTS)
+    checks.check_qkv(q, k, v, packed=False, layout=layout)
+    seq = layout.index("s")
+    if q.shape[seq] != k.shape[seq]:
         raise ValueError(
-            f"context parallelism is self-attention over one split sequence: q has {q.shape[1]} "
-            f"local tokens, k/v {k.shape[1]}"
+            f"context parallelism is self-attention over one split sequence: q has {q.shape[seq]} "
+            f"local tokens, k/v {k.shape[seq]}"
         )
-    if q.shape[1] % 2:
+    if q.shape[seq] % 2:
         raise ValueError(
-            f"local sequence length {q.shape[1]} is odd: each context-parallel rank holds two equal "
+            f"local sequence length {q.shape[seq]} is odd: each context-parallel rank holds two equal "
             f"chunks, so the total length must be divisible by 2 * cp = {2 * cp_size}"
         )
-    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend)
+    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, layout=layout)
     impl.check_inputs(q, k, v, params)
     if comm_type == "a2a":
         out, lse = _ulysses(q, k, v, group, impl, params)
@@ -221,30 +230,55 @@ def _block(step: int, rank: int, size: int, causal: bool, half: int) -> tuple[sl
     return slice(half, None), everything, False  # both kv chunks precede chunk 2cp-1-r only
 
 
-def _merge(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Fold one block's ``(out [b, s, h, d], lse [b, h, s])`` into the accumulators in place."""
-    new_lse = torch.logaddexp(lse_acc, lse)
-    safe = torch.where(torch.isneginf(new_lse), 0.0, new_lse)  # rows nothing was visible to yet
-    w_acc = torch.exp(lse_acc - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    out_acc.copy_(out_acc * w_acc + out.to(out_acc.dtype) * w_new)
-    lse_acc.copy_(new_lse)
+def _rows(x: Tensor, rows: slice, seq_dim: int) -> Tensor:
+    """Rows ``rows`` of the sequence dim (contiguous, as kernels take them)."""
+    return x[(slice(None),) * seq_dim + (rows,)].contiguous()
+
+
+def _per_token(weight: Tensor, layout: str) -> Tensor:
+    """``[b, h, s]`` -> broadcastable against ``[b, s, h, d]`` (bshd) or ``[s, b, h, d]`` (sbhd)."""
+    weight = weight.permute(0, 2, 1) if layout == "bshd" else weight.permute(2, 0, 1)
+    return weight.unsqueeze(-1)
+
+
+def _merge(out_acc: Tensor, acc: SoftmaxStats, out: Tensor, new: SoftmaxStats, layout: str) -> SoftmaxStats:
+    """Fold one block's ``(out, stats)`` into the fp32 accumulator rows ``out_acc`` (in place);
+    returns the merged statistics of those rows (see the module docstring)."""
+    m_acc, m_new = acc.row_max, new.row_max
+    s_acc = 1.0 if acc.row_sum is None else acc.row_sum
+    s_new = 1.0 if new.row_sum is None else new.row_sum
+    m = torch.maximum(m_acc, m_new)
+    safe = torch.where(torch.isneginf(m), 0.0, m)  # rows nothing was visible to yet
+    w_acc, w_new = s_acc * torch.exp(m_acc - safe), s_new * torch.exp(m_new - safe)
+    total = w_acc + w_new
+    per_row = (lambda x: x[..., 0]) if m.dim() == 4 else (lambda x: x)
+    denominator = _per_token(per_row(torch.where(total > 0, total, 1.0)), layout)
+    out_acc.copy_(
+        (out_acc * _per_token(per_row(w_acc), layout) + out.to(out_acc.dtype) * _per_token(per_row(w_new), layout))
+        / denominator
+    )
+    if acc.row_sum is None:
+        return SoftmaxStats(torch.where(total > 0, m + torch.log(total), float("-inf")))
+    return SoftmaxStats(m, total)
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _set_rows(stats: SoftmaxStats, rows: slice, value: SoftmaxStats) -> None:
+    for target, source in zip(stats.tensors(), value.tensors()):
+        target[:, :, rows] = source
+
+
 class _RingAttention(torch.autograd.Function):
-    """Ring attention; saves only the local q, k, v, merged out and merged lse."""
+    """Ring attention; saves only the local q, k, v, merged out and merged statistics."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, backend: AttentionBackend, params: AttentionParams):
         ring = _Ring(group)
-        half = q.shape[1] // 2
-        acc_dtype = _accumulator_dtype(q.dtype)
-        out_acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc_dtype, device=q.device)
-        lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+        seq = params.layout.index("s")
+        half = q.shape[seq] // 2
         kv = torch.stack([k, v])  # one message per hop
         rng_states: list[Any] = []
         for step in range(ring.size):
@@ -252,27 +286,34 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 requests = ring.hop(kv, incoming, _KV_TAG)
             rows, cols, causal = _block(step, ring.rank, ring.size, params.causal, half)
-            block_params = _with_causal(params, causal)
-            out, lse, rng_state = backend.forward(
-                q[:, rows].contiguous(), kv[0][:, cols].contiguous(), kv[1][:, cols].contiguous(), block_params
-            )
+            out, stats, rng_state = forward_kernel(
+                backend, _rows(q, rows, seq), _rows(kv[0], cols, seq), _rows(kv[1], cols, seq),
+                _with_causal(params, causal),
+            )  # fmt: skip
             rng_states.append(rng_state)
-            _merge(out_acc[:, rows], lse_acc[..., rows], out, lse.float())
+            if step == 0:  # the diagonal block covers every row
+                out_acc, stats_acc = out.to(_accumulator_dtype(q.dtype)), stats
+            else:
+                row_view = out_acc[(slice(None),) * seq + (rows,)]
+                _set_rows(stats_acc, rows, _merge(row_view, stats_acc.rows(rows), out, stats, params.layout))
             if step + 1 < ring.size:
                 _wait(requests)
                 kv = incoming
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.save_for_backward(q, k, v, out, *stats_acc.tensors())
         ctx.group, ctx.backend, ctx.params, ctx.rng_states = group, backend, params, rng_states
-        ctx.mark_non_differentiable(lse_acc)
-        return out, lse_acc
+        lse = stats_acc.lse()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, *stats = ctx.saved_tensors
+        stats = SoftmaxStats.from_tensors(stats)
         params = ctx.params
         ring = _Ring(ctx.group)
-        half = q.shape[1] // 2
+        seq = params.layout.index("s")
+        half = q.shape[seq] // 2
         acc_dtype = _accumulator_dtype(q.dtype)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -284,24 +325,25 @@ class _RingAttention(torch.autograd.Function):
                 kv_incoming = torch.empty_like(kv)
                 kv_requests = ring.hop(kv, kv_incoming, _KV_TAG)
             rows, cols, causal = _block(step, ring.rank, ring.size, params.causal, half)
-            dq_blk, dk_blk, dv_blk = ctx.backend.backward(
-                dout[:, rows].contiguous(),
-                q[:, rows].contiguous(),
-                kv[0][:, cols].contiguous(),
-                kv[1][:, cols].contiguous(),
-                out[:, rows].contiguous(),
-                lse[..., rows].contiguous(),
+            dq_blk, dk_blk, dv_blk = backward_kernel(
+                ctx.backend,
+                _rows(dout, rows, seq),
+                _rows(q, rows, seq),
+                _rows(kv[0], cols, seq),
+                _rows(kv[1], cols, seq),
+                _rows(out, rows, seq),
+                stats.rows(rows),
                 ctx.rng_states[step],
                 _with_causal(params, causal),
             )
-            dq[:, rows] += dq_blk
+            dq[(slice(None),) * seq + (rows,)] += dq_blk
             if step == 0:  # the dK/dV accumulator of our own block starts here ...
                 dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
             else:  # ... the others arrive from the previous rank, one hop behind K/V
                 _wait(dkv_requests)
                 dkv = dkv_incoming
-            dkv[0][:, cols] += dk_blk
-            dkv[1][:, cols] += dv_blk
+            dkv[(0,) + (slice(None),) * seq + (cols,)] += dk_blk
+            dkv[(1,) + (slice(None),) * seq + (cols,)] += dv_blk
             dkv_incoming = torch.empty_like(dkv)
             dkv_requests = ring.hop(dkv, dkv_incoming, _DKV_TAG)  # after the last step: to its owner
             if step + 1 < ring.size:
@@ -313,9 +355,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _with_causal(params: AttentionParams, causal: bool) -> AttentionParams:
-    if params.causal == causal:
-        return params
-    return AttentionParams(causal=causal, softmax_scale=params.softmax_scale, dropout_p=params.dropout_p)
+    return params if params.causal == causal else replace(params, causal=causal)
 
 
 # ---- Ulysses (a2a) ---------------------------------------------------------------------------
@@ -383,14 +423,16 @@ def _ulysses(q, k, v, group, backend: AttentionBackend, params: AttentionParams)
         k = k.repeat_interleave(cp_size // hkv, dim=2)
         v = v.repeat_interleave(cp_size // hkv, dim=2)
     order = _natural_order(cp_size)
+    seq = params.layout.index("s")
 
-    def seq_to_heads(x):  # [b, s_local, h, d] -> [b, s_total, h/cp, d], position order
-        return _reorder_chunks(_AllToAll.apply(x, group, 2, 1), order, dim=1)
+    def seq_to_heads(x):  # [.., s_local, .., h, d] -> [.., s_total, .., h/cp, d], position order
+        return _reorder_chunks(_AllToAll.apply(x, group, 2, seq), order, dim=seq)
 
     def heads_to_seq(x):  # inverse
-        return _AllToAll.apply(_reorder_chunks(x, _inverse(order), dim=1), group, 1, 2)
+        return _AllToAll.apply(_reorder_chunks(x, _inverse(order), dim=seq), group, seq, 2)
 
     out, lse = _FlashAttnFunction.apply(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), backend, params)
     with torch.no_grad():  # lse [b, h/cp, s_total] -> [b, h, s_local]
-        lse = heads_to_seq(lse.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2).contiguous()
+        lse = heads_to_seq(_per_token(lse, params.layout)).squeeze(-1)
+        lse = (lse.permute(0, 2, 1) if params.layout == "bshd" else lse.permute(1, 2, 0)).contiguous()
     return heads_to_seq(out), lse

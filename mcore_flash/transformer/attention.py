@@ -127,19 +127,21 @@ class FlashDotProductAttention(MegatronModule):
         sq, b, np_, hn = query.shape
         causal, mask = _resolve_mask(attention_mask, causal_type, b, np_, sq, key.shape[0])
         # q, k, v are views into Megatron's fused QKV projection output; contiguous copies
-        # let the kernel keep [s, b, n, d] each instead of that whole buffer for backward.
+        # let the kernel keep [s, b, n, d] each instead of that whole buffer for backward,
+        # and are what the NPU kernel takes as "SBH" without another copy.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = flash_attn_func(
-            query.transpose(0, 1),
-            key.transpose(0, 1),
-            value.transpose(0, 1),
+            query,
+            key,
+            value,
             dropout_p=dropout_p,
             softmax_scale=self.softmax_scale,
             causal=causal,
             backend=self.backend,
             attn_mask=mask,
-        )  # [b, sq, np, hn]
-        return out.transpose(0, 1).reshape(sq, b, np_ * hn)
+            layout="sbhd",
+        )  # [sq, b, np, hn]
+        return out.reshape(sq, b, np_ * hn)
 
     def _packed_forward(self, query, key, value, attention_mask, causal_type, dropout_p, params) -> Tensor:
         if getattr(params, "qkv_format", "thd") != "thd":
@@ -151,6 +153,8 @@ class FlashDotProductAttention(MegatronModule):
             actual = getattr(params, f"cu_seqlens_{name}")
             if padded is not None and not torch.equal(padded.cpu(), actual.cpu()):
                 raise ValueError(f"cu_seqlens_{name}_padded != cu_seqlens_{name}: padded packed sequences are not supported")
+        # as in the dense path: [t, n, d] copies out of the fused QKV buffer, the NPU's "TND"
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = flash_attn_varlen_func(
             query,
             key,
@@ -190,17 +194,18 @@ class FlashDotProductAttention(MegatronModule):
         causal = _resolve_cp_mask(attention_mask, causal_type, b, sq, cp_size, self.cp_group.rank())
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = context_parallel_attn_func(
-            query.transpose(0, 1),
-            key.transpose(0, 1),
-            value.transpose(0, 1),
+            query,
+            key,
+            value,
             self.cp_group,
             causal=causal,
             softmax_scale=self.softmax_scale,
             dropout_p=dropout_p,
             comm_type=self.cp_comm_type,
             backend=self.backend,
-        )  # [b, sq, np, hn]
-        return out.transpose(0, 1).reshape(sq, b, np_ * hn)
+            layout="sbhd",
+        )  # [sq, b, np, hn]
+        return out.reshape(sq, b, np_ * hn)
 
     def _dropout_rng(self, dropout_p: float):
         """Megatron's RNG scope for attention dropout (tracker fork unless sequence parallel)."""

@@ -2,15 +2,19 @@
 
 A backend is a pair of *kernels*, ``forward`` and ``backward``, in the style of
 FlashAttention-2's ``_flash_attn_forward`` / ``_flash_attn_backward``: forward returns the
-output together with the softmax statistics (the logsumexp ``lse``), backward takes them
+output together with the softmax statistics (:class:`SoftmaxStats`), backward takes them
 back and recomputes the probabilities. Autograd wiring lives in :mod:`mcore_flash.ops.api`;
-context parallelism calls the kernels directly to merge partial results.
+context parallelism calls the kernels directly to merge partial results
+(:func:`forward_kernel` / :func:`backward_kernel` put the tensors in a layout the backend takes).
 
-Conventions shared by all backends (tensors in the flash-attn layout):
+Conventions shared by all backends:
 
-* ``q`` ``[b, sq, hq, d]``, ``k``/``v`` ``[b, sk, hkv, d]`` with ``hq % hkv == 0`` (GQA/MQA;
-  K/V are never expanded where the backend can avoid it).
-* ``out`` ``[b, sq, hq, d]`` in ``q``'s dtype; ``lse`` ``[b, hq, sq]`` float32 (natural log).
+* Dense layouts (``params.layout``): ``"bshd"`` (flash-attn's; ``q`` ``[b, sq, hq, d]``,
+  ``k``/``v`` ``[b, sk, hkv, d]``) and ``"sbhd"`` (Megatron's ``[s, b, h, d]``). A backend
+  lists the ones its kernels take in ``layouts``; the others reach it as transposed views.
+  ``hq % hkv == 0`` (GQA/MQA; K/V are never expanded where the backend can avoid it).
+* ``out`` is in the layout and dtype of ``q``; the statistics are float32 ``[b, hq, sq(, w)]``
+  in every layout.
 * ``causal`` is aligned bottom-right (flash-attn >= 2.1): key ``j`` is visible to query ``i``
   iff ``j <= i + sk - sq``.
 * A query row with no visible key yields ``out = 0``, ``lse = -inf`` and zero gradients.
@@ -21,12 +25,15 @@ Conventions shared by all backends (tensors in the flash-attn layout):
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
 Tensor = torch.Tensor
+
+
+LAYOUTS = ("bshd", "sbhd")
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,46 @@ class AttentionParams:
     softmax_scale: float
     dropout_p: float = 0.0
     attn_mask: Optional[Tensor] = None
+    layout: str = "bshd"
+
+
+@dataclass(frozen=True)
+class SoftmaxStats:
+    """Per-query-row softmax statistics: what a backward kernel recomputes probabilities from.
+
+    ``p = exp(score - row_max) / row_sum``. Backends that keep only the logsumexp (cpu, cuda,
+    reference) hold it as ``row_max`` with ``row_sum = None`` (a sum of 1), shaped
+    ``[b, h, sq]``; npu keeps the kernel's own ``softmax_max`` and ``softmax_sum``,
+    ``[b, h, sq, 8]`` (8 identical copies). Query rows are dim 2 either way; all float32.
+    Rows that see no key have ``lse = -inf``.
+    """
+
+    row_max: Tensor
+    row_sum: Optional[Tensor] = None
+
+    def lse(self) -> Tensor:
+        """The logsumexp ``[b, h, sq]`` float32 (natural log)."""
+        if self.row_sum is None:
+            return self.row_max
+        row_max, row_sum = self.row_max[..., 0], self.row_sum[..., 0]
+        return torch.where(row_sum > 0, row_max + torch.log(row_sum), float("-inf"))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors to save for backward (:meth:`from_tensors` inverts it)."""
+        return (self.row_max,) if self.row_sum is None else (self.row_max, self.row_sum)
+
+    @classmethod
+    def from_tensors(cls, tensors) -> "SoftmaxStats":
+        return cls(*tensors)
+
+    def rows(self, index: slice) -> "SoftmaxStats":
+        """The statistics of query rows ``index`` (contiguous, as kernels take them)."""
+        return SoftmaxStats(*(x[:, :, index].contiguous() for x in self.tensors()))
+
+    @classmethod
+    def cat(cls, parts: list["SoftmaxStats"]) -> "SoftmaxStats":
+        """Concatenate along the query rows."""
+        return cls(*(torch.cat(xs, dim=2) for xs in zip(*(part.tensors() for part in parts))))
 
 
 class AttentionBackend(abc.ABC):
@@ -44,6 +91,8 @@ class AttentionBackend(abc.ABC):
 
     #: short name used by ``backend=`` and ``--attention-backend``
     name: str = ""
+    #: dense layouts the kernels take as they are
+    layouts: tuple[str, ...] = ("bshd",)
 
     def is_available(self) -> bool:
         """Whether this backend can run in the current process."""
@@ -57,8 +106,8 @@ class AttentionBackend(abc.ABC):
         """Raise ``ValueError``/``TypeError`` for inputs beyond this backend's limits."""
 
     @abc.abstractmethod
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams) -> tuple[Tensor, Tensor, Any]:
-        """Return ``(out [b, sq, hq, d], lse [b, hq, sq] fp32, rng_state)``.
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams) -> tuple[Tensor, SoftmaxStats, Any]:
+        """Return ``(out, stats, rng_state)`` for q, k, v in ``params.layout``.
 
         ``rng_state`` is whatever ``backward`` needs to replay dropout (None without dropout).
         """
@@ -71,13 +120,13 @@ class AttentionBackend(abc.ABC):
         k: Tensor,
         v: Tensor,
         out: Tensor,
-        lse: Tensor,
+        stats: SoftmaxStats,
         rng_state: Any,
         params: AttentionParams,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``.
 
-        ``out`` and ``lse`` may be *merged* results (context parallelism): the kernel must
+        ``out`` and ``stats`` may be *merged* results (context parallelism): the kernel must
         use them rather than anything remembered from its own forward.
         """
 
@@ -93,18 +142,18 @@ class AttentionBackend(abc.ABC):
         cu_seqlens_q: list[int],
         cu_seqlens_k: list[int],
         params: AttentionParams,
-    ) -> tuple[Tensor, Tensor, Any]:
+    ) -> tuple[Tensor, SoftmaxStats, Any]:
         """Packed attention. q ``[tq, hq, d]``, k/v ``[tk, hkv, d]``; cu_seqlens are Python
-        lists starting at 0. Returns ``(out [tq, hq, d], lse [hq, tq] fp32, rng_state)``."""
-        outs, lses, states = [], [], []
+        lists starting at 0. Returns ``(out [tq, hq, d], stats [1, hq, tq(, w)], rng_state)``."""
+        outs, stats, states = [], [], []
         for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
-            out, lse, state = self.forward(
+            out, stat, state = self.forward(
                 q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), params
             )
             outs.append(out.squeeze(0))
-            lses.append(lse.squeeze(0))
+            stats.append(stat)
             states.append(state)
-        return torch.cat(outs), torch.cat(lses, dim=-1), states
+        return torch.cat(outs), SoftmaxStats.cat(stats), states
 
     def varlen_backward(
         self,
@@ -113,7 +162,7 @@ class AttentionBackend(abc.ABC):
         k: Tensor,
         v: Tensor,
         out: Tensor,
-        lse: Tensor,
+        stats: SoftmaxStats,
         rng_state: Any,
         cu_seqlens_q: list[int],
         cu_seqlens_k: list[int],
@@ -129,7 +178,7 @@ class AttentionBackend(abc.ABC):
                 k[k0:k1].unsqueeze(0),
                 v[k0:k1].unsqueeze(0),
                 out[q0:q1].unsqueeze(0),
-                lse[:, q0:q1].unsqueeze(0),
+                stats.rows(slice(q0, q1)),
                 state,
                 params,
             )
@@ -142,3 +191,27 @@ def _segments(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> list[tuple[tu
     q_ranges = list(zip(cu_seqlens_q[:-1], cu_seqlens_q[1:]))
     k_ranges = list(zip(cu_seqlens_k[:-1], cu_seqlens_k[1:]))
     return list(zip(q_ranges, k_ranges))
+
+
+def forward_kernel(backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams):
+    """``backend.forward`` for tensors in ``params.layout``, transposed (as views) into
+    "bshd" for a backend whose kernels do not take that layout."""
+    if params.layout in backend.layouts:
+        return backend.forward(q, k, v, params)
+    out, stats, rng_state = backend.forward(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), _bshd(params))
+    return out.transpose(0, 1), stats, rng_state
+
+
+def backward_kernel(
+    backend: AttentionBackend, dout, q, k, v, out, stats: SoftmaxStats, rng_state, params: AttentionParams
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``backend.backward`` for tensors in ``params.layout`` (see :func:`forward_kernel`)."""
+    if params.layout in backend.layouts:
+        return backend.backward(dout, q, k, v, out, stats, rng_state, params)
+    views = (x.transpose(0, 1) for x in (dout, q, k, v, out))
+    grads = backend.backward(*views, stats, rng_state, _bshd(params))
+    return tuple(grad.transpose(0, 1) for grad in grads)
+
+
+def _bshd(params: AttentionParams) -> AttentionParams:
+    return replace(params, layout="bshd")

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, Tensor
+from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
 from .reference import ReferenceBackend
 
 logger = logging.getLogger("mcore_flash")
@@ -52,11 +52,12 @@ class CpuBackend(AttentionBackend):
         )
         if params.attn_mask is not None:
             lse = lse.masked_fill(_empty_rows(params).expand_as(lse), float("-inf"))
-        return out.transpose(1, 2), lse, None
+        return out.transpose(1, 2), SoftmaxStats(lse), None
 
-    def backward(self, dout, q, k, v, out, lse, rng_state, params):
+    def backward(self, dout, q, k, v, out, stats, rng_state, params):
         if self._needs_fallback(q, k, params):
-            return self.fallback.backward(dout, q, k, v, out, lse, rng_state, params)
+            return self.fallback.backward(dout, q, k, v, out, stats, rng_state, params)
+        lse = stats.lse()
         dq, dk, dv = _fused_backward(
             dout.transpose(1, 2),
             q.transpose(1, 2),

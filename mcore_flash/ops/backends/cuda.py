@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, Tensor
+from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
 from .reference import ReferenceBackend
 
 logger = logging.getLogger("mcore_flash")
@@ -51,11 +51,11 @@ class CudaBackend(AttentionBackend):
                 scale=params.softmax_scale,
             )
         )
-        return out.transpose(1, 2), lse, (cum_q, cum_k, max_q, max_k, philox_seed, philox_offset)
+        return out.transpose(1, 2), SoftmaxStats(lse), (cum_q, cum_k, max_q, max_k, philox_seed, philox_offset)
 
-    def backward(self, dout, q, k, v, out, lse, rng_state, params):
+    def backward(self, dout, q, k, v, out, stats, rng_state, params):
         if self._needs_fallback(q, k, params):
-            return self.fallback.backward(dout, q, k, v, out, lse, rng_state, params)
+            return self.fallback.backward(dout, q, k, v, out, stats, rng_state, params)
         groups = q.shape[2] // k.shape[2]
         cum_q, cum_k, max_q, max_k, philox_seed, philox_offset = rng_state
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -64,7 +64,7 @@ class CudaBackend(AttentionBackend):
             _repeat_heads(k, groups).transpose(1, 2),
             _repeat_heads(v, groups).transpose(1, 2),
             out.transpose(1, 2),
-            lse,
+            stats.lse(),
             cum_q,
             cum_k,
             max_q,

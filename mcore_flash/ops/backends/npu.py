@@ -1,32 +1,44 @@
 """Ascend NPU backend: ``torch_npu.npu_fusion_attention`` and its grad op.
 
-Follows the operator contract in ``shared/reference/npu-ops.md`` (torch_npu op-plugin):
+Follows the operator contract of torch_npu 2.13 (``shared/reference/npu-ops.md``):
 
-* dense inputs use ``input_layout="BSND"`` (our ``[b, s, h, d]`` as is), packed inputs
-  ``"TND"`` with cumulative ``actual_seq_qlen``/``actual_seq_kvlen`` lists without the 0;
+* layouts without copies: flash-attn's ``[b, s, h, d]`` is ``"BSND"``; Megatron's
+  ``[s, b, h, d]`` (``layout="sbhd"``) is passed as its free ``[s, b, h*d]`` view, ``"SBH"``,
+  as MindSpeed does; packed ``[t, h, d]`` is ``"TND"`` with cumulative
+  ``actual_seq_qlen``/``actual_seq_kvlen`` lists without the 0;
 * ``head_num`` is the number of QUERY heads; K/V keep their own head count (native GQA);
 * ``keep_prob = 1 - dropout_p``; dropout is replayed from the op's ``seed, offset, numels``;
 * causal -> ``sparse_mode=3`` (bottom-right, our convention) with the cached COMPRESSED
   2048x2048 upper-triangular mask, never an ``S x S`` one;
 * an explicit bool mask (True = masked out, the op's polarity too) -> ``sparse_mode=1``
   (full mask, tockens ignored), combined with the causal rule when both are asked for;
-* ``lse = softmax_max[..., 0] + log(softmax_sum[..., 0])``; backward gets the statistics
-  back as ``softmax_max = lse, softmax_sum = 1`` (exp(s - lse) is the same probability),
-  which is also how context parallelism feeds it merged statistics.
+  ``inner_precise=2`` when a row sees no key;
+* backward gets the kernel's own ``softmax_max`` and ``softmax_sum`` ``[b, n, s, 8]`` back
+  (what torch_npu's autograd passes; context parallelism passes them merged as
+  (max, sum) pairs, as MindSpeed does); ``lse = max + log(sum)`` only for callers;
+* TND statistics are shaped ``[t, n, 8]`` but hold their data in ``[n, t, 8]`` order (the
+  default ``softmax_layout=""``): they are read through a free ``[n, t, 8]`` view;
+* in TND ``inner_precise`` does nothing, so packs the kernel cannot compute - a sequence
+  with queries but no keys, or causal with more queries than keys - run the reference
+  kernel (logged once); Megatron's packed self-attention never produces them.
 
 ``torch_npu`` is imported lazily, on first use: importing it without CANN breaks torch.
-This path has NOT run on Ascend hardware; it is tested against a pure-PyTorch double of
-the documented contract (tests/npu_double.py).
+This path has NOT run on Ascend hardware; it is tested against contract doubles of the
+ops (``mcore_flash.emulation``), also under the emulated npu device.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, Tensor
+from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
+from .reference import ReferenceBackend
+
+logger = logging.getLogger("mcore_flash")
 
 MAX_TOCKENS = 2147483647
 COMPRESSED_MASK_SIZE = 2048
@@ -36,6 +48,7 @@ MAX_HEAD_DIM = 768
 MAX_HEADS = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATS_WIDTH = 8  # softmax_max / softmax_sum carry 8 identical trailing copies
+_OP_LAYOUTS = {"bshd": "BSND", "sbhd": "SBH"}
 
 
 def _torch_npu():
@@ -46,9 +59,12 @@ class NpuBackend(AttentionBackend):
     """``npu_fusion_attention`` (FlashAttention on Ascend)."""
 
     name = "npu"
+    layouts = ("bshd", "sbhd")
 
     def __init__(self):
         self._compressed_masks: dict[torch.device, Tensor] = {}
+        self.fallback = ReferenceBackend()
+        self._logged_reasons: set[str] = set()
 
     def unavailable_reason(self) -> str:
         try:
@@ -73,50 +89,72 @@ class NpuBackend(AttentionBackend):
                 f"1..{MAX_HEADS}; raise --tensor-model-parallel-size"
             )
 
-    # ---- dense (BSND) --------------------------------------------------------------------
+    # ---- dense (BSND / SBH) --------------------------------------------------------------
 
     def forward(self, q, k, v, params):
-        mask, sparse_mode = self._mask_and_mode(params, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
+        mask, sparse_mode = self._dense_mask_and_mode(params, q, k)
         outputs = _torch_npu().npu_fusion_attention(
-            q, k, v, q.shape[2], "BSND", **self._common(params, mask, sparse_mode, _has_empty_rows(mask))
-        )
-        out, softmax_max, softmax_sum = outputs[0], outputs[1], outputs[2]
-        return out, _lse_from_stats(softmax_max, softmax_sum), _rng_state(outputs)
+            *_op_inputs(params.layout, q, k, v), q.shape[-2], _OP_LAYOUTS[params.layout],
+            **self._common(params, mask, sparse_mode, _has_empty_rows(mask)),
+        )  # fmt: skip
+        out = _from_op(outputs[0], params.layout, q.shape[-2])
+        return out, SoftmaxStats(outputs[1], outputs[2]), _rng_state(outputs)
 
-    def backward(self, dout, q, k, v, out, lse, rng_state, params):
-        mask, sparse_mode = self._mask_and_mode(params, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
-        softmax_max, softmax_sum = _stats_from_lse(lse)
+    def backward(self, dout, q, k, v, out, stats, rng_state, params):
+        mask, sparse_mode = self._dense_mask_and_mode(params, q, k)
+        query, key, value, dy, attention_in = _op_inputs(params.layout, q, k, v, dout, out)
         grads = _torch_npu().npu_fusion_attention_grad(
-            q, k, v, dout, q.shape[2], "BSND",
-            softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out,
+            query, key, value, dy, q.shape[-2], _OP_LAYOUTS[params.layout],
+            softmax_max=stats.row_max, softmax_sum=stats.row_sum, attention_in=attention_in,
             **self._common(params, mask, sparse_mode, _has_empty_rows(mask), grad=True),
             **_replay_kwargs(rng_state),
         )  # fmt: skip
-        return grads[0], grads[1], grads[2]
+        heads = (q.shape[-2], k.shape[-2], v.shape[-2])
+        return tuple(_from_op(grad, params.layout, n) for grad, n in zip(grads[:3], heads))
 
     # ---- packed (TND) --------------------------------------------------------------------
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, params):
-        mask, sparse_mode = self._mask_and_mode(params, 1, q.shape[1], None, None, q.device)
+        if self._varlen_needs_fallback(cu_seqlens_q, cu_seqlens_k, params):
+            return self.fallback.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
+        mask, sparse_mode = self._mask_and_mode(params, q.device)
         outputs = _torch_npu().npu_fusion_attention(
             q, k, v, q.shape[1], "TND",
             actual_seq_qlen=cu_seqlens_q[1:], actual_seq_kvlen=cu_seqlens_k[1:],
-            **self._common(params, mask, sparse_mode, _has_keyless_sequence(cu_seqlens_q, cu_seqlens_k)),
+            **self._common(params, mask, sparse_mode, False),
         )  # fmt: skip
-        lse = _lse_from_stats(outputs[1], outputs[2])  # [T, N]
-        return outputs[0], lse.transpose(0, 1).contiguous(), _rng_state(outputs)
+        t, n = q.shape[0], q.shape[1]  # [t, n, 8] holding [n, t, 8] data: a free view
+        stats = SoftmaxStats(*(x.view(n, t, STATS_WIDTH).unsqueeze(0) for x in outputs[1:3]))
+        return outputs[0], stats, _rng_state(outputs)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, params):
-        mask, sparse_mode = self._mask_and_mode(params, 1, q.shape[1], None, None, q.device)
-        softmax_max, softmax_sum = _stats_from_lse(lse.transpose(0, 1))
+    def varlen_backward(self, dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params):
+        if self._varlen_needs_fallback(cu_seqlens_q, cu_seqlens_k, params):
+            return self.fallback.varlen_backward(dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params)
+        mask, sparse_mode = self._mask_and_mode(params, q.device)
+        t, n = q.shape[0], q.shape[1]
+        softmax_max, softmax_sum = (x[0].view(t, n, STATS_WIDTH) for x in stats.tensors())
         grads = _torch_npu().npu_fusion_attention_grad(
-            q, k, v, dout, q.shape[1], "TND",
+            q, k, v, dout, n, "TND",
             softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out,
             actual_seq_qlen=cu_seqlens_q[1:], actual_seq_kvlen=cu_seqlens_k[1:],
-            **self._common(params, mask, sparse_mode, _has_keyless_sequence(cu_seqlens_q, cu_seqlens_k), grad=True),
+            **self._common(params, mask, sparse_mode, False, grad=True),
             **_replay_kwargs(rng_state),
         )  # fmt: skip
         return grads[0], grads[1], grads[2]
+
+    def _varlen_needs_fallback(self, cu_seqlens_q: list[int], cu_seqlens_k: list[int], params) -> bool:
+        q_lens = [b - a for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
+        k_lens = [b - a for a, b in zip(cu_seqlens_k[:-1], cu_seqlens_k[1:])]
+        if any(nq > 0 and nk == 0 for nq, nk in zip(q_lens, k_lens)):
+            reason = "a packed sequence with queries but no keys (TND has no inner_precise)"
+        elif params.causal and any(nq > nk for nq, nk in zip(q_lens, k_lens)):
+            reason = "causal packed sequences with more queries than keys (TND sparse_mode 3 needs Sq <= Skv)"
+        else:
+            return False
+        if reason not in self._logged_reasons:
+            self._logged_reasons.add(reason)
+            logger.info("mcore_flash: npu backend runs the reference kernel for %s", reason)
+        return True
 
     # ---- shared arguments ----------------------------------------------------------------
 
@@ -140,19 +178,37 @@ class NpuBackend(AttentionBackend):
             "sparse_mode": sparse_mode,
         }
 
-    def _mask_and_mode(self, params, b, hq, sq, sk, device) -> tuple[Optional[Tensor], int]:
-        """The ``atten_mask`` and ``sparse_mode`` for these params (packed: sq = sk = None)."""
+    def _dense_mask_and_mode(self, params: AttentionParams, q: Tensor, k: Tensor) -> tuple[Optional[Tensor], int]:
+        seq, batch = (1, 0) if params.layout == "bshd" else (0, 1)
         if params.attn_mask is not None:
-            return _dense_mask(params.attn_mask, params.causal, b, hq, sq, sk), SPARSE_FULL_MASK
+            mask = _dense_mask(params.attn_mask, params.causal, q.shape[batch], q.shape[2], q.shape[seq], k.shape[seq])
+            return mask, SPARSE_FULL_MASK
+        return self._mask_and_mode(params, q.device)
+
+    def _mask_and_mode(self, params: AttentionParams, device: torch.device) -> tuple[Optional[Tensor], int]:
+        """The compressed causal mask and ``sparse_mode=3``, or no mask (full attention)."""
         if params.causal:
             return self._compressed_causal_mask(device), SPARSE_CAUSAL_BOTTOM_RIGHT
-        return None, 0  # no mask: the op computes full attention
+        return None, 0
 
     def _compressed_causal_mask(self, device: torch.device) -> Tensor:
         if device not in self._compressed_masks:
             ones = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
             self._compressed_masks[device] = torch.triu(ones, diagonal=1)
         return self._compressed_masks[device]
+
+
+def _op_inputs(layout: str, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Our ``[b, s, n, d]`` (BSND, as is) or ``[s, b, n, d]`` (SBH: ``[s, b, n*d]``, a view
+    when contiguous) tensors in the op's layout."""
+    if layout == "bshd":
+        return tensors
+    return tuple(x.flatten(2) for x in tensors)
+
+
+def _from_op(x: Tensor, layout: str, heads: int) -> Tensor:
+    """An op output back in our layout (SBH ``[s, b, n*d]`` -> ``[s, b, n, d]``, a view)."""
+    return x if layout == "bshd" else x.unflatten(2, (heads, -1))
 
 
 def _dense_mask(mask: Tensor, causal: bool, b: int, hq: int, sq: int, sk: int) -> Tensor:
@@ -168,26 +224,6 @@ def _dense_mask(mask: Tensor, causal: bool, b: int, hq: int, sq: int, sk: int) -
 def _has_empty_rows(mask: Optional[Tensor]) -> bool:
     """Whether an explicit mask hides every key from some query row."""
     return mask is not None and bool(mask.all(dim=-1).any())
-
-
-def _has_keyless_sequence(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
-    """Whether a packed sequence has queries but no keys."""
-    q_lens = [b - a for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
-    k_lens = [b - a for a, b in zip(cu_seqlens_k[:-1], cu_seqlens_k[1:])]
-    return any(nq > 0 and nk == 0 for nq, nk in zip(q_lens, k_lens))
-
-
-def _lse_from_stats(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
-    """``[..., 8]`` statistics -> logsumexp ``[...]`` float32; -inf where nothing was visible."""
-    row_max, row_sum = softmax_max[..., 0].float(), softmax_sum[..., 0].float()
-    return torch.where(row_sum > 0, row_max + torch.log(row_sum), float("-inf"))
-
-
-def _stats_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Statistics the grad op accepts for a given logsumexp (empty rows: max = +inf -> p = 0)."""
-    row_max = torch.where(torch.isneginf(lse), float("inf"), lse).float()
-    softmax_max = row_max.unsqueeze(-1).expand(*row_max.shape, STATS_WIDTH).contiguous()
-    return softmax_max, torch.ones_like(softmax_max)
 
 
 def _rng_state(outputs: tuple) -> tuple[Any, Any, Any]:

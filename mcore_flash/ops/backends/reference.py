@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, Tensor
+from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ class ReferenceBackend(AttentionBackend):
             lse[..., q0:q1] = torch.where(
                 empty, float("-inf"), _finite_or_zero(row_max) + torch.log(torch.where(empty, 1.0, row_sum))
             ).float()
-        return _ungrouped(out, q.dtype), lse.reshape(b, hq, sq), state
+        return _ungrouped(out, q.dtype), SoftmaxStats(lse.reshape(b, hq, sq)), state
 
-    def backward(self, dout, q, k, v, out, lse, rng_state, params):
+    def backward(self, dout, q, k, v, out, stats, rng_state, params):
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         compute_dtype = _compute_dtype(q.dtype)
@@ -82,7 +82,7 @@ class ReferenceBackend(AttentionBackend):
         doutg, outg = _grouped(dout, hkv, compute_dtype), _grouped(out, hkv, compute_dtype)
         mask = _grouped_mask(params.attn_mask, hkv, hq // hkv)
         # +inf for empty rows makes exp(s - lse) exactly 0 there.
-        lse_g = lse.reshape(qg.shape[:-1]).to(compute_dtype)
+        lse_g = stats.lse().reshape(qg.shape[:-1]).to(compute_dtype)
         lse_g = torch.where(torch.isneginf(lse_g), float("inf"), lse_g)
         delta = (doutg * outg).sum(dim=-1)
         block_q, block_k = (rng_state.block_q, rng_state.block_k) if rng_state else (self.block_q, self.block_k)

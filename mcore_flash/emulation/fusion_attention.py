@@ -1,14 +1,30 @@
-"""A pure-PyTorch test double of ``torch_npu`` (``npu_fusion_attention`` and its grad op).
+"""``npu_fusion_attention`` and its grad op as a contract double (pure PyTorch).
 
-Written from the documented operator contract in ``shared/reference/npu-ops.md``, not from
-our backend: it computes the math naively in float64 and casts back, and it RAISES
-(:class:`NpuContractError`) on calls the contract says are wrong or give silently wrong
-results on hardware, so a wrong call from our backend fails a test instead of passing.
+Written from the documented operator contract (``shared/reference/npu-ops.md``, torch_npu
+2.13's op docs and meta registrations), not from our backend: it computes the math naively
+in float64 and casts back, and it RAISES (:class:`NpuContractError`) on calls the contract
+says are wrong or give silently wrong results on hardware, so a wrong call from our backend
+fails a test instead of passing. The emulated ``torch_npu`` (:mod:`mcore_flash.emulation`)
+serves it; tests also use it directly on CPU tensors::
 
-    import npu_double
-    torch_npu = npu_double.make_module()          # a fresh ModuleType named "torch_npu"
-    out, smax, ssum, _, seed, offset, numels = torch_npu.npu_fusion_attention(...)
-    torch_npu.calls                               # one dict per call (see _record)
+    forward, grad = make_ops(calls := [])         # calls: one dict per op call
+    out, smax, ssum, _, seed, offset, numels = forward(q, k, v, head_num, "BSND", scale=...)
+
+What it checks beyond shapes and dtypes:
+
+* TND statistics are written as torch_npu 2.13 writes them by default
+  (``softmax_layout=""``): shaped ``[T, N, 8]`` but with the data in ``[N, T, 8]`` order
+  (``softmax_layout="TND"`` gives true ``[T, N, 8]`` order). In TND ``inner_precise`` does
+  nothing: a fully masked row, or ``sparse_mode=3`` with ``Sq > Skv`` for a sequence, is an
+  error whatever it says.
+* The grad op takes the forward's own statistics or statistics merged from several calls
+  (context parallelism): the 8 trailing copies must be identical, and ``softmax_max`` must
+  be a row maximum - equal to the largest visible score of this call, or larger with
+  ``softmax_sum`` then counting at least one more unit (the maximum's own ``exp(0)``) than
+  this call's keys contribute. A logsumexp passed as ``softmax_max`` with ``softmax_sum=1``
+  fails that check.
+* Every call records which tensor inputs are not contiguous in their declared layout
+  (``call["noncontiguous"]``): the kernel would copy them.
 
 Choices where the contract is silent (documented here, asserted by tests/test_npu_backend.py):
 
@@ -19,8 +35,8 @@ Choices where the contract is silent (documented here, asserted by tests/test_np
   ``[B, N, Sq, Skv]`` (TND: ``[1, N, T, Tkv]``); ``numels`` is its element count. The grad
   op replays it from the (seed, offset, numels) it is given and raises if numels does
   not match. With keep_prob == 1, seed = offset = numels = 0 and no RNG is consumed.
-* Fully masked rows (no visible key): allowed only with ``inner_precise=2``, or with
-  ``sparse_mode=3`` (where the op switches it on itself; empty rows there come from
+* Fully masked rows (no visible key), dense layouts: allowed only with ``inner_precise=2``,
+  or with ``sparse_mode=3`` (where the op switches it on itself; empty rows there come from
   Sq > Skv). Otherwise NpuContractError (hardware gives silently wrong rows). Such rows
   give ``attention_out = 0``, ``softmax_sum = 0``, ``softmax_max = -inf``; the grad op
   gives them probability 0 (zero gradients) whatever statistics it is handed.
@@ -28,15 +44,16 @@ Choices where the contract is silent (documented here, asserted by tests/test_np
   query i iff i - pre <= j <= i + next) must be implied by the mask, else NpuContractError;
   tockens without a mask, and sparse modes 4..8, raise NotImplementedError (unsupported
   in the double; our backend must never use them). TND takes no mask in modes 0/1 here.
-* Arguments past ``input_layout`` are keyword-only in both ops: the contract says to pass
-  keywords (positions differ across CANN releases), so a positional call raises TypeError.
-* ``softmax_out`` is ``torch.empty(0)``; the grad op returns ``(dq, dk, dv, dpse, dq_rope)``
-  with ``dpse``/``dq_rope`` empty tensors.
+* Arguments past ``input_layout`` are keyword-only in both ops (torch_npu's forward also
+  takes them positionally, but positions differ across CANN releases): a positional call
+  raises TypeError. ``pse``, ``padding_mask``, ``prefix``, ``sink`` and ``dropout_mask``
+  are unsupported here.
+* ``softmax_out`` is ``torch.empty(0)``; the grad op returns ``(dq, dk, dv, dpse, dsink)``
+  with ``dpse = None`` and ``dsink`` an empty tensor, as torch_npu 2.13 does.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any, Optional
 
 import torch
@@ -234,9 +251,20 @@ def _check_compressed(mask: torch.Tensor, sparse_mode: int) -> None:
         _fail(f"sparse_mode={sparse_mode}: the {COMPRESSED}x{COMPRESSED} mask is not triu(ones, diagonal=1)")
 
 
-def _check_empty_rows(visible, sq, sk, inner_precise, sparse_mode) -> torch.Tensor:
+def _check_empty_rows(visible, layout, inner_precise, sparse_mode, seq_q, seq_k) -> torch.Tensor:
     """[B|1, N|1, Sq] bool of rows with no visible key; raise where the contract forbids them."""
     empty = ~visible.any(dim=-1)
+    if layout == "TND":
+        starts_q, starts_k = [0] + seq_q[:-1], [0] + seq_k[:-1]
+        for i, (q0, q1, k0, k1) in enumerate(zip(starts_q, seq_q, starts_k, seq_k)):
+            if sparse_mode == 3 and q1 - q0 > k1 - k0:
+                _fail(
+                    f"TND sequence {i} has Sq={q1 - q0} > Skv={k1 - k0} with sparse_mode=3: varlen causal needs "
+                    "Sq <= Skv for every sequence (inner_precise does not apply in TND)"
+                )
+        if bool(empty.any()):
+            _fail(f"{int(empty.sum())} query rows see no key in TND; inner_precise does not apply in varlen")
+        return empty
     if bool(empty.any()) and inner_precise != 2 and sparse_mode != 3:
         _fail(
             f"{int(empty.sum())} query rows are entirely masked with sparse_mode={sparse_mode} and "
@@ -254,15 +282,19 @@ def dropout_keep(seed: int, offset: int, shape, keep_prob: float, device=None) -
     return (torch.rand(tuple(shape), generator=gen, dtype=torch.float64) < keep_prob).to(device)
 
 
-def _common_checks(scale, keep_prob, inner_precise, pse, padding_mask, prefix, layout, qlen, kvlen):
+def _common_checks(scale, keep_prob, inner_precise, pse, padding_mask, prefix, layout, qlen, kvlen, softmax_layout, sink):
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         _fail(f"scale must be a Python float, got {type(scale).__name__}")
     if not isinstance(keep_prob, (int, float)) or not 0.0 < keep_prob <= 1.0:
         _fail(f"keep_prob must be in (0, 1], got {keep_prob!r}")
     if inner_precise not in (0, 1, 2, 3):
         _fail(f"inner_precise must be 0..3, got {inner_precise!r}")
-    if pse is not None or padding_mask is not None or prefix is not None:
-        raise NotImplementedError("npu_double: pse / padding_mask / prefix are unsupported in the double")
+    if pse is not None or padding_mask is not None or prefix is not None or sink is not None:
+        raise NotImplementedError("npu_double: pse / padding_mask / prefix / sink are unsupported in the double")
+    if softmax_layout not in ("", "TND"):
+        _fail(f"only supported softmax_layout=TND (or the default \"\"), got {softmax_layout!r}")
+    if softmax_layout == "TND" and layout != "TND":
+        _fail("softmax_layout=TND only supported when input_layout_str=TND")
     if layout != "TND" and (qlen is not None or kvlen is not None):
         _fail(f"actual_seq_qlen/actual_seq_kvlen are only for TND, got layout {layout}")
 
@@ -290,21 +322,81 @@ def _mask_summary(atten_mask) -> Any:
 # ---- the operators ----------------------------------------------------------------------------
 
 
-def _make_ops(record: list):
+def _noncontiguous(**tensors) -> list[str]:
+    """Names of the tensor inputs the kernel would have to copy into its layout first."""
+    return [name for name, x in tensors.items() if isinstance(x, torch.Tensor) and not x.is_contiguous()]
+
+
+def _stats_out(row_stat: torch.Tensor, layout: str, softmax_layout: str) -> torch.Tensor:
+    """Canonical ``[B, N, Sq]`` -> the op's float32 ``[B, N, Sq, 8]``, or TND ``[T, N, 8]``
+    (data in ``[N, T, 8]`` order unless ``softmax_layout="TND"``)."""
+    stat = row_stat.float().unsqueeze(-1).expand(*row_stat.shape, 8)
+    if layout != "TND":
+        return stat.contiguous()
+    n, t = stat.shape[1], stat.shape[2]
+    if softmax_layout == "TND":
+        return stat.squeeze(0).transpose(0, 1).contiguous()
+    return stat.squeeze(0).contiguous().view(t, n, 8)
+
+
+def _stats_in(stat: torch.Tensor, layout: str, softmax_layout: str, n: int) -> torch.Tensor:
+    """Inverse of :func:`_stats_out`: the op's statistics -> canonical ``[B, N, Sq, 8]`` float64."""
+    if layout != "TND":
+        return stat.double()
+    t = stat.shape[0]
+    if softmax_layout == "TND":
+        return stat.transpose(0, 1).unsqueeze(0).double()
+    return stat.reshape(n, t, 8).unsqueeze(0).double()
+
+
+def _check_statistics(scores, visible, softmax_max, softmax_sum) -> None:
+    """The grad op's statistics must be (row max, row sum) pairs, 8 identical copies each.
+
+    ``scores`` ``[B, N, Sq, Skv]`` float64, masked entries -inf; statistics canonical
+    ``[B, N, Sq, 8]``. For a row that sees a key here, ``softmax_max`` M is at least this
+    call's largest score m; if M > m the maximum lies in keys of another call (merged
+    statistics), whose ``exp(0)`` then adds at least 1 to ``softmax_sum`` beyond what this
+    call's keys contribute. A logsumexp with sum 1 is neither.
+    """
+    for name, stat in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        if not bool((stat == stat[..., :1]).all()):
+            _fail(f"{name}: the 8 trailing values of each row must be identical copies")
+    big, total = softmax_max[..., 0], softmax_sum[..., 0]
+    seen = visible.expand(scores.shape).any(dim=-1)
+    local_max = scores.amax(dim=-1)
+    tol = 1e-4 * torch.clamp(local_max.abs(), min=1.0)
+    local_sum = torch.exp(scores - torch.where(seen, big, 0.0).unsqueeze(-1)).sum(dim=-1)
+    below = seen & (big < local_max - tol)
+    if bool(below.any()):
+        _fail(f"softmax_max is below the largest score of {int(below.sum())} rows: it is not a row maximum")
+    is_max = (big - local_max).abs() <= tol
+    merged = total - local_sum >= 1.0 - 1e-3
+    wrong = seen & ~(is_max | merged)
+    if bool(wrong.any()):
+        _fail(
+            f"softmax_max of {int(wrong.sum())} rows is not a row maximum of the scores (a logsumexp with "
+            "softmax_sum = 1?): pass the forward's softmax_max/softmax_sum, or (max, sum) pairs merged from them"
+        )
+
+
+def make_ops(record: list):
+    """``(npu_fusion_attention, npu_fusion_attention_grad)`` appending one dict per call to ``record``."""
+
     def npu_fusion_attention(
         query, key, value, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None,
         scale=1.0, keep_prob=1.0, pre_tockens=MAX_TOCKENS, next_tockens=MAX_TOCKENS, inner_precise=0,
         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
-        gen_mask_parallel=True, sync=False,
+        gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0,
     ):  # fmt: skip
         layout = input_layout
         q, k, v, nq, nkv = _canonical_qkv(query, key, value, head_num, layout)
-        _common_checks(scale, keep_prob, inner_precise, pse, padding_mask, prefix, layout, actual_seq_qlen, actual_seq_kvlen)
+        _common_checks(scale, keep_prob, inner_precise, pse, padding_mask, prefix, layout, actual_seq_qlen,
+                       actual_seq_kvlen, softmax_layout, sink)  # fmt: skip
+        if dropout_mask is not None or seed or offset:
+            raise NotImplementedError("npu_double: dropout_mask / seed / offset inputs are unsupported in the double")
         seq_q, seq_k = _seqs(layout, q, k, actual_seq_qlen, actual_seq_kvlen)
-        b, _, sq, _ = q.shape
-        sk = k.shape[2]
         visible = _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, seq_q, seq_k)
-        empty = _check_empty_rows(visible, sq, sk, inner_precise, sparse_mode)
+        empty = _check_empty_rows(visible, layout, inner_precise, sparse_mode, seq_q, seq_k)
 
         g = nq // nkv
         ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -326,9 +418,6 @@ def _make_ops(record: list):
         out = (p @ ve).to(query.dtype)
 
         max_out = torch.where(empty, float("-inf"), row_max)
-        stats = [x.float().unsqueeze(-1).expand(*x.shape, 8).contiguous() for x in (max_out, row_sum)]
-        if layout == "TND":  # [1, N, T] -> [T, N, 8]
-            stats = [x.squeeze(0).transpose(0, 1).contiguous() for x in stats]
         record.append(dict(
             name="npu_fusion_attention", layout=layout, head_num=head_num,
             q_shape=tuple(query.shape), k_shape=tuple(key.shape), v_shape=tuple(value.shape),
@@ -336,41 +425,46 @@ def _make_ops(record: list):
             sparse_mode=sparse_mode, keep_prob=keep_prob, scale=scale, pre_tockens=pre_tockens,
             next_tockens=next_tockens, inner_precise=inner_precise, actual_seq_qlen=actual_seq_qlen,
             actual_seq_kvlen=actual_seq_kvlen, seed=seed, offset=offset, numels=numels,
-            score_shape=tuple(p.shape),
+            score_shape=tuple(p.shape), softmax_layout=softmax_layout,
+            noncontiguous=_noncontiguous(query=query, key=key, value=value, atten_mask=atten_mask),
         ))  # fmt: skip
-        return (_from_bnsd(out, layout), stats[0], stats[1], torch.empty(0, device=query.device), seed, offset, numels)
+        stats = [_stats_out(x, layout, softmax_layout) for x in (max_out, row_sum)]
+        softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
+        return (_from_bnsd(out, layout), stats[0], stats[1], softmax_out, seed, offset, numels)
 
     def npu_fusion_attention_grad(
         query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None,
         softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None, scale_value=1.0,
         keep_prob=1.0, pre_tockens=MAX_TOCKENS, next_tockens=MAX_TOCKENS, inner_precise=0, seed=0,
         offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+        gen_mask_parallel=True, sync=False, softmax_layout="", sink=None,
     ):  # fmt: skip
         layout = input_layout
         q, k, v, nq, nkv = _canonical_qkv(query, key, value, head_num, layout)
-        _common_checks(scale_value, keep_prob, inner_precise, pse, padding_mask, prefix, layout, actual_seq_qlen, actual_seq_kvlen)
+        _common_checks(scale_value, keep_prob, inner_precise, pse, padding_mask, prefix, layout, actual_seq_qlen,
+                       actual_seq_kvlen, softmax_layout, sink)  # fmt: skip
         seq_q, seq_k = _seqs(layout, q, k, actual_seq_qlen, actual_seq_kvlen)
         for name, x in (("dy", dy), ("attention_in", attention_in)):
             if not isinstance(x, torch.Tensor) or x.shape != query.shape or x.dtype != query.dtype:
                 _fail(f"{name} must be a tensor shaped and typed like query {tuple(query.shape)} {query.dtype}")
         b, _, sq, _ = q.shape
-        sk = k.shape[2]
         stat_shape = (sq, nq, 8) if layout == "TND" else (b, nq, sq, 8)
         for name, x in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != stat_shape or x.dtype != torch.float32:
                 _fail(f"{name} must be float32 {stat_shape}, got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
         visible = _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, seq_q, seq_k)
-        empty = _check_empty_rows(visible, sq, sk, inner_precise, sparse_mode)
+        empty = _check_empty_rows(visible, layout, inner_precise, sparse_mode, seq_q, seq_k)
 
-        smax, ssum = softmax_max[..., 0].double(), softmax_sum[..., 0].double()
-        if layout == "TND":
-            smax, ssum = smax.transpose(0, 1).unsqueeze(0), ssum.transpose(0, 1).unsqueeze(0)
         g = nq // nkv
         ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        do = _to_bnsd(dy, layout, head_num, "dy").double()
-        o = _to_bnsd(attention_in, layout, head_num, "attention_in").double()
         s = (q @ ke.transpose(-1, -2)) * float(scale_value)
         s = s.masked_fill(~visible, float("-inf"))
+        stats_max = _stats_in(softmax_max, layout, softmax_layout, nq)
+        stats_sum = _stats_in(softmax_sum, layout, softmax_layout, nq)
+        _check_statistics(s, visible, stats_max, stats_sum)
+        smax, ssum = stats_max[..., 0], stats_sum[..., 0]
+        do = _to_bnsd(dy, layout, head_num, "dy").double()
+        o = _to_bnsd(attention_in, layout, head_num, "attention_in").double()
         p = torch.exp(s - smax.unsqueeze(-1)) / ssum.unsqueeze(-1)  # the GIVEN statistics
         p = torch.where(empty.expand(smax.shape).unsqueeze(-1), 0.0, p)
 
@@ -396,24 +490,14 @@ def _make_ops(record: list):
             sparse_mode=sparse_mode, keep_prob=keep_prob, scale=scale_value, pre_tockens=pre_tockens,
             next_tockens=next_tockens, inner_precise=inner_precise, actual_seq_qlen=actual_seq_qlen,
             actual_seq_kvlen=actual_seq_kvlen, seed=seed, offset=offset, numels=numels,
-            score_shape=tuple(p.shape),
+            score_shape=tuple(p.shape), softmax_layout=softmax_layout,
+            noncontiguous=_noncontiguous(
+                query=query, key=key, value=value, dy=dy, attention_in=attention_in, atten_mask=atten_mask,
+                softmax_max=softmax_max, softmax_sum=softmax_sum,
+            ),
         ))  # fmt: skip
 
-        empty_t = torch.empty(0, device=query.device)
         grads = (_from_bnsd(x, layout).to(like.dtype) for x, like in ((dq, query), (dk, key), (dv, value)))
-        return (*grads, empty_t, empty_t)
+        return (*grads, None, torch.empty(0, device=query.device))
 
     return npu_fusion_attention, npu_fusion_attention_grad
-
-
-def make_module() -> types.ModuleType:
-    """A fresh ``torch_npu`` double with an empty ``calls`` list."""
-    mod = types.ModuleType("torch_npu")
-    mod.__doc__ = "pure-PyTorch test double of torch_npu (tests/npu_double.py)"
-    mod.calls = []
-    mod.npu_fusion_attention, mod.npu_fusion_attention_grad = _make_ops(mod.calls)
-    mod.NpuContractError = NpuContractError
-    mod.dropout_keep = dropout_keep
-    mod.compressed_causal_mask = compressed_causal_mask
-    mod.__file__ = __file__
-    return mod

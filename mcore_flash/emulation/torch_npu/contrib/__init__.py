@@ -1,0 +1,1 @@
+"""torch_npu.contrib of the emulated torch_npu."""
