@@ -33,6 +33,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(plan.format_text())
         return 0 if plan.fits else 1
 
+    if args.emulate_npu:
+        from mcore_flash import emulation
+
+        emulation.install()  # platform.setup() now finds the emulated torch_npu
+
     from mcore_flash.training.distributed import destroy_distributed, init_distributed
     from mcore_flash.training.loop import TrainingDiverged, train
 
@@ -49,7 +54,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"done: {summary['iteration']} iterations, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
             f"checkpoints and metrics.jsonl in {summary['save']}"
         )
+    if args.emulate_npu:
+        _write_rehearsal_report(args.save)
     return 0
+
+
+def _write_rehearsal_report(save_dir: str) -> None:
+    """``emulated_npu_rank<r>.json`` in ``--save``: what this rank's rehearsal exercised."""
+    import json
+    import os
+
+    from mcore_flash import emulation
+
+    rank = int(os.environ.get("RANK", "0"))
+    report = emulation.report()
+    path = os.path.join(save_dir, f"emulated_npu_rank{rank:05d}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    if rank == 0:
+        calls = sum(report["op_calls"].values())
+        copies = sum(report["inputs_the_kernels_would_copy"].values())
+        print(f"emulated npu: {calls} torch_npu op calls, {copies} inputs the kernels would copy; report in {path}")
 
 
 if __name__ == "__main__":

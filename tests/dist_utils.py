@@ -149,11 +149,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180):
 
 
 def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, **kwargs):
-    """Inside a worker: CPU platform, megatron's parallel state and model-parallel seeds."""
+    """Inside a worker: CPU platform, megatron's parallel state and Megatron-LM's seeding
+    (python, numpy, torch and megatron's device generator and TP tracker)."""
     from mcore_flash import platform
 
     platform.setup("cpu")
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
+
+    from mcore_flash.training.distributed import set_random_seed
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
@@ -161,7 +164,7 @@ def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, **kwa
         context_parallel_size=cp,
         **kwargs,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    set_random_seed(seed)
 
 
 def teardown_megatron():

@@ -18,6 +18,7 @@ import torch
 
 from dist_utils import init_megatron, run_distributed, teardown_megatron
 from mcore_flash import platform
+from mcore_flash.training.distributed import set_random_seed
 
 HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, LAYERS = 64, 4, 2, 128, 128, 32, 2
 SEED = 1234
@@ -125,7 +126,7 @@ def _setup_section():
     tensor_cuda = torch.Tensor.cuda
     rng_get = mrandom._get_cuda_rng_state
     assert platform.setup("cpu") == "cpu" and platform.setup() == "cpu"
-    for adaptation in platform._CPU_ADAPTATIONS:  # applying again directly is a no-op too
+    for adaptation in platform._ADAPTATIONS["cpu"]:  # applying again directly is a no-op too
         adaptation()
     with_switch = None
     try:
@@ -146,7 +147,7 @@ def _setup_section():
             torch.Tensor.cuda is tensor_cuda
             and mrandom._get_cuda_rng_state is rng_get
             and before is not tensor_cuda
-            and sum(isinstance(f, platform._ViewFinder) for f in sys.meta_path) == 1
+            and sum(isinstance(f, platform.ViewFinder) for f in sys.meta_path) == 1
         ),
         switch_error=with_switch,
         device_type=platform.device_type(),
@@ -304,7 +305,7 @@ def _batch(batch=2):
 def _gpt_section(tp, sp):
     from megatron.core import parallel_state, tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    set_random_seed(SEED)
     model = _gpt(_config(tp=tp, sp=sp))
     tokens, pos, labels = _batch()
     loss = model(tokens, pos, attention_mask=None, labels=labels).float().mean()
@@ -350,9 +351,9 @@ def _recompute_section():
         ("full", dict(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)),
     ):
-        tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+        set_random_seed(SEED)
         model = _gpt(_config(tp=1, hidden_dropout=0.2, **kw))
-        tensor_parallel.model_parallel_cuda_manual_seed(SEED + 1)
+        set_random_seed(SEED + 1)
         tokens, pos, labels = _batch()
         loss = model(tokens, pos, attention_mask=None, labels=labels).mean()
         loss.backward()
@@ -383,7 +384,7 @@ def _ddp_section(rank, world_size):
 
     from megatron.core import tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    set_random_seed(SEED)
     config = _config(tp=1)
     model = DistributedDataParallel(
         config,
@@ -517,7 +518,7 @@ def test_checkpoint_replays_dropout_exactly(pair):
 def _dist_ckpt_section(tp, ckpt_dir):
     from megatron.core import dist_checkpointing, tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    set_random_seed(SEED)
     model = _gpt(_config(tp=tp))
     saved = {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None}
     dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)

@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--mock-data", action="store_true")
     data.add_argument("--data-cache-path", default=None)
 
+    device = p.add_argument_group("device")
+    device.add_argument("--emulate-npu", action="store_true",
+                        help="rehearse the Ascend NPU code path on CPU processes: an emulated npu device, "
+                             "HCCL-strict process groups and contract doubles of the torch_npu ops")  # fmt: skip
+
     ckpt = p.add_argument_group("checkpoints and logging")
     ckpt.add_argument("--save", default=None, help="checkpoint + metrics directory (default runs/<model>)")
     ckpt.add_argument("--load", default=None)
@@ -214,6 +219,8 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.lr_warmup_iters < args.train_iters:
         raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --train-iters {args.train_iters})")
+    if args.emulate_npu and args.dry_run:
+        raise ValueError("--emulate-npu and --dry-run exclude each other: the dry run builds on the meta device")
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 exclude each other; pick one")
     if args.max_position_embeddings < args.seq_length and args.position_embedding_type == "learned_absolute":

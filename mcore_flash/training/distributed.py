@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -53,7 +55,7 @@ def init_fake_world(args) -> None:
 
 
 def _init_parallel_state(args, **kwargs) -> None:
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -62,7 +64,23 @@ def _init_parallel_state(args, **kwargs) -> None:
             context_parallel_size=args.context_parallel_size,
             **kwargs,
         )
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    set_random_seed(args.seed)
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron-LM's ``_set_random_seed``: python, numpy and torch (CPU and every device)
+    from ``seed + 100 * pipeline rank``, then megatron's device generator and TP tracker.
+
+    The weights are drawn on the CPU (``use_cpu_initialization``), so every replica of a
+    data-parallel group and every tensor-parallel shard starts from the same master weights.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_distributed() -> None:

@@ -184,7 +184,8 @@ class _StopSignal:
         self._flag = True
 
     def requested(self) -> bool:
-        flag = torch.tensor([int(self._flag)])
+        # on the device: NCCL and HCCL groups serve device tensors only
+        flag = torch.tensor([int(self._flag)], device=platform.torch_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

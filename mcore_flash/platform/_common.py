@@ -1,0 +1,34 @@
+"""What the adaptations share: run-once bookkeeping and "is this caller megatron?"."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+applied: list[str] = []
+
+
+def once(fn):
+    """Run an adaptation at most once; record its name when it applied something
+    (it returns False when its target does not exist in the installed megatron-core)."""
+
+    @functools.wraps(fn)
+    def wrapper():
+        if fn.__name__ in applied:
+            return
+        if fn() is not False:
+            applied.append(fn.__name__)
+
+    return wrapper
+
+
+def is_megatron_module(name) -> bool:
+    return isinstance(name, str) and (name == "megatron" or name.startswith("megatron."))
+
+
+def called_from_megatron(depth: int = 2) -> bool:
+    """Whether the function ``depth`` frames up the stack belongs to a megatron module."""
+    try:
+        return is_megatron_module(sys._getframe(depth).f_globals.get("__name__"))
+    except ValueError:
+        return False

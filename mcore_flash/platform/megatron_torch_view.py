@@ -1,0 +1,187 @@
+"""CPU: megatron's modules see a view of ``torch`` whose CUDA calls run on the CPU.
+
+Megatron-core's CUDA-only code is a few hundred call sites: ``torch.cuda.<fn>()``
+(``current_device()`` used as a device, ``synchronize()``, the CUDA RNG), ``device="cuda"``
+literals in tensor factories and ``pin_memory=True``. Patching ``torch`` globally the way
+``transfer_to_npu`` does would change torch for every library in the process, so every
+``megatron.*`` module's global name ``torch`` is rebound to a *view* of torch instead: the
+same module dict, except that ``torch.cuda`` is a CPU stand-in for the functions megatron
+calls (``current_device()`` -> ``torch.device("cpu")``, ``synchronize``/``empty_cache`` ->
+no-ops, the CUDA RNG -> :mod:`.megatron_cpu_rng`'s device generator, ``is_available()`` ->
+False; anything else falls through to the real ``torch.cuda`` and fails as before), and
+the tensor factories map a ``"cuda"`` device to the CPU and drop ``pin_memory``. Modules
+imported after ``setup()`` get the view through an import hook. Real ``torch`` is untouched.
+
+Covers, in megatron-core 0.16.1:
+- ``torch.cuda.current_device()`` used as a device: RoPE
+  (``models/common/embeddings/rotary_pos_embedding.py:78,162,297``), SP all-gather /
+  reduce-scatter buffers (``tensor_parallel/mappings.py:91,141,148,181,442``,
+  ``tensor_parallel/layers.py:261,552,...``), DDP buffers
+  (``distributed/param_and_grad_buffer.py:783,800,806``), p2p buffers
+  (``pipeline_parallel/p2p_communication.py:190-202,313,321``),
+  ``distribute_saved_activations`` (``tensor_parallel/utils.py:70,91``), dist-ckpt save
+  (``dist_checkpointing/strategies/state_dict_saver.py:252``), timers, rerun state machine.
+- ``torch.cuda.synchronize()``: dist-ckpt save
+  (``dist_checkpointing/strategies/filesystem_async.py:230``, ``fully_parallel.py``), p2p
+  (``p2p_communication.py:242,398``), ``parallel_state.py``, timers.
+- ``torch.cuda.get_rng_state / manual_seed``: the RNG tracker
+  (``tensor_parallel/random.py:55,235-238``), ``model_parallel_cuda_manual_seed``
+  (``random.py:422``), ``rerun_state_machine.py:957,970``.
+- ``device="cuda"`` literals: optimizer (``optimizer/optimizer.py:473,481,485,907``),
+  ``optimizer/clip_grads.py:90,103,115,174,207``, ``utils.py:1207``,
+  ``optimizer/grad_scaler.py``, ``pipeline_parallel/schedules.py:596,983,2138`` (token
+  count), ``transformer/utils.py:35,40`` (``get_default_causal_mask``),
+  ``tensor_parallel/data.py:37``, ``dist_checkpointing/exchange_utils.py``,
+  ``state_dict_saver.py:204``; ``torch.autocast("cuda")`` (``schedules.py:418``).
+- ``pin_memory=True``: RoPE context-parallel slicing (``models/common/embeddings/rope_utils.py:63``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import sys
+import types
+
+import torch
+
+from ._common import is_megatron_module, once
+from .megatron_cpu_rng import device_generator
+
+_CPU = torch.device("cpu")
+
+# Tensor factories megatron calls with device="cuda" / pin_memory=True.
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
+    "randint", "zeros_like", "ones_like", "empty_like", "full_like", "empty_strided",
+)  # fmt: skip
+
+
+def _cpu_device(device):
+    """A CUDA device (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda")``, an int ordinal) -> CPU."""
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return _CPU
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _factory_on_cpu(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _autocast_on_cpu(cls):
+    def autocast(device_type="cuda", *args, **kwargs):
+        if "device_type" in kwargs:
+            device_type = kwargs.pop("device_type")
+        if device_type == "cuda":
+            device_type = "cpu"
+        return cls(device_type, *args, **kwargs)
+
+    return autocast
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def _make_cuda_standin() -> types.ModuleType:
+    """``torch.cuda`` as megatron sees it on the CPU."""
+    real = torch.cuda
+    generator = device_generator()
+    cuda = types.ModuleType("torch.cuda", "megatron's view of torch.cuda on the CPU")
+    cuda.__getattr__ = lambda name: getattr(real, name)  # everything else: the real one
+    random = types.ModuleType("torch.cuda.random")
+    random.__getattr__ = lambda name: getattr(real.random, name)
+    for namespace in (cuda, random):
+        namespace.get_rng_state = lambda device="cuda": generator.get_state()
+        namespace.set_rng_state = lambda new_state, device="cuda": generator.set_state(new_state)
+        namespace.manual_seed = namespace.manual_seed_all = lambda seed: generator.manual_seed(int(seed))
+        namespace.initial_seed = generator.initial_seed
+    cuda.random = random
+    cuda.default_generators = (generator,)
+    cuda.current_device = lambda: _CPU
+    cuda.is_available = lambda: False
+    cuda.synchronize = _noop
+    cuda.empty_cache = _noop
+    return cuda
+
+
+def _make_torch_view() -> types.ModuleType:
+    view = types.ModuleType("torch", "megatron's view of torch on the CPU (mcore_flash.platform)")
+    view.__dict__.update(torch.__dict__)
+    view.__getattr__ = lambda name: getattr(torch, name)  # later/lazy attributes
+    view.cuda = _make_cuda_standin()
+    for name in _FACTORIES:
+        if hasattr(torch, name):
+            setattr(view, name, _factory_on_cpu(getattr(torch, name)))
+    view.autocast = _autocast_on_cpu(torch.autocast)
+    view.__mcore_flash_view__ = True
+    return view
+
+
+_TORCH_VIEW = None
+
+
+def _install_view(module) -> None:
+    if _TORCH_VIEW is not None and module.__dict__.get("torch") is torch:
+        module.torch = _TORCH_VIEW
+
+
+class _ViewLoader(importlib.abc.Loader):
+    """Wraps a megatron module's loader: exec the module, then give it the torch view."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _install_view(module)
+
+    def __getattr__(self, name):  # get_source, is_package, get_resource_reader, ...
+        return getattr(self._inner, name)
+
+
+class ViewFinder(importlib.abc.MetaPathFinder):
+    """Gives megatron modules imported after setup() the torch view."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not is_megatron_module(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _ViewLoader(spec.loader)
+                return spec
+        return None
+
+
+@once
+def megatron_torch_view():
+    """CPU view of ``torch`` in every megatron module (current and future imports)."""
+    global _TORCH_VIEW
+    if _TORCH_VIEW is None:
+        _TORCH_VIEW = _make_torch_view()
+    if not any(isinstance(f, ViewFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, ViewFinder())
+    for name, module in list(sys.modules.items()):
+        if is_megatron_module(name) and module is not None:
+            _install_view(module)
