@@ -3,6 +3,8 @@
 #
 #   NNODES=32 NODE_RANK=<0..31> MASTER_ADDR=<node 0> NPUS_PER_NODE=8 bash scripts/pretrain_70b.sh
 #   bash scripts/pretrain_70b.sh --dry-run     # on any CPU machine: validate + count, no allocation
+#   bash scripts/pretrain_70b.sh --rehearse    # on any CPU machine: the recipe's code path on 8
+#                                              # emulated NPUs (TP2 x PP2 x CP2), a tiny model
 #
 # Layout (checked by `mcore-flash plan`, see docs/benchmarks.md "Memory planner"):
 #   TP 8 + sequence parallel   one node's 8 NPUs share each layer (HCCS inside the node)
@@ -10,8 +12,8 @@
 #   PP ${PP}                   80 layers -> 80/PP per stage, 1F1B
 #   DP = world / (TP*PP*CP)    distributed optimizer shards fp32 master weights + Adam over DP x CP
 #   recompute ${RECOMPUTE}     attention-only (default): the attention sub-block keeps only its
-#                              input; planner: 47.5 GiB of 64 GiB, +21% FLOPs. RECOMPUTE=none:
-#                              52.3 GiB (+0%, less margin); RECOMPUTE=full: 31.3 GiB (+33%)
+#                              input; planner: 47.5 GiB of 64 GiB, +19% FLOPs. RECOMPUTE=none:
+#                              52.6 GiB (+0%, less margin); RECOMPUTE=full: 31.3 GiB (+31%)
 # Extra flags after the script's name are passed on to `mcore-flash pretrain`.
 set -euo pipefail
 
@@ -68,6 +70,33 @@ ARGS=(
   --data-path "$DATA_PATH" --split 100,0,0
   --save "$SAVE" --load "$SAVE" --save-interval 100 --log-interval 1
 )
+
+if [[ " $* " == *" --rehearse "* ]]; then
+  # The NPU code path of this recipe - every parallelism, the recompute mode, bf16, the
+  # distributed optimizer with overlapped reduction, the npu attention backend, HCCL - on
+  # 8 emulated NPUs in CPU processes (mcore_flash.emulation), the layout halved in each
+  # dimension and the model shrunk to fit 2 CPU cores; built-in data, 2 iterations.
+  REHEARSAL=()
+  skip=0
+  for a in "${ARGS[@]}"; do
+    if ((skip)); then skip=0; continue; fi
+    case "$a" in
+      --data-path|--tokenizer-model|--tokenizer-type|--load|--save|--tensor-model-parallel-size|\
+      --pipeline-model-parallel-size|--context-parallel-size|--seq-length|--max-position-embeddings|\
+      --global-batch-size|--train-iters|--save-interval|--lr-warmup-iters) skip=1; continue;;
+      --split) skip=1; continue;;
+    esac
+    REHEARSAL+=("$a")
+  done
+  REHEARSAL+=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --context-parallel-size 2
+              --num-layers 4 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 --num-query-groups 2
+              --seq-length 128 --max-position-embeddings 128 --global-batch-size 2 --train-iters 2 --lr-warmup-iters 1
+              --save "${REHEARSAL_SAVE:-$(mktemp -d)}" --emulate-npu)
+  args=()
+  for a in "$@"; do [[ "$a" == --rehearse ]] || args+=("$a"); done
+  OMP_NUM_THREADS=1 exec "${PYTHON:-python}" -m torch.distributed.run --nnodes 1 --nproc-per-node 8 \
+    --master-addr 127.0.0.1 --master-port "${MASTER_PORT}" -m mcore_flash.pretrain "${REHEARSAL[@]}" "${args[@]}"
+fi
 
 if [[ " $* " == *" --dry-run "* ]]; then
   # One CPU process stands in for all ranks: flags are validated for WORLD_SIZE and every

@@ -51,7 +51,7 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank, world_size, port, timeout, fn, args, results):
+def _worker(rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -63,8 +63,16 @@ def _worker(rank, world_size, port, timeout, fn, args, results):
     )
     torch.set_num_threads(1)
     try:
+        if emulate_npu:  # the emulated torch_npu: an npu device and the HCCL-strict backend
+            from mcore_flash import emulation
+
+            emulation.install()
+            import torch_npu  # noqa: F401
+
+            if bind_device:
+                torch.npu.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            "hccl" if emulate_npu else "gloo",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
@@ -84,9 +92,11 @@ def _worker(rank, world_size, port, timeout, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180):
+def run_distributed(fn, world_size: int, *args, timeout: float = 180, emulate_npu: bool = False, bind_device: bool = True):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
 
+    ``emulate_npu``: the processes import the emulated ``torch_npu`` first, bind rank r to
+    ``npu:r`` (unless ``bind_device=False``) and use the HCCL-strict ``hccl`` backend.
     Returns the per-rank return values (rank order). Raises RuntimeError carrying the
     failing worker's traceback, or TimeoutError after ``timeout`` seconds.
     """
@@ -96,7 +106,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180):
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, timeout, fn, args, results),
+            args=(rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device),
             daemon=False,  # workers may start processes (dist-ckpt save does)
         )
         for rank in range(world_size)

@@ -139,8 +139,8 @@ def _count_gemm_flops(model, tokens, positions):
     return per_module, step
 
 
-def _predict(case, tp, cp=1):
-    profile = PROFILES["cpu"].with_(
+def _predict(case, tp, cp=1, device="cpu"):
+    profile = PROFILES[device].with_(
         attention=case["attention"],
         swiglu_fused=case["extra"].get("use_te_activation_func", False),
         hidden_dropout=case["extra"].get("hidden_dropout", 0.0),
@@ -225,6 +225,49 @@ def test_predicted_activation_bytes_match_measured_under_context_parallel():
             predicted = by_module(layer)
             for module in set(predicted) | set(per_layer):
                 _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}")
+
+
+NPU_CASES = [
+    _case("npu-none", use_te_activation_func=True),
+    _case("npu-attention", recompute="attention", use_te_activation_func=True),
+    _case("npu-bf16-none", dtype="bf16", b=1, s=512, use_te_activation_func=True),
+]
+
+
+def _w_measure_npu(rank, world_size, cases):
+    """On the emulated NPU: npu_fusion_attention keeps softmax_max/softmax_sum, the norms
+    and SwiGLU are torch_npu's (doubles): per case (per_layer, by_module, total)."""
+    from megatron.core import parallel_state
+
+    from mcore_flash import platform
+    from mcore_flash.memory import measure_activation_bytes
+    from mcore_flash.training.distributed import set_random_seed
+
+    assert platform.setup() == "npu"
+    parallel_state.initialize_model_parallel()
+    set_random_seed(1234)
+    out = {}
+    for case in cases:
+        model = _build(case, 1).to(platform.torch_device()).train()
+        generator = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, VOCAB, (case["b"], case["s"]), generator=generator).npu()
+        positions = torch.arange(case["s"]).expand(case["b"], case["s"]).npu()
+        saved = measure_activation_bytes(model, tokens, positions, None, labels=tokens)
+        out[case["name"]] = (saved.per_layer(), saved.by_module, saved.total)
+    return out
+
+
+def test_predicted_activation_bytes_match_measured_on_the_emulated_npu():
+    """The planner's npu profile (64 bytes of statistics per row, not 4) against the bytes the
+    NPU path really keeps, measured on npu tensors."""
+    measured = run_distributed(_w_measure_npu, 1, NPU_CASES, emulate_npu=True, timeout=300)[0]
+    npu, cpu = (by_module(_predict(NPU_CASES[0], 1, device=d)[0]) for d in ("npu", "cpu"))
+    assert npu["self_attention.core_attention"] - cpu["self_attention.core_attention"] == 2 * 4 * 256 * 60
+    for case in NPU_CASES:
+        per_layer, _, _ = measured[case["name"]]
+        predicted = by_module(_predict(case, 1, device="npu")[0])
+        for module in set(predicted) | set(per_layer):
+            _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}")
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ def _single_worker(rank, world_size):
     _section(out, "setup", _setup_section)
     init_megatron(tp=1, seed=SEED)
     try:
+        _section(out, "cpu_rng_scope", _cpu_rng_scope_section)
         _section(out, "mask_rope", _mask_rope_section)
         _section(out, "gpt", _gpt_section, 1, False)
         _section(out, "ddp", _ddp_section, 0, 1)
@@ -215,6 +216,70 @@ def test_setup_is_idempotent_and_megatron_scoped(single):
     # outside megatron, torch is the real one
     assert out["real_current_device_raises"] and out["our_cuda_raises"]
     assert out["our_type"] == "torch.FloatTensor"
+
+
+def _cpu_rng_scope_section():
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(5)
+    user_draw = torch.rand(3)
+    torch.manual_seed(5)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)  # megatron's seeding: its own generator
+    return torch.equal(user_draw, torch.rand(3))
+
+
+def test_megatron_seeding_leaves_the_users_cpu_generator_alone(single):
+    assert _get(single, "cpu_rng_scope")  # issue 10, defect 6
+
+
+# --------------------------------------------------------------------------------------
+# setup() on the emulated NPU (mcore_flash.emulation): the NPU branch of the adapter
+# --------------------------------------------------------------------------------------
+
+
+def _w_npu_setup(rank, world_size):
+    import os
+
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    from megatron.core import parallel_state
+
+    from mcore_flash.training.distributed import set_random_seed
+
+    os.environ["LOCAL_RANK"] = "3"  # as torchrun would set it for the 4th process of a node
+    device = platform.setup()
+    parallel_state.initialize_model_parallel()
+    set_random_seed(1234)
+    seeds = (torch.initial_seed(), torch.npu.initial_seed())
+    param = torch.nn.Parameter(torch.ones(4, device=platform.torch_device()))
+    param.grad = torch.full((4,), 2.0, device=param.device)
+    clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=4.0)  # asserts .type()
+    return dict(
+        device=device,
+        applied=platform.applied_adaptations(),
+        torch_device=str(platform.torch_device()),
+        tensor_device=str(param.device),
+        clipped=param.grad.cpu().tolist(),
+        our_type=param.grad.type(),
+        no_te_fp8=CheckpointWithoutOutput().fp8,
+        capability=torch.cuda.get_device_capability(),
+        seeds=seeds,
+    )
+
+
+def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
+    out = run_distributed(_w_npu_setup, 1, emulate_npu=True, bind_device=False)[0]
+    assert out["device"] == "npu"
+    assert out["applied"] == ["npu_device_capability", "megatron_npu_tensor_type", "checkpoint_without_output_no_te"]
+    assert out["torch_device"] == out["tensor_device"] == "npu:3"  # set_device(LOCAL_RANK), defect 10
+    assert out["clipped"] == pytest.approx([2.0 / (4.0 + 1e-6)] * 4)  # megatron's 'torch.cuda.FloatTensor' assert passed
+    assert out["our_type"] == "torch.npu.FloatTensor"  # everyone else: torch's own answer (defect 8)
+    assert out["no_te_fp8"] is False  # CheckpointWithoutOutput without TE (defect 2)
+    assert out["capability"] == (8, 0)  # torch's broadcast can index it
+    # Megatron-LM's seeding: the CPU generator the weights come from and the device's
+    # (defect 9: the device path never seeded the CPU one)
+    assert out["seeds"] == (1234, 1234)
 
 
 def test_causal_mask_and_rope(single):

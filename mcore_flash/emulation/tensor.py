@@ -15,7 +15,10 @@ device enforces is enforced here:
   ``sequence_parallel``, ``tensor_model_parallel`` ...), as a device backend written in C++
   does by assigning ``param.data``; torch makes new Parameters for a Python wrapper;
 * collectives (``c10d`` ops) reach the process group's ``npu`` backend (:mod:`.hccl`)
-  with the CPU buffers; a CPU tensor finds no backend and fails as with HCCL.
+  with the CPU buffers; a CPU tensor finds no backend and fails as with HCCL;
+* pinned host memory is ordinary host memory (``pin_memory=True`` is dropped in the
+  torch factories, ``Tensor.pin_memory()`` copies): a Python backend cannot give torch a
+  pinned allocator.
 
 Factories (``torch.empty(..., device="npu")``) and CPU->npu copies have no npu tensor
 argument: they reach per-op kernels registered for the PrivateUse1 key, which build the
@@ -30,6 +33,7 @@ checked against torch 2.13 by tests/test_emulation.py.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -405,6 +409,21 @@ def _privateuse1_kernel(op):
     return kernel
 
 
+# factories that take pin_memory=: a Python backend cannot give torch a pinned allocator
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn", "randint", "empty_strided")
+
+
+def _pinned_is_pageable(factory):
+    """``factory`` with ``pin_memory=True`` dropped: pinned host memory is ordinary host memory here."""
+
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
 def _keep_parameter_attributes(module_apply):
     """``Module._apply`` that carries each Parameter's attributes over to its replacement."""
 
@@ -442,11 +461,13 @@ def register(device_module) -> None:
     for qualified in _PRIVATEUSE1_OPS:
         name, _, overload = qualified.partition(".")
         kernels.impl(qualified, _privateuse1_kernel(getattr(getattr(_aten, name), overload or "default")), "PrivateUse1")
-    # pin_memory() asks the accelerator hooks for a pinned allocator, which Python hooks
-    # cannot give: pinned host memory is ordinary host memory here.
+    # pin_memory() / pin_memory=True ask the accelerator hooks for a pinned allocator, which
+    # Python hooks cannot give: pinned host memory is ordinary host memory here.
     pinning = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pinning.impl("_pin_memory", lambda self, device=None: self.clone(), "CompositeExplicitAutograd")
     _LIBRARIES.extend([kernels, pinning])
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, _pinned_is_pageable(getattr(torch, name)))
     torch.nn.Module._apply = _keep_parameter_attributes(torch.nn.Module._apply)

@@ -82,8 +82,9 @@ class Profile:
         attention: ``"fused"`` (our FlashDotProductAttention) or ``"standard"`` (Megatron's
             DotProductAttention: scores/probabilities materialised).
         stats_bytes_per_row: fused attention statistics per (batch, head, query): 4 for the
-            fp32 logsumexp every backend keeps (64 would be Ascend's raw ``softmax_max`` +
-            ``softmax_sum``, each ``[B, N, S, 8]`` fp32, as MindSpeed keeps them).
+            fp32 logsumexp the CPU/CUDA backends keep; 64 on Ascend, whose backend keeps the
+            kernel's own ``softmax_max`` + ``softmax_sum``, each ``[B, N, S, 8]`` fp32 (as
+            torch_npu's autograd and MindSpeed do).
         norm_stats: the norm keeps its fp32 statistics (RMSNorm: rstd 4 bytes per row;
             LayerNorm: mean + rstd, 8 bytes) besides its input.
         rope: ``"megatron"`` (unfused ``apply_rotary_pos_emb``: keeps cos and sin cast to
@@ -123,11 +124,9 @@ class Profile:
         return replace(self, **changes)
 
 
-# Our trainer always runs the fused SwiGLU (megatron's activation hook), and every backend
-# keeps only the fp32 logsumexp (the NPU backend turns softmax_max/softmax_sum into it and
-# drops them), so all device profiles share those two settings.
+# Our trainer always runs the fused SwiGLU (megatron's activation hook) on every device.
 PROFILES: dict[str, Profile] = {
-    "npu": Profile("npu", stats_bytes_per_row=4, swiglu_fused=True, dropout_mask_bytes=F(1, 8)),
+    "npu": Profile("npu", stats_bytes_per_row=64, swiglu_fused=True, dropout_mask_bytes=F(1, 8)),
     "cuda": Profile("cuda", stats_bytes_per_row=4, swiglu_fused=True, dropout_mask_bytes=F(1)),
     "cpu": Profile("cpu", stats_bytes_per_row=4, swiglu_fused=True, dropout_mask_bytes=None),
     # Korthikanti et al. 2022 (Table 2): fp16, standard attention with dropout, LayerNorm

@@ -1,8 +1,8 @@
 """CPU: megatron's device RNG is a generator of its own, active only inside tracker forks.
 
 On a GPU megatron seeds and forks the *CUDA* generator (``model_parallel_cuda_manual_seed``
-sets it to ``seed + 2718``, ``get_cuda_rng_tracker().fork()`` swaps in a per-TP-rank
-state) and never touches the CPU generator that user code shares. On the CPU the tensors'
+seeds it and gives the TP tracker ``seed + 2718 + tp_rank``; ``get_cuda_rng_tracker().fork()``
+swaps that state in) and never touches the CPU generator that user code shares. On the CPU the tensors'
 generator *is* the CPU one, so this adaptation keeps a separate device generator that
 megatron seeds, saves and restores (``torch.cuda.*`` RNG calls in :mod:`.megatron_torch_view`,
 ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` in ``tensor_parallel/random.py:41,72``),

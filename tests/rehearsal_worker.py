@@ -1,0 +1,29 @@
+"""`mcore-flash pretrain` with a planted defect, for tests/test_rehearsal.py (run under torchrun).
+
+    python -m torch.distributed.run ... tests/rehearsal_worker.py --plant-cpu-collective <pretrain flags>
+
+``--plant-cpu-collective`` puts back the trainer's original SIGTERM check, which
+all-reduced a CPU tensor on the default group every iteration (issue 10, defect 1).
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mcore_flash.pretrain import main
+from mcore_flash.training import loop
+
+
+def _cpu_flag_requested(self) -> bool:
+    flag = torch.tensor([int(self._flag)])  # a CPU tensor: no NCCL/HCCL backend serves it
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--plant-cpu-collective" in argv:
+        argv.remove("--plant-cpu-collective")
+        loop._StopSignal.requested = _cpu_flag_requested
+    sys.exit(main(argv))

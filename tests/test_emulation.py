@@ -1,0 +1,282 @@
+"""The emulated Ascend device (mcore_flash.emulation) behaves like a device, and like torch_npu.
+
+Everything runs in spawned workers (the emulation changes torch for the whole process).
+Oracles: the same computation on the CPU (bitwise), torch's own error messages for a CUDA
+device, torch_npu 2.13's transfer_to_npu (what it patches), float64 formulas for the
+fused-op doubles. These tests also pin the private torch APIs the emulation relies on.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+
+def _raises(fn, *needles):
+    """The message of the exception ``fn`` raises (None if none) after checking its needles."""
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001
+        message = str(error)
+        assert all(n in message for n in needles), message
+        return message
+    return None
+
+
+def _train(device, steps=3):
+    """A small model trained with AdamW, dropout and grad clipping; returns losses and weights."""
+    torch.manual_seed(0)
+    torch.npu.manual_seed(0) if device == "npu" else None
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 50),
+    ).to(device)  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 50, (4, 8), generator=generator).to(device)
+        loss = torch.nn.functional.cross_entropy(model(ids).view(-1, 50), ids.view(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def _w_device(rank, world_size):
+    out = {}
+    x = torch.ones(3, device="npu")
+    out["device"] = str(x.device)
+    out["type"] = x.type()
+    out["is_npu"] = x.is_npu
+    out["mixing"] = _raises(lambda: x + torch.ones(3), "Expected all tensors to be on the same device", "cpu")
+    out["scalar_ok"] = (x + torch.tensor(2.0)).cpu().tolist()
+    out["numpy"] = _raises(x.numpy, "Use Tensor.cpu()")
+    out["other_index"] = _raises(lambda: torch.ones(1, device="npu:3"), "npu:3", "set_device")
+    out["set_after_alloc"] = _raises(lambda: torch.npu.set_device(2), "one NPU")
+    out["out_of_range"] = _raises(lambda: torch.npu.set_device(99), "invalid device ordinal")
+    # the device generator is separate from the CPU one
+    cpu_state = torch.get_rng_state()
+    torch.npu.manual_seed(5)
+    a = torch.randn(4, device="npu")
+    torch.npu.manual_seed(5)
+    b = torch.nn.functional.dropout(torch.ones(4, device="npu"), 0.5)
+    torch.npu.manual_seed(5)
+    out["rng"] = (torch.equal(a.cpu(), torch.randn(4, device="npu").cpu()), torch.equal(cpu_state, torch.get_rng_state()))
+    torch.npu.manual_seed(5)
+    out["dropout_is_seeded"] = torch.equal(b.cpu(), torch.nn.functional.dropout(torch.ones(4, device="npu"), 0.5).cpu())
+    # views and in-place ops alias device memory
+    base = torch.zeros(6, device="npu")
+    view = base[2:4]
+    view.add_(1.0)
+    base.view(2, 3)[1].fill_(7.0)
+    out["aliasing"] = base.cpu().tolist()
+    # Module.to keeps the Parameter objects' attributes (megatron's sequence_parallel, ...)
+    linear = torch.nn.Linear(3, 2)
+    linear.weight.sequence_parallel = True
+    linear.to("npu")
+    out["param_attr"] = (getattr(linear.weight, "sequence_parallel", None), str(linear.weight.device))
+    # torch.save / torch.load of npu tensors, and .data assignment
+    buffer = io.BytesIO()
+    torch.save({"w": linear.weight.detach()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)["w"]
+    out["save_load"] = (str(loaded.device), torch.equal(loaded.cpu(), linear.weight.detach().cpu()))
+    linear.weight.data = torch.zeros(2, 3, device="npu")
+    out["data_assign"] = float(linear.weight.sum())
+    # memory statistics: exact bytes of live storages, views counted once
+    before = torch.npu.memory_allocated()
+    big = torch.empty(1024, 256, device="npu")
+    grown = torch.npu.memory_allocated() - before
+    _ = big[:10], big.t()
+    with_views = torch.npu.memory_allocated() - before
+    del big, _
+    out["memory"] = (grown, with_views, torch.npu.memory_allocated() - before, torch.npu.max_memory_allocated() >= grown)
+    # training: bitwise the CPU's numbers
+    out["train"] = (_train("cpu"), _train("npu"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def device():
+    return run_distributed(_w_device, 1, emulate_npu=True)[0]
+
+
+def test_tensors_are_npu_tensors_that_refuse_cpu_mixing(device):
+    assert device["device"] == "npu:0" and device["is_npu"]
+    assert device["type"] == "torch.npu.FloatTensor"  # what real npu tensors say
+    assert device["mixing"] and device["numpy"]
+    assert device["scalar_ok"] == [3.0, 3.0, 3.0]  # 0-dim CPU scalars are fine, as on a device
+
+
+def test_one_device_per_process(device):
+    assert device["other_index"] and device["set_after_alloc"] and device["out_of_range"]
+
+
+def test_device_generator_is_its_own(device):
+    assert device["rng"] == (True, True)  # reproducible per seed; the CPU generator untouched
+    assert device["dropout_is_seeded"]
+
+
+def test_views_alias_and_module_to_keeps_parameter_attributes(device):
+    assert device["aliasing"] == [0.0, 0.0, 1.0, 7.0, 7.0, 7.0]
+    assert device["param_attr"] == (True, "npu:0")
+    assert device["save_load"] == ("npu:0", True)
+    assert device["data_assign"] == 0.0
+
+
+def test_memory_statistics_are_exact(device):
+    assert device["memory"] == (1024 * 256 * 4, 1024 * 256 * 4, 0, True)
+
+
+def test_training_on_the_device_is_bitwise_the_cpu(device):
+    (cpu_losses, cpu_weights), (npu_losses, npu_weights) = device["train"]
+    assert npu_losses == cpu_losses
+    assert all(torch.equal(a, b) for a, b in zip(npu_weights, cpu_weights))
+
+
+def _w_hccl(rank, world_size):
+    import torch.distributed as dist
+
+    out = {"device": str(torch.ones(1, device="npu").device), "backend": dist.get_backend()}
+    t = torch.tensor([float(rank + 1)], device="npu")
+    dist.all_reduce(t)
+    out["all_reduce"] = t.cpu().tolist()
+    out["cpu_all_reduce"] = _raises(lambda: dist.all_reduce(torch.tensor([1.0])), "No backend type associated with device type cpu")
+    out["cpu_barrier_ok"] = dist.barrier() is None
+    gathered = torch.empty(4, device="npu")
+    dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank), device="npu"))
+    scattered = torch.empty(2, device="npu")
+    dist.reduce_scatter_tensor(scattered, torch.arange(4.0, device="npu"))
+    broadcast = torch.full((2,), float(rank), device="npu")
+    dist.broadcast(broadcast, src=1)
+    a2a = torch.empty(2, device="npu")
+    dist.all_to_all_single(a2a, torch.tensor([rank * 10.0, rank * 10.0 + 1], device="npu"))
+    received = torch.empty(1, device="npu")
+    ops = [dist.P2POp(dist.isend, torch.tensor([float(rank)], device="npu"), 1 - rank),
+           dist.P2POp(dist.irecv, received, 1 - rank)]  # fmt: skip
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    objects = [None, None]
+    dist.all_gather_object(objects, {"rank": rank})
+    out["results"] = [x.cpu().tolist() for x in (gathered, scattered, broadcast, a2a, received)] + [objects]
+    group = dist.new_group([0, 1])
+    out["subgroup_cpu"] = _raises(lambda: dist.all_reduce(torch.ones(2), group=group), "No backend type associated with device type cpu")
+    return out
+
+
+def test_hccl_groups_take_npu_tensors_only():
+    r0, r1 = run_distributed(_w_hccl, 2, emulate_npu=True)
+    assert (r0["device"], r1["device"]) == ("npu:0", "npu:1") and r0["backend"] == "hccl"
+    assert r0["all_reduce"] == r1["all_reduce"] == [3.0]
+    for r in (r0, r1):
+        assert r["cpu_all_reduce"] and r["subgroup_cpu"] and r["cpu_barrier_ok"]
+    assert r0["results"] == [[0.0, 0.0, 1.0, 1.0], [0.0, 2.0], [1.0, 1.0], [0.0, 10.0], [1.0], [{"rank": 0}, {"rank": 1}]]
+    assert r1["results"][:5] == [[0.0, 0.0, 1.0, 1.0], [4.0, 6.0], [1.0, 1.0], [1.0, 11.0], [0.0]]
+
+
+def _w_nothing(rank, world_size):
+    return rank
+
+
+def test_ranks_sharing_an_npu_are_refused_like_hccl():
+    """Ranks that never call set_device(LOCAL_RANK) all drive npu:0: HCCL builds no group."""
+    with pytest.raises(RuntimeError, match=r"ranks 0 and 1 of this group both drive .*npu:0.*set_device\(LOCAL_RANK\)"):
+        run_distributed(_w_nothing, 2, emulate_npu=True, bind_device=False)
+
+
+def _w_transfer(rank, world_size):
+    import sys
+
+    import torch.distributed as dist
+
+    before = {name: sys.modules[name] for name in ("torch.cuda",)}
+    from torch_npu.contrib import transfer_to_npu  # noqa: F401
+
+    out = {
+        "same_module": sys.modules["torch.cuda"] is before["torch.cuda"],  # patched in place
+        "current_device": torch.cuda.current_device(),
+        "available": torch.cuda.is_available(),
+        "factory": str(torch.empty(2, device="cuda").device),
+        "int_device": str(torch.zeros(1, device=0).device),
+        "tensor_cuda": str(torch.ones(1).cuda().device),
+        "is_cuda": torch.ones(1, device="npu").is_cuda,
+        "type_untouched": torch.ones(1).cuda().type(),
+        "module_cuda": str(torch.nn.Linear(2, 2).cuda().weight.device),
+        "nccl_group": dist.get_backend(dist.new_group([0], backend="nccl")),
+        "nccl_available": dist.is_nccl_available(),
+        "generators": torch.cuda.default_generators is torch.npu.default_generators,
+        "jit_script_is_identity": torch.jit.script(_train) is _train,
+    }
+    torch.cuda.manual_seed(3)
+    out["rng"] = torch.equal(torch.cuda.get_rng_state(), torch.npu.get_rng_state())
+    return out
+
+
+def test_transfer_to_npu_patches_like_torch_npu():
+    out = run_distributed(_w_transfer, 1, emulate_npu=True)[0]
+    assert out["same_module"] and out["current_device"] == 0 and out["available"]
+    assert out["factory"] == out["int_device"] == out["tensor_cuda"] == out["module_cuda"] == "npu:0"
+    assert out["is_cuda"] and out["nccl_available"] and out["nccl_group"] == "hccl"
+    assert out["type_untouched"] == "torch.npu.FloatTensor"  # transfer_to_npu leaves .type() alone
+    assert out["generators"] and out["rng"] and out["jit_script_is_identity"]
+
+
+# ---- the fused-op doubles against float64 formulas (CPU tensors, no device) ------------------
+
+
+def _rms_norm_f64(x, gamma, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
+
+
+def _swiglu_f64(x):
+    a, b = x.double().chunk(2, dim=-1)
+    return a * torch.sigmoid(a) * b
+
+
+def test_npu_rms_norm_double_matches_formula_and_contract():
+    from mcore_flash.emulation import fusion_attention, op_double
+
+    torch_npu = op_double()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, 16, generator=gen, requires_grad=True)
+    gamma = torch.randn(16, generator=gen, requires_grad=True)
+    dy = torch.randn(5, 2, 16, generator=gen)
+    y, rstd = torch_npu.npu_rms_norm(x, gamma, epsilon=1e-5)
+    assert rstd.shape == (5, 2, 1) and rstd.dtype == torch.float32
+    y.backward(dy)
+    x64, g64 = x.detach().double().requires_grad_(), gamma.detach().double().requires_grad_()
+    _rms_norm_f64(x64, g64, 1e-5).backward(dy.double())
+    torch.testing.assert_close(y.double(), _rms_norm_f64(x, gamma, 1e-5).detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gamma.grad.double(), g64.grad, atol=1e-5, rtol=1e-5)
+    with pytest.raises(fusion_attention.NpuContractError, match="gamma dtype"):
+        torch_npu.npu_rms_norm(x.bfloat16(), gamma)
+    with pytest.raises(fusion_attention.NpuContractError, match="trailing dims"):
+        torch_npu.npu_rms_norm(x, gamma[:8])
+
+
+def test_npu_swiglu_double_matches_formula_and_contract():
+    from mcore_flash.emulation import fusion_attention, op_double
+
+    torch_npu = op_double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 32, generator=gen, requires_grad=True)
+    dy = torch.randn(4, 3, 16, generator=gen)
+    y = torch_npu.npu_swiglu(x, dim=-1)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    _swiglu_f64(x64).backward(dy.double())
+    torch.testing.assert_close(y.double(), _swiglu_f64(x).detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
+    with pytest.raises(fusion_attention.NpuContractError, match="even size"):
+        torch_npu.npu_swiglu(torch.ones(3, 5))
+    with pytest.raises(fusion_attention.NpuContractError, match="non-contiguous"):
+        torch_npu.npu_swiglu(torch.ones(8, 4).t())
