@@ -1,8 +1,10 @@
 """mcore_flash: fused FlashAttention for Megatron-Core, for long-context training.
 
-Layers (imports point down only): ``mcore_flash.ops`` (attention kernels, no Megatron),
+Layers (imports point down only): ``mcore_flash.emulation`` (an emulated Ascend device
+and torch_npu, torch only), ``mcore_flash.ops`` (attention kernels, no Megatron),
 ``mcore_flash.platform`` (the device adapter), ``mcore_flash.transformer`` (Megatron
-modules and specs), then training, planning and the CLI.
+modules and specs), then training, planning and the CLI (``--emulate-npu`` installs the
+emulation; nothing else imports it).
 """
 
 __version__ = "0.1.0"

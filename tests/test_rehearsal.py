@@ -133,7 +133,8 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
            "PYTHONWARNINGS": "ignore"}  # fmt: skip
     result = subprocess.run(["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "(TP 2, PP 2, CP 2, DP 1)" in result.stdout and "iteration 2/2" in result.stdout
+    output = result.stdout + result.stderr  # progress on stdout, the [mcore-flash] notes on stderr
+    assert "(TP 2, PP 2, CP 2, DP 1)" in output and "iteration 2/2" in output
     for rank in range(8):
         with open(tmp_path / f"emulated_npu_rank{rank:05d}.json") as f:
             report = json.load(f)

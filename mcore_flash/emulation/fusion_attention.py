@@ -28,9 +28,10 @@ What it checks beyond shapes and dtypes:
 
 Choices where the contract is silent (documented here, asserted by tests/test_npu_backend.py):
 
-* Dropout: the forward draws ``seed`` and ``offset`` from torch's default CPU generator
-  (so ``torch.manual_seed`` makes it reproducible; offset is deliberately nonzero so a
-  caller that drops it is caught). The keep mask is ``torch.rand(shape, generator=
+* Dropout: the forward draws ``seed`` and ``offset`` from the default generator of the
+  query's device, as the kernel does from the NPU's (so ``torch.manual_seed`` or megatron's
+  RNG tracker make it reproducible; offset is deliberately nonzero so a caller that drops
+  it is caught). The keep mask is ``torch.rand(shape, generator=
   Generator().manual_seed(seed + offset)) < keep_prob`` over the canonical score shape
   ``[B, N, Sq, Skv]`` (TND: ``[1, N, T, Tkv]``); ``numels`` is its element count. The grad
   op replays it from the (seed, offset, numels) it is given and raises if numels does
@@ -379,6 +380,20 @@ def _check_statistics(scores, visible, softmax_max, softmax_sum) -> None:
         )
 
 
+def _call_record(name: str, args: dict, scale: float, score_shape, noncontiguous: list[str]) -> dict:
+    """What one call passed (``args``: the op's local variables), for tests and reports."""
+    query, key, value, atten_mask = args["query"], args["key"], args["value"], args["atten_mask"]
+    record = dict(
+        name=name, q_shape=tuple(query.shape), k_shape=tuple(key.shape), v_shape=tuple(value.shape),
+        dtype=query.dtype, mask_shape=_mask_summary(atten_mask), scale=scale, score_shape=tuple(score_shape),
+        noncontiguous=noncontiguous,
+    )  # fmt: skip
+    for field in ("layout", "head_num", "atten_mask", "sparse_mode", "keep_prob", "pre_tockens", "next_tockens",
+                  "inner_precise", "actual_seq_qlen", "actual_seq_kvlen", "seed", "offset", "numels", "softmax_layout"):
+        record[field] = args[field]  # fmt: skip
+    return record
+
+
 def make_ops(record: list):
     """``(npu_fusion_attention, npu_fusion_attention_grad)`` appending one dict per call to ``record``."""
 
@@ -411,22 +426,16 @@ def make_ops(record: list):
 
         seed = offset = numels = 0
         if keep_prob < 1.0:
-            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-            offset = int(torch.randint(1, 2**20, (1,)).item()) * 16
+            seed = int(torch.randint(0, 2**31 - 1, (1,), device=query.device).item())
+            offset = int(torch.randint(1, 2**20, (1,), device=query.device).item()) * 16
             numels = p.numel()
             p = p * dropout_keep(seed, offset, p.shape, keep_prob, p.device) / keep_prob
         out = (p @ ve).to(query.dtype)
 
         max_out = torch.where(empty, float("-inf"), row_max)
-        record.append(dict(
-            name="npu_fusion_attention", layout=layout, head_num=head_num,
-            q_shape=tuple(query.shape), k_shape=tuple(key.shape), v_shape=tuple(value.shape),
-            dtype=query.dtype, mask_shape=_mask_summary(atten_mask), atten_mask=atten_mask,
-            sparse_mode=sparse_mode, keep_prob=keep_prob, scale=scale, pre_tockens=pre_tockens,
-            next_tockens=next_tockens, inner_precise=inner_precise, actual_seq_qlen=actual_seq_qlen,
-            actual_seq_kvlen=actual_seq_kvlen, seed=seed, offset=offset, numels=numels,
-            score_shape=tuple(p.shape), softmax_layout=softmax_layout,
-            noncontiguous=_noncontiguous(query=query, key=key, value=value, atten_mask=atten_mask),
+        record.append(_call_record(
+            "npu_fusion_attention", locals(), scale, p.shape,
+            _noncontiguous(query=query, key=key, value=value, atten_mask=atten_mask),
         ))  # fmt: skip
         stats = [_stats_out(x, layout, softmax_layout) for x in (max_out, row_sum)]
         softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
@@ -483,15 +492,9 @@ def make_ops(record: list):
         bk, _, skk, d = k.shape
         dk = dke.view(bk, nkv, g, skk, d).sum(dim=2)
         dv = dve.view(bk, nkv, g, skk, v.shape[-1]).sum(dim=2)
-        record.append(dict(
-            name="npu_fusion_attention_grad", layout=layout, head_num=head_num,
-            q_shape=tuple(query.shape), k_shape=tuple(key.shape), v_shape=tuple(value.shape),
-            dtype=query.dtype, mask_shape=_mask_summary(atten_mask), atten_mask=atten_mask,
-            sparse_mode=sparse_mode, keep_prob=keep_prob, scale=scale_value, pre_tockens=pre_tockens,
-            next_tockens=next_tockens, inner_precise=inner_precise, actual_seq_qlen=actual_seq_qlen,
-            actual_seq_kvlen=actual_seq_kvlen, seed=seed, offset=offset, numels=numels,
-            score_shape=tuple(p.shape), softmax_layout=softmax_layout,
-            noncontiguous=_noncontiguous(
+        record.append(_call_record(
+            "npu_fusion_attention_grad", locals(), scale_value, p.shape,
+            _noncontiguous(
                 query=query, key=key, value=value, dy=dy, attention_in=attention_in, atten_mask=atten_mask,
                 softmax_max=softmax_max, softmax_sum=softmax_sum,
             ),

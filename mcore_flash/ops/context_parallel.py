@@ -251,12 +251,12 @@ def _merge(out_acc: Tensor, acc: SoftmaxStats, out: Tensor, new: SoftmaxStats, l
     safe = torch.where(torch.isneginf(m), 0.0, m)  # rows nothing was visible to yet
     w_acc, w_new = s_acc * torch.exp(m_acc - safe), s_new * torch.exp(m_new - safe)
     total = w_acc + w_new
-    per_row = (lambda x: x[..., 0]) if m.dim() == 4 else (lambda x: x)
-    denominator = _per_token(per_row(torch.where(total > 0, total, 1.0)), layout)
-    out_acc.copy_(
-        (out_acc * _per_token(per_row(w_acc), layout) + out.to(out_acc.dtype) * _per_token(per_row(w_new), layout))
-        / denominator
-    )
+
+    def per_token(x):  # one value per row ([b, h, s], or its first copy of [b, h, s, 8])
+        return _per_token(x[..., 0] if x.dim() == 4 else x, layout)
+
+    denominator = per_token(torch.where(total > 0, total, 1.0))
+    out_acc.copy_((out_acc * per_token(w_acc) + out.to(out_acc.dtype) * per_token(w_new)) / denominator)
     if acc.row_sum is None:
         return SoftmaxStats(torch.where(total > 0, m + torch.log(total), float("-inf")))
     return SoftmaxStats(m, total)

@@ -25,10 +25,13 @@ Conventions shared by all backends:
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
+
+logger = logging.getLogger("mcore_flash")
 
 Tensor = torch.Tensor
 
@@ -104,6 +107,17 @@ class AttentionBackend(abc.ABC):
 
     def check_inputs(self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams) -> None:
         """Raise ``ValueError``/``TypeError`` for inputs beyond this backend's limits."""
+
+    def _falls_back(self, reason: Optional[str]) -> bool:
+        """Whether a call runs the reference kernel instead (``reason`` given, from the
+        arguments alone so forward and backward agree); each reason is logged once."""
+        if reason is None:
+            return False
+        logged = self.__dict__.setdefault("_logged_reasons", set())
+        if reason not in logged:
+            logged.add(reason)
+            logger.info("mcore_flash: %s backend runs the reference kernel for %s", self.name, reason)
+        return True
 
     @abc.abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams) -> tuple[Tensor, SoftmaxStats, Any]:

@@ -15,15 +15,12 @@ masks entirely get ``lse = -inf`` (the kernel reports 0 for them).
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
 from .reference import ReferenceBackend
-
-logger = logging.getLogger("mcore_flash")
 
 _fused_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -36,7 +33,6 @@ class CpuBackend(AttentionBackend):
 
     def __init__(self, fallback: Optional[AttentionBackend] = None):
         self.fallback = fallback or ReferenceBackend()
-        self._logged_reasons: set[str] = set()
 
     def forward(self, q, k, v, params):
         if self._needs_fallback(q, k, params):
@@ -74,18 +70,14 @@ class CpuBackend(AttentionBackend):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     def _needs_fallback(self, q: Tensor, k: Tensor, params: AttentionParams) -> bool:
+        reason = None
         if q.shape[1] == 0 or k.shape[1] == 0:
             reason = "an empty sequence (torch's CPU kernel dies with SIGFPE on it)"
         elif params.dropout_p > 0:
             reason = "dropout_p > 0 (torch's fused CPU kernel has no dropout)"
         elif params.causal and q.shape[1] != k.shape[1]:
             reason = "causal with sq != sk (torch's CPU kernel aligns causal top-left)"
-        else:
-            return False
-        if reason not in self._logged_reasons:
-            self._logged_reasons.add(reason)
-            logger.info("mcore_flash: cpu backend runs the reference kernel for %s", reason)
-        return True
+        return self._falls_back(reason)
 
 
 def _empty_rows(params: AttentionParams) -> Tensor:

@@ -11,14 +11,11 @@ for any GPU measurements.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 
 from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
 from .reference import ReferenceBackend
-
-logger = logging.getLogger("mcore_flash")
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -30,7 +27,6 @@ class CudaBackend(AttentionBackend):
 
     def __init__(self):
         self.fallback = ReferenceBackend()
-        self._logged_reasons: set[str] = set()
 
     def unavailable_reason(self) -> str:
         if not torch.cuda.is_available():
@@ -78,18 +74,14 @@ class CudaBackend(AttentionBackend):
         return dq.transpose(1, 2), _sum_heads(dk.transpose(1, 2), groups), _sum_heads(dv.transpose(1, 2), groups)
 
     def _needs_fallback(self, q: Tensor, k: Tensor, params: AttentionParams) -> bool:
+        reason = None
         if q.dtype not in _FLASH_DTYPES:
             reason = f"{q.dtype} (torch's flash kernel takes float16/bfloat16)"
         elif params.attn_mask is not None:
             reason = "an explicit attn_mask (torch's flash kernel takes none)"
         elif params.causal and q.shape[1] != k.shape[1]:
             reason = "causal with sq != sk (torch aligns causal top-left)"
-        else:
-            return False
-        if reason not in self._logged_reasons:
-            self._logged_reasons.add(reason)
-            logger.info("mcore_flash: cuda backend runs the reference kernel for %s", reason)
-        return True
+        return self._falls_back(reason)
 
 
 def _repeat_heads(x: Tensor, groups: int) -> Tensor:

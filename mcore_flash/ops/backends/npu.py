@@ -30,15 +30,12 @@ ops (``mcore_flash.emulation``), also under the emulated npu device.
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any, Optional
 
 import torch
 
 from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
 from .reference import ReferenceBackend
-
-logger = logging.getLogger("mcore_flash")
 
 MAX_TOCKENS = 2147483647
 COMPRESSED_MASK_SIZE = 2048
@@ -64,7 +61,6 @@ class NpuBackend(AttentionBackend):
     def __init__(self):
         self._compressed_masks: dict[torch.device, Tensor] = {}
         self.fallback = ReferenceBackend()
-        self._logged_reasons: set[str] = set()
 
     def unavailable_reason(self) -> str:
         try:
@@ -145,16 +141,12 @@ class NpuBackend(AttentionBackend):
     def _varlen_needs_fallback(self, cu_seqlens_q: list[int], cu_seqlens_k: list[int], params) -> bool:
         q_lens = [b - a for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
         k_lens = [b - a for a, b in zip(cu_seqlens_k[:-1], cu_seqlens_k[1:])]
+        reason = None
         if any(nq > 0 and nk == 0 for nq, nk in zip(q_lens, k_lens)):
             reason = "a packed sequence with queries but no keys (TND has no inner_precise)"
         elif params.causal and any(nq > nk for nq, nk in zip(q_lens, k_lens)):
             reason = "causal packed sequences with more queries than keys (TND sparse_mode 3 needs Sq <= Skv)"
-        else:
-            return False
-        if reason not in self._logged_reasons:
-            self._logged_reasons.add(reason)
-            logger.info("mcore_flash: npu backend runs the reference kernel for %s", reason)
-        return True
+        return self._falls_back(reason)
 
     # ---- shared arguments ----------------------------------------------------------------
 
