@@ -380,6 +380,14 @@ def _check_statistics(scores, visible, softmax_max, softmax_sum) -> None:
         )
 
 
+def _scores(q, k, v, scale: float, visible):
+    """K and V repeated to the query heads (GQA) and the scaled scores, -inf where not visible."""
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = (q @ ke.transpose(-1, -2)) * float(scale)
+    return ke, ve, s.masked_fill(~visible, float("-inf"))
+
+
 def _call_record(name: str, args: dict, scale: float, score_shape, noncontiguous: list[str]) -> dict:
     """What one call passed (``args``: the op's local variables), for tests and reports."""
     query, key, value, atten_mask = args["query"], args["key"], args["value"], args["atten_mask"]
@@ -412,11 +420,7 @@ def make_ops(record: list):
         seq_q, seq_k = _seqs(layout, q, k, actual_seq_qlen, actual_seq_kvlen)
         visible = _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, seq_q, seq_k)
         empty = _check_empty_rows(visible, layout, inner_precise, sparse_mode, seq_q, seq_k)
-
-        g = nq // nkv
-        ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        s = (q @ ke.transpose(-1, -2)) * float(scale)
-        s = s.masked_fill(~visible, float("-inf"))
+        ke, ve, s = _scores(q, k, v, scale, visible)
         row_max = s.amax(dim=-1)
         empty = empty.expand(row_max.shape)
         safe_max = torch.where(empty, 0.0, row_max)
@@ -463,11 +467,7 @@ def make_ops(record: list):
                 _fail(f"{name} must be float32 {stat_shape}, got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
         visible = _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, seq_q, seq_k)
         empty = _check_empty_rows(visible, layout, inner_precise, sparse_mode, seq_q, seq_k)
-
-        g = nq // nkv
-        ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        s = (q @ ke.transpose(-1, -2)) * float(scale_value)
-        s = s.masked_fill(~visible, float("-inf"))
+        ke, ve, s = _scores(q, k, v, scale_value, visible)
         stats_max = _stats_in(softmax_max, layout, softmax_layout, nq)
         stats_sum = _stats_in(softmax_sum, layout, softmax_layout, nq)
         _check_statistics(s, visible, stats_max, stats_sum)
@@ -490,8 +490,8 @@ def make_ops(record: list):
         dke = (ds.transpose(-1, -2) @ q) * float(scale_value)
         dve = pd.transpose(-1, -2) @ do
         bk, _, skk, d = k.shape
-        dk = dke.view(bk, nkv, g, skk, d).sum(dim=2)
-        dv = dve.view(bk, nkv, g, skk, v.shape[-1]).sum(dim=2)
+        dk = dke.view(bk, nkv, nq // nkv, skk, d).sum(dim=2)
+        dv = dve.view(bk, nkv, nq // nkv, skk, v.shape[-1]).sum(dim=2)
         record.append(_call_record(
             "npu_fusion_attention_grad", locals(), scale_value, p.shape,
             _noncontiguous(
