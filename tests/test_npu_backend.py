@@ -546,6 +546,22 @@ def test_flash_attn_func_mask_with_fully_masked_rows(npu_double, sq, sk, causal,
     assert_same_result(res, api("reference", q, k, v, do, causal=causal, attn_mask=mask))
 
 
+@pytest.mark.parametrize("backend", ["npu", "cpu", "reference"])
+def test_sbhd_layout_equals_bshd_and_reaches_the_npu_kernel_as_sbh_without_copies(npu_double, backend):
+    """Megatron's [s, b, h, d]: the npu kernel takes it as "SBH" (a view, no copy); the
+    other backends take it as transposed views. Same results as flash-attn's [b, s, h, d]."""
+    q, k, v, do = rand_qkv(2, 12, 12, 4, 2, 16)
+    expected = api(backend, q, k, v, do, causal=True)
+    npu_double.calls.clear()
+    sbhd = [x.transpose(0, 1).contiguous() for x in (q, k, v, do)]
+    out, lse, grads = api(backend, *sbhd, causal=True, layout="sbhd")
+    assert_same_result((out.transpose(0, 1), lse, [g.transpose(0, 1) for g in grads]), expected)
+    if backend == "npu":
+        assert [(c["name"], c["layout"], c["noncontiguous"]) for c in npu_double.calls] == [
+            ("npu_fusion_attention", "SBH", []), ("npu_fusion_attention_grad", "SBH", []),
+        ]  # fmt: skip
+
+
 def test_causal_long_sequence_uses_compressed_mask(npu_double):
     q, k, v, do = rand_qkv(1, 3000, 3000, 1, 1, 4)
     res = api("npu", q, k, v, do, causal=True)
