@@ -14,7 +14,9 @@ class ModelShape:
 
     ``kv_channels`` defaults to ``hidden_size // num_attention_heads``. ``gated_linear_unit``
     makes ``linear_fc1`` ``h -> 2 * ffn`` (SwiGLU); ``activation`` is ``"swiglu"`` or
-    ``"gelu"`` (the plain 2-matrix MLP).
+    ``"gelu"`` (the plain 2-matrix MLP). ``rope_scaling`` is Llama-3.1's frequency scaling
+    (``rope_scaling_factor`` over 8192 original positions, low/high frequency factors 1 and
+    4: megatron's ``RotaryEmbedding``); ``norm_epsilon`` the norms' epsilon.
     """
 
     name: str
@@ -34,6 +36,9 @@ class ModelShape:
     max_position_embeddings: int = 4096
     rotary_percent: float = 1.0
     rotary_base: int = 10000
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    norm_epsilon: float = 1e-5
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups:
@@ -74,6 +79,12 @@ MODELS: dict[str, ModelShape] = {
         # Llama-3-70B: same body, 128K vocabulary, RoPE base 500000, 8K positions.
         ModelShape("llama3-70b", 80, 8192, 28672, 64, 8, 128256, max_position_embeddings=8192, rotary_base=500000),
         ModelShape("llama3-8b", 32, 4096, 14336, 32, 8, 128256, max_position_embeddings=8192, rotary_base=500000),
+        # Llama-3.1: the Llama-3 bodies at 131072 positions with the "llama3" RoPE scaling
+        # (factor 8 over 8192 original positions, low/high frequency factors 1 and 4).
+        ModelShape("llama3.1-70b", 80, 8192, 28672, 64, 8, 128256, max_position_embeddings=131072,
+                   rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0),
+        ModelShape("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256, max_position_embeddings=131072,
+                   rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0),
         # The tests' tiny Llama (tests/gpt_models.py): 2 layers, h 64, 4 heads, 2 groups, ffn 128.
         ModelShape("tiny", 2, 64, 128, 4, 2, 128, max_position_embeddings=128),
     )

@@ -117,6 +117,7 @@ def build_flash_gpt(model, tp: int = 1, vp_stage: Optional[int] = None, **config
         num_query_groups=m.num_query_groups,
         kv_channels=m.head_dim,
         normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.gated,
         activation_func=torch.nn.functional.silu if m.gated else torch.nn.functional.gelu,
         add_bias_linear=m.add_bias_linear,
@@ -135,6 +136,8 @@ def build_flash_gpt(model, tp: int = 1, vp_stage: Optional[int] = None, **config
         position_embedding_type=m.position_embedding_type,
         rotary_percent=m.rotary_percent,
         rotary_base=m.rotary_base,
+        rope_scaling=m.rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
     )
 

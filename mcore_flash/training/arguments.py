@@ -53,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seq-length", type=int)
     model.add_argument("--max-position-embeddings", type=int)
     model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
-    model.add_argument("--rotary-base", type=int)
+    model.add_argument("--rotary-base", type=int, help="RoPE base (raise it to extend the context: 'ABF')")
+    model.add_argument("--use-rope-scaling", action="store_true", default=None,
+                       help="Llama-3.1's RoPE frequency scaling (over 8192 original positions)")
+    model.add_argument("--rope-scaling-factor", type=float, help="factor of --use-rope-scaling (Llama-3.1: 8)")
+    model.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                       help="linear position interpolation: positions are divided by this factor")
+    model.add_argument("--norm-epsilon", type=float, help="epsilon of RMSNorm/LayerNorm (default: the preset's)")
     model.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
     model.add_argument("--swiglu", action="store_true", default=None)
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
@@ -148,6 +154,9 @@ def apply_preset(args: argparse.Namespace) -> None:
         seq_length=4096,
         max_position_embeddings=shape.max_position_embeddings,
         rotary_base=shape.rotary_base,
+        use_rope_scaling=shape.rope_scaling,
+        rope_scaling_factor=shape.rope_scaling_factor,
+        norm_epsilon=shape.norm_epsilon,
         swiglu=shape.gated,
         untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
         disable_bias_linear=not shape.add_bias_linear,
@@ -223,6 +232,22 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--emulate-npu and --dry-run exclude each other: the dry run builds on the meta device")
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 exclude each other; pick one")
+    rope_flags = [flag for flag, given in (("--use-rope-scaling", args.use_rope_scaling),
+                  ("--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor)) if given]  # fmt: skip
+    if rope_flags and args.position_embedding_type != "rope":
+        raise ValueError(f"{rope_flags[0]} needs --position-embedding-type rope")
+    if len(rope_flags) == 2:
+        raise ValueError(
+            "--use-rope-scaling and --rotary-seq-len-interpolation-factor are two ways of extending RoPE; pick one"
+        )
+    if args.rope_scaling_factor <= 0:
+        raise ValueError(f"--rope-scaling-factor must be > 0, got {args.rope_scaling_factor}")
+    if args.rotary_seq_len_interpolation_factor is not None and args.rotary_seq_len_interpolation_factor < 1:
+        raise ValueError(
+            f"--rotary-seq-len-interpolation-factor must be >= 1, got {args.rotary_seq_len_interpolation_factor}"
+        )
+    if args.norm_epsilon <= 0:
+        raise ValueError(f"--norm-epsilon must be > 0, got {args.norm_epsilon}")
     if args.max_position_embeddings < args.seq_length and args.position_embedding_type == "learned_absolute":
         raise ValueError("--max-position-embeddings must be >= --seq-length with learned_absolute positions")
     if args.mock_data and args.data_path:

@@ -18,6 +18,7 @@ def transformer_config(args):
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         use_te_activation_func=args.swiglu,  # megatron's activation hook -> our fused SwiGLU
@@ -57,6 +58,9 @@ def build_model(args, config, padded_vocab_size: int):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
 
 
