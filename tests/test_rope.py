@@ -106,7 +106,8 @@ def test_llama31_presets_scale_rope_to_128k():
     [
         (["--use-rope-scaling", "--rotary-seq-len-interpolation-factor", "4"], "pick one"),
         (["--use-rope-scaling", "--position-embedding-type", "learned_absolute"], "--use-rope-scaling needs"),
-        (["--rope-scaling-factor", "0"], "--rope-scaling-factor"),
+        (["--use-rope-scaling", "--rope-scaling-factor", "0"], "--rope-scaling-factor"),
+        (["--rope-scaling-factor", "16"], "has no effect without --use-rope-scaling"),
         (["--rotary-seq-len-interpolation-factor", "0"], "--rotary-seq-len-interpolation-factor"),
         (["--norm-epsilon", "0"], "--norm-epsilon"),
     ],

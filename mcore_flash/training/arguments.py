@@ -169,6 +169,11 @@ def apply_preset(args: argparse.Namespace) -> None:
     )
     defaults.update(_TRAINING_PRESETS.get(args.model, {}))
     warmup_given = args.lr_warmup_iters is not None
+    if args.rope_scaling_factor is not None and not (args.use_rope_scaling or shape.rope_scaling):
+        raise ValueError(
+            f"--rope-scaling-factor {args.rope_scaling_factor} has no effect without --use-rope-scaling "
+            f"(the {args.model} preset does not scale RoPE); add --use-rope-scaling"
+        )
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
