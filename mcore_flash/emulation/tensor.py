@@ -398,11 +398,8 @@ _PRIVATEUSE1_OPS = (
 
 def _privateuse1_kernel(op):
     def kernel(*args, **kwargs):
-        if op is _aten._copy_from.default:  # _copy_from(src, dst): a copy between cpu and npu
-            src, dst = args[0], args[1]
-            target = dst._elem if isinstance(dst, NpuTensor) else dst
-            target.copy_(src._elem if isinstance(src, NpuTensor) else src)
-            return dst
+        if op is _aten._copy_from.default:  # _copy_from(src, dst): copy_(dst, src) between cpu and npu
+            return _copy(op, (args[1], args[0]), {})
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
             return NpuTensor.__torch_dispatch__(op, (), args, kwargs)
 

@@ -230,9 +230,14 @@ def _block(step: int, rank: int, size: int, causal: bool, half: int) -> tuple[sl
     return slice(half, None), everything, False  # both kv chunks precede chunk 2cp-1-r only
 
 
+def _at(rows: slice, seq_dim: int) -> tuple:
+    """The index selecting ``rows`` of the sequence dim ``seq_dim``."""
+    return (slice(None),) * seq_dim + (rows,)
+
+
 def _rows(x: Tensor, rows: slice, seq_dim: int) -> Tensor:
     """Rows ``rows`` of the sequence dim (contiguous, as kernels take them)."""
-    return x[(slice(None),) * seq_dim + (rows,)].contiguous()
+    return x[_at(rows, seq_dim)].contiguous()
 
 
 def _per_token(weight: Tensor, layout: str) -> Tensor:
@@ -294,7 +299,7 @@ class _RingAttention(torch.autograd.Function):
             if step == 0:  # the diagonal block covers every row
                 out_acc, stats_acc = out.to(_accumulator_dtype(q.dtype)), stats
             else:
-                row_view = out_acc[(slice(None),) * seq + (rows,)]
+                row_view = out_acc[_at(rows, seq)]
                 _set_rows(stats_acc, rows, _merge(row_view, stats_acc.rows(rows), out, stats, params.layout))
             if step + 1 < ring.size:
                 _wait(requests)
@@ -336,14 +341,14 @@ class _RingAttention(torch.autograd.Function):
                 ctx.rng_states[step],
                 _with_causal(params, causal),
             )
-            dq[(slice(None),) * seq + (rows,)] += dq_blk
+            dq[_at(rows, seq)] += dq_blk
             if step == 0:  # the dK/dV accumulator of our own block starts here ...
                 dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
             else:  # ... the others arrive from the previous rank, one hop behind K/V
                 _wait(dkv_requests)
                 dkv = dkv_incoming
-            dkv[(0,) + (slice(None),) * seq + (cols,)] += dk_blk
-            dkv[(1,) + (slice(None),) * seq + (cols,)] += dv_blk
+            dkv[0][_at(cols, seq)] += dk_blk
+            dkv[1][_at(cols, seq)] += dv_blk
             dkv_incoming = torch.empty_like(dkv)
             dkv_requests = ring.hop(dkv, dkv_incoming, _DKV_TAG)  # after the last step: to its owner
             if step + 1 < ring.size:

@@ -171,7 +171,7 @@ class NpuBackend(AttentionBackend):
         }
 
     def _dense_mask_and_mode(self, params: AttentionParams, q: Tensor, k: Tensor) -> tuple[Optional[Tensor], int]:
-        seq, batch = (1, 0) if params.layout == "bshd" else (0, 1)
+        seq, batch = params.layout.index("s"), params.layout.index("b")
         if params.attn_mask is not None:
             mask = _dense_mask(params.attn_mask, params.causal, q.shape[batch], q.shape[2], q.shape[seq], k.shape[seq])
             return mask, SPARSE_FULL_MASK
