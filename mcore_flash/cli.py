@@ -9,6 +9,8 @@ import sys
 COMMANDS = {
     "pretrain": ("mcore_flash.pretrain", "pretrain a GPT on megatron-core with the fused-attention spec"),
     "preprocess": ("mcore_flash.data.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
+    "convert": ("mcore_flash.conversion.cli", "Hugging Face Llama <-> megatron checkpoints (hf-to-mcore, mcore-to-hf)"),
+    "generate": ("mcore_flash.generate", "greedy decoding from a checkpoint (does the converted model speak?)"),
     "plan": ("mcore_flash.planning.cli", "per-device memory plan for a model, sequence length and layout"),
     "bench-attention": ("mcore_flash.benchmarks.attention", "fwd+bwd time and saved bytes of attention implementations"),
     "bench-recompute": ("mcore_flash.benchmarks.recompute", "saved bytes and time of the recompute modes"),

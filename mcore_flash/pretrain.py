@@ -47,6 +47,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TrainingDiverged as error:
         print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
         return 1
+    except ValueError as error:  # a checkpoint that does not fit the flags: say which flag
+        print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
+        return 2
     finally:
         destroy_distributed()
     if summary["first_loss"] is not None:

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--group-query-attention", action="store_true")
     model.add_argument("--seq-length", type=int)
     model.add_argument("--max-position-embeddings", type=int)
-    model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], help="(default rope)")
     model.add_argument("--rotary-base", type=int, help="RoPE base (raise it to extend the context: 'ABF')")
     model.add_argument("--use-rope-scaling", action="store_true", default=None,
                        help="Llama-3.1's RoPE frequency scaling (over 8192 original positions)")
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                        help="linear position interpolation: positions are divided by this factor")
     model.add_argument("--norm-epsilon", type=float, help="epsilon of RMSNorm/LayerNorm (default: the preset's)")
-    model.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+    model.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], help="(default RMSNorm)")
     model.add_argument("--swiglu", action="store_true", default=None)
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     model.add_argument("--disable-bias-linear", action="store_true", default=None)
@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = p.add_argument_group("checkpoints and logging")
     ckpt.add_argument("--save", default=None, help="checkpoint + metrics directory (default runs/<model>)")
     ckpt.add_argument("--load", default=None)
+    ckpt.add_argument("--finetune", action="store_true",
+                      help="load the weights only from --load and start at iteration 0 (no optimizer, scheduler or RNG "
+                           "state): continued pretraining from a converted checkpoint")  # fmt: skip
+    ckpt.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer and scheduler state")
+    ckpt.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
+    ckpt.add_argument("--use-checkpoint-args", action="store_true",
+                      help="take the model flags not given on the command line from the checkpoint in --load")  # fmt: skip
     ckpt.add_argument("--save-interval", type=int, default=None)
     ckpt.add_argument("--exit-interval", type=int, default=None, help="save and exit after iteration N (same schedule)")
     ckpt.add_argument("--log-interval", type=int, default=10)
@@ -128,9 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
-    """Parse, fill preset defaults and validate against ``world_size`` (env WORLD_SIZE or 1)."""
-    args = build_parser().parse_args(argv)
+def parse_args(
+    argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None, parser: Optional[argparse.ArgumentParser] = None
+) -> argparse.Namespace:
+    """Parse (with ``parser``, default :func:`build_parser`'s), fill preset defaults and
+    validate against ``world_size`` (env WORLD_SIZE or 1)."""
+    args = (parser or build_parser()).parse_args(argv)
+    if args.use_checkpoint_args:
+        apply_checkpoint_args(args)
     apply_preset(args)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", args.tensor_model_parallel_size
@@ -139,6 +151,17 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     args.world_size = world_size
     validate_args(args)
     return args
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """``--use-checkpoint-args``: every model flag left unset takes the checkpoint's value."""
+    if not args.load:
+        raise ValueError("--use-checkpoint-args needs --load")
+    from mcore_flash.training.checkpointing import read_model_args
+
+    for name, value in read_model_args(args.load).items():
+        if name != "vocab_size" and getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def apply_preset(args: argparse.Namespace) -> None:
@@ -160,6 +183,8 @@ def apply_preset(args: argparse.Namespace) -> None:
         swiglu=shape.gated,
         untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
         disable_bias_linear=not shape.add_bias_linear,
+        normalization=shape.normalization,
+        position_embedding_type=shape.position_embedding_type,
         micro_batch_size=1,
         global_batch_size=None,
         train_iters=1000,
@@ -255,6 +280,9 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--norm-epsilon must be > 0, got {args.norm_epsilon}")
     if args.max_position_embeddings < args.seq_length and args.position_embedding_type == "learned_absolute":
         raise ValueError("--max-position-embeddings must be >= --seq-length with learned_absolute positions")
+    for flag in ("finetune", "no_load_optim", "no_load_rng"):
+        if getattr(args, flag) and not args.load:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --load (the checkpoint to start from)")
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
     if args.data_path:

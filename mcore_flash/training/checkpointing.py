@@ -45,8 +45,9 @@ def latest_iteration(root: str) -> Optional[int]:
 
 
 def save_checkpoint(
-    root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, padded_vocab_size: int
-) -> str:
+    root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, padded_vocab_size: int,
+    model_args: dict,
+) -> str:  # fmt: skip
     """Write checkpoint ``iteration`` under ``root`` atomically (collective over all ranks)."""
     from megatron.core import dist_checkpointing
 
@@ -58,7 +59,9 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, padded_vocab_size, False)
+    state = _sharded_state(model, optimizer, scheduler, is_loading=False)
+    state.update(iteration=iteration, consumed_samples=consumed_samples, padded_vocab_size=padded_vocab_size,
+                 model_args=model_args)  # fmt: skip
     dist_checkpointing.save(state, tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
     dist.barrier()
@@ -66,46 +69,125 @@ def save_checkpoint(
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_marker(root, iteration)
+        write_marker(root, iteration)
     dist.barrier()
     return final
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, padded_vocab_size: int) -> tuple[int, int]:
+def load_checkpoint(
+    root: str, model, optimizer, scheduler, padded_vocab_size: int, model_args: dict,
+    finetune: bool = False, load_optim: bool = True, load_rng: bool = True,
+) -> tuple[int, int]:  # fmt: skip
     """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples)``.
 
-    Any TP/PP/DP layout loads any other (dist_checkpointing reshards), as long as the
-    embedding has the same padded size (it grows with TP: see --make-vocab-size-divisible-by).
+    Megatron-LM's modes: ``finetune`` loads the weights only and starts at iteration 0;
+    ``load_optim=False`` (``--no-load-optim``) keeps the checkpoint's iteration and sample
+    count but starts the optimizer afresh (the lr schedule is advanced to that point);
+    ``load_rng=False`` keeps this run's seeds. Any TP/PP/DP layout loads any other
+    (dist_checkpointing reshards), as long as the model and the padded vocabulary agree.
     """
+    from megatron.core import dist_checkpointing
+
+    path, common = _open_checkpoint(root, padded_vocab_size, model_args)
+    load_optim = load_optim and not finetune
+    if common.get("model_only") and load_optim:
+        raise ValueError(
+            f"--load {root} holds model weights only (converted from {common.get('converted_from')}): add --finetune "
+            "to train from them starting at iteration 0 (or --no-load-optim to keep the checkpoint's iteration)"
+        )
+    if load_optim:
+        _materialise_optimizer_state(optimizer)
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
+        _unwrap(model).load_state_dict(loaded["model"])
+        with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer, loaded["optimizer"])
+        scheduler.load_state_dict(loaded["scheduler"])
+    else:
+        _load_model(path, model)
+        optimizer.reload_model_params()  # fp32 main parameters from the loaded weights
+    if finetune:
+        return 0, 0
+    consumed = int(common["consumed_samples"])
+    if not load_optim:
+        scheduler.step(increment=consumed)
+    rng_file = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
+    if load_rng and os.path.exists(rng_file):  # a run resumed on another world size draws fresh RNG streams
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return int(common["iteration"]), consumed
+
+
+def load_weights(root: str, model, padded_vocab_size: int, model_args: dict) -> dict:
+    """Load only the model weights of the latest checkpoint under ``root`` (for inference);
+    returns the checkpoint's common state (iteration, ``model_args``, ...)."""
+    path, common = _open_checkpoint(root, padded_vocab_size, model_args)
+    _load_model(path, model)
+    return common
+
+
+def _open_checkpoint(root: str, padded_vocab_size: int, model_args: dict) -> tuple[str, dict]:
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
     if iteration is None:
         raise ValueError(f"--load {root}: no {MARKER} there; point --load at a --save directory of an earlier run")
     path = checkpoint_dir(root, iteration)
-    saved_vocab = dist_checkpointing.load_common_state_dict(path).get("padded_vocab_size")
+    common = dist_checkpointing.load_common_state_dict(path)
+    _check_same_model(root, common, padded_vocab_size, model_args)
+    return path, common
+
+
+def _load_model(path: str, model) -> None:
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_sharded_state(model, None, None, is_loading=True), path)
+    _unwrap(model).load_state_dict(loaded["model"])
+
+
+def read_model_args(root: str) -> dict:
+    """The ``model_args`` stored with the latest checkpoint under ``root`` (``--use-checkpoint-args``)."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise ValueError(f"--use-checkpoint-args: --load {root} holds no checkpoint")
+    saved = dist_checkpointing.load_common_state_dict(checkpoint_dir(root, iteration)).get("model_args")
+    if saved is None:
+        raise ValueError(f"--use-checkpoint-args: the checkpoint in --load {root} predates stored model flags; pass them")
+    return saved
+
+
+def _check_same_model(root: str, common: dict, padded_vocab_size: int, model_args: dict) -> None:
+    """The checkpoint's model is this run's: same shape flags and vocabulary (errors name the flag)."""
+    from mcore_flash.training.model import SHAPE_ARGS
+
+    saved = common.get("model_args") or {}
+    for name in SHAPE_ARGS:
+        if name in saved and saved[name] != model_args[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"--load {root}: the checkpoint's model has {flag}={saved[name]}, this run {model_args[name]}; "
+                f"pass {flag} as the checkpoint has it (or --use-checkpoint-args)"
+            )
+    if "vocab_size" in saved and saved["vocab_size"] != model_args["vocab_size"]:
+        raise ValueError(
+            f"--load {root}: the checkpoint's vocabulary has {saved['vocab_size']} tokens, this run's tokenizer "
+            f"{model_args['vocab_size']}; train with the checkpoint's tokenizer (--tokenizer-type / --tokenizer-model)"
+        )
+    saved_vocab = common.get("padded_vocab_size")
     if saved_vocab != padded_vocab_size:
         raise ValueError(
             f"--load {root}: the checkpoint's embedding has {saved_vocab} rows, this run pads the vocabulary "
             f"to {padded_vocab_size} (padding is a multiple of --make-vocab-size-divisible-by x TP); choose "
             "--make-vocab-size-divisible-by so both layouts pad alike"
         )
-    _materialise_optimizer_state(optimizer)
-    state = _sharded_state(model, optimizer, scheduler, iteration, 0, padded_vocab_size, True)
-    loaded = dist_checkpointing.load(state, path)
-    _unwrap(model).load_state_dict(loaded["model"])
-    with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
-        optimizer.load_state_dict(loaded["optimizer"])
-    _restore_adam_steps(optimizer, loaded["optimizer"])
-    scheduler.load_state_dict(loaded["scheduler"])
-    rng_file = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
-    if os.path.exists(rng_file):  # a run resumed on another world size draws fresh RNG streams
-        _set_rng_state(torch.load(rng_file, weights_only=False))
-    return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
 
-def _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, padded_vocab_size, is_loading) -> dict:
+def _sharded_state(model, optimizer, scheduler, is_loading: bool) -> dict:
+    """The sharded part: model, and optimizer + scheduler unless ``optimizer`` is None."""
     model_state = _unwrap(model).sharded_state_dict()
+    if optimizer is None:
+        return {"model": model_state}
     return {
         "model": model_state,
         # The distributed optimizer's 'dp_reshardable' format: megatron 0.16's default format is
@@ -116,9 +198,6 @@ def _sharded_state(model, optimizer, scheduler, iteration, consumed_samples, pad
             model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
         ),
         "scheduler": scheduler.state_dict(),
-        "iteration": iteration,
-        "consumed_samples": consumed_samples,
-        "padded_vocab_size": padded_vocab_size,
     }
 
 
@@ -159,7 +238,7 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def _write_marker(root: str, iteration: int) -> None:
+def write_marker(root: str, iteration: int) -> None:
     tmp = os.path.join(root, MARKER + ".tmp")
     with open(tmp, "w") as f:
         f.write(str(iteration))

@@ -21,7 +21,7 @@ from mcore_flash import platform
 from mcore_flash.training import checkpointing
 from mcore_flash.training.data import build_train_dataset, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
-from mcore_flash.training.model import build_model, count_parameters, transformer_config
+from mcore_flash.training.model import build_model, count_parameters, model_args, transformer_config
 from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
 
@@ -85,9 +85,14 @@ def train(args) -> dict:
 
     logger = MetricsLogger(args, count_parameters(model))
     iteration, consumed = 0, 0
+    described = model_args(args, tokenizer.vocab_size)
     if args.load and checkpointing.latest_iteration(args.load) is not None:
-        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, vocab)
-        logger.note(f"resumed from {args.load} at iteration {iteration} ({consumed} samples consumed)")
+        iteration, consumed = checkpointing.load_checkpoint(
+            args.load, model, optimizer, scheduler, vocab, described,
+            finetune=args.finetune, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+        )  # fmt: skip
+        how = "fine-tuning from" if args.finetune else "resumed from"
+        logger.note(f"{how} {args.load} at iteration {iteration} ({consumed} samples consumed)")
     elif args.load:
         logger.note(f"no checkpoint in --load {args.load} yet: starting from scratch")
     dataset = build_train_dataset(args, tokenizer)
@@ -133,7 +138,9 @@ def train(args) -> dict:
         interrupted = stop.requested()
         exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
         if iteration % args.save_interval == 0 or iteration == args.train_iters or interrupted or exiting:
-            path = checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, vocab)
+            path = checkpointing.save_checkpoint(
+                args.save, iteration, model, optimizer, scheduler, consumed, vocab, described
+            )
             logger.note(f"saved checkpoint {path}")
         if interrupted or exiting:
             reason = "a signal" if interrupted else "--exit-interval"

@@ -41,8 +41,9 @@ def transformer_config(args):
     )
 
 
-def build_model(args, config, padded_vocab_size: int):
-    """This rank's pipeline stage of the GPT (on the current default device)."""
+def build_model(args, config, padded_vocab_size: int, parallel_output: bool = True):
+    """This rank's pipeline stage of the GPT (on the current default device); with
+    ``parallel_output=False`` the logits are gathered over TP (full vocabulary on every rank)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -61,7 +62,30 @@ def build_model(args, config, padded_vocab_size: int):
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        parallel_output=parallel_output,
     )
+
+
+# The flags that define the model's weights and how they are used (``model_args``, stored in
+# every checkpoint). Those in SHAPE_ARGS fix the tensors' shapes and meaning: a checkpoint
+# loads only into a model with the same values. The others (RoPE, positions, eps) may change
+# between runs: that is how a context is extended.
+SHAPE_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "untie_embeddings_and_output_weights", "swiglu", "disable_bias_linear", "normalization",
+    "position_embedding_type",
+)  # fmt: skip
+POSITION_ARGS = (
+    "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor", "norm_epsilon",
+)  # fmt: skip
+
+
+def model_args(args, vocab_size: int) -> dict:
+    """The model's defining flags (``SHAPE_ARGS`` + ``POSITION_ARGS``) and unpadded ``vocab_size``."""
+    out = {name: getattr(args, name) for name in SHAPE_ARGS + POSITION_ARGS}
+    out["use_rope_scaling"] = bool(out["use_rope_scaling"])
+    return {**out, "vocab_size": vocab_size}
 
 
 def count_parameters(model) -> int:

@@ -1,0 +1,1 @@
+"""Checkpoint conversion between Hugging Face Llama and megatron ``dist_checkpointing``."""

@@ -1,0 +1,182 @@
+"""Hugging Face Llama ``config.json`` <-> the trainer's model flags.
+
+The model is described on our side by ``model_args``: a dict keyed by ``mcore-flash pretrain``
+argument names (``num_layers``, ``rotary_base``, ...) plus ``vocab_size`` (unpadded). It is
+stored in every checkpoint and turned into flags with :func:`model_flags`.
+
+Read from ``config.json``: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+``num_attention_heads``, ``num_key_value_heads``, ``vocab_size``, ``rms_norm_eps``,
+``max_position_embeddings``, ``tie_word_embeddings``, RoPE as ``rope_theta`` + ``rope_scaling``
+(transformers 4.x, the Hub) or ``rope_parameters`` (transformers 5.x): no scaling, Llama-3.1's
+``"llama3"`` (megatron's fixed low/high frequency factors 1 and 4 over 8192 positions) or
+integer ``"linear"`` interpolation. ``head_dim``, ``hidden_act``, ``attention_bias``,
+``mlp_bias`` must have Llama's values. Any other field that would change the model is an
+error naming it, so a checkpoint is never converted into a silently different model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class ConversionError(ValueError):
+    """Bad converter input; the message names the file, field or flag to fix."""
+
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+# Fields that do not change the forward pass of a Llama (ids, training-time settings, metadata).
+_IGNORED = {
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "pretraining_tp",
+    "attention_dropout", "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class",
+    "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tie_encoder_decoder",
+}  # fmt: skip
+_READ = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rope_scaling",
+    "rope_parameters", "head_dim", "hidden_act", "attention_bias", "mlp_bias",
+}  # fmt: skip
+# megatron's RotaryEmbedding._apply_scaling fixes these (megatron/core/models/common/embeddings/
+# rotary_pos_embedding.py); a checkpoint with other values needs a different rotary embedding.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def read_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"--hf-dir {hf_dir}: no config.json there; point it at a Hugging Face model directory")
+    with open(path) as f:
+        return json.load(f)
+
+
+def model_args_from_hf(config: dict) -> dict:
+    """The trainer's ``model_args`` for a Llama ``config.json`` (raises ConversionError)."""
+    architectures = config.get("architectures") or []
+    if (architectures and architectures != [ARCHITECTURE]) or config.get("model_type", "llama") != "llama":
+        raise ConversionError(
+            f"config.json: architecture {architectures or config.get('model_type')!r} is not supported; "
+            f"the converter handles {ARCHITECTURE} (Llama-2/3/3.1/3.2 and models with its tensor names)"
+        )
+    unknown = sorted(k for k in config if k not in _IGNORED | _READ and config[k] not in (None, False, 0, {}, []))
+    if unknown:
+        raise ConversionError(
+            f"config.json: field(s) {', '.join(unknown)} would change the model and are not supported by the Llama converter"
+        )
+    heads = _required(config, "num_attention_heads")
+    hidden = _required(config, "hidden_size")
+    for field, llama in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(field, llama) != llama:
+            raise ConversionError(f"config.json: {field}={config[field]!r} is not supported (Llama uses {llama!r})")
+    if config.get("head_dim") not in (None, hidden // heads):
+        raise ConversionError(
+            f"config.json: head_dim={config['head_dim']} differs from hidden_size / num_attention_heads = {hidden // heads}"
+        )
+    args = dict(
+        num_layers=_required(config, "num_hidden_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=_required(config, "intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        vocab_size=_required(config, "vocab_size"),
+        swiglu=True,
+        disable_bias_linear=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+    )
+    args.update(_rope_args(config))
+    return args
+
+
+def _rope_args(config: dict) -> dict:
+    rope = dict(config.get("rope_parameters") or {})
+    rope.update(config.get("rope_scaling") or {})
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out = dict(rotary_base=_whole(theta, "rope_theta"), use_rope_scaling=False, rope_scaling_factor=8.0,
+               rotary_seq_len_interpolation_factor=None)  # fmt: skip
+    if kind == "default":
+        return out
+    if kind == "llama3":
+        for field, fixed in _LLAMA3_FIXED.items():
+            if float(rope.get(field, fixed)) != fixed:
+                raise ConversionError(
+                    f"config.json: rope_scaling.{field}={rope[field]} is not supported (megatron's llama3 scaling fixes {fixed})"
+                )
+        return {**out, "use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
+    if kind == "linear":
+        return {**out, "rotary_seq_len_interpolation_factor": _whole(rope["factor"], "rope_scaling.factor")}
+    raise ConversionError(
+        f"config.json: rope_scaling type {kind!r} is not supported; supported: default, llama3, linear (integer factor)"
+    )
+
+
+def hf_config_from_model_args(model_args: dict, base: dict | None = None) -> dict:
+    """A Llama ``config.json`` for ``model_args`` (transformers 4.x field names, which 5.x reads).
+
+    Non-architectural fields (token ids, ...) come from ``base``, the config the checkpoint was
+    converted from, when there is one; everything that defines the model comes from ``model_args``,
+    so RoPE changed by continued pretraining is what the exported config says.
+    """
+    if model_args.get("normalization", "RMSNorm") != "RMSNorm" or not model_args.get("swiglu", True) or not model_args.get(
+        "disable_bias_linear", True
+    ) or model_args.get("position_embedding_type", "rope") != "rope":
+        raise ConversionError("only Llama-shaped models (RMSNorm, SwiGLU, no biases, RoPE) export to Hugging Face")
+    config = {k: v for k, v in (base or {}).items() if k in _IGNORED and k != "architectures"}
+    config.pop("rope_parameters", None)
+    config.update(
+        architectures=[ARCHITECTURE],
+        model_type="llama",
+        hidden_size=model_args["hidden_size"],
+        intermediate_size=model_args["ffn_hidden_size"],
+        num_hidden_layers=model_args["num_layers"],
+        num_attention_heads=model_args["num_attention_heads"],
+        num_key_value_heads=model_args["num_query_groups"],
+        head_dim=model_args["hidden_size"] // model_args["num_attention_heads"],
+        vocab_size=model_args["vocab_size"],
+        rms_norm_eps=model_args["norm_epsilon"],
+        max_position_embeddings=model_args["max_position_embeddings"],
+        tie_word_embeddings=not model_args["untie_embeddings_and_output_weights"],
+        rope_theta=float(model_args["rotary_base"]),
+        rope_scaling=None,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    if model_args["use_rope_scaling"]:
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": float(model_args["rope_scaling_factor"]),
+                                  **_LLAMA3_FIXED}  # fmt: skip
+    elif model_args.get("rotary_seq_len_interpolation_factor"):
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(model_args["rotary_seq_len_interpolation_factor"])}
+    return config
+
+
+def model_flags(model_args: dict) -> list[str]:
+    """``mcore-flash pretrain`` flags that build the model ``model_args`` describes."""
+    flags = []
+    for name, value in model_args.items():
+        if name == "vocab_size" or value is None or value is False:
+            continue
+        if name in ("normalization", "position_embedding_type") and value == ("RMSNorm" if name == "normalization" else "rope"):
+            continue
+        if name == "rope_scaling_factor" and not model_args.get("use_rope_scaling"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+def _required(config: dict, field: str):
+    if config.get(field) is None:
+        raise ConversionError(f"config.json: required field {field!r} is missing")
+    return config[field]
+
+
+def _whole(value, field: str) -> int:
+    if float(value) != int(value):
+        raise ConversionError(f"config.json: {field}={value} must be a whole number here")
+    return int(value)

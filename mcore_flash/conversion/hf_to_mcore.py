@@ -1,0 +1,188 @@
+"""Hugging Face Llama (safetensors) -> a megatron ``dist_checkpointing`` checkpoint, streamed.
+
+The checkpoint's layout (keys, global shapes, chunks, megatron's per-module extra-state
+objects) is read off the model ``mcore-flash pretrain`` would build, instantiated on the meta
+device; its data is produced chunk by chunk from the Hugging Face tensors while DCP writes
+(:mod:`mcore_flash.conversion.dcp_stream`), so memory holds one layer's tensor at a time.
+
+megatron stores tensors in their global layout, which any TP/PP loads; the TP size only
+decides the vocabulary padding (a multiple of ``--make-vocab-size-divisible-by`` x TP) and,
+with PP, is validated against the model. The result is written under ``<save>.tmp`` and
+renamed into place, like a training checkpoint: a failed conversion leaves nothing at ``--save``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from mcore_flash.conversion import dcp_stream
+from mcore_flash.conversion.hf_config import ConversionError, model_args_from_hf, model_flags, read_config
+from mcore_flash.conversion.llama import tensor_maps
+from mcore_flash.conversion.safetensors_io import HFCheckpointReader
+from mcore_flash.data.tokenizers import padded_vocab_size
+from mcore_flash.training import checkpointing
+
+# Buffers some Hugging Face checkpoints carry that are not weights (recomputed from the config).
+_NOT_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+def hf_to_mcore(
+    hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+    make_vocab_size_divisible_by: int = 128, bf16: bool = False, log=print,
+) -> dict:  # fmt: skip
+    """Convert; returns ``{"model_args", "padded_vocab_size", "flags", "path"}``."""
+    from mcore_flash.training.arguments import parse_args
+
+    config = read_config(hf_dir)
+    model_args = model_args_from_hf(config)
+    flags = model_flags(model_args) + (["--bf16"] if bf16 else [])
+    layout_flags = ["--tensor-model-parallel-size", str(tensor_parallel),
+                    "--pipeline-model-parallel-size", str(pipeline_parallel),
+                    "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]  # fmt: skip
+    try:
+        parse_args(flags + layout_flags, world_size=tensor_parallel * pipeline_parallel)
+    except ValueError as error:  # e.g. heads not divisible by TP: name the flag
+        raise ConversionError(str(error)) from None
+    _check_target(save)
+    reader = HFCheckpointReader(hf_dir)
+    padded = padded_vocab_size(model_args["vocab_size"], make_vocab_size_divisible_by, tensor_parallel)
+    maps = tensor_maps(model_args, padded)
+    _check_tensors(reader, maps, model_args)
+    if padded != model_args["vocab_size"]:
+        log(
+            f"note: vocabulary padded from {model_args['vocab_size']} to {padded} rows (multiple of "
+            f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by} x TP {tensor_parallel}); the padding rows "
+            "are zero, so their logits are 0 and, as in Megatron-LM, take part in the softmax. Choose "
+            "--make-vocab-size-divisible-by so that it times TP divides the vocabulary to avoid padding."
+        )
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    chunks, objects = _checkpoint_layout(parse_args(flags + ["--dry-run"], world_size=1), padded)
+    by_tensor = {(m.key, m.layer): m for m in maps}
+    expected = {(c.key, c.offsets[0] if _layered(c) else None) for c in chunks}
+    if ("output_layer.weight", None) in expected - set(by_tensor) and not model_args["untie_embeddings_and_output_weights"]:
+        # megatron (0.16) also stores a tied output layer under its own key: the embedding again
+        by_tensor["output_layer.weight", None] = by_tensor["embedding.word_embeddings.weight", None]
+    if expected != set(by_tensor):
+        raise AssertionError(f"megatron's checkpoint layout and the Llama mapping disagree: {expected ^ set(by_tensor)}")
+
+    tmp = save.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    path = checkpointing.checkpoint_dir(tmp, 0)
+    os.makedirs(path)
+    try:
+        dcp_stream.save_chunks(path, chunks, objects, _ChunkSource(reader, by_tensor, dtype, len(maps), log))
+        _write_megatron_files(path, {
+            "iteration": 0, "consumed_samples": 0, "padded_vocab_size": padded,
+            "model_args": model_args, "hf_config": config, "converted_from": os.path.abspath(hf_dir), "model_only": True,
+        })  # fmt: skip
+        checkpointing.write_marker(tmp, 0)
+        if os.path.isdir(save):
+            os.rmdir(save)  # empty (checked above)
+        os.replace(tmp, save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"model_args": model_args, "padded_vocab_size": padded, "flags": flags, "path": save}
+
+
+class _ChunkSource:
+    """Data for each chunk DCP writes: the layer's megatron tensor, built once from its
+    Hugging Face tensors (kept while the next chunk is of the same tensor), then narrowed."""
+
+    def __init__(self, reader, maps, dtype, total, log):
+        self._reader, self._maps, self._dtype, self._log = reader, maps, dtype, log
+        self._cached, self._done, self._total = (None, None), set(), total
+
+    def __call__(self, chunk: dcp_stream.Chunk) -> torch.Tensor:
+        layered = _layered(chunk)
+        which = (chunk.key, chunk.offsets[0] if layered else None)
+        if self._cached[0] != which:
+            tensor_map = self._maps[which]
+            full = tensor_map.to_mcore([self._reader.get(name) for name in tensor_map.hf_names]).to(self._dtype)
+            self._cached = (which, full)
+            self._progress(which)
+        tensor = self._cached[1]
+        offsets, sizes = (chunk.offsets[1:], chunk.sizes[1:]) if layered else (chunk.offsets, chunk.sizes)
+        for dim, (start, size) in enumerate(zip(offsets, sizes)):
+            tensor = tensor.narrow(dim, start, size)
+        return tensor.reshape(chunk.sizes).clone()
+
+    def _progress(self, which) -> None:
+        self._done.add(which)
+        n = len(self._done)
+        if n == self._total or n % max(1, self._total // 20) == 0:
+            self._log(f"  [{n}/{self._total}] {which[0]}" + ("" if which[1] is None else f" (layer {which[1]})"))
+
+
+def _layered(chunk: dcp_stream.Chunk) -> bool:
+    return chunk.key.startswith("decoder.layers.")
+
+
+def _checkpoint_layout(args, padded: int):
+    """Chunks and objects of the TP1/PP1 model's sharded state dict (built on the meta device)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from mcore_flash.training.distributed import destroy_distributed, init_fake_world
+    from mcore_flash.training.model import build_model, transformer_config
+
+    init_fake_world(args)
+    try:
+        with torch.device("meta"):
+            model = build_model(args, transformer_config(args), padded)
+        chunks, objects = [], []
+        for item in nested_values(model.sharded_state_dict()):
+            if hasattr(item, "build"):  # a ShardedTensorFactory (the GLU fc1: gate and up halves)
+                parts = list(nested_values(item.build()))
+            else:
+                parts = [item]
+            for part in parts:
+                if isinstance(part, ShardedObject):
+                    objects.append(dcp_stream.BytesItem(part.unique_key, [part.data]))
+                elif isinstance(part, ShardedTensor):  # TP = PP = DP = 1: no replicas
+                    sizes = (1,) * part.prepend_axis_num + tuple(part.local_shape)
+                    chunks.append(dcp_stream.Chunk(part.key, tuple(part.global_shape), tuple(part.global_offset),
+                                                   sizes, part.dtype))  # fmt: skip
+        return chunks, objects
+    finally:
+        destroy_distributed()
+
+
+def _check_tensors(reader: HFCheckpointReader, maps, model_args: dict) -> None:
+    """Every tensor the mapping needs is there with the shape config.json implies; nothing else is."""
+    wanted = {name for m in maps for name in m.hf_names}
+    extra = sorted(n for n in reader.names() - wanted if not n.endswith(_NOT_WEIGHTS))
+    if extra:
+        hint = " (config.json says tie_word_embeddings=true)" if "lm_head.weight" in extra else ""
+        raise ConversionError(f"unexpected tensor(s) in the checkpoint, not part of a Llama with this config.json{hint}: {extra[:5]}")
+    h, ffn = model_args["hidden_size"], model_args["ffn_hidden_size"]
+    kv = model_args["num_query_groups"] * h // model_args["num_attention_heads"]
+    shapes = {"embed_tokens": (model_args["vocab_size"], h), "lm_head": (model_args["vocab_size"], h),
+              "q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h), "gate_proj": (ffn, h),
+              "up_proj": (ffn, h), "down_proj": (h, ffn), "norm": (h,), "layernorm": (h,)}  # fmt: skip
+    for name in sorted(wanted):
+        shape = reader.shape(name)
+        kind = next(k for k in shapes if f"{k}." in name or name.endswith(f"{k}.weight"))
+        if shape != shapes[kind]:
+            what = "vocab_size" if kind in ("embed_tokens", "lm_head") else "the model shape"
+            raise ConversionError(
+                f"tensor {name} has shape {shape} but config.json ({what}) implies {shapes[kind]}: "
+                "the checkpoint and its config.json do not match"
+            )
+
+
+def _check_target(save: str) -> None:
+    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+        raise ConversionError(f"--save {save} already exists and is not empty; choose a new directory")
+
+
+def _write_megatron_files(path: str, common: dict) -> None:
+    """megatron's ``metadata.json`` (format: torch_dist) and ``common.pt`` (non-tensor state)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    save_config(CheckpointingConfig("torch_dist"), path)
+    torch.save(common, os.path.join(path, "common.pt"))

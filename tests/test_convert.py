@@ -1,0 +1,248 @@
+"""Hugging Face Llama <-> megatron checkpoints, continued pretraining and `generate`.
+
+Oracles: `transformers` (it writes the source checkpoints with `save_pretrained`, reads ours
+with `from_pretrained`, computes the reference loss and greedy `generate`) and `safetensors`'
+own reader. The round trips go through the trainer: a converted checkpoint is loaded at
+TP/PP, trained one step with lr 0 (Adam then leaves every weight bit-identical), saved by
+megatron at that layout and exported again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_utils import init_megatron, run_distributed, teardown_megatron
+
+ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def make_hf_llama(path, vocab=258, tie=False, seed=0, **overrides):
+    """A small random Llama (GQA, llama3 RoPE scaling, eps 1e-6) saved by transformers in
+    several safetensors shards; norms are randomised too so a swapped tensor shows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+        rope_theta=500000.0, rope_scaling=ROPE_LLAMA3, **overrides,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+    model.save_pretrained(path, max_shard_size="100KB")
+    return str(path)
+
+
+def convert(*argv, check=True):
+    """`mcore-flash convert ...` in a fresh process; returns the CompletedProcess."""
+    run = subprocess.run([sys.executable, "-m", "mcore_flash.cli", "convert", *map(str, argv)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    if check:
+        assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def hf_tensors(path) -> dict[str, torch.Tensor]:
+    from mcore_flash.conversion.safetensors_io import HFCheckpointReader
+
+    reader = HFCheckpointReader(str(path))
+    return {name: reader.get(name) for name in sorted(reader.names())}
+
+
+def _w_main(rank, world_size, module, argv):
+    import importlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = importlib.import_module(module).main(argv)
+    return code, out.getvalue()
+
+
+def pretrain(world_size, *argv):
+    results = run_distributed(_w_main, world_size, "mcore_flash.pretrain", [*map(str, argv)], timeout=400)
+    assert [code for code, _ in results] == [0] * world_size
+    return results
+
+
+TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--log-interval", "1"]
+
+
+@pytest.mark.parametrize("tp,pp,tie", [(1, 1, False), (1, 1, True), (2, 2, False), (2, 2, True)])
+def test_round_trip_through_the_trainer_is_bit_exact(tmp_path, tp, pp, tie):
+    """hf -> mcore -> (loaded, one lr-0 step, saved at TP/PP) -> hf: every tensor bit-identical,
+    the vocabulary padding removed, and transformers loads the result with the same config."""
+    src = make_hf_llama(tmp_path / "hf", tie=tie)
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc", "--tensor-model-parallel-size", tp,
+            "--pipeline-model-parallel-size", pp)  # fmt: skip
+    pretrain(tp * pp, "--load", tmp_path / "mc", "--finetune", "--use-checkpoint-args", "--save", tmp_path / "run",
+             "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp, "--train-iters", 1,
+             "--lr", 0, "--min-lr", 0, "--lr-warmup-iters", 0, *TRAIN)  # fmt: skip
+    convert("mcore-to-hf", "--load", tmp_path / "run", "--save-hf", tmp_path / "out", "--max-shard-size", "150KB")
+
+    before, after = hf_tensors(src), hf_tensors(tmp_path / "out")
+    assert sorted(before) == sorted(after) and ("lm_head.weight" in after) == (not tie)
+    for name in before:
+        assert after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]), name
+    assert os.path.exists(tmp_path / "out" / "model.safetensors.index.json")
+
+    from transformers import AutoConfig
+
+    a, b = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(tmp_path / "out")
+    for field in ("vocab_size", "hidden_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
+                  "max_position_embeddings", "bos_token_id", "eos_token_id"):  # fmt: skip
+        assert getattr(a, field) == getattr(b, field), field
+    assert a.rope_parameters == b.rope_parameters
+
+
+def test_direct_round_trip_bf16_single_file(tmp_path):
+    """--bf16 stores bf16; a model under the shard size is one model.safetensors (no index)."""
+    src = make_hf_llama(tmp_path / "hf")
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc", "--bf16")
+    convert("mcore-to-hf", "--load", tmp_path / "mc", "--save-hf", tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    before, after = hf_tensors(src), hf_tensors(tmp_path / "out")
+    for name in before:
+        assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], before[name].bfloat16()), name
+
+
+def _w_loss(rank, world_size, load, tokens):
+    """The trainer's model, loaded from ``load``: per-token losses and logits of ``tokens``."""
+    init_megatron()
+    try:
+        from mcore_flash.data.tokenizers import padded_vocab_size
+        from mcore_flash.training import checkpointing
+        from mcore_flash.training.arguments import parse_args
+        from mcore_flash.training.model import build_model, transformer_config
+
+        args = parse_args(["--load", load, "--use-checkpoint-args"])
+        saved = checkpointing.read_model_args(load)
+        vocab = padded_vocab_size(saved["vocab_size"])
+        model = build_model(args, transformer_config(args), vocab)
+        checkpointing.load_weights(load, model, vocab, saved)
+        positions = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)
+        with torch.no_grad():
+            loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
+        return loss
+    finally:
+        teardown_megatron()
+
+
+@pytest.mark.parametrize("vocab", [512, 258])
+def test_loss_after_conversion_equals_transformers(tmp_path, vocab):
+    """fp32 per-token loss of the converted model = transformers' (1e-5 relative). With 258
+    tokens the vocabulary is padded to 384 rows of zeros: their logits are 0 and, as in
+    Megatron-LM, enter the softmax, so the oracle is the cross-entropy of transformers'
+    logits with 126 zero logits appended (and it differs from transformers' own loss)."""
+    from transformers import LlamaForCausalLM
+
+    src = make_hf_llama(tmp_path / "hf", vocab=vocab)
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(3))
+    [ours] = run_distributed(_w_loss, 1, str(tmp_path / "mc"), tokens)
+
+    hf = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(tokens[:, :-1]).logits.double()
+    padded = -(-vocab // 128) * 128
+    logits = torch.cat([logits, logits.new_zeros(*logits.shape[:2], padded - vocab)], dim=-1)
+    oracle = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    torch.testing.assert_close(ours.double().flatten(), oracle, rtol=1e-5, atol=0)
+    if vocab == 258:
+        with torch.no_grad():
+            hf_loss = hf(tokens, labels=tokens).loss.item()
+        assert abs(ours.double().mean().item() - hf_loss) > 0.1  # the padding really is in the softmax
+
+
+def _hf_greedy(src, prompt, n):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # exactly n tokens, as `generate` makes
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generate_equals_transformers_greedy(tmp_path, tp):
+    """`mcore-flash generate --json` from the converted checkpoint = transformers'
+    `generate(do_sample=False)` token for token (GQA, llama3 RoPE scaling), at TP1 and TP2."""
+    src = make_hf_llama(tmp_path / "hf", vocab=258)
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc", "--tensor-model-parallel-size", tp)
+    prompt = [1, 17, 99, 4, 250, 31]
+    results = run_distributed(_w_main, tp, "mcore_flash.generate", [
+        "--load", str(tmp_path / "mc"), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "12",
+        "--json", "--tensor-model-parallel-size", str(tp)], timeout=300)  # fmt: skip
+    code, stdout = results[0]
+    assert code == 0
+    printed = json.loads(stdout.strip().splitlines()[-1])
+    assert printed == {"prompt_ids": prompt, "output_ids": _hf_greedy(src, prompt, 12)}
+
+
+def test_generate_pipeline_parallel_and_text_prompt(tmp_path):
+    """PP2 gives the same tokens; --prompt text goes through the (byte) tokenizer."""
+    src = make_hf_llama(tmp_path / "hf", vocab=258)
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    results = run_distributed(_w_main, 2, "mcore_flash.generate", [
+        "--load", str(tmp_path / "mc"), "--prompt", "abc", "--max-new-tokens", "5", "--json",
+        "--pipeline-model-parallel-size", "2"], timeout=300)  # fmt: skip
+    printed = json.loads(results[0][1].strip().splitlines()[-1])
+    assert printed["prompt_ids"] == [97, 98, 99]
+    assert printed["output_ids"] == _hf_greedy(src, [97, 98, 99], 5)
+
+
+def _metrics(save):
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        return {r["iteration"]: r["loss"] for r in map(json.loads, f)}
+
+
+def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
+    """--finetune starts at iteration 0 from the converted weights (its first loss is the
+    converted model's); interrupted at 2 and resumed with --load, the run equals the
+    uninterrupted one bit for bit, losses and final weights (dropout on, so RNG is restored)."""
+    src = make_hf_llama(tmp_path / "hf", vocab=258)
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    common = ["--finetune", "--load", tmp_path / "mc", "--use-checkpoint-args", "--train-iters", 4,
+              "--hidden-dropout", 0.1, "--attention-dropout", 0.1, *TRAIN]  # fmt: skip
+    pretrain(1, *common, "--save", tmp_path / "full")
+    pretrain(1, *common, "--save", tmp_path / "part", "--exit-interval", 2)
+    pretrain(1, "--load", tmp_path / "part", "--use-checkpoint-args", "--train-iters", 4, "--hidden-dropout", 0.1,
+             "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "part")  # fmt: skip
+    full, part = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
+    assert sorted(full) == [1, 2, 3, 4] and full == part
+    convert("mcore-to-hf", "--load", tmp_path / "full", "--save-hf", tmp_path / "full_hf")
+    convert("mcore-to-hf", "--load", tmp_path / "part", "--save-hf", tmp_path / "part_hf")
+    a, b = hf_tensors(tmp_path / "full_hf"), hf_tensors(tmp_path / "part_hf")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not all(torch.equal(a[n], t) for n, t in hf_tensors(src).items())  # training moved the weights
+
+
+def test_loading_rules_for_converted_checkpoints(tmp_path):
+    """Without --finetune/--no-load-optim a converted checkpoint is refused (it has no
+    optimizer); a model flag that contradicts the checkpoint is named; --no-load-optim keeps
+    the checkpoint's iteration."""
+    src = make_hf_llama(tmp_path / "hf", vocab=258)
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    base = [sys.executable, "-m", "mcore_flash.cli", "pretrain", "--load", str(tmp_path / "mc"), "--train-iters", "1",
+            *map(str, TRAIN), "--save", str(tmp_path / "x")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([*base, "--use-checkpoint-args"], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 2 and "add --finetune" in run.stderr, run.stderr[-2000:]
+    run = subprocess.run([*base, "--use-checkpoint-args", "--hidden-size", "128", "--finetune"],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert run.returncode == 2 and "--hidden-size=64" in run.stderr, run.stderr[-2000:]
+    run = subprocess.run([*base, "--use-checkpoint-args", "--no-load-optim"], capture_output=True, text=True,
+                         timeout=300, env=env)  # fmt: skip
+    assert run.returncode == 0 and "resumed from" in run.stdout + run.stderr
