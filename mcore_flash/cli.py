@@ -14,6 +14,7 @@ COMMANDS = {
     "plan": ("mcore_flash.planning.cli", "per-device memory plan for a model, sequence length and layout"),
     "bench-attention": ("mcore_flash.benchmarks.attention", "fwd+bwd time and saved bytes of attention implementations"),
     "bench-recompute": ("mcore_flash.benchmarks.recompute", "saved bytes and time of the recompute modes"),
+    "bench-convert": ("mcore_flash.benchmarks.convert", "peak RSS and time of hf-to-mcore and mcore-to-hf at >= 1B parameters"),
     "bench-cp": ("mcore_flash.benchmarks.context_parallel", "per-rank time and saved bytes of context parallelism"),
 }
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Llama-2-70B at 131072 tokens on an Ascend cluster (64 GB NPUs), with mcore-flash.
+# Llama-2-70B extended to 131072 tokens by continued pretraining on an Ascend cluster
+# (64 GB NPUs), with mcore-flash.
 #
-#   NNODES=32 NODE_RANK=<0..31> MASTER_ADDR=<node 0> NPUS_PER_NODE=8 bash scripts/pretrain_70b.sh
+#   HF_CHECKPOINT=/models/Llama-2-70b-hf NNODES=32 NODE_RANK=<0..31> MASTER_ADDR=<node 0> \
+#     NPUS_PER_NODE=8 bash scripts/pretrain_70b.sh
 #   bash scripts/pretrain_70b.sh --dry-run     # on any CPU machine: validate + count, no allocation
 #   bash scripts/pretrain_70b.sh --rehearse    # on any CPU machine: the recipe's code path on 8
 #                                              # emulated NPUs (TP2 x PP2 x CP2), a tiny model
@@ -14,6 +16,19 @@
 #   recompute ${RECOMPUTE}     attention-only (default): the attention sub-block keeps only its
 #                              input; planner: 47.5 GiB of 64 GiB, +19% FLOPs. RECOMPUTE=none:
 #                              52.6 GiB (+0%, less margin); RECOMPUTE=full: 31.3 GiB (+31%)
+#
+# Continued pretraining (Xiong et al. 2023; Fu et al. 2024): with HF_CHECKPOINT set, node 0
+# converts the Hugging Face checkpoint once into $SAVE/hf_converted (`mcore-flash convert
+# hf-to-mcore`, streamed; other nodes wait for it), the first launch trains from it with
+# --finetune --use-checkpoint-args (iteration 0, fresh optimizer) and every later launch
+# resumes from $SAVE. RoPE for 4K -> 128K, ROPE=:
+#   abf (default)  --rotary-base 500000 ("adjusted base frequency", Llama-2-Long)
+#   pi             --rotary-seq-len-interpolation-factor 32 (linear position interpolation)
+#   llama3         --use-rope-scaling --rope-scaling-factor 16 (Llama-3.1's scheme; it assumes
+#                  8192 original positions: use it with Llama-3 8K checkpoints)
+#   none           the checkpoint's own RoPE
+# Without HF_CHECKPOINT it trains from random weights. Export the result with
+#   mcore-flash convert mcore-to-hf --load $SAVE --save-hf <dir>
 # Extra flags after the script's name are passed on to `mcore-flash pretrain`.
 set -euo pipefail
 
@@ -31,8 +46,10 @@ SEQ_LENGTH=131072
 GLOBAL_BATCH=${GLOBAL_BATCH:-32}
 RECOMPUTE=${RECOMPUTE:-attention}
 DATA_PATH=${DATA_PATH:-/data/llama2_text_document}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-/models/llama-2-70b/tokenizer.model}
 SAVE=${SAVE:-/ckpt/llama2-70b-128k}
+HF_CHECKPOINT=${HF_CHECKPOINT:-}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-${HF_CHECKPOINT:-/models/llama-2-70b}/tokenizer.model}
+ROPE=${ROPE:-abf}
 
 # Ascend runtime: expandable segments against fragmentation at 128K; HCCL timeouts and
 # buffers sized for ring context parallelism's large point-to-point K/V blocks.
@@ -52,8 +69,17 @@ case "$RECOMPUTE" in
   *) echo "RECOMPUTE=$RECOMPUTE: choose none, attention or full" >&2; exit 2 ;;
 esac
 
+case "$ROPE" in
+  abf) ROPE_ARGS=(--rotary-base 500000) ;;
+  pi) ROPE_ARGS=(--rotary-seq-len-interpolation-factor 32) ;;
+  llama3) ROPE_ARGS=(--use-rope-scaling --rope-scaling-factor 16) ;;
+  none) ROPE_ARGS=() ;;
+  *) echo "ROPE=$ROPE: choose abf, pi, llama3 or none" >&2; exit 2 ;;
+esac
+
 ARGS=(
   --model llama2-70b
+  "${ROPE_ARGS[@]}"
   --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
   --tensor-model-parallel-size "$TP" --sequence-parallel
   --pipeline-model-parallel-size "$PP"
@@ -68,8 +94,30 @@ ARGS=(
   --train-iters 2000
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
   --data-path "$DATA_PATH" --split 100,0,0
-  --save "$SAVE" --load "$SAVE" --save-interval 100 --log-interval 1
+  --save "$SAVE" --save-interval 100 --log-interval 1
 )
+
+# Where training starts: $SAVE once it holds a checkpoint (resume), else the converted
+# Hugging Face checkpoint (converted here once), else random weights.
+PYTHON=${PYTHON:-python}
+CONVERTED=${CONVERTED:-$SAVE/hf_converted}
+start_from() {
+  if [[ -f "$SAVE/latest_checkpointed_iteration.txt" ]]; then
+    LOAD_ARGS=(--load "$SAVE")
+  elif [[ -n "$HF_CHECKPOINT" ]]; then
+    if [[ ! -f "$CONVERTED/latest_checkpointed_iteration.txt" ]]; then
+      if [[ "$NODE_RANK" == 0 ]]; then
+        "$PYTHON" -m mcore_flash.cli convert hf-to-mcore --hf-dir "$HF_CHECKPOINT" --save "$CONVERTED" \
+          --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --bf16
+      else
+        until [[ -f "$CONVERTED/latest_checkpointed_iteration.txt" ]]; do sleep 30; done
+      fi
+    fi
+    LOAD_ARGS=(--load "$CONVERTED" --finetune --use-checkpoint-args)
+  else
+    LOAD_ARGS=()
+  fi
+}
 
 if [[ " $* " == *" --rehearse "* ]]; then
   # The NPU code path of this recipe - every parallelism, the recompute mode, bf16, the
@@ -91,7 +139,11 @@ if [[ " $* " == *" --rehearse "* ]]; then
   REHEARSAL+=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --context-parallel-size 2
               --num-layers 4 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 --num-query-groups 2
               --seq-length 128 --max-position-embeddings 128 --global-batch-size 2 --train-iters 2 --lr-warmup-iters 1
-              --save "${REHEARSAL_SAVE:-$(mktemp -d)}" --emulate-npu)
+              --emulate-npu)
+  SAVE=${REHEARSAL_SAVE:-$(mktemp -d)} NODE_RANK=0 TP=2 PP=2
+  CONVERTED=$SAVE/hf_converted
+  start_from
+  REHEARSAL+=(--save "$SAVE" "${LOAD_ARGS[@]}")
   args=()
   for a in "$@"; do [[ "$a" == --rehearse ]] || args+=("$a"); done
   OMP_NUM_THREADS=1 exec "${PYTHON:-python}" -m torch.distributed.run --nnodes 1 --nproc-per-node 8 \
@@ -111,6 +163,7 @@ if [[ " $* " == *" --dry-run "* ]]; then
   WORLD_SIZE=$WORLD_SIZE exec "${PYTHON:-python}" -m mcore_flash.pretrain "${DRY[@]}" "$@"
 fi
 
+start_from
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  -m mcore_flash.pretrain "${ARGS[@]}" "$@"
+  -m mcore_flash.pretrain "${ARGS[@]}" "${LOAD_ARGS[@]}" "$@"

@@ -79,3 +79,19 @@ def test_bench_cp_halves_saved_bytes_at_cp2():
     for row in rows[1:]:
         assert float(row[7]) == 0.5  # saved bytes per rank vs cp=1 (kv heads >= cp: a2a needs no K/V copies)
         assert float(row[8]) > 0  # K/V travelled
+
+
+def test_bench_convert_round_trips_and_reports_peak_rss():
+    """bench-convert on the tiny preset: parameter count from the shape (2 layers, h 64, FFN
+    128, 4 heads / 2 KV heads, vocabulary 128, untied), a bit-exact round trip, and a peak
+    RSS per conversion that is at least the import-only baseline."""
+    import json
+
+    result = json.loads(_bench("bench-convert", "--model", "tiny", "--json").strip().splitlines()[-1])
+    h, ffn, kv, vocab = 64, 128, 32, 128
+    per_layer = 2 * h + h * h + 2 * kv * h + h * h + 3 * ffn * h
+    assert result["parameters"] == 2 * vocab * h + 2 * per_layer + h
+    assert result["bytes"] == 2 * result["parameters"]  # bf16
+    assert result["round_trip_bit_exact"] is True
+    for name in ("hf_to_mcore", "mcore_to_hf"):
+        assert result[name]["peak_rss"] >= result["baseline"]["peak_rss"] > 0

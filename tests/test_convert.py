@@ -20,30 +20,7 @@ import pytest
 import torch
 
 from dist_utils import init_megatron, run_distributed, teardown_megatron
-
-ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}  # fmt: skip
-
-
-def make_hf_llama(path, vocab=258, tie=False, seed=0, **overrides):
-    """A small random Llama (GQA, llama3 RoPE scaling, eps 1e-6) saved by transformers in
-    several safetensors shards; norms are randomised too so a swapped tensor shows."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tie,
-        rope_theta=500000.0, rope_scaling=ROPE_LLAMA3, **overrides,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.1)
-    model.save_pretrained(path, max_shard_size="100KB")
-    return str(path)
-
+from hf_models import make_hf_llama
 
 def convert(*argv, check=True):
     """`mcore-flash convert ...` in a fresh process; returns the CompletedProcess."""
@@ -55,10 +32,11 @@ def convert(*argv, check=True):
 
 
 def hf_tensors(path) -> dict[str, torch.Tensor]:
-    from mcore_flash.conversion.safetensors_io import HFCheckpointReader
+    """Every tensor of a Hugging Face directory, read by the `safetensors` library."""
+    from safetensors.torch import load_file
 
-    reader = HFCheckpointReader(str(path))
-    return {name: reader.get(name) for name in sorted(reader.names())}
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    return {name: t for f in files for name, t in load_file(os.path.join(path, f)).items()}
 
 
 def _w_main(rank, world_size, module, argv):
@@ -246,3 +224,102 @@ def test_loading_rules_for_converted_checkpoints(tmp_path):
     run = subprocess.run([*base, "--use-checkpoint-args", "--no-load-optim"], capture_output=True, text=True,
                          timeout=300, env=env)  # fmt: skip
     assert run.returncode == 0 and "resumed from" in run.stdout + run.stderr
+
+
+def _convert_in_process(capsys, *argv):
+    from mcore_flash.conversion.cli import main
+
+    capsys.readouterr()  # drop what building the source model printed
+    code = main([*map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+def _edit_config(path, **changes):
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("missing shard", "model-00002-of-"),
+        ("tp does not divide heads", "--tensor-model-parallel-size 3"),
+        ("unknown architecture", "MistralForCausalLM"),
+        ("vocab mismatch", "vocab_size"),
+        ("unsupported rope", "'yarn'"),
+        ("unsupported field", "sliding_window"),
+        ("lm_head with tied config", "tie_word_embeddings=true"),
+        ("no config", "no config.json"),
+    ],
+)
+def test_bad_hf_inputs_are_clear_errors_and_write_nothing(tmp_path, capsys, case, expected):
+    src = make_hf_llama(tmp_path / "hf")
+    argv = ["hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc"]
+    if case == "missing shard":
+        os.remove(os.path.join(src, next(f for f in sorted(os.listdir(src)) if f.startswith("model-00002-of-"))))
+    elif case == "tp does not divide heads":
+        argv += ["--tensor-model-parallel-size", 3]
+    elif case == "unknown architecture":
+        _edit_config(src, architectures=["MistralForCausalLM"], model_type="mistral")
+    elif case == "vocab mismatch":
+        _edit_config(src, vocab_size=300)
+    elif case == "unsupported rope":
+        _edit_config(src, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
+    elif case == "unsupported field":
+        _edit_config(src, sliding_window=4096)
+    elif case == "lm_head with tied config":
+        _edit_config(src, tie_word_embeddings=True)
+    elif case == "no config":
+        os.remove(os.path.join(src, "config.json"))
+    code, err = _convert_in_process(capsys, *argv)
+    assert code == 2 and expected in err and err.startswith("mcore-flash convert: error:"), err
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no --save, no .tmp
+
+
+def test_existing_target_is_refused_and_untouched(tmp_path, capsys):
+    src = make_hf_llama(tmp_path / "hf")
+    (tmp_path / "mc").mkdir()
+    (tmp_path / "mc" / "keep.txt").write_text("user data")
+    code, err = _convert_in_process(capsys, "hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    assert code == 2 and "already exists" in err
+    code, err = _convert_in_process(capsys, "mcore-to-hf", "--load", tmp_path / "nothing", "--save-hf", tmp_path / "out")
+    assert code == 2 and "--load" in err
+    assert os.listdir(tmp_path / "mc") == ["keep.txt"] and not os.path.exists(tmp_path / "out")
+
+
+_FAIL_MID_WRITE = """
+import sys
+from mcore_flash.conversion import safetensors_io, dcp_stream
+calls = []
+def failing(original):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            raise OSError(28, "No space left on device (injected)")
+        return original(*args, **kwargs)
+    return wrapper
+safetensors_io.HFCheckpointReader.get = failing(safetensors_io.HFCheckpointReader.get)
+safetensors_io.StreamingSafetensorsWriter.write = failing(safetensors_io.StreamingSafetensorsWriter.write)
+from mcore_flash.conversion.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_failure_mid_conversion_leaves_no_target(tmp_path):
+    """A write that fails half-way (ENOSPC injected at the 8th tensor) leaves neither the
+    target nor its .tmp directory, in both directions (the target appears only by rename)."""
+    src = make_hf_llama(tmp_path / "hf")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _FAIL_MID_WRITE, "hf-to-mcore", "--hf-dir", src, "--save",
+                          str(tmp_path / "mc")], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert run.returncode != 0 and "injected" in run.stderr
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    run = subprocess.run([sys.executable, "-c", _FAIL_MID_WRITE, "mcore-to-hf", "--load", str(tmp_path / "mc"),
+                          "--save-hf", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert run.returncode != 0 and "injected" in run.stderr
+    assert sorted(os.listdir(tmp_path)) == ["hf", "mc"]

@@ -125,18 +125,33 @@ def test_a_cpu_tensor_in_a_trainer_collective_fails_the_rehearsal(tmp_path):
 
 
 def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
-    """scripts/pretrain_70b.sh --rehearse: the recipe's flags (TP + SP, PP, CP ring, the
-    distributed optimizer with overlapped reduction, attention-only recompute, bf16, the npu
-    attention backend) with every parallel size halved, a tiny model, on 8 emulated NPUs."""
+    """scripts/pretrain_70b.sh --rehearse as a continued-pretraining run: HF_CHECKPOINT (a
+    tiny random Llama of the rehearsal's shape) is converted once, then trained with
+    --finetune and the recipe's flags (TP + SP, PP, CP ring, the distributed optimizer with
+    overlapped reduction, attention-only recompute, bf16, ABF RoPE, the npu attention backend)
+    with every parallel size halved, on 8 emulated NPUs; launched again, it resumes from
+    $SAVE instead."""
+    from hf_models import make_hf_llama
+
+    hf_dir = make_hf_llama(tmp_path / "hf", vocab=258, hidden=64, ffn=176, layers=4)
+    save = tmp_path / "run"
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_70b.sh")
-    env = {**os.environ, "PYTHON": sys.executable, "REHEARSAL_SAVE": str(tmp_path), "MASTER_PORT": str(free_port()),
-           "PYTHONWARNINGS": "ignore"}  # fmt: skip
+    env = {**os.environ, "PYTHON": sys.executable, "REHEARSAL_SAVE": str(save), "MASTER_PORT": str(free_port()),
+           "PYTHONWARNINGS": "ignore", "HF_CHECKPOINT": hf_dir}  # fmt: skip
     result = subprocess.run(["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     output = result.stdout + result.stderr  # progress on stdout, the [mcore-flash] notes on stderr
     assert "(TP 2, PP 2, CP 2, DP 1)" in output and "iteration 2/2" in output
+    assert f"fine-tuning from {save}/hf_converted at iteration 0" in output
     for rank in range(8):
-        with open(tmp_path / f"emulated_npu_rank{rank:05d}.json") as f:
+        with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
             report = json.load(f)
         assert report["device"] == f"npu:{rank}" and report["inputs_the_kernels_would_copy"] == {}
         assert report["op_calls"]["npu_fusion_attention_grad[SBH]"] > 0
+
+    env["MASTER_PORT"] = str(free_port())
+    again = subprocess.run(["bash", script, "--rehearse", "--train-iters", "3"], capture_output=True, text=True,
+                           timeout=600, env=env)  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
+    output = again.stdout + again.stderr
+    assert f"resumed from {save} at iteration 2" in output and "iteration 3/3" in output

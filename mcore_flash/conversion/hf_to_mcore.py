@@ -13,6 +13,7 @@ renamed into place, like a training checkpoint: a failed conversion leaves nothi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -24,6 +25,11 @@ from mcore_flash.conversion.llama import tensor_maps
 from mcore_flash.conversion.safetensors_io import HFCheckpointReader
 from mcore_flash.data.tokenizers import padded_vocab_size
 from mcore_flash.training import checkpointing
+
+# DCP's writer keeps the last chunk it wrote of every key alive until the file is done
+# (torch 2.13 ``_write_files_from_queue``), so chunks are cut into row blocks of at most
+# this size: what stays alive is one block per key, not an embedding per key.
+BLOCK_BYTES = 64 * 2**20
 
 # Buffers some Hugging Face checkpoints carry that are not weights (recomputed from the config).
 _NOT_WEIGHTS = ("rotary_emb.inv_freq",)
@@ -61,6 +67,7 @@ def hf_to_mcore(
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     chunks, objects = _checkpoint_layout(parse_args(flags + ["--dry-run"], world_size=1), padded)
+    chunks = [block for chunk in chunks for block in _row_blocks(chunk, BLOCK_BYTES)]
     by_tensor = {(m.key, m.layer): m for m in maps}
     expected = {(c.key, c.offsets[0] if _layered(c) else None) for c in chunks}
     if ("output_layer.weight", None) in expected - set(by_tensor) and not model_args["untie_embeddings_and_output_weights"]:
@@ -100,22 +107,42 @@ class _ChunkSource:
     def __call__(self, chunk: dcp_stream.Chunk) -> torch.Tensor:
         layered = _layered(chunk)
         which = (chunk.key, chunk.offsets[0] if layered else None)
-        if self._cached[0] != which:
-            tensor_map = self._maps[which]
+        tensor_map = self._maps[which]
+        if self._cached[0] is not tensor_map:
+            self._cached = (None, None)  # free the previous tensor before building the next
             full = tensor_map.to_mcore([self._reader.get(name) for name in tensor_map.hf_names]).to(self._dtype)
-            self._cached = (which, full)
+            self._cached = (tensor_map, full)
             self._progress(which)
         tensor = self._cached[1]
         offsets, sizes = (chunk.offsets[1:], chunk.sizes[1:]) if layered else (chunk.offsets, chunk.sizes)
         for dim, (start, size) in enumerate(zip(offsets, sizes)):
             tensor = tensor.narrow(dim, start, size)
-        return tensor.reshape(chunk.sizes).clone()
+        return tensor.reshape(chunk.sizes)  # DCP copies a view of a larger tensor before writing it
 
     def _progress(self, which) -> None:
         self._done.add(which)
         n = len(self._done)
         if n == self._total or n % max(1, self._total // 20) == 0:
             self._log(f"  [{n}/{self._total}] {which[0]}" + ("" if which[1] is None else f" (layer {which[1]})"))
+
+
+def _row_blocks(chunk: dcp_stream.Chunk, max_bytes: int) -> list[dcp_stream.Chunk]:
+    """``chunk`` cut along its first row dimension (after the layer axis) into blocks of at
+    most ``max_bytes`` (any cover of a tensor by chunks loads: DCP reads by overlap)."""
+    dim = 1 if _layered(chunk) else 0
+    if len(chunk.sizes) <= dim:
+        return [chunk]
+    row_bytes = torch.empty((), dtype=chunk.dtype).element_size()
+    for i, size in enumerate(chunk.sizes):
+        row_bytes *= size if i != dim else 1
+    rows = max(1, max_bytes // row_bytes)
+    blocks = []
+    for start in range(0, chunk.sizes[dim], rows):
+        offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+        offsets[dim] += start
+        sizes[dim] = min(rows, chunk.sizes[dim] - start)
+        blocks.append(dataclasses.replace(chunk, offsets=tuple(offsets), sizes=tuple(sizes)))
+    return blocks
 
 
 def _layered(chunk: dcp_stream.Chunk) -> bool:

@@ -1,7 +1,6 @@
 """Hugging Face ``*.safetensors`` checkpoints, read and written one tensor at a time.
 
-Reading uses the ``safetensors`` library (memory-mapped; ``get_tensor`` materialises one
-tensor). Writing streams: the shard layout is planned from names, shapes and dtypes alone,
+Reading parses each file's header and reads one tensor's bytes at a time. Writing streams: the shard layout is planned from names, shapes and dtypes alone,
 each file's header is written first and every tensor's bytes are appended as it arrives,
 so the writer never holds more than the tensor being written. The file format is
 safetensors' documented one (8-byte little-endian header length, JSON header with
@@ -23,50 +22,76 @@ from mcore_flash.conversion.hf_config import ConversionError
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 class HFCheckpointReader:
-    """Tensors of a Hugging Face model directory by name (sharded with an index, or one file)."""
+    """Tensors of a Hugging Face model directory by name (sharded with an index, or one file).
+
+    Each tensor is read with ``readinto`` from its byte range, not through a memory map:
+    mapped pages that were touched would stay in the process's resident set until the file
+    is closed, so reading a whole checkpoint through maps makes the peak RSS the model's size.
+    """
 
     def __init__(self, hf_dir: str):
-        from safetensors import safe_open
-
         index_path = os.path.join(hf_dir, INDEX)
         if os.path.isfile(index_path):
             with open(index_path) as f:
-                self._file_of = json.load(f)["weight_map"]
+                files = sorted(set(json.load(f)["weight_map"].values()))
             source = INDEX
         elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
-            with safe_open(os.path.join(hf_dir, SINGLE), "pt") as f:
-                self._file_of = {name: SINGLE for name in f.keys()}
-            source = SINGLE
+            files, source = [SINGLE], SINGLE
         else:
             raise ConversionError(
                 f"--hf-dir {hf_dir}: neither {INDEX} nor {SINGLE} is there (only safetensors checkpoints are read; "
                 "re-save a *.bin model with transformers' save_pretrained(safe_serialization=True))"
             )
-        for file in sorted(set(self._file_of.values())):
-            if not os.path.isfile(os.path.join(hf_dir, file)):
+        self._dir, self._entries = hf_dir, {}
+        for file in files:
+            path = os.path.join(hf_dir, file)
+            if not os.path.isfile(path):
                 raise ConversionError(f"--hf-dir {hf_dir}: shard {file} named in {source} is missing")
-        self._dir, self._open = hf_dir, {}
-        self._safe_open = safe_open
+            header, data_start = _read_header(path)
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    self._entries[name] = (path, data_start, entry)
 
     def names(self) -> set[str]:
-        return set(self._file_of)
+        return set(self._entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._entry(name)[2]["shape"])
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        path, data_start, entry = self._entry(name)
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ConversionError(f"{path}: tensor {name} has dtype {entry['dtype']}; supported: {sorted(_TORCH_DTYPES)}")
+        begin, end = entry["data_offsets"]
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(data_start + begin)
+            if f.readinto(memoryview(data.numpy())) != end - begin:
+                raise ConversionError(f"{path}: truncated (tensor {name} ends past the end of the file)")
+        return data.view(dtype).reshape(entry["shape"])
 
-    def _handle(self, name: str):
-        if name not in self._file_of:
+    def _entry(self, name: str):
+        if name not in self._entries:
             raise ConversionError(f"--hf-dir {self._dir}: tensor {name!r} is missing from the checkpoint")
-        file = self._file_of[name]
-        if file not in self._open:
-            self._open[file] = self._safe_open(os.path.join(self._dir, file), "pt")
-        return self._open[file]
+        return self._entries[name]
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+    """A safetensors file's JSON header and the offset where its data starts."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < size < 100 * 2**20:
+            raise ConversionError(f"{path}: not a safetensors file (bad header length)")
+        try:
+            return json.loads(f.read(size)), 8 + size
+        except ValueError:
+            raise ConversionError(f"{path}: not a safetensors file (unreadable header)") from None
 
 
 class StreamingSafetensorsWriter:

@@ -85,6 +85,9 @@ MODELS: dict[str, ModelShape] = {
                    rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0),
         ModelShape("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256, max_position_embeddings=131072,
                    rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0),
+        # Llama-3.2-1B: tied embeddings, the llama3 RoPE scaling with factor 32.
+        ModelShape("llama3.2-1b", 16, 2048, 8192, 32, 8, 128256, untie_embeddings_and_output_weights=False,
+                   max_position_embeddings=131072, rotary_base=500000, rope_scaling=True, rope_scaling_factor=32.0),
         # The tests' tiny Llama (tests/gpt_models.py): 2 layers, h 64, 4 heads, 2 groups, ffn 128.
         ModelShape("tiny", 2, 64, 128, 4, 2, 128, max_position_embeddings=128),
     )
