@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -117,15 +118,30 @@ def _w_loss(rank, world_size, load, tokens):
         teardown_megatron()
 
 
-@pytest.mark.parametrize("vocab", [512, 258])
-def test_loss_after_conversion_equals_transformers(tmp_path, vocab):
-    """fp32 per-token loss of the converted model = transformers' (1e-5 relative). With 258
-    tokens the vocabulary is padded to 384 rows of zeros: their logits are 0 and, as in
-    Megatron-LM, enter the softmax, so the oracle is the cross-entropy of transformers'
-    logits with 126 zero logits appended (and it differs from transformers' own loss)."""
+FAMILIES = {
+    # name: (vocabulary, config overrides)
+    "llama3.1 (GQA, llama3 scaling)": (512, {}),
+    "llama3.1, padded vocabulary": (258, {}),
+    "llama2 (MHA, base 10000, eps 1e-5)": (512, dict(num_key_value_heads=4, rope_theta=10000.0, rope_scaling=None,
+                                                     rms_norm_eps=1e-5)),  # fmt: skip
+    "linear interpolation x2": (512, dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama3.2 (tied)": (512, dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_after_conversion_equals_transformers(tmp_path, family):
+    """fp32 per-token loss of the converted model = transformers' (1e-5 relative), for each
+    family's config. With 258 tokens the vocabulary is padded to 384 rows of zeros: their
+    logits are 0 and, as in Megatron-LM, enter the softmax, so the oracle is the cross-entropy
+    of transformers' logits with 126 zero logits appended (and it differs from transformers'
+    own loss)."""
     from transformers import LlamaForCausalLM
 
-    src = make_hf_llama(tmp_path / "hf", vocab=vocab)
+    vocab, overrides = FAMILIES[family]
+    overrides = dict(overrides)
+    tie = overrides.pop("tie_word_embeddings", False)
+    src = make_hf_llama(tmp_path / "hf", vocab=vocab, tie=tie, **overrides)
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
     tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(3))
     [ours] = run_distributed(_w_loss, 1, str(tmp_path / "mc"), tokens)
@@ -196,10 +212,16 @@ def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
               "--hidden-dropout", 0.1, "--attention-dropout", 0.1, *TRAIN]  # fmt: skip
     pretrain(1, *common, "--save", tmp_path / "full")
     pretrain(1, *common, "--save", tmp_path / "part", "--exit-interval", 2)
+    shutil.copytree(tmp_path / "part", tmp_path / "part_at_2")
     pretrain(1, "--load", tmp_path / "part", "--use-checkpoint-args", "--train-iters", 4, "--hidden-dropout", 0.1,
              "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "part")  # fmt: skip
     full, part = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
     assert sorted(full) == [1, 2, 3, 4] and full == part
+    # --no-load-rng resumes the weights and optimizer but draws other dropout masks
+    pretrain(1, "--load", tmp_path / "part_at_2", "--no-load-rng", "--use-checkpoint-args", "--train-iters", 4,
+             "--hidden-dropout", 0.1, "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "part_at_2")  # fmt: skip
+    no_rng = _metrics(tmp_path / "part_at_2")
+    assert no_rng[2] == full[2] and no_rng[3] != full[3]
     convert("mcore-to-hf", "--load", tmp_path / "full", "--save-hf", tmp_path / "full_hf")
     convert("mcore-to-hf", "--load", tmp_path / "part", "--save-hf", tmp_path / "part_hf")
     a, b = hf_tensors(tmp_path / "full_hf"), hf_tensors(tmp_path / "part_hf")
@@ -323,3 +345,47 @@ def test_failure_mid_conversion_leaves_no_target(tmp_path):
                           "--save-hf", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert run.returncode != 0 and "injected" in run.stderr
     assert sorted(os.listdir(tmp_path)) == ["hf", "mc"]
+
+
+# config.json of two published checkpoints as the Hub serves them (transformers 4.x names),
+# transcribed from meta-llama/Llama-2-70b-hf and meta-llama/Llama-3.1-8B.
+LLAMA2_70B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 8192, "initializer_range": 0.02, "intermediate_size": 28672, "max_position_embeddings": 4096,
+    "model_type": "llama", "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False,
+    "torch_dtype": "float16", "transformers_version": "4.32.0.dev0", "use_cache": True, "vocab_size": 32000,
+}  # fmt: skip
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config,preset", [(LLAMA2_70B_CONFIG, "llama2-70b"), (LLAMA31_8B_CONFIG, "llama3.1-8b")])
+def test_published_configs_read_as_our_presets_and_export_back(config, preset):
+    """A Hub config.json gives the model flags of our preset for that model (presets are
+    written from the published shapes), and the config exported from them reads back in
+    transformers with the same RoPE, eps, shape and token ids."""
+    from transformers import LlamaConfig
+
+    from mcore_flash.conversion.hf_config import hf_config_from_model_args, model_args_from_hf
+    from mcore_flash.planning.models import get_model
+    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.model import model_args
+
+    ours = model_args_from_hf(config)
+    expected = model_args(parse_args(["--model", preset, "--norm-epsilon", "1e-5"]), get_model(preset).vocab_size)
+    assert ours == expected
+    exported, original = LlamaConfig(**hf_config_from_model_args(ours, config)), LlamaConfig(**config)
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_parameters",
+                  "bos_token_id", "eos_token_id"):  # fmt: skip
+        assert getattr(exported, field) == getattr(original, field), field

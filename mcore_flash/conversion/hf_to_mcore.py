@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 
 import torch
 
 from mcore_flash.conversion import dcp_stream
 from mcore_flash.conversion.hf_config import ConversionError, model_args_from_hf, model_flags, read_config
 from mcore_flash.conversion.llama import tensor_maps
+from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import HFCheckpointReader
 from mcore_flash.data.tokenizers import padded_vocab_size
 from mcore_flash.training import checkpointing
@@ -52,7 +52,6 @@ def hf_to_mcore(
         parse_args(flags + layout_flags, world_size=tensor_parallel * pipeline_parallel)
     except ValueError as error:  # e.g. heads not divisible by TP: name the flag
         raise ConversionError(str(error)) from None
-    _check_target(save)
     reader = HFCheckpointReader(hf_dir)
     padded = padded_vocab_size(model_args["vocab_size"], make_vocab_size_divisible_by, tensor_parallel)
     maps = tensor_maps(model_args, padded)
@@ -76,23 +75,15 @@ def hf_to_mcore(
     if expected != set(by_tensor):
         raise AssertionError(f"megatron's checkpoint layout and the Llama mapping disagree: {expected ^ set(by_tensor)}")
 
-    tmp = save.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    path = checkpointing.checkpoint_dir(tmp, 0)
-    os.makedirs(path)
-    try:
-        dcp_stream.save_chunks(path, chunks, objects, _ChunkSource(reader, by_tensor, dtype, len(maps), log))
+    with atomic_directory(save, "--save") as tmp:
+        path = checkpointing.checkpoint_dir(tmp, 0)
+        os.makedirs(path)
+        dcp_stream.save_chunks(path, chunks, objects, _ChunkSource(reader, by_tensor, dtype, Progress(len(by_tensor), log)))
         _write_megatron_files(path, {
             "iteration": 0, "consumed_samples": 0, "padded_vocab_size": padded,
             "model_args": model_args, "hf_config": config, "converted_from": os.path.abspath(hf_dir), "model_only": True,
         })  # fmt: skip
         checkpointing.write_marker(tmp, 0)
-        if os.path.isdir(save):
-            os.rmdir(save)  # empty (checked above)
-        os.replace(tmp, save)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"model_args": model_args, "padded_vocab_size": padded, "flags": flags, "path": save}
 
 
@@ -100,9 +91,9 @@ class _ChunkSource:
     """Data for each chunk DCP writes: the layer's megatron tensor, built once from its
     Hugging Face tensors (kept while the next chunk is of the same tensor), then narrowed."""
 
-    def __init__(self, reader, maps, dtype, total, log):
-        self._reader, self._maps, self._dtype, self._log = reader, maps, dtype, log
-        self._cached, self._done, self._total = (None, None), set(), total
+    def __init__(self, reader, maps, dtype, progress):
+        self._reader, self._maps, self._dtype, self._progress = reader, maps, dtype, progress
+        self._cached, self._seen = (None, None), set()
 
     def __call__(self, chunk: dcp_stream.Chunk) -> torch.Tensor:
         layered = _layered(chunk)
@@ -112,18 +103,14 @@ class _ChunkSource:
             self._cached = (None, None)  # free the previous tensor before building the next
             full = tensor_map.to_mcore([self._reader.get(name) for name in tensor_map.hf_names]).to(self._dtype)
             self._cached = (tensor_map, full)
-            self._progress(which)
+            if which not in self._seen:
+                self._seen.add(which)
+                self._progress.step(*which)
         tensor = self._cached[1]
         offsets, sizes = (chunk.offsets[1:], chunk.sizes[1:]) if layered else (chunk.offsets, chunk.sizes)
         for dim, (start, size) in enumerate(zip(offsets, sizes)):
             tensor = tensor.narrow(dim, start, size)
         return tensor.reshape(chunk.sizes)  # DCP copies a view of a larger tensor before writing it
-
-    def _progress(self, which) -> None:
-        self._done.add(which)
-        n = len(self._done)
-        if n == self._total or n % max(1, self._total // 20) == 0:
-            self._log(f"  [{n}/{self._total}] {which[0]}" + ("" if which[1] is None else f" (layer {which[1]})"))
 
 
 def _row_blocks(chunk: dcp_stream.Chunk, max_bytes: int) -> list[dcp_stream.Chunk]:
@@ -200,11 +187,6 @@ def _check_tensors(reader: HFCheckpointReader, maps, model_args: dict) -> None:
                 f"tensor {name} has shape {shape} but config.json ({what}) implies {shapes[kind]}: "
                 "the checkpoint and its config.json do not match"
             )
-
-
-def _check_target(save: str) -> None:
-    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
-        raise ConversionError(f"--save {save} already exists and is not empty; choose a new directory")
 
 
 def _write_megatron_files(path: str, common: dict) -> None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch
 
 from mcore_flash.conversion import dcp_stream
 from mcore_flash.conversion.hf_config import ConversionError, hf_config_from_model_args
 from mcore_flash.conversion.llama import tensor_maps
+from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import StreamingSafetensorsWriter
 from mcore_flash.training import checkpointing
 
@@ -37,8 +37,6 @@ def mcore_to_hf(load: str, save_hf: str, max_shard_bytes: int = DEFAULT_MAX_SHAR
     if model_args is None:
         raise ConversionError(f"--load {load}: the checkpoint does not record its model flags (written before they were stored)")
     config = hf_config_from_model_args(model_args, common.get("hf_config"))
-    if os.path.exists(save_hf) and (not os.path.isdir(save_hf) or os.listdir(save_hf)):
-        raise ConversionError(f"--save-hf {save_hf} already exists and is not empty; choose a new directory")
 
     stored = dcp_stream.stored_tensors(path)
     maps = tensor_maps(model_args, common["padded_vocab_size"])
@@ -49,25 +47,16 @@ def mcore_to_hf(load: str, save_hf: str, max_shard_bytes: int = DEFAULT_MAX_SHAR
     plan = [(name, tuple(t.shape), dtype) for m in maps for name, t in zip(m.hf_names, m.to_hf(_meta(m, stored)))]
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
 
-    tmp = save_hf.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    progress = Progress(len(maps), log)
+    with atomic_directory(save_hf, "--save-hf") as tmp:
         writer = StreamingSafetensorsWriter(tmp, plan, max_shard_bytes)
-        for done, tensor_map in enumerate(maps, 1):
+        for tensor_map in maps:
             for name, tensor in zip(tensor_map.hf_names, tensor_map.to_hf(_read(path, tensor_map, stored))):
                 writer.write(name, tensor.to(dtype).contiguous())
-            if done == len(maps) or done % max(1, len(maps) // 20) == 0:
-                log(f"  [{done}/{len(maps)}] {tensor_map.key}" + ("" if tensor_map.layer is None else f" (layer {tensor_map.layer})"))
+            progress.step(tensor_map.key, tensor_map.layer)
         files = writer.close()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        if os.path.isdir(save_hf):
-            os.rmdir(save_hf)  # empty (checked above)
-        os.replace(tmp, save_hf)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"config": config, "files": files, "iteration": iteration}
 
 

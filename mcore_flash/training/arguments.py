@@ -159,8 +159,11 @@ def apply_checkpoint_args(args: argparse.Namespace) -> None:
         raise ValueError("--use-checkpoint-args needs --load")
     from mcore_flash.training.checkpointing import read_model_args
 
-    for name, value in read_model_args(args.load).items():
-        if name != "vocab_size" and getattr(args, name) is None:
+    saved = read_model_args(args.load)
+    for name, value in saved.items():
+        if name == "vocab_size" or (name == "rope_scaling_factor" and not saved["use_rope_scaling"]):
+            continue  # the vocabulary comes from the tokenizer; a factor without scaling means nothing
+        if getattr(args, name) is None:
             setattr(args, name, value)
 
 
