@@ -11,7 +11,6 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from mcore_flash.conversion.hf_config import ConversionError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result = mcore_to_hf(args.load, args.save_hf, _bytes(args.max_shard_size))
             print(f"wrote {args.save_hf}: config.json + {len(result['files'])} safetensors file(s) "
                   f"from iteration {result['iteration']}")  # fmt: skip
-    except ConversionError as error:
+    except ValueError as error:  # ConversionError, or a checkpoint that is not there
         print(f"mcore-flash convert: error: {error}", file=sys.stderr)
         return 2
     return 0
@@ -61,7 +60,7 @@ def _bytes(text: str) -> int:
     for unit, factor in units.items():
         if upper.endswith(unit) and upper[: -len(unit)].replace(".", "", 1).isdigit():
             return int(float(upper[: -len(unit)]) * factor)
-    raise ConversionError(f"--max-shard-size {text!r}: give a size such as 5GB or 500MB")
+    raise ValueError(f"--max-shard-size {text!r}: give a size such as 5GB or 500MB")
 
 
 if __name__ == "__main__":

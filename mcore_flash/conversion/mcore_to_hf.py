@@ -28,11 +28,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
 
 def mcore_to_hf(load: str, save_hf: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> dict:
     """Export the latest checkpoint under ``load``; returns ``{"config", "files", "iteration"}``."""
-    iteration = checkpointing.latest_iteration(load)
-    if iteration is None:
-        raise ConversionError(f"--load {load}: no {checkpointing.MARKER} there; point it at a --save directory")
-    path = checkpointing.checkpoint_dir(load, iteration)
-    common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=True)
+    path, common = checkpointing.read_latest(load)
     model_args = common.get("model_args")
     if model_args is None:
         raise ConversionError(f"--load {load}: the checkpoint does not record its model flags (written before they were stored)")
@@ -57,7 +53,7 @@ def mcore_to_hf(load: str, save_hf: str, max_shard_bytes: int = DEFAULT_MAX_SHAR
         files = writer.close()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-    return {"config": config, "files": files, "iteration": iteration}
+    return {"config": config, "files": files, "iteration": common["iteration"]}
 
 
 def _chunk(tensor_map, stored) -> dcp_stream.Chunk:

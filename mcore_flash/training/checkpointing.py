@@ -126,15 +126,21 @@ def load_weights(root: str, model, padded_vocab_size: int, model_args: dict) -> 
 
 
 def _open_checkpoint(root: str, padded_vocab_size: int, model_args: dict) -> tuple[str, dict]:
+    path, common = read_latest(root)
+    _check_same_model(root, common, padded_vocab_size, model_args)
+    return path, common
+
+
+def read_latest(root: str) -> tuple[str, dict]:
+    """The latest checkpoint under ``root``: its directory and its common (non-tensor) state
+    (iteration, ``model_args``, padded vocabulary, ...)."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
     if iteration is None:
         raise ValueError(f"--load {root}: no {MARKER} there; point --load at a --save directory of an earlier run")
     path = checkpoint_dir(root, iteration)
-    common = dist_checkpointing.load_common_state_dict(path)
-    _check_same_model(root, common, padded_vocab_size, model_args)
-    return path, common
+    return path, dist_checkpointing.load_common_state_dict(path)
 
 
 def _load_model(path: str, model) -> None:
@@ -146,12 +152,7 @@ def _load_model(path: str, model) -> None:
 
 def read_model_args(root: str) -> dict:
     """The ``model_args`` stored with the latest checkpoint under ``root`` (``--use-checkpoint-args``)."""
-    from megatron.core import dist_checkpointing
-
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise ValueError(f"--use-checkpoint-args: --load {root} holds no checkpoint")
-    saved = dist_checkpointing.load_common_state_dict(checkpoint_dir(root, iteration)).get("model_args")
+    saved = read_latest(root)[1].get("model_args")
     if saved is None:
         raise ValueError(f"--use-checkpoint-args: the checkpoint in --load {root} predates stored model flags; pass them")
     return saved
