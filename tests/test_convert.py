@@ -142,7 +142,8 @@ def test_loss_after_conversion_equals_transformers(tmp_path, family):
     overrides = dict(overrides)
     tie = overrides.pop("tie_word_embeddings", False)
     src = make_hf_llama(tmp_path / "hf", vocab=vocab, tie=tie, **overrides)
-    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    run = convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    assert ("vocabulary padded from 258 to 384 rows" in run.stdout) == (vocab == 258)
     tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(3))
     [ours] = run_distributed(_w_loss, 1, str(tmp_path / "mc"), tokens)
 
@@ -213,6 +214,7 @@ def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
     pretrain(1, *common, "--save", tmp_path / "full")
     pretrain(1, *common, "--save", tmp_path / "part", "--exit-interval", 2)
     shutil.copytree(tmp_path / "part", tmp_path / "part_at_2")
+    shutil.copytree(tmp_path / "part", tmp_path / "optim_at_2")
     pretrain(1, "--load", tmp_path / "part", "--use-checkpoint-args", "--train-iters", 4, "--hidden-dropout", 0.1,
              "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "part")  # fmt: skip
     full, part = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
@@ -222,6 +224,17 @@ def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
              "--hidden-dropout", 0.1, "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "part_at_2")  # fmt: skip
     no_rng = _metrics(tmp_path / "part_at_2")
     assert no_rng[2] == full[2] and no_rng[3] != full[3]
+    # --no-load-optim: the checkpoint's iteration, a fresh optimizer, the lr schedule where it was
+    pretrain(1, "--load", tmp_path / "optim_at_2", "--no-load-optim", "--use-checkpoint-args", "--train-iters", 4,
+             "--hidden-dropout", 0.1, "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "optim_at_2")  # fmt: skip
+    with open(tmp_path / "full" / "metrics.jsonl") as f:
+        full_lr = {r["iteration"]: r["lr"] for r in map(json.loads, f)}
+    with open(tmp_path / "optim_at_2" / "metrics.jsonl") as f:
+        fresh = [json.loads(line) for line in f]
+    assert [r["iteration"] for r in fresh] == [1, 2, 3, 4] and all(r["lr"] == full_lr[r["iteration"]] for r in fresh)
+    # iteration 3's loss is computed before its step (same weights and RNG: equal); iteration
+    # 4 follows a step with fresh Adam moments: different
+    assert fresh[2]["loss"] == full[3] and fresh[3]["loss"] != full[4]
     convert("mcore-to-hf", "--load", tmp_path / "full", "--save-hf", tmp_path / "full_hf")
     convert("mcore-to-hf", "--load", tmp_path / "part", "--save-hf", tmp_path / "part_hf")
     a, b = hf_tensors(tmp_path / "full_hf"), hf_tensors(tmp_path / "part_hf")
@@ -276,6 +289,9 @@ def _edit_config(path, **changes):
         ("unsupported field", "sliding_window"),
         ("lm_head with tied config", "tie_word_embeddings=true"),
         ("no config", "no config.json"),
+        ("attention bias", "attention_bias=True"),
+        ("gelu", "hidden_act='gelu'"),
+        ("head_dim", "head_dim=32"),
     ],
 )
 def test_bad_hf_inputs_are_clear_errors_and_write_nothing(tmp_path, capsys, case, expected):
@@ -297,6 +313,12 @@ def test_bad_hf_inputs_are_clear_errors_and_write_nothing(tmp_path, capsys, case
         _edit_config(src, tie_word_embeddings=True)
     elif case == "no config":
         os.remove(os.path.join(src, "config.json"))
+    elif case == "attention bias":
+        _edit_config(src, attention_bias=True)
+    elif case == "gelu":
+        _edit_config(src, hidden_act="gelu")
+    elif case == "head_dim":
+        _edit_config(src, head_dim=32)
     code, err = _convert_in_process(capsys, *argv)
     assert code == 2 and expected in err and err.startswith("mcore-flash convert: error:"), err
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # no --save, no .tmp
@@ -389,3 +411,19 @@ def test_published_configs_read_as_our_presets_and_export_back(config, preset):
                   "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_parameters",
                   "bos_token_id", "eos_token_id"):  # fmt: skip
         assert getattr(exported, field) == getattr(original, field), field
+
+
+def test_export_after_context_extension_carries_the_new_rope(tmp_path):
+    """Continued pretraining with a new RoPE base (ABF) and longer positions: the exported
+    config.json says so (transformers reads rope_theta 1e6, the llama3 scaling kept, 512
+    positions), while token ids come from the original config."""
+    from transformers import AutoConfig
+
+    src = make_hf_llama(tmp_path / "hf", vocab=258, bos_token_id=7, eos_token_id=9)
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    pretrain(1, "--load", tmp_path / "mc", "--finetune", "--use-checkpoint-args", "--rotary-base", 1000000,
+             "--max-position-embeddings", 512, "--train-iters", 1, *TRAIN, "--save", tmp_path / "run")  # fmt: skip
+    convert("mcore-to-hf", "--load", tmp_path / "run", "--save-hf", tmp_path / "out")
+    config = AutoConfig.from_pretrained(tmp_path / "out")
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.rope_parameters["rope_type"] == "llama3"
+    assert config.max_position_embeddings == 512 and (config.bos_token_id, config.eos_token_id) == (7, 9)

@@ -26,6 +26,10 @@ import torch
 import torch.distributed as dist
 
 MARKER = "latest_checkpointed_iteration.txt"
+# Where the weights came from (a converted Hugging Face checkpoint's original config.json and
+# directory): read on load and written into every later checkpoint, so an export after
+# continued pretraining keeps the original token ids and metadata.
+PROVENANCE_KEYS = ("hf_config", "converted_from")
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -46,7 +50,7 @@ def latest_iteration(root: str) -> Optional[int]:
 
 def save_checkpoint(
     root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, padded_vocab_size: int,
-    model_args: dict,
+    model_args: dict, provenance: Optional[dict] = None,
 ) -> str:  # fmt: skip
     """Write checkpoint ``iteration`` under ``root`` atomically (collective over all ranks)."""
     from megatron.core import dist_checkpointing
@@ -61,7 +65,7 @@ def save_checkpoint(
     dist.barrier()
     state = _sharded_state(model, optimizer, scheduler, is_loading=False)
     state.update(iteration=iteration, consumed_samples=consumed_samples, padded_vocab_size=padded_vocab_size,
-                 model_args=model_args)  # fmt: skip
+                 model_args=model_args, **(provenance or {}))  # fmt: skip
     dist_checkpointing.save(state, tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
     dist.barrier()
@@ -77,8 +81,9 @@ def save_checkpoint(
 def load_checkpoint(
     root: str, model, optimizer, scheduler, padded_vocab_size: int, model_args: dict,
     finetune: bool = False, load_optim: bool = True, load_rng: bool = True,
-) -> tuple[int, int]:  # fmt: skip
-    """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples)``.
+) -> tuple[int, int, dict]:  # fmt: skip
+    """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples,
+    provenance)`` (``PROVENANCE_KEYS`` of the checkpoint, for :func:`save_checkpoint`).
 
     Megatron-LM's modes: ``finetune`` loads the weights only and starts at iteration 0;
     ``load_optim=False`` (``--no-load-optim``) keeps the checkpoint's iteration and sample
@@ -106,15 +111,16 @@ def load_checkpoint(
     else:
         _load_model(path, model)
         optimizer.reload_model_params()  # fp32 main parameters from the loaded weights
+    provenance = {key: common[key] for key in PROVENANCE_KEYS if key in common}
     if finetune:
-        return 0, 0
+        return 0, 0, provenance
     consumed = int(common["consumed_samples"])
     if not load_optim:
         scheduler.step(increment=consumed)
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
     if load_rng and os.path.exists(rng_file):  # a run resumed on another world size draws fresh RNG streams
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    return int(common["iteration"]), consumed
+    return int(common["iteration"]), consumed, provenance
 
 
 def load_weights(root: str, model, padded_vocab_size: int, model_args: dict) -> dict:

@@ -85,9 +85,9 @@ def train(args) -> dict:
 
     logger = MetricsLogger(args, count_parameters(model))
     iteration, consumed = 0, 0
-    described = model_args(args, tokenizer.vocab_size)
+    described, provenance = model_args(args, tokenizer.vocab_size), {}
     if args.load and checkpointing.latest_iteration(args.load) is not None:
-        iteration, consumed = checkpointing.load_checkpoint(
+        iteration, consumed, provenance = checkpointing.load_checkpoint(
             args.load, model, optimizer, scheduler, vocab, described,
             finetune=args.finetune, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
         )  # fmt: skip
@@ -139,7 +139,7 @@ def train(args) -> dict:
         exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
         if iteration % args.save_interval == 0 or iteration == args.train_iters or interrupted or exiting:
             path = checkpointing.save_checkpoint(
-                args.save, iteration, model, optimizer, scheduler, consumed, vocab, described
+                args.save, iteration, model, optimizer, scheduler, consumed, vocab, described, provenance
             )
             logger.note(f"saved checkpoint {path}")
         if interrupted or exiting:
