@@ -69,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _write_random_llama(hf_dir: str, model: str, num_layers: Optional[int]) -> dict:
     """A random bf16 Llama of the preset's shape, written one tensor at a time."""
     from mcore_flash.conversion.hf_config import hf_config_from_model_args
-    from mcore_flash.conversion.llama import tensor_maps
+    from mcore_flash.conversion.llama import hf_shape, tensor_maps
     from mcore_flash.conversion.safetensors_io import StreamingSafetensorsWriter
     from mcore_flash.planning.models import get_model
     from mcore_flash.training.arguments import parse_args
@@ -81,7 +81,7 @@ def _write_random_llama(hf_dir: str, model: str, num_layers: Optional[int]) -> d
     shapes = []
     for m in maps:
         for name in m.hf_names:
-            shapes.append((name, _hf_shape(name, described), torch.bfloat16))
+            shapes.append((name, hf_shape(name, described), torch.bfloat16))
     os.makedirs(hf_dir)
     writer = StreamingSafetensorsWriter(hf_dir, shapes, max_shard_bytes=2 * 10**9)
     generator = torch.Generator().manual_seed(0)
@@ -92,17 +92,6 @@ def _write_random_llama(hf_dir: str, model: str, num_layers: Optional[int]) -> d
         json.dump(hf_config_from_model_args(described), f, indent=2)
     sizes = [torch.Size(shape).numel() * 2 for _, shape, _ in shapes]
     return {"parameters": sum(sizes) // 2, "bytes": sum(sizes), "largest_tensor_bytes": max(sizes)}
-
-
-def _hf_shape(name: str, a: dict) -> tuple[int, ...]:
-    h, ffn, v = a["hidden_size"], a["ffn_hidden_size"], a["vocab_size"]
-    kv = a["num_query_groups"] * h // a["num_attention_heads"]
-    for suffix, shape in (("embed_tokens.weight", (v, h)), ("lm_head.weight", (v, h)), ("k_proj.weight", (kv, h)),
-                          ("v_proj.weight", (kv, h)), ("q_proj.weight", (h, h)), ("o_proj.weight", (h, h)),
-                          ("gate_proj.weight", (ffn, h)), ("up_proj.weight", (ffn, h)), ("down_proj.weight", (h, ffn))):  # fmt: skip
-        if name.endswith(suffix):
-            return shape
-    return (h,)  # the norms
 
 
 def _run(argv: list[str]) -> dict:

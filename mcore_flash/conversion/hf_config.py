@@ -157,11 +157,10 @@ def hf_config_from_model_args(model_args: dict, base: dict | None = None) -> dic
 
 def model_flags(model_args: dict) -> list[str]:
     """``mcore-flash pretrain`` flags that build the model ``model_args`` describes."""
+    defaults = {"normalization": "RMSNorm", "position_embedding_type": "rope"}  # the trainer's own
     flags = []
     for name, value in model_args.items():
-        if name == "vocab_size" or value is None or value is False:
-            continue
-        if name in ("normalization", "position_embedding_type") and value == ("RMSNorm" if name == "normalization" else "rope"):
+        if name == "vocab_size" or value is None or value is False or defaults.get(name) == value:
             continue
         if name == "rope_scaling_factor" and not model_args.get("use_rope_scaling"):
             continue

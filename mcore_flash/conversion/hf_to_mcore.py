@@ -20,7 +20,7 @@ import torch
 
 from mcore_flash.conversion import dcp_stream
 from mcore_flash.conversion.hf_config import ConversionError, model_args_from_hf, model_flags, read_config
-from mcore_flash.conversion.llama import tensor_maps
+from mcore_flash.conversion.llama import hf_shape, tensor_maps
 from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import HFCheckpointReader
 from mcore_flash.data.tokenizers import padded_vocab_size
@@ -173,18 +173,12 @@ def _check_tensors(reader: HFCheckpointReader, maps, model_args: dict) -> None:
     if extra:
         hint = " (config.json says tie_word_embeddings=true)" if "lm_head.weight" in extra else ""
         raise ConversionError(f"unexpected tensor(s) in the checkpoint, not part of a Llama with this config.json{hint}: {extra[:5]}")
-    h, ffn = model_args["hidden_size"], model_args["ffn_hidden_size"]
-    kv = model_args["num_query_groups"] * h // model_args["num_attention_heads"]
-    shapes = {"embed_tokens": (model_args["vocab_size"], h), "lm_head": (model_args["vocab_size"], h),
-              "q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h), "gate_proj": (ffn, h),
-              "up_proj": (ffn, h), "down_proj": (h, ffn), "norm": (h,), "layernorm": (h,)}  # fmt: skip
     for name in sorted(wanted):
-        shape = reader.shape(name)
-        kind = next(k for k in shapes if f"{k}." in name or name.endswith(f"{k}.weight"))
-        if shape != shapes[kind]:
-            what = "vocab_size" if kind in ("embed_tokens", "lm_head") else "the model shape"
+        shape, expected = reader.shape(name), hf_shape(name, model_args)
+        if shape != expected:
+            what = "vocab_size" if name in ("model.embed_tokens.weight", "lm_head.weight") else "the model shape"
             raise ConversionError(
-                f"tensor {name} has shape {shape} but config.json ({what}) implies {shapes[kind]}: "
+                f"tensor {name} has shape {shape} but config.json ({what}) implies {expected}: "
                 "the checkpoint and its config.json do not match"
             )
 

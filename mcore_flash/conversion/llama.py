@@ -70,6 +70,16 @@ def tensor_maps(model_args: dict, padded_vocab_size: int) -> list[TensorMap]:
     return maps
 
 
+def hf_shape(name: str, model_args: dict) -> tuple[int, ...]:
+    """The shape of the Hugging Face Llama tensor ``name`` for ``model_args``."""
+    h, ffn, vocab = model_args["hidden_size"], model_args["ffn_hidden_size"], model_args["vocab_size"]
+    kv = model_args["num_query_groups"] * h // model_args["num_attention_heads"]
+    by_suffix = {"embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h), "q_proj.weight": (h, h),
+                 "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, h),
+                 "gate_proj.weight": (ffn, h), "up_proj.weight": (ffn, h), "down_proj.weight": (h, ffn)}  # fmt: skip
+    return next((shape for suffix, shape in by_suffix.items() if name.endswith(suffix)), (h,))  # else a norm
+
+
 def qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, head_dim: int):
     """``[np*hn, h]``, ``[ng*hn, h]`` x2 -> megatron's ``[ng*(np/ng + 2)*hn, h]``."""
     h = q.shape[-1]
