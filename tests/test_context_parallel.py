@@ -465,13 +465,3 @@ def test_arbitrary_mask_is_refused_under_cp():
     with pytest.raises(ValueError, match="cannot be honoured.*--context-parallel-size 1"):
         attention(q, k, k, torch.zeros(1, 1, 8, 8, dtype=torch.bool))  # a local-only mask
 
-
-def test_packed_sequences_are_refused_under_cp():
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    attention = _cp_attention(cp=2)
-    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
-    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
-    with pytest.raises(ValueError, match="packed sequences .*--context-parallel-size 1"):
-        attention(q, k, k, None, packed_seq_params=params)

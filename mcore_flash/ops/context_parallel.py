@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from . import checks
-from .api import _FlashAttnFunction, flash_attn_func, resolve_call
+from .api import _FlashAttnFunction, _FlashAttnVarlenFunction, flash_attn_func, flash_attn_varlen_func, resolve_call
 from .backends import AttentionBackend, AttentionParams
 from .backends.base import LAYOUTS, SoftmaxStats, backward_kernel, forward_kernel
 
@@ -75,6 +75,9 @@ Tensor = torch.Tensor
 __all__ = [
     "COMM_TYPES",
     "context_parallel_attn_func",
+    "context_parallel_varlen_attn_func",
+    "thd_positions_for_cp_rank",
+    "check_thd_cp_lengths",
     "split_for_cp_rank",
     "gather_from_cp_ranks",
     "cp_chunk_ids",
@@ -123,6 +126,38 @@ def gather_from_cp_ranks(parts: list[Tensor], seq_dim: int) -> Tensor:
         first, second = cp_chunk_ids(cp_size, rank)
         chunks[first], chunks[second] = part.chunk(2, dim=seq_dim)
     return torch.cat(chunks, dim=seq_dim)
+
+
+def thd_positions_for_cp_rank(cu_seqlens: list[int], cp_size: int, cp_rank: int) -> Tensor:
+    """Rank ``cp_rank``'s rows of a pack of documents: their positions in the whole pack.
+
+    Transformer Engine's THD split (and megatron-core's THD RoPE): every document (length
+    ``cu_seqlens[i+1] - cu_seqlens[i]``, divisible by ``2*cp_size``) is cut into ``2*cp``
+    equal chunks and the rank takes chunks ``r`` and ``2cp-1-r`` of EVERY document, in
+    document order (``cp_size == 1``: every row). Returns int64 ``[cu_seqlens[-1] // cp_size]``.
+    """
+    if cp_size == 1:
+        return torch.arange(cu_seqlens[-1])
+    check_thd_cp_lengths(cu_seqlens, cp_size)
+    parts = []
+    first, second = cp_chunk_ids(cp_size, cp_rank)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        chunk = (end - start) // (2 * cp_size)
+        parts += [torch.arange(start + first * chunk, start + (first + 1) * chunk),
+                  torch.arange(start + second * chunk, start + (second + 1) * chunk)]  # fmt: skip
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def check_thd_cp_lengths(cu_seqlens: list[int], cp_size: int) -> None:
+    """Every document of a pack split over ``cp_size`` ranks must be a multiple of ``2*cp``."""
+    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    bad = [n for n in lengths if n % (2 * cp_size)]
+    if bad:
+        raise ValueError(
+            f"packed documents of lengths {bad[:6]} are not multiples of 2 x context-parallel size = "
+            f"{2 * cp_size}: pad every document to a multiple of {2 * cp_size} "
+            "(mcore_flash.transformer.packed_sequences does; cu_seqlens_q_padded holds the padded lengths)"
+        )
 
 
 # ---- public entry point ----------------------------------------------------------------------
@@ -179,9 +214,67 @@ def context_parallel_attn_func(
     impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, layout=layout)
     impl.check_inputs(q, k, v, params)
     if comm_type == "a2a":
-        out, lse = _ulysses(q, k, v, group, impl, params)
+        out, lse = _ulysses(q, k, v, group, _DenseSequence(impl, params, cp_size))
     else:
-        out, lse = _RingAttention.apply(q, k, v, group, impl, params)
+        out, lse = _RingAttention.apply(q, k, v, group, _DenseBlocks(impl, params, q.shape[seq]))
+    return (out, lse) if return_lse else out
+
+
+def context_parallel_varlen_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    group: Optional[dist.ProcessGroup],
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    comm_type: str = "p2p",
+    backend: Union[str, AttentionBackend, None] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """Attention over packed documents split across ``group``; no token sees another document.
+
+    Args:
+        q: ``[t_local, hq, d]``; k, v: ``[t_local, hkv, d]`` -- this rank's rows of the pack,
+            :func:`thd_positions_for_cp_rank` (chunks ``r`` and ``2cp-1-r`` of every document).
+        cu_seqlens: int ``[num_docs + 1]`` cumulative document lengths over the WHOLE pack
+            (``cu_seqlens[-1] == cp * t_local``), each a multiple of ``2*cp``.
+        Other arguments as in :func:`context_parallel_attn_func`.
+
+    Ring (p2p): every hop is one varlen kernel call over all documents -- at step 0 the
+    diagonal (causal, each document's local rows against themselves), then every
+    document's first halves as keys (``src < r``) or second halves as queries
+    (``src > r``), unmasked. Ulysses (a2a): the rows are gathered in position order and one
+    varlen call runs over the whole pack.
+
+    Returns:
+        ``out [t_local, hq, d]``, or ``(out, lse [hq, t_local])``.
+    """
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"comm_type={comm_type!r} is not supported; choose one of {COMM_TYPES}")
+    cp_size = 1 if group is None else group.size()
+    checks.check_qkv(q, k, v, packed=True)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"packed context parallelism is self-attention: q has {q.shape[0]} rows, k/v {k.shape[0]}")
+    cu = checks.check_cu_seqlens(cu_seqlens, q.shape[0] * cp_size, q.shape[0] * cp_size, "cu_seqlens")
+    if cp_size == 1:
+        longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+        return flash_attn_varlen_func(
+            q, k, v, cu_seqlens, cu_seqlens, longest, longest, dropout_p, softmax_scale, causal,
+            backend=backend, return_lse=return_lse,
+        )  # fmt: skip
+    check_thd_cp_lengths(cu, cp_size)
+    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend)
+    impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
+    if comm_type == "a2a":
+        out, lse = _ulysses(q, k, v, group, _PackedSequence(impl, params, cu, cp_size, q.device))
+    else:
+        local_cu = [n // cp_size for n in cu]
+        blocks = _PackedBlocks(impl, params, local_cu, q.device)
+        out, lse = _RingAttention.apply(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group, blocks)
+        out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
 
 
@@ -217,27 +310,97 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
-def _block(step: int, rank: int, size: int, causal: bool, half: int) -> tuple[slice, slice, bool]:
-    """``(query rows, kv rows, causal)`` this rank computes at ``step`` of the ring."""
-    everything = slice(None)
-    if not causal:
-        return everything, everything, False
+_ALL = slice(None)
+Rows = Union[slice, Tensor]  # a slice of the local sequence, or the indices of its rows
+
+
+def _block_halves(step: int, rank: int, size: int, causal: bool) -> tuple[str, str, bool]:
+    """``(query rows, kv rows, causal)`` of ring step ``step``, each ``"all"``, ``"first"``
+    (the rows of chunk ``r``) or ``"second"`` (those of chunk ``2cp-1-r``)."""
+    if not causal or step == 0:
+        return "all", "all", causal  # step 0 is the diagonal block
     src = (rank - step) % size
-    if step == 0:
-        return everything, everything, True  # the diagonal block
     if src < rank:
-        return everything, slice(0, half), False  # kv chunk src precedes, 2cp-1-src follows
-    return slice(half, None), everything, False  # both kv chunks precede chunk 2cp-1-r only
+        return "all", "first", False  # kv chunk src precedes both query chunks, 2cp-1-src follows
+    return "second", "all", False  # both kv chunks precede chunk 2cp-1-r only
+
+
+class _DenseBlocks:
+    """Ring blocks of one dense sequence: this rank's ``s_local`` rows are chunk ``r`` then
+    chunk ``2cp-1-r``, so the halves are slices; kernels are the backend's dense ones."""
+
+    def __init__(self, backend: AttentionBackend, params: AttentionParams, local_len: int):
+        self.backend, self.params = backend, params
+        self.seq = params.layout.index("s")
+        half = local_len // 2
+        self.rows = {"all": _ALL, "first": slice(0, half), "second": slice(half, None)}
+
+    def forward(self, q, k, v, q_rows: str, kv_rows: str, causal: bool):
+        return forward_kernel(self.backend, q, k, v, _with_causal(self.params, causal))
+
+    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: str, kv_rows: str, causal: bool):
+        return backward_kernel(self.backend, dout, q, k, v, out, stats, rng_state, _with_causal(self.params, causal))
+
+
+class _PackedBlocks:
+    """Ring blocks of packed documents (THD seen as ``[1, t_local, h, d]``): each document's
+    local rows are its chunk ``r`` then its chunk ``2cp-1-r``, so a half is an index set and
+    kernels are the backend's varlen ones with the cumulative lengths of the rows taken."""
+
+    def __init__(self, backend: AttentionBackend, params: AttentionParams, local_cu: list[int], device):
+        self.backend, self.params, self.seq = backend, params, 1
+        halves = [(end - start) // 2 for start, end in zip(local_cu[:-1], local_cu[1:])]
+        half_cu = [0]
+        for half in halves:
+            half_cu.append(half_cu[-1] + half)
+
+        def indices(offset):  # per document: rows [start + offset * half, start + (offset + 1) * half)
+            parts = [torch.arange(s + offset * h, s + (offset + 1) * h) for s, h in zip(local_cu[:-1], halves)]
+            return torch.cat(parts).to(device)
+
+        self.rows = {"all": _ALL, "first": indices(0), "second": indices(1)}
+        self.cu = {"all": local_cu, "first": half_cu, "second": half_cu}
+
+    def forward(self, q, k, v, q_rows: str, kv_rows: str, causal: bool):
+        out, stats, rng_state = self.backend.varlen_forward(
+            q[0], k[0], v[0], self.cu[q_rows], self.cu[kv_rows], _with_causal(self.params, causal)
+        )
+        return out.unsqueeze(0), stats, rng_state
+
+    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: str, kv_rows: str, causal: bool):
+        grads = self.backend.varlen_backward(
+            dout[0], q[0], k[0], v[0], out[0], stats, rng_state,
+            self.cu[q_rows], self.cu[kv_rows], _with_causal(self.params, causal),
+        )  # fmt: skip
+        return tuple(g.unsqueeze(0) for g in grads)
 
 
 def _at(rows: slice, seq_dim: int) -> tuple:
-    """The index selecting ``rows`` of the sequence dim ``seq_dim``."""
+    """The index selecting ``rows`` (a slice) of the sequence dim ``seq_dim``."""
     return (slice(None),) * seq_dim + (rows,)
 
 
-def _rows(x: Tensor, rows: slice, seq_dim: int) -> Tensor:
+def _take(x: Tensor, rows: Rows, seq_dim: int) -> Tensor:
     """Rows ``rows`` of the sequence dim (contiguous, as kernels take them)."""
-    return x[_at(rows, seq_dim)].contiguous()
+    if isinstance(rows, slice):
+        return x[_at(rows, seq_dim)].contiguous()
+    return x.index_select(seq_dim, rows)
+
+
+def _put(x: Tensor, rows: Rows, seq_dim: int, value: Tensor) -> None:
+    """``x[rows] = value`` along the sequence dim, in place."""
+    if isinstance(rows, slice):
+        x[_at(rows, seq_dim)] = value
+    else:
+        x.index_copy_(seq_dim, rows, value.to(x.dtype))
+
+
+def _add(x: Tensor, rows: Rows, seq_dim: int, value: Tensor) -> None:
+    """``x[rows] += value`` along the sequence dim, in place."""
+    if isinstance(rows, slice):
+        x[_at(rows, seq_dim)] += value
+    else:
+        x.index_add_(seq_dim, rows, value.to(x.dtype))
 
 
 def _per_token(weight: Tensor, layout: str) -> Tensor:
@@ -246,9 +409,9 @@ def _per_token(weight: Tensor, layout: str) -> Tensor:
     return weight.unsqueeze(-1)
 
 
-def _merge(out_acc: Tensor, acc: SoftmaxStats, out: Tensor, new: SoftmaxStats, layout: str) -> SoftmaxStats:
-    """Fold one block's ``(out, stats)`` into the fp32 accumulator rows ``out_acc`` (in place);
-    returns the merged statistics of those rows (see the module docstring)."""
+def _merge(out_acc: Tensor, acc: SoftmaxStats, out: Tensor, new: SoftmaxStats, layout: str) -> tuple[Tensor, SoftmaxStats]:
+    """Fold one block's ``(out, stats)`` into the fp32 accumulator rows ``out_acc``; returns
+    the merged rows and their statistics (see the module docstring)."""
     m_acc, m_new = acc.row_max, new.row_max
     s_acc = 1.0 if acc.row_sum is None else acc.row_sum
     s_new = 1.0 if new.row_sum is None else new.row_sum
@@ -261,52 +424,52 @@ def _merge(out_acc: Tensor, acc: SoftmaxStats, out: Tensor, new: SoftmaxStats, l
         return _per_token(x[..., 0] if x.dim() == 4 else x, layout)
 
     denominator = per_token(torch.where(total > 0, total, 1.0))
-    out_acc.copy_((out_acc * per_token(w_acc) + out.to(out_acc.dtype) * per_token(w_new)) / denominator)
+    merged = (out_acc * per_token(w_acc) + out.to(out_acc.dtype) * per_token(w_new)) / denominator
     if acc.row_sum is None:
-        return SoftmaxStats(torch.where(total > 0, m + torch.log(total), float("-inf")))
-    return SoftmaxStats(m, total)
+        return merged, SoftmaxStats(torch.where(total > 0, m + torch.log(total), float("-inf")))
+    return merged, SoftmaxStats(m, total)
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _set_rows(stats: SoftmaxStats, rows: slice, value: SoftmaxStats) -> None:
+def _set_rows(stats: SoftmaxStats, rows: Rows, value: SoftmaxStats) -> None:
     for target, source in zip(stats.tensors(), value.tensors()):
         target[:, :, rows] = source
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention; saves only the local q, k, v, merged out and merged statistics."""
+    """Ring attention over ``blocks`` (:class:`_DenseBlocks` or :class:`_PackedBlocks`);
+    saves only the local q, k, v, merged out and merged statistics."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, backend: AttentionBackend, params: AttentionParams):
-        ring = _Ring(group)
-        seq = params.layout.index("s")
-        half = q.shape[seq] // 2
+    def forward(ctx, q, k, v, group, blocks):
+        ring, seq, params = _Ring(group), blocks.seq, blocks.params
         kv = torch.stack([k, v])  # one message per hop
         rng_states: list[Any] = []
         for step in range(ring.size):
             if step + 1 < ring.size:  # send the next block while this one is computed
                 incoming = torch.empty_like(kv)
                 requests = ring.hop(kv, incoming, _KV_TAG)
-            rows, cols, causal = _block(step, ring.rank, ring.size, params.causal, half)
-            out, stats, rng_state = forward_kernel(
-                backend, _rows(q, rows, seq), _rows(kv[0], cols, seq), _rows(kv[1], cols, seq),
-                _with_causal(params, causal),
-            )  # fmt: skip
+            q_rows, kv_rows, causal = _block_halves(step, ring.rank, ring.size, params.causal)
+            rows, cols = blocks.rows[q_rows], blocks.rows[kv_rows]
+            out, stats, rng_state = blocks.forward(
+                _take(q, rows, seq), _take(kv[0], cols, seq), _take(kv[1], cols, seq), q_rows, kv_rows, causal
+            )
             rng_states.append(rng_state)
             if step == 0:  # the diagonal block covers every row
                 out_acc, stats_acc = out.to(_accumulator_dtype(q.dtype)), stats
             else:
-                row_view = out_acc[_at(rows, seq)]
-                _set_rows(stats_acc, rows, _merge(row_view, stats_acc.rows(rows), out, stats, params.layout))
+                merged, merged_stats = _merge(_take(out_acc, rows, seq), stats_acc.rows(rows), out, stats, params.layout)
+                _put(out_acc, rows, seq, merged)
+                _set_rows(stats_acc, rows, merged_stats)
             if step + 1 < ring.size:
                 _wait(requests)
                 kv = incoming
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, *stats_acc.tensors())
-        ctx.group, ctx.backend, ctx.params, ctx.rng_states = group, backend, params, rng_states
+        ctx.group, ctx.blocks, ctx.rng_states = group, blocks, rng_states
         lse = stats_acc.lse()
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -315,10 +478,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, *stats = ctx.saved_tensors
         stats = SoftmaxStats.from_tensors(stats)
-        params = ctx.params
-        ring = _Ring(ctx.group)
-        seq = params.layout.index("s")
-        half = q.shape[seq] // 2
+        blocks = ctx.blocks
+        ring, seq = _Ring(ctx.group), blocks.seq
         acc_dtype = _accumulator_dtype(q.dtype)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -329,26 +490,28 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 kv_incoming = torch.empty_like(kv)
                 kv_requests = ring.hop(kv, kv_incoming, _KV_TAG)
-            rows, cols, causal = _block(step, ring.rank, ring.size, params.causal, half)
-            dq_blk, dk_blk, dv_blk = backward_kernel(
-                ctx.backend,
-                _rows(dout, rows, seq),
-                _rows(q, rows, seq),
-                _rows(kv[0], cols, seq),
-                _rows(kv[1], cols, seq),
-                _rows(out, rows, seq),
+            q_rows, kv_rows, causal = _block_halves(step, ring.rank, ring.size, blocks.params.causal)
+            rows, cols = blocks.rows[q_rows], blocks.rows[kv_rows]
+            dq_blk, dk_blk, dv_blk = blocks.backward(
+                _take(dout, rows, seq),
+                _take(q, rows, seq),
+                _take(kv[0], cols, seq),
+                _take(kv[1], cols, seq),
+                _take(out, rows, seq),
                 stats.rows(rows),
                 ctx.rng_states[step],
-                _with_causal(params, causal),
+                q_rows,
+                kv_rows,
+                causal,
             )
-            dq[_at(rows, seq)] += dq_blk
+            _add(dq, rows, seq, dq_blk)
             if step == 0:  # the dK/dV accumulator of our own block starts here ...
                 dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
             else:  # ... the others arrive from the previous rank, one hop behind K/V
                 _wait(dkv_requests)
                 dkv = dkv_incoming
-            dkv[0][_at(cols, seq)] += dk_blk
-            dkv[1][_at(cols, seq)] += dv_blk
+            _add(dkv[0], cols, seq, dk_blk)
+            _add(dkv[1], cols, seq, dv_blk)
             dkv_incoming = torch.empty_like(dkv)
             dkv_requests = ring.hop(dkv, dkv_incoming, _DKV_TAG)  # after the last step: to its owner
             if step + 1 < ring.size:
@@ -356,7 +519,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_incoming
         _wait(dkv_requests)
         dk, dv = dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None
 
 
 def _with_causal(params: AttentionParams, causal: bool) -> AttentionParams:
@@ -389,30 +552,72 @@ def _all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
-def _natural_order(cp_size: int) -> list[int]:
-    """Index of each sequence chunk (position order) in the rank-order concatenation."""
-    where = {}
-    for rank in range(cp_size):
-        first, second = cp_chunk_ids(cp_size, rank)
-        where[first], where[second] = 2 * rank, 2 * rank + 1
-    return [where[chunk] for chunk in range(2 * cp_size)]
+class _DenseSequence:
+    """Ulysses over one dense sequence: the gathered chunks come in rank order and are put
+    back in position order chunk by chunk; one dense kernel call."""
+
+    def __init__(self, backend: AttentionBackend, params: AttentionParams, cp_size: int):
+        self.backend, self.params = backend, params
+        self.seq, self.heads = params.layout.index("s"), 2
+        where = {}  # index of each sequence chunk (position order) in the rank-order concatenation
+        for rank in range(cp_size):
+            first, second = cp_chunk_ids(cp_size, rank)
+            where[first], where[second] = 2 * rank, 2 * rank + 1
+        self.order = [where[chunk] for chunk in range(2 * cp_size)]
+        self.inverse = [0] * len(self.order)
+        for position, index in enumerate(self.order):
+            self.inverse[index] = position
+
+    def to_positions(self, x: Tensor) -> Tensor:
+        chunks = x.chunk(len(self.order), dim=self.seq)
+        return torch.cat([chunks[i] for i in self.order], dim=self.seq)
+
+    def to_ranks(self, x: Tensor) -> Tensor:
+        chunks = x.chunk(len(self.order), dim=self.seq)
+        return torch.cat([chunks[i] for i in self.inverse], dim=self.seq)
+
+    def attend(self, q, k, v) -> tuple[Tensor, Tensor]:
+        """``(out, lse per token)``; lse as ``[.., s, .., h, 1]`` beside ``out``."""
+        out, lse = _FlashAttnFunction.apply(q, k, v, self.backend, self.params)
+        return out, _per_token(lse, self.params.layout)
+
+    def lse_from_tokens(self, lse: Tensor) -> Tensor:
+        """``[.., s_local, .., h, 1]`` -> ``[b, h, s_local]``."""
+        lse = lse.squeeze(-1)
+        return (lse.permute(0, 2, 1) if self.params.layout == "bshd" else lse.permute(1, 2, 0)).contiguous()
 
 
-def _reorder_chunks(x: Tensor, order: list[int], dim: int) -> Tensor:
-    chunks = x.chunk(len(order), dim=dim)
-    return torch.cat([chunks[i] for i in order], dim=dim)
+class _PackedSequence:
+    """Ulysses over packed documents ``[t, h, d]``: the gathered rows come in rank order
+    (rank r's parts of every document) and are put in position order by one index map;
+    one varlen kernel call over the whole pack."""
+
+    def __init__(self, backend: AttentionBackend, params: AttentionParams, cu_seqlens: list[int], cp_size: int, device):
+        self.backend, self.params, self.cu = backend, params, cu_seqlens
+        self.seq, self.heads = 0, 1
+        positions = torch.cat([thd_positions_for_cp_rank(cu_seqlens, cp_size, r) for r in range(cp_size)])
+        self.rank_order = positions.to(device)  # rank-order row j holds position rank_order[j]
+        self.position_order = torch.argsort(positions).to(device)
+
+    def to_positions(self, x: Tensor) -> Tensor:
+        return x.index_select(0, self.position_order)
+
+    def to_ranks(self, x: Tensor) -> Tensor:
+        return x.index_select(0, self.rank_order)
+
+    def attend(self, q, k, v) -> tuple[Tensor, Tensor]:
+        out, lse = _FlashAttnVarlenFunction.apply(q, k, v, self.cu, self.cu, self.backend, self.params)
+        return out, lse.t().unsqueeze(-1)  # [h, t] -> [t, h, 1]
+
+    def lse_from_tokens(self, lse: Tensor) -> Tensor:
+        return lse.squeeze(-1).t().contiguous()  # [t_local, h, 1] -> [h, t_local]
 
 
-def _inverse(order: list[int]) -> list[int]:
-    inverse = [0] * len(order)
-    for position, index in enumerate(order):
-        inverse[index] = position
-    return inverse
-
-
-def _ulysses(q, k, v, group, backend: AttentionBackend, params: AttentionParams) -> tuple[Tensor, Tensor]:
-    cp_size = group.size()
-    hq, hkv = q.shape[2], k.shape[2]
+def _ulysses(q, k, v, group, sequence) -> tuple[Tensor, Tensor]:
+    """All-to-all from sequence to heads, one kernel call, and back (``sequence``:
+    :class:`_DenseSequence` or :class:`_PackedSequence`)."""
+    cp_size, heads = group.size(), sequence.heads
+    hq, hkv = q.shape[heads], k.shape[heads]
     if hq % cp_size:
         raise ValueError(
             f"a2a context parallelism splits the {hq} query heads of this rank over {cp_size} ranks: "
@@ -425,19 +630,17 @@ def _ulysses(q, k, v, group, backend: AttentionBackend, params: AttentionParams)
                 f"replicated to {cp_size} ranks (need hkv % cp == 0 or cp % hkv == 0)"
             )
         # replicate each kv head to cp/hkv ranks; the query heads of one rank share one kv head
-        k = k.repeat_interleave(cp_size // hkv, dim=2)
-        v = v.repeat_interleave(cp_size // hkv, dim=2)
-    order = _natural_order(cp_size)
-    seq = params.layout.index("s")
+        k = k.repeat_interleave(cp_size // hkv, dim=heads)
+        v = v.repeat_interleave(cp_size // hkv, dim=heads)
+    seq = sequence.seq
 
     def seq_to_heads(x):  # [.., s_local, .., h, d] -> [.., s_total, .., h/cp, d], position order
-        return _reorder_chunks(_AllToAll.apply(x, group, 2, seq), order, dim=seq)
+        return sequence.to_positions(_AllToAll.apply(x, group, heads, seq))
 
     def heads_to_seq(x):  # inverse
-        return _AllToAll.apply(_reorder_chunks(x, _inverse(order), dim=seq), group, seq, 2)
+        return _AllToAll.apply(sequence.to_ranks(x), group, seq, heads)
 
-    out, lse = _FlashAttnFunction.apply(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), backend, params)
-    with torch.no_grad():  # lse [b, h/cp, s_total] -> [b, h, s_local]
-        lse = heads_to_seq(_per_token(lse, params.layout)).squeeze(-1)
-        lse = (lse.permute(0, 2, 1) if params.layout == "bshd" else lse.permute(1, 2, 0)).contiguous()
+    out, lse = sequence.attend(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v))
+    with torch.no_grad():
+        lse = sequence.lse_from_tokens(heads_to_seq(lse))
     return heads_to_seq(out), lse

@@ -26,7 +26,14 @@ holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` of the sequence (Megatron's
 trainer), and :func:`mcore_flash.ops.context_parallel.context_parallel_attn_func` runs over
 Megatron's CP group (``pg_collection.cp``, else ``parallel_state``): ``cp_comm_type`` "p2p"
 (default; ring with K/V passing) or "a2a" (Ulysses; heads divisible by TP x CP). Causal and
-unmasked attention only (an explicit mask must be the causal one); no packed sequences.
+unmasked attention only (an explicit mask must be the causal one).
+
+Packed documents (``packed_seq_params``, THD ``[t, np, hn]``; Megatron-LM's
+``--reset-attention-mask``): the kernel runs per document over ``cu_seqlens_q_padded`` (else
+``cu_seqlens_q``), at any CP size through
+:func:`mcore_flash.ops.context_parallel.context_parallel_varlen_attn_func` (each rank holds
+chunks ``r`` and ``2cp-1-r`` of every document; :mod:`mcore_flash.transformer.packed_sequences`
+builds such batches).
 
 Differences from the stock module: causal is aligned bottom-right when ``sq != sk``
 (flash-attn >= 2.1; identical when ``sq == sk``), and a query row whose keys are all
@@ -45,8 +52,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mcore_flash.ops import backend_names, flash_attn_func, flash_attn_varlen_func
-from mcore_flash.ops.context_parallel import COMM_TYPES, context_parallel_attn_func, split_for_cp_rank
+from mcore_flash.ops import backend_names, flash_attn_func
+from mcore_flash.ops.context_parallel import (
+    COMM_TYPES,
+    context_parallel_attn_func,
+    context_parallel_varlen_attn_func,
+    split_for_cp_rank,
+)
 
 Tensor = torch.Tensor
 
@@ -115,12 +127,10 @@ class FlashDotProductAttention(MegatronModule):
         causal_type = (attn_mask_type or self.attn_mask_type) in _CAUSAL_TYPES
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout_p):
-            if self.cp_group is not None:
-                return self._context_parallel_forward(
-                    query, key, value, attention_mask, causal_type, dropout_p, packed_seq_params
-                )
             if packed_seq_params is not None:
                 return self._packed_forward(query, key, value, attention_mask, causal_type, dropout_p, packed_seq_params)
+            if self.cp_group is not None:
+                return self._context_parallel_forward(query, key, value, attention_mask, causal_type, dropout_p)
             return self._dense_forward(query, key, value, attention_mask, causal_type, dropout_p)
 
     def _dense_forward(self, query, key, value, attention_mask, causal_type, dropout_p) -> Tensor:
@@ -144,41 +154,26 @@ class FlashDotProductAttention(MegatronModule):
         return out.reshape(sq, b, np_ * hn)
 
     def _packed_forward(self, query, key, value, attention_mask, causal_type, dropout_p, params) -> Tensor:
-        if getattr(params, "qkv_format", "thd") != "thd":
-            raise ValueError(f"packed_seq_params.qkv_format={params.qkv_format!r}: only 'thd' is supported")
-        if attention_mask is not None:
-            raise ValueError("packed sequences (THD) take no attention_mask: boundaries come from cu_seqlens")
-        for name in ("q", "kv"):
-            padded = getattr(params, f"cu_seqlens_{name}_padded", None)
-            actual = getattr(params, f"cu_seqlens_{name}")
-            if padded is not None and not torch.equal(padded.cpu(), actual.cpu()):
-                raise ValueError(f"cu_seqlens_{name}_padded != cu_seqlens_{name}: padded packed sequences are not supported")
+        cu_seqlens = _packed_layout(params, attention_mask, causal_type)
         # as in the dense path: [t, n, d] copies out of the fused QKV buffer, the NPU's "TND"
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        out = flash_attn_varlen_func(
+        out = context_parallel_varlen_attn_func(
             query,
             key,
             value,
-            params.cu_seqlens_q,
-            params.cu_seqlens_kv,
-            int(params.max_seqlen_q),
-            int(params.max_seqlen_kv),
-            dropout_p=dropout_p,
-            softmax_scale=self.softmax_scale,
+            cu_seqlens,
+            self.cp_group,
             causal=causal_type,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            comm_type=self.cp_comm_type or "p2p",
             backend=self.backend,
         )  # [t, np, hn]
         return out.reshape(out.shape[0], -1)
 
-    def _context_parallel_forward(self, query, key, value, attention_mask, causal_type, dropout_p, packed_seq_params):
+    def _context_parallel_forward(self, query, key, value, attention_mask, causal_type, dropout_p):
         """The sequence is split over the CP group (chunks r and 2cp-1-r of 2cp on rank r)."""
         cp_size = self.cp_group.size()
-        if packed_seq_params is not None:
-            raise ValueError(
-                f"packed sequences (THD) are not supported with context parallelism "
-                f"(--context-parallel-size {cp_size}); use --context-parallel-size 1 for packed "
-                "batches, or feed unpacked [s, b] batches"
-            )
         sq, b, np_, hn = query.shape
         if key.shape[0] != sq:
             raise ValueError(
@@ -212,6 +207,35 @@ class FlashDotProductAttention(MegatronModule):
         if dropout_p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+def _packed_layout(params, attention_mask: Optional[Tensor], causal: bool) -> Tensor:
+    """The cumulative document lengths the kernel runs over (THD ``PackedSeqParams``).
+
+    ``cu_seqlens_q_padded`` (the rows as laid out, what megatron's THD RoPE and the CP split
+    use) when given, else ``cu_seqlens_q``. Padding at the end of a document is sound only
+    under causal attention (no real row sees it); self-attention only (q and kv alike).
+    """
+    if getattr(params, "qkv_format", "thd") != "thd":
+        raise ValueError(f"packed_seq_params.qkv_format={params.qkv_format!r}: only 'thd' is supported")
+    if attention_mask is not None:
+        raise ValueError(
+            "packed sequences (THD) take no attention_mask: document boundaries come from cu_seqlens "
+            "(--reset-attention-mask builds them from EOD tokens; an arbitrary 4D mask cannot be combined)"
+        )
+    layouts = []
+    for name in ("q", "kv"):
+        actual = getattr(params, f"cu_seqlens_{name}")
+        padded = getattr(params, f"cu_seqlens_{name}_padded", None)
+        if padded is not None and not causal and not torch.equal(padded.cpu(), actual.cpu()):
+            raise ValueError(
+                f"cu_seqlens_{name}_padded != cu_seqlens_{name}: padded documents need causal attention "
+                "(the padding follows every real token of its document); use a causal attn_mask_type"
+            )
+        layouts.append(actual if padded is None else padded)
+    if not torch.equal(layouts[0].cpu(), layouts[1].cpu()):
+        raise ValueError("packed sequences: cu_seqlens of q and kv must be equal (self-attention over one pack)")
+    return layouts[0]
 
 
 def _tensor_parallel_size(pg_collection, model_comm_pgs) -> int:

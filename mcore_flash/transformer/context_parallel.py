@@ -26,7 +26,7 @@ import torch
 
 from mcore_flash.ops.context_parallel import split_for_cp_rank
 
-__all__ = ["get_batch_on_this_cp_rank"]
+__all__ = ["cp_size_and_rank", "get_batch_on_this_cp_rank"]
 
 _SEQ_DIM = {"attention_mask": 2}  # everything else: dim 1
 
@@ -44,7 +44,7 @@ def get_batch_on_this_cp_rank(
     else from Megatron's ``parallel_state``. Raises ValueError when a sequence length is not
     divisible by ``2 * cp``.
     """
-    cp_size, cp_rank = _cp_size_and_rank(cp_group, cp_size, cp_rank)
+    cp_size, cp_rank = cp_size_and_rank(cp_group, cp_size, cp_rank)
     if cp_size == 1:
         return dict(batch)
     out = {}
@@ -66,7 +66,8 @@ def get_batch_on_this_cp_rank(
     return out
 
 
-def _cp_size_and_rank(cp_group, cp_size: Optional[int], cp_rank: Optional[int]) -> tuple[int, int]:
+def cp_size_and_rank(cp_group, cp_size: Optional[int], cp_rank: Optional[int]) -> tuple[int, int]:
+    """``(cp_size, cp_rank)`` from the explicit pair, else ``cp_group``, else megatron's state."""
     if cp_size is not None or cp_rank is not None:
         if cp_size is None or cp_rank is None:
             raise ValueError("pass both cp_size and cp_rank, or neither")

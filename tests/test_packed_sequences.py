@@ -1,0 +1,371 @@
+"""Packed documents (``--reset-attention-mask``) at CP 1, 2, 4, a2a and TP2 x CP2.
+
+Oracles: for the model, the same GPTModel run on every document ALONE (an unpacked
+``[1, len]`` batch, positions from 0, TP=1, CP=1) with the per-document losses summed -- so
+packing, padding, the CP split of every document, the per-hop varlen blocks and the THD RoPE
+must together reproduce it; for the op, the float64 naive oracle (tests/oracle.py) per
+document. The documents: lengths not multiples of 2*cp, documents of 1-3 tokens, one longer
+than a CP chunk of the dense split.
+
+Three spawns, batching many checks: 1 process (the one-by-one oracle and CP=1 packed), 2
+processes (CP=2 p2p and a2a; the op on the cpu and npu-double backends), 4 processes (CP=4
+p2p, TP=2 x CP=2 p2p and a2a; the op at CP=4).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import oracle
+from dist_utils import init_megatron, run_distributed, teardown_megatron
+from gpt_models import VOCAB, flash_gpt, full_grads, tiny_config
+
+SEQ = 32
+EOD = VOCAB - 1
+# per sample, documents end after each EOD: lengths 1, 3, 21, 7 and 2, 9, 5, 16
+DOCS = [[1, 3, 21, 7], [2, 9, 5, 16]]
+REL = 1e-5  # fp32 relative tolerance against the fp32 one-by-one run
+OP_DOCS = [5, 13, 1, 3, 30, 2]  # op-level document lengths (padded per CP size in the test)
+OP_CASES = [(backend, comm, causal) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for causal in (True, False)]
+
+
+def _packed_batch():
+    """``tokens, labels, loss_mask, position_ids`` ``[2, SEQ]`` with EODs closing documents."""
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, EOD, (len(DOCS), SEQ + 1), generator=generator)
+    positions = torch.zeros(len(DOCS), SEQ, dtype=torch.long)
+    for row, lengths in enumerate(DOCS):
+        assert sum(lengths) == SEQ
+        start = 0
+        for n in lengths:
+            if start + n < SEQ:
+                tokens[row, start + n - 1] = EOD  # the last token of every document but the final
+            positions[row, start : start + n] = torch.arange(n)
+            start += n
+    loss_mask = torch.ones(len(DOCS), SEQ)
+    loss_mask[0, 5] = 0.0  # an arbitrary masked token
+    return dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(), loss_mask=loss_mask, position_ids=positions)
+
+
+# ---- workers -------------------------------------------------------------------------------
+
+
+def _one_by_one():
+    """Loss (token mean) and grads of every document run alone through the model."""
+    config = tiny_config()
+    model = flash_gpt(config)
+    batch = _packed_batch()
+    total = torch.zeros(())
+    for row, lengths in enumerate(DOCS):
+        start = 0
+        for n in lengths:
+            part = {key: value[row : row + 1, start : start + n] for key, value in batch.items()}
+            losses = model(part["tokens"], part["position_ids"], None, labels=part["labels"])
+            loss = (losses * part["loss_mask"]).sum()
+            loss.backward()
+            total += loss.detach()
+            start += n
+    count = batch["loss_mask"].sum()
+    grads = {name: p.grad / count for name, p in model.named_parameters()}
+    return dict(loss=total / count, grads=grads)
+
+
+def _packed_run(tp, cp, comm):
+    """Loss (token mean) and full grads of the packed batch at this TP x CP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from mcore_flash.transformer.packed_sequences import pack_documents
+
+    config = tiny_config(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), flash_gpt(config))
+    batch = _packed_batch()
+    local, params = pack_documents(batch, EOD)
+    losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"], packed_seq_params=params)
+    count = batch["loss_mask"].sum()
+    loss = (losses * local["loss_mask"]).sum()
+    (loss / count * cp).backward()  # DDP averages over data x context parallel ranks
+    finalize_model_grads([model])
+    loss = loss.detach()
+    torch.distributed.all_reduce(loss, group=parallel_state.get_context_parallel_group())
+    return dict(loss=loss / count, grads=full_grads(model), rows=local["tokens"].shape[1])
+
+
+def _op_checks(rank, world_size):
+    """The op on the WORLD group for OP_CASES; returns this rank's rows and results."""
+    import torch.distributed as dist
+
+    from mcore_flash.emulation import op_double
+    from mcore_flash.ops.context_parallel import context_parallel_varlen_attn_func, thd_positions_for_cp_rank
+
+    double = op_double()
+    sys.modules["torch_npu"] = double
+    cu = _op_cu(world_size)
+    q, k, v, dout = _op_inputs(cu[-1])
+    rows = thd_positions_for_cp_rank(cu, world_size, rank)
+    results, calls = {}, {}
+    for backend, comm, causal in OP_CASES:
+        double.calls.clear()
+        ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
+        out, lse = context_parallel_varlen_attn_func(
+            ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=causal, comm_type=comm, backend=backend, return_lse=True
+        )
+        out.backward(dout[rows])
+        results[backend, comm, causal] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
+        calls[backend, comm, causal] = {(c["name"], c["layout"], c["sparse_mode"]) for c in double.calls}
+    return rows, results, calls
+
+
+def _op_cu(cp):
+    multiple = 2 * cp
+    cu = [0]
+    for n in OP_DOCS:
+        cu.append(cu[-1] + -(-n // multiple) * multiple)
+    return cu
+
+
+def _op_inputs(total):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(total, 4, 8), (total, 2, 8), (total, 2, 8), (total, 4, 8)]
+    return [torch.randn(*shape, generator=generator) for shape in shapes]
+
+
+def _w_single(rank, world_size):
+    init_megatron(tp=1, cp=1)
+    try:
+        return dict(one_by_one=_one_by_one(), cp1=_packed_run(1, 1, None))
+    finally:
+        teardown_megatron()
+
+
+def _w_cp2(rank, world_size):
+    ops = _op_checks(rank, world_size)
+    init_megatron(tp=1, cp=2)
+    try:
+        return ops, {comm: _packed_run(1, 2, comm) for comm in ("p2p", "a2a")}
+    finally:
+        teardown_megatron()
+
+
+def _w_cp4_and_tp2_cp2(rank, world_size):
+    ops = _op_checks(rank, world_size)
+    runs = {}
+    init_megatron(tp=1, cp=4)
+    try:
+        runs["cp4 p2p"] = _packed_run(1, 4, "p2p")
+    finally:
+        teardown_megatron()
+    init_megatron(tp=2, cp=2)
+    try:
+        for comm in ("p2p", "a2a"):
+            runs[f"tp2 cp2 {comm}"] = _packed_run(2, 2, comm)
+    finally:
+        teardown_megatron()
+    return ops, runs
+
+
+@pytest.fixture(scope="module")
+def single_run():
+    return run_distributed(_w_single, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def cp2_run():
+    return run_distributed(_w_cp2, 2)
+
+
+@pytest.fixture(scope="module")
+def cp4_run():
+    return run_distributed(_w_cp4_and_tp2_cp2, 4)
+
+
+# ---- the model: packed == one by one --------------------------------------------------------
+
+
+def _check_equal(run, reference, what):
+    assert abs(run["loss"].item() - reference["loss"].item()) <= REL * abs(reference["loss"].item()), what
+    assert run["grads"].keys() == reference["grads"].keys()
+    for name, expected in reference["grads"].items():
+        got = run["grads"][name]
+        scale = expected.abs().max().item()
+        assert (got - expected).abs().max().item() <= REL * scale, f"{what}: gradient of {name}"
+
+
+def test_packed_cp1_equals_documents_one_by_one(single_run):
+    _check_equal(single_run["cp1"], single_run["one_by_one"], "CP=1 packed")
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_packed_cp2_equals_documents_one_by_one(cp2_run, single_run, comm):
+    for rank, (_, runs) in enumerate(cp2_run):
+        _check_equal(runs[comm], single_run["one_by_one"], f"CP=2 {comm} rank {rank}")
+
+
+@pytest.mark.parametrize("what", ["cp4 p2p", "tp2 cp2 p2p", "tp2 cp2 a2a"])
+def test_packed_cp4_and_tp2_cp2_equal_documents_one_by_one(cp4_run, single_run, what):
+    for rank, (_, runs) in enumerate(cp4_run):
+        _check_equal(runs[what], single_run["one_by_one"], f"{what} rank {rank}")
+
+
+def test_padded_rows_per_rank(cp2_run, cp4_run):
+    """Each document padded to 2*cp: the rows each rank holds (the stated rule)."""
+    padded = lambda m: sum(-(-n // m) * m for lengths in DOCS for n in lengths)  # noqa: E731
+    assert {runs["p2p"]["rows"] for _, runs in cp2_run} == {padded(4) // 2}
+    assert {runs["cp4 p2p"]["rows"] for _, runs in cp4_run} == {padded(8) // 4}
+
+
+# ---- the op: against the float64 oracle per document -----------------------------------------
+
+
+def _op_references(cp, causal):
+    cu = _op_cu(cp)
+    q, k, v, dout = (x.double() for x in _op_inputs(cu[-1]))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    outs, lses = [], []
+    for start, end in zip(cu[:-1], cu[1:]):
+        out, lse = oracle.attention(*(x[start:end].unsqueeze(0) for x in leaves), causal=causal)
+        outs.append(out[0])
+        lses.append(lse[0])
+    out = torch.cat(outs)
+    out.backward(dout)
+    return out.detach(), torch.cat(lses, dim=-1).detach(), *(x.grad for x in leaves)
+
+
+@pytest.mark.parametrize("spawn", ["cp2_run", "cp4_run"])
+def test_packed_op_equals_oracle_per_document(spawn, request):
+    per_rank = request.getfixturevalue(spawn)
+    cp = len(per_rank)
+    references = {causal: _op_references(cp, causal) for causal in (True, False)}
+    for rank, ((rows, results, _), _) in enumerate(per_rank):
+        for backend, comm, causal in OP_CASES:
+            expected = references[causal]
+            got = results[backend, comm, causal]
+            picks = (expected[0][rows], expected[1][:, rows], expected[2][rows], expected[3][rows], expected[4][rows])
+            for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, picks):
+                torch.testing.assert_close(g.double(), e, atol=2e-5, rtol=2e-5, msg=f"{name} {backend} {comm} causal={causal} rank {rank}")
+
+
+# ---- the padding rule, memory, bad input (one process) --------------------------------------
+
+
+def test_documents_and_padding_rule():
+    from mcore_flash.transformer.packed_sequences import document_lengths, pack_documents, padded_lengths
+
+    batch = _packed_batch()
+    assert document_lengths(batch["tokens"], EOD) == [n for lengths in DOCS for n in lengths]
+    assert padded_lengths([1, 3, 21, 7], cp_size=2) == [4, 4, 24, 8]
+    assert padded_lengths([1, 3, 21, 7], cp_size=1) == [1, 3, 21, 7]
+    # sequence parallel at TP 3: each of the 2 CP ranks needs a multiple of 3 rows -> 40 + 8
+    assert padded_lengths([1, 3, 21, 7], cp_size=2, pad_to_multiple_of=3) == [4, 4, 24, 8, 8]
+    assert padded_lengths([1, 3, 21, 7], cp_size=2, pad_to_multiple_of=4) == [4, 4, 24, 8]
+    local, params = pack_documents(batch, EOD, cp_size=2, cp_rank=1)
+    cu = params.cu_seqlens_q_padded.tolist()
+    assert cu == [0, 4, 8, 32, 40, 44, 56, 64, 80] and params.max_seqlen_q == 24
+    # rank 1 of document 0 (1 token padded to 4): rows 1 and 2 of it -> both padding
+    assert local["loss_mask"][0, :2].tolist() == [0.0, 0.0] and local["tokens"][0, :2].tolist() == [0, 0]
+    # padding continues its document's positions; real rows keep the dataset's
+    assert local["position_ids"][0, :2].tolist() == [1, 2]
+    # document 2 (21 tokens -> 24, chunks of 6): rank 1 holds positions 6..11 and 12..17
+    assert local["position_ids"][0, 4:16].tolist() == list(range(6, 18))
+
+
+def test_saved_bytes_linear_in_length_with_many_documents():
+    """Packed attention at S and 2S with documents of 16 tokens saves exactly 2x (q, k, v,
+    out and the fp32 statistics; nothing quadratic), at CP=1 on the fused CPU kernel."""
+    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.ops import flash_attn_varlen_func
+
+    def saved(total, heads=4, dim=8):
+        q, k, v = (torch.randn(total, heads, dim, requires_grad=True) for _ in range(3))
+        cu = torch.arange(0, total + 1, 16, dtype=torch.int32)
+        _, measured = measure_saved_bytes(lambda: flash_attn_varlen_func(q, k, v, cu, cu, 16, 16, causal=True, backend="cpu"))
+        return measured.total
+
+    small, large = saved(1024), saved(2048)
+    assert large == 2 * small
+    assert small == 4 * 1024 * 4 * 8 * 4 + 1024 * 4 * 4  # q, k, v, out fp32 + lse fp32 [h, t]
+
+
+def _attention(cp=1):
+    import types
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcore_flash.transformer import FlashDotProductAttention
+
+    group = lambda size: types.SimpleNamespace(size=lambda: size, rank=lambda: 0)  # noqa: E731
+    pg = types.SimpleNamespace(tp=group(1), cp=group(cp))
+    config = tiny_config(context_parallel_size=cp)
+    return FlashDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, pg_collection=pg)
+
+
+def _params(cu, padded=None):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(cu, dtype=torch.int32)
+    padded = None if padded is None else torch.tensor(padded, dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=8, max_seqlen_kv=8)  # fmt: skip
+
+
+def test_packed_batch_with_a_4d_mask_is_refused():
+    from mcore_flash.transformer.packed_sequences import pack_documents
+
+    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    with pytest.raises(ValueError, match="no attention_mask.*--reset-attention-mask"):
+        _attention()(q, k, k, torch.zeros(1, 1, 8, 8, dtype=torch.bool), packed_seq_params=_params([0, 3, 8]))
+    batch = dict(_packed_batch(), attention_mask=torch.zeros(1, 1, SEQ, SEQ, dtype=torch.bool))
+    with pytest.raises(ValueError, match="must not carry an attention_mask.*--reset-attention-mask"):
+        pack_documents(batch, EOD, cp_size=1, cp_rank=0)
+
+
+def test_unpadded_documents_under_cp_and_padding_without_causal_are_refused():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    with pytest.raises(ValueError, match=r"lengths \[3, 13\].*multiple of 4"):
+        _attention(cp=2)(q, k, k, None, packed_seq_params=_params([0, 3, 16]))  # 8 rows per rank
+    with pytest.raises(ValueError, match="padded documents need causal attention"):
+        _attention()(q, k, k, None, AttnMaskType.no_mask, packed_seq_params=_params([0, 3, 6], [0, 4, 8]))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--reset-attention-mask"], "pass --reset-position-ids too"),
+        (["--reset-position-ids"], "needs --reset-attention-mask"),
+    ],
+)
+def test_document_flags_that_contradict_name_the_flag(flags, message):
+    from mcore_flash.training.arguments import parse_args
+
+    with pytest.raises(ValueError, match=message):
+        parse_args(["--model", "tiny", "--save", "/tmp/unused", *flags])
+    parse_args(["--model", "tiny", "--save", "/tmp/unused", "--position-embedding-type", "learned_absolute", *flags])
+
+
+def test_reset_attention_mask_needs_an_eod_token():
+    import types
+
+    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.loop import _batch_splitter
+
+    args = parse_args(["--model", "tiny", "--save", "/tmp/unused", "--reset-attention-mask", "--reset-position-ids"])
+    with pytest.raises(ValueError, match="--reset-attention-mask cuts documents at the tokenizer's EOD"):
+        _batch_splitter(args, types.SimpleNamespace(eod=None))
+
+
+@pytest.mark.parametrize("spawn", ["cp2_run", "cp4_run"])
+def test_packed_op_on_npu_runs_tnd_calls(spawn, request):
+    """The npu backend runs every block as a "TND" call: causal blocks sparse_mode 3, the
+    others (and non-causal attention) sparse_mode 0; no fallback to the reference kernel."""
+    for (_, _, calls), _ in request.getfixturevalue(spawn):
+        for comm in ("p2p", "a2a"):
+            for causal, modes in ((True, {3} if comm == "a2a" else {0, 3}), (False, {0})):
+                got = calls["npu", comm, causal]
+                assert {layout for _, layout, _ in got} == {"TND"}, (comm, causal, got)
+                assert {mode for _, _, mode in got} == modes, (comm, causal, got)
+                assert {name for name, _, _ in got} == {"npu_fusion_attention", "npu_fusion_attention_grad"}
