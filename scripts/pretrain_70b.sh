@@ -27,6 +27,10 @@
 #   llama3         --use-rope-scaling --rope-scaling-factor 16 (Llama-3.1's scheme; it assumes
 #                  8192 original positions: use it with Llama-3 8K checkpoints)
 #   none           the checkpoint's own RoPE
+# Packed documents: DOCUMENT_MASKING=1 (default) attends within each document only
+# (--reset-attention-mask --reset-position-ids --eod-mask-loss: documents end at EOD tokens,
+# data preprocessed with --append-eod; every document split over the CP ranks); 0 attends
+# across the whole 128K sample.
 # Without HF_CHECKPOINT it trains from random weights. Export the result with
 #   mcore-flash convert mcore-to-hf --load $SAVE --save-hf <dir>
 # Extra flags after the script's name are passed on to `mcore-flash pretrain`.
@@ -50,6 +54,7 @@ SAVE=${SAVE:-/ckpt/llama2-70b-128k}
 HF_CHECKPOINT=${HF_CHECKPOINT:-}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-${HF_CHECKPOINT:-/models/llama-2-70b}/tokenizer.model}
 ROPE=${ROPE:-abf}
+DOCUMENT_MASKING=${DOCUMENT_MASKING:-1}
 
 # Ascend runtime: expandable segments against fragmentation at 128K; HCCL timeouts and
 # buffers sized for ring context parallelism's large point-to-point K/V blocks.
@@ -76,10 +81,16 @@ case "$ROPE" in
   none) ROPE_ARGS=() ;;
   *) echo "ROPE=$ROPE: choose abf, pi, llama3 or none" >&2; exit 2 ;;
 esac
+case "$DOCUMENT_MASKING" in
+  1) DOCUMENT_ARGS=(--reset-attention-mask --reset-position-ids --eod-mask-loss) ;;
+  0) DOCUMENT_ARGS=() ;;
+  *) echo "DOCUMENT_MASKING=$DOCUMENT_MASKING: choose 1 (attend within documents) or 0" >&2; exit 2 ;;
+esac
 
 ARGS=(
   --model llama2-70b
   "${ROPE_ARGS[@]}"
+  "${DOCUMENT_ARGS[@]}"
   --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
   --tensor-model-parallel-size "$TP" --sequence-parallel
   --pipeline-model-parallel-size "$PP"

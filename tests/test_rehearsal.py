@@ -128,7 +128,8 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
     """scripts/pretrain_70b.sh --rehearse as a continued-pretraining run: HF_CHECKPOINT (a
     tiny random Llama of the rehearsal's shape) is converted once, then trained with
     --finetune and the recipe's flags (TP + SP, PP, CP ring, the distributed optimizer with
-    overlapped reduction, attention-only recompute, bf16, ABF RoPE, the npu attention backend)
+    overlapped reduction, attention-only recompute, bf16, ABF RoPE, the npu attention backend,
+    document masking: packed TND batches split over CP)
     with every parallel size halved, on 8 emulated NPUs; launched again, it resumes from
     $SAVE instead."""
     from hf_models import make_hf_llama
@@ -147,7 +148,7 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
         with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
             report = json.load(f)
         assert report["device"] == f"npu:{rank}" and report["inputs_the_kernels_would_copy"] == {}
-        assert report["op_calls"]["npu_fusion_attention_grad[SBH]"] > 0
+        assert report["op_calls"]["npu_fusion_attention_grad[TND]"] > 0  # DOCUMENT_MASKING=1: packed
 
     env["MASTER_PORT"] = str(free_port())
     again = subprocess.run(["bash", script, "--rehearse", "--train-iters", "3"], capture_output=True, text=True,

@@ -5,8 +5,9 @@ is_built_on_rank, GPTDatasetConfig(...))`` with ``create_attention_mask=False``:
 ``{"tokens", "labels", "loss_mask", "position_ids"}``, each ``[seq_length]`` (a blend of
 several prefixes, megatron's ``BlendedDataset``, adds ``"dataset_id"``), and no S x S
 mask is ever built (the attention kernel applies causality itself; megatron then passes
-``attention_mask=None``). ``reset_position_ids``, ``reset_attention_mask`` and
-``eod_mask_loss`` are False (documents are packed; megatron-LM's defaults).
+``attention_mask=None``). ``reset_position_ids`` and ``eod_mask_loss`` are Megatron-LM's flags
+(default False); ``reset_attention_mask`` stays False here: the trainer turns EOD positions
+into cumulative document lengths (:mod:`mcore_flash.transformer.packed_sequences`).
 
 torch.distributed: megatron-core 0.16.1 also builds without a process group (checked). With one,
 the builder is collective - every rank must call ``build_datasets``: global rank 0 builds the
@@ -109,6 +110,8 @@ def build_datasets(
     is_built_on_rank: Optional[Callable[[], bool]] = None,
     num_dataset_builder_threads: int = 1,
     scan_tokens: int = 1 << 24,
+    reset_position_ids: bool = False,
+    eod_mask_loss: bool = False,
 ):
     """-> ``(train, valid, test)`` megatron datasets (a split is ``None`` if its ``--split``
     weight is 0 or this rank does not build).
@@ -173,9 +176,9 @@ def build_datasets(
         blend=blend,
         split=split,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=False,  # documents become cu_seqlens in the trainer, never a mask
+        eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
         path_to_cache=cache_dir,
         mmap_bin_files=True,

@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                       help="pad the vocabulary to a multiple of this x TP (Megatron-LM's rule)")  # fmt: skip
     data.add_argument("--mock-data", action="store_true")
+    data.add_argument("--reset-attention-mask", action="store_true",
+                      help="document masking: no token attends across an EOD (packed THD batches, any CP size)")
+    data.add_argument("--reset-position-ids", action="store_true", help="positions restart after every EOD")
+    data.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
     data.add_argument("--data-cache-path", default=None)
 
     device = p.add_argument_group("device")
@@ -288,6 +292,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} needs --load (the checkpoint to start from)")
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
+    _check_document_flags(args)
     if args.data_path:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
@@ -302,3 +307,19 @@ def validate_args(args: argparse.Namespace) -> None:
                 f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_stage} layers per pipeline stage"
             )
 
+
+
+def _check_document_flags(args) -> None:
+    """RoPE positions come from the packed layout (megatron-core's THD RoPE restarts them per
+    document), so with RoPE the two reset flags only make sense together."""
+    if args.position_embedding_type != "rope" or args.reset_attention_mask == args.reset_position_ids:
+        return
+    if args.reset_attention_mask:
+        raise ValueError(
+            "--reset-attention-mask with RoPE restarts positions at every document (megatron-core's THD "
+            "RoPE): pass --reset-position-ids too"
+        )
+    raise ValueError(
+        "--reset-position-ids with RoPE needs --reset-attention-mask (RoPE positions restart per document "
+        "only in packed batches); add it, or drop --reset-position-ids"
+    )

@@ -4,7 +4,8 @@ Sample order follows Megatron-LM's ``MegatronPretrainingSampler``: global batch 
 covers samples ``[g * G, (g + 1) * G)``; micro-batch ``i`` of data-parallel rank ``r``
 holds samples ``g * G + i * m * d + r * m + [0, m)``. It depends only on the number of
 samples consumed, which checkpoints store, so a resumed run sees exactly the samples an
-uninterrupted one would. No attention mask is built: the model runs causal.
+uninterrupted one would. No attention mask is built: the model runs causal, per document
+with ``--reset-attention-mask`` (the loop packs each micro-batch by its EOD tokens).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def build_train_dataset(args, tokenizer):
         None if args.mock_data else 0,
         None if args.mock_data else 0,
         cache_dir=args.data_cache_path or os.path.join(args.save, "data", "cache"),
+        reset_position_ids=args.reset_position_ids,
+        eod_mask_loss=args.eod_mask_loss,
     )
     return train
 

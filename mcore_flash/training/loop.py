@@ -23,6 +23,7 @@ from mcore_flash.training.data import build_train_dataset, micro_batches, tokeni
 from mcore_flash.training.metrics import MetricsLogger
 from mcore_flash.training.model import build_model, count_parameters, model_args, transformer_config
 from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
+from mcore_flash.transformer.packed_sequences import pack_documents
 
 
 class TrainingDiverged(RuntimeError):
@@ -38,6 +39,7 @@ def train(args) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tokenizer, vocab = tokenizer_and_vocab(args)
+    split_batch = _batch_splitter(args, tokenizer)
     config = transformer_config(args)
     model = build_model(args, config, vocab).to(platform.torch_device())
     model = DistributedDataParallel(
@@ -112,7 +114,7 @@ def train(args) -> dict:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
-            forward_step_func=_forward_step,
+            forward_step_func=functools.partial(_forward_step, split_batch),
             data_iterator=data,
             model=[model],
             num_microbatches=num_micro,
@@ -151,11 +153,32 @@ def train(args) -> dict:
     return {"iteration": iteration, "first_loss": first_loss, "last_loss": last_loss, "save": args.save}
 
 
-def _forward_step(data_iterator, model):
+def _batch_splitter(args, tokenizer):
+    """``batch -> (this rank's batch, packed_seq_params or None)``.
+
+    Plain: chunks r and 2cp-1-r of every sample (a no-op at CP=1). ``--reset-attention-mask``:
+    the micro-batch becomes one pack of documents cut after every EOD token, each document
+    split over the CP ranks (:mod:`mcore_flash.transformer.packed_sequences`).
+    """
+    if not args.reset_attention_mask:
+        return lambda batch: (get_batch_on_this_cp_rank(batch), None)
+    eod = getattr(tokenizer, "eod", None)
+    if eod is None or eod < 0:
+        raise ValueError(
+            f"--reset-attention-mask cuts documents at the tokenizer's EOD token, and {type(tokenizer).__name__} "
+            "has none: use a tokenizer with an end-of-document id (and data preprocessed with --append-eod)"
+        )
+    multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    return functools.partial(pack_documents, eod=eod, pad_to_multiple_of=multiple)
+
+
+def _forward_step(split_batch, data_iterator, model):
     device = platform.torch_device()
     batch = {key: value.to(device) for key, value in next(data_iterator).items()}
-    batch = get_batch_on_this_cp_rank(batch)  # chunks r and 2cp-1-r of the sequence (no-op at CP=1)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    batch, packed_seq_params = split_batch(batch)
+    output = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed_seq_params
+    )
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 

@@ -38,7 +38,18 @@ def transformer_config(args):
         calculate_per_token_loss=True,
         batch_p2p_comm=False,  # gloo has no batched p2p; harmless elsewhere
         **args.recompute,
+        **_packed_pipeline_settings(args),
     )
+
+
+def _packed_pipeline_settings(args) -> dict:
+    """Packed documents under pipelining: a micro-batch's row count depends on its padding,
+    so stages exchange shapes first (megatron's ``variable_seq_lengths``). megatron-core 0.16's
+    ``TransformerConfig.__post_init__`` refuses that with its default MoE dispatcher
+    ("allgather") even in a model without experts, so the (unused) dispatcher is "alltoall"."""
+    if not (args.reset_attention_mask and args.pipeline_model_parallel_size > 1):
+        return {}
+    return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
 
 
 def build_model(args, config, padded_vocab_size: int, parallel_output: bool = True):
