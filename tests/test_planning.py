@@ -2,8 +2,8 @@
 
 Oracles: ``mcore_flash.memory.measure_activation_bytes`` on tiny GPTModels built with our
 spec (TP1 in one process, TP2 +/- SP in two; all configs of one TP size share a worker),
-megatron-core's GPTModel built on the meta device (parameter counts), and the formulas of
-Korthikanti et al. 2022, Table 2.
+megatron-core's GPTModel built on the meta device (parameter counts), the formulas of
+Korthikanti et al. 2022, Table 2, and FLOPs counted by hand (packed documents).
 """
 
 from __future__ import annotations
@@ -449,3 +449,120 @@ def test_cli_compare_standard(capsys):
     assert plan_main("--compare-standard --model llama2-7b --seq-lengths 1K,4K,128K".split()) == 0
     out = capsys.readouterr().out
     assert "4K" in out and "1.00 GiB" in out and "128K" in out
+
+
+# ---- packed documents: --mean-document-length ----------------------------------------------
+
+
+def _hand_attention_kernel_flops(shape, b, document_lengths):
+    """Forward FLOPs of causal attention run per document, by hand: per head and document
+    of L tokens, QK^T and PV are L*L*d multiply-adds each (2 FLOPs per multiply-add), and
+    the causal mask leaves half of them."""
+    d = shape.head_dim
+    per_head = sum((2 * L * L * d + 2 * L * L * d) / 2 for L in document_lengths)
+    return b * shape.num_attention_heads * per_head
+
+
+def _hand_linear_flops(shape, s):
+    """Forward FLOPs of TINY's matmuls for one s-token sequence, from the weight shapes:
+    2 * tokens * in * out per linear layer."""
+    h, a, g, d, f, V = 64, 4, 2, 16, 128, VOCAB
+    assert (shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, shape.head_dim) == (h, a, g, d)
+    assert (shape.ffn_hidden_size, shape.vocab_size, shape.gated) == (f, V, True)
+    projections = 2 * s * (h * (a + 2 * g) * d + a * d * h)  # linear_qkv, linear_proj
+    mlp = 2 * s * (h * 2 * f + f * h)  # linear_fc1 (gate and up), linear_fc2
+    return projections, mlp, 2 * s * h * V
+
+
+def test_attention_flops_follow_the_mean_document_length():
+    """Documents of D tokens: the kernel's FLOPs are (s/D) documents x D^2, every other term
+    is the one-document value."""
+    s, b = 256, 2
+    dense = forward_flops(TINY, s, b)
+    for D in (s, s // 16):
+        fl = forward_flops(TINY, s, b, mean_document_length=D)
+        assert fl["attention_kernel"] == _hand_attention_kernel_flops(TINY, b, [D] * (s // D))
+        assert {k: v for k, v in fl.items() if k != "attention_kernel"} == {
+            k: v for k, v in dense.items() if k != "attention_kernel"
+        }
+    assert forward_flops(TINY, s, b, mean_document_length=s) == dense
+    assert forward_flops(TINY, s, b, mean_document_length=16)["attention_kernel"] == dense["attention_kernel"] / 16
+    # equal lengths are a lower bound: the same mean, unequal lengths cost more
+    assert forward_flops(TINY, s, b, mean_document_length=16)["attention_kernel"] < _hand_attention_kernel_flops(
+        TINY, b, [8, 24] * 8
+    )
+
+
+def test_step_flops_and_recompute_overhead_with_packed_documents():
+    """By hand at s = 256, D = 16 (16 documents): forward x 3 for the GEMMs, x 3.5 for the
+    fused kernel; recompute adds one forward of what it recomputes. Memory is unchanged."""
+    s, D, L = 256, 16, TINY.num_layers
+    projections, mlp, logits = _hand_linear_flops(TINY, s)
+    kernel = _hand_attention_kernel_flops(TINY, 1, [D] * (s // D))
+    step = 3 * (L * (projections + mlp) + logits) + 3.5 * L * kernel
+    assert step_flops(TINY, s, mean_document_length=D) == pytest.approx(step, rel=1e-12)
+    expected = {"none": 0.0, "attention": L * (projections + kernel) / step, "full": L * (projections + kernel + mlp) / step}
+    for mode, overhead in expected.items():
+        assert recompute_overhead(TINY, s, mode, mean_document_length=D) == pytest.approx(overhead, rel=1e-12)
+        layout = Layout(recompute=mode, global_batch_size=4)
+        packed = plan_memory(TINY, s, layout, mean_document_length=D)
+        one_document = plan_memory(TINY, s, layout)
+        assert packed.per_device == one_document.per_device and packed.layer_terms == one_document.layer_terms
+        assert packed.recompute_overhead == pytest.approx(overhead, rel=1e-12)
+        assert packed.to_dict()["mean_document_length"] == D and one_document.to_dict()["mean_document_length"] is None
+    assert recompute_overhead(TINY, s, "attention", mean_document_length=D) < recompute_overhead(TINY, s, "attention")
+
+
+RECIPE_ARGS = "--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split()
+
+
+def test_cli_mean_document_length_in_text_and_json(capsys):
+    assert plan_main(RECIPE_ARGS + ["--json"]) == 0
+    one_document = json.loads(capsys.readouterr().out)
+    assert plan_main(RECIPE_ARGS + ["--mean-document-length", "8K", "--json"]) == 0
+    packed = json.loads(capsys.readouterr().out)
+    assert one_document["mean_document_length"] is None and packed["mean_document_length"] == 8192
+    assert packed["per_device_bytes"] == one_document["per_device_bytes"]
+    assert packed["recompute_overhead"] == recompute_overhead("llama2-70b", 131072, "attention", mean_document_length=8192)
+    assert packed["recompute_overhead"] < one_document["recompute_overhead"]
+    # the launch command asks the trainer for the document masking the plan assumes
+    assert "--reset-attention-mask --reset-position-ids" in packed["launch_command"]
+    assert "--reset-attention-mask" not in one_document["launch_command"]
+
+    assert plan_main(RECIPE_ARGS + ["--mean-document-length", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "documents: packed, mean 8,192 tokens" in out and "x 0.0625" in out
+    assert f"recompute +{packed['recompute_overhead']:.1%}" in out
+
+    search = "--search --num-devices 256 --device-memory 64GB --top 2 --mean-document-length 8K".split()
+    assert plan_main(search) == 0
+    assert "131,072 tokens (documents of mean 8,192)" in capsys.readouterr().out
+    assert plan_main(search + ["--json"]) == 0
+    assert {p["mean_document_length"] for p in json.loads(capsys.readouterr().out)["layouts"]} == {8192}
+
+
+@pytest.mark.parametrize(
+    "argv,problem,fix",
+    [
+        ("--mean-document-length 0", "--mean-document-length 0: a document has at least 1 token", "or omit the flag"),
+        ("--mean-document-length -5", "--mean-document-length -5: a document has at least 1 token", "or omit the flag"),
+        (
+            "--seq-length 4K --mean-document-length 8K",
+            "--mean-document-length 8192 is longer than --seq-length 4096",
+            "give at most 4096",
+        ),
+        ("--compare-standard --mean-document-length 4K", "--mean-document-length changes FLOPs, not the saved bytes", "drop it"),
+    ],
+)
+def test_cli_mean_document_length_errors(capsys, argv, problem, fix):
+    """Bad values stop the CLI (exit 2) with the flag, the problem and the fix."""
+    assert plan_main(argv.split()) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mcore-flash plan: ") and problem in err and fix in err
+
+
+def test_mean_document_length_is_checked_in_the_api():
+    with pytest.raises(ValueError, match="--mean-document-length 512 is longer than --seq-length 256"):
+        forward_flops(TINY, 256, mean_document_length=512)
+    with pytest.raises(ValueError, match="at least 1 token"):
+        plan_memory(TINY, 256, Layout(), mean_document_length=0.5)

@@ -5,6 +5,10 @@
     mcore-flash plan --search --num-devices 256 --device-memory 64GB [--top 5]
     mcore-flash plan --compare-standard --model llama2-7b [--tp 1]
 
+``--mean-document-length N`` (tokens, e.g. 8K) plans sequences that pack documents of N
+tokens on average with document masking: attention FLOPs (and so the recompute overhead
+and the search's ranking) scale by N / seq-length; the memory does not change.
+
 Megatron-LM's long flag names (``--tensor-model-parallel-size`` ...) are accepted too.
 """
 
@@ -17,6 +21,7 @@ from typing import Optional
 
 from .activations import PROFILES
 from .compare import DEFAULT_SEQ_LENGTHS, compare_standard, format_compare
+from .flops import check_mean_document_length
 from .models import MODELS, get_model
 from .planner import Layout, plan_memory
 from .search import default_global_batch_size, search_layouts
@@ -26,6 +31,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _seq(text: str) -> int:
+    """Tokens from ``"131072"`` or ``"128K"`` (K = 1024)."""
     text = text.strip().lower()
     if text.endswith("k"):
         return int(float(text[:-1]) * 1024)
@@ -39,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="llama2-70b", help=f"preset: {', '.join(MODELS)} (default llama2-70b)")
     p.add_argument("--seq-length", type=_seq, default=131072, help="tokens per sequence, e.g. 131072 or 128K")
+    p.add_argument(
+        "--mean-document-length",
+        type=_seq,
+        metavar="N",
+        help="mean tokens per document packed into a sequence with document masking, e.g. 8K: attention "
+        "FLOPs scale by N/seq-length, memory does not (default: one document fills each sequence)",
+    )
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
     p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1)
@@ -83,6 +96,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         get_model(args.model)
         dtype_bytes = DTYPE_BYTES[args.dtype]
+        if args.compare_standard and args.mean_document_length is not None:
+            raise ValueError(
+                "--mean-document-length changes FLOPs, not the saved bytes --compare-standard compares; drop it"
+            )
+        check_mean_document_length(args.seq_length, args.mean_document_length)
         if args.compare_standard:
             return _compare(args, dtype_bytes)
         if args.search:
@@ -99,6 +117,7 @@ def _plan_kwargs(args, dtype_bytes):
         dtype_bytes=dtype_bytes,
         runtime_reserve=args.runtime_reserve,
         fragmentation=args.fragmentation,
+        mean_document_length=args.mean_document_length,
     )
 
 
@@ -143,8 +162,11 @@ def _search(args, parser, dtype_bytes) -> int:
         print(json.dumps({"num_fitting": len(plans), "layouts": [p.to_dict() for p in shown]}, indent=2))
         return 0 if plans else 1
     capacity = parse_bytes(args.device_memory)
+    tokens = f"{args.seq_length:,} tokens"
+    if args.mean_document_length is not None:
+        tokens += f" (documents of mean {args.mean_document_length:,})"
     print(
-        f"{args.model} at {args.seq_length:,} tokens on {args.num_devices} devices of {format_bytes(capacity)}: "
+        f"{args.model} at {tokens} on {args.num_devices} devices of {format_bytes(capacity)}: "
         f"{len(plans)} layouts fit; best {len(shown)} by estimated step time (recompute FLOPs x pipeline bubble):"
     )
     for rank, plan in enumerate(shown, 1):

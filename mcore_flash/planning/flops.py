@@ -3,8 +3,15 @@
 Forward FLOPs per micro-batch (2 per multiply-add), causal attention:
 
     projections + MLP (per layer):  2*b*s*(h*(a+2g)*d + a*d*h + h*f*(3 if SwiGLU else 2))
-    attention kernel  (per layer):  2*b*s^2*a*d        QK^T and PV, half of them masked
+    attention kernel  (per layer):  2*b*s*D*a*d        QK^T and PV, half of them masked
     logits:                         2*b*s*h*V
+
+``D`` is the mean document length (tokens): a sample of ``s`` tokens packs ``s/D``
+documents of ``D`` tokens each and attention runs per document (document masking), so the
+kernel's ``s^2`` becomes ``(s/D)*D^2 = s*D``, i.e. ``D/s`` of the dense causal FLOPs.
+Without a mean document length ``D = s`` (one document fills the sample). Equal-length
+documents are a lower bound: any length distribution with the same mean has a larger
+``sum(len^2)``. The other terms are linear in ``s`` and do not depend on ``D``.
 
 Backward costs twice the forward for a GEMM (input and weight gradients). For a fused
 (flash) attention kernel it costs 2.5x: its backward recomputes QK^T from the saved
@@ -23,16 +30,53 @@ from typing import Optional
 
 from .models import get_model
 
-__all__ = ["forward_flops", "step_flops", "recompute_overhead", "pipeline_bubble"]
+__all__ = [
+    "attention_block_length",
+    "check_mean_document_length",
+    "forward_flops",
+    "step_flops",
+    "recompute_overhead",
+    "pipeline_bubble",
+]
 
 FUSED_ATTENTION_BACKWARD = 2.5  # backward / forward FLOPs of a flash-attention kernel
 GEMM_BACKWARD = 2.0  # backward / forward FLOPs of a matmul (and of unfused attention)
 
 
-def forward_flops(model, seq_length: int, micro_batch_size: int = 1) -> dict[str, float]:
-    """Forward FLOPs of one micro-batch: per layer ``attention_projections`` (QKV and output
-    projection), ``attention_kernel`` (QK^T, PV) and ``mlp``; once ``logits``."""
+def check_mean_document_length(seq_length: int, mean_document_length: Optional[float]) -> None:
+    """Raise ValueError unless ``mean_document_length`` (tokens) is None or lies in
+    ``[1, seq_length]`` (``seq_length`` in tokens); the message names the CLI flag and the fix."""
+    if mean_document_length is None:
+        return
+    if mean_document_length < 1:
+        raise ValueError(
+            f"--mean-document-length {mean_document_length}: a document has at least 1 token; give the mean "
+            "number of tokens per packed document (e.g. 8192 or 8K), or omit the flag (one document per sequence)"
+        )
+    if mean_document_length > seq_length:
+        raise ValueError(
+            f"--mean-document-length {mean_document_length} is longer than --seq-length {seq_length}: packing cuts "
+            f"documents at sequence boundaries, so no sequence holds a longer one; give at most {seq_length} "
+            "(the same as omitting the flag: one document per sequence)"
+        )
+
+
+def attention_block_length(seq_length: int, mean_document_length: Optional[float] = None) -> float:
+    """Tokens each causal attention block spans: ``mean_document_length`` (tokens, packed
+    documents with document masking) or, when None, the whole ``seq_length`` (tokens)."""
+    check_mean_document_length(seq_length, mean_document_length)
+    return float(seq_length if mean_document_length is None else mean_document_length)
+
+
+def forward_flops(
+    model, seq_length: int, micro_batch_size: int = 1, mean_document_length: Optional[float] = None
+) -> dict[str, float]:
+    """Forward FLOPs of one micro-batch of ``micro_batch_size`` sequences of ``seq_length``
+    tokens: per layer ``attention_projections`` (QKV and output projection),
+    ``attention_kernel`` (QK^T, PV; over documents of ``mean_document_length`` tokens when
+    given) and ``mlp``; once ``logits``."""
     m = get_model(model)
+    block = attention_block_length(seq_length, mean_document_length)
     s, b, h, a, g, d, f = (
         float(seq_length),
         float(micro_batch_size),
@@ -44,26 +88,36 @@ def forward_flops(model, seq_length: int, micro_batch_size: int = 1) -> dict[str
     )
     return {
         "attention_projections": 2 * b * s * (h * (a + 2 * g) * d + a * d * h),
-        "attention_kernel": 2 * b * s * s * a * d,
+        "attention_kernel": 2 * b * s * block * a * d,
         "mlp": 2 * b * s * h * f * (3 if m.gated else 2),
         "logits": 2 * b * s * h * m.vocab_size,
     }
 
 
-def step_flops(model, seq_length: int, fused_attention: bool = True) -> float:
-    """Forward + backward FLOPs of one sequence without recompute."""
+def step_flops(
+    model, seq_length: int, fused_attention: bool = True, mean_document_length: Optional[float] = None
+) -> float:
+    """Forward + backward FLOPs of one sequence of ``seq_length`` tokens without recompute
+    (documents of ``mean_document_length`` tokens when given)."""
     m = get_model(model)
-    fl = forward_flops(m, seq_length)
+    fl = forward_flops(m, seq_length, mean_document_length=mean_document_length)
     kernel_backward = FUSED_ATTENTION_BACKWARD if fused_attention else GEMM_BACKWARD
     gemms = m.num_layers * (fl["attention_projections"] + fl["mlp"]) + fl["logits"]
     return (1 + GEMM_BACKWARD) * gemms + (1 + kernel_backward) * m.num_layers * fl["attention_kernel"]
 
 
-def recompute_overhead(model, seq_length: int, recompute: str, fused_attention: bool = True) -> float:
+def recompute_overhead(
+    model,
+    seq_length: int,
+    recompute: str,
+    fused_attention: bool = True,
+    mean_document_length: Optional[float] = None,
+) -> float:
     """Extra FLOPs of ``recompute`` (none, attention, full, core_attention) as a fraction of
-    the step's FLOPs without recompute."""
+    the step's FLOPs without recompute, for sequences of ``seq_length`` tokens (packing
+    documents of ``mean_document_length`` tokens when given)."""
     m = get_model(model)
-    fl = forward_flops(m, seq_length)
+    fl = forward_flops(m, seq_length, mean_document_length=mean_document_length)
     kernel, projections = fl["attention_kernel"], fl["attention_projections"]
     per_layer = {
         "none": 0.0,
@@ -73,7 +127,7 @@ def recompute_overhead(model, seq_length: int, recompute: str, fused_attention: 
     }
     if recompute not in per_layer:
         raise ValueError(f"recompute {recompute!r}: choose one of {tuple(per_layer)}")
-    return m.num_layers * per_layer[recompute] / step_flops(m, seq_length, fused_attention)
+    return m.num_layers * per_layer[recompute] / step_flops(m, seq_length, fused_attention, mean_document_length)
 
 
 def pipeline_bubble(pp: int, num_microbatches: Optional[int], vp: int = 1) -> float:

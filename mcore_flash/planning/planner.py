@@ -20,6 +20,11 @@ For every pipeline stage (the worst one decides) the plan adds up, in bytes per 
   gradient reduce-scatter and the distributed optimizer's all-gather work in place in
   Megatron's contiguous buffers), ``runtime_reserve`` (fixed, for the runtime, collective
   library workspaces) and ``allocator_fragmentation`` (a fraction of the dynamic memory).
+
+The plan's compute estimates (recompute overhead, pipeline bubble) come from :mod:`.flops`;
+a ``mean_document_length`` (packed documents) changes only the attention-kernel FLOPs
+there, never the bytes: whatever the mask, the fused attention keeps per-token tensors only
+(q, k, v, out and the softmax statistics).
 """
 
 from __future__ import annotations
@@ -157,6 +162,7 @@ class MemoryPlan:
     device_memory: Optional[int]
     recompute_overhead: float
     pipeline_bubble: float
+    mean_document_length: Optional[float] = None  # tokens per packed document; None = one per sequence
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -203,12 +209,21 @@ class MemoryPlan:
 
         return launch_command(self)
 
+    def documents_line(self) -> str:
+        """The packed documents (mean tokens each) and their attention-kernel FLOPs relative
+        to one document per sequence (``mean_document_length / seq_length``)."""
+        return (
+            f"documents: packed, mean {self.mean_document_length:,} tokens (document masking): attention-kernel "
+            f"FLOPs x {self.mean_document_length / self.seq_length:.4g} of one document per sequence"
+        )
+
     def to_dict(self) -> dict:
         layer_by_module = {k: int(math.ceil(v)) for k, v in act.by_module(self.layer_terms).items()}
         return {
             "model": self.model.name,
             "model_shape": self.model.to_dict(),
             "seq_length": self.seq_length,
+            "mean_document_length": self.mean_document_length,
             "layout": self.layout.to_dict(),
             "profile": self.profile,
             "activation_dtype_bytes": self.dtype_bytes,
@@ -257,6 +272,8 @@ class MemoryPlan:
             "",
             f"per-layer activations (one micro-batch, this device): {format_bytes(self.layer_bytes)}",
         ]
+        if self.mean_document_length is not None:
+            lines.insert(1, self.documents_line())
         for module, nbytes in act.by_module(self.layer_terms).items():
             lines.append(f"  {module:<36} {format_bytes(nbytes):>12}")
         worst = self.worst_stage
@@ -298,12 +315,14 @@ def plan_memory(
     runtime_reserve="2GiB",
     fragmentation: float = 0.05,
     activation_profile: Optional[act.Profile] = None,
+    mean_document_length: Optional[float] = None,
 ) -> MemoryPlan:
-    """The per-device memory plan of ``model`` at ``seq_length`` under ``layout``.
+    """The per-device memory plan of ``model`` at ``seq_length`` (tokens) under ``layout``.
 
     ``profile`` names the device behaviour (:data:`activations.PROFILES`; ``npu`` for the
     Ascend recipes) unless ``activation_profile`` gives one. ``device_memory`` (bytes or
-    ``"64GB"``) makes the verdict.
+    ``"64GB"``) makes the verdict. ``mean_document_length`` (tokens; None = one document
+    per sequence) scales the attention FLOPs of the recompute overhead, not the bytes.
     """
     m = get_model(model)
     prof = activation_profile or act.PROFILES[profile]
@@ -405,8 +424,11 @@ def plan_memory(
         stages=stages,
         layer_terms=terms,
         device_memory=None if device_memory is None else parse_bytes(device_memory),
-        recompute_overhead=recompute_overhead(m, seq_length, lay.recompute, prof.attention != "standard"),
+        recompute_overhead=recompute_overhead(
+            m, seq_length, lay.recompute, prof.attention != "standard", mean_document_length
+        ),
         pipeline_bubble=pipeline_bubble(lay.pp, lay.num_microbatches, lay.vp),
+        mean_document_length=mean_document_length,
         notes=notes,
     )
 

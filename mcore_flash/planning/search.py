@@ -57,6 +57,8 @@ def launch_command(plan: MemoryPlan, program: str = "mcore-flash pretrain") -> s
         args.append("--sequence-parallel")
     if lay.distributed_optimizer:
         args.append("--use-distributed-optimizer")
+    if plan.mean_document_length is not None:  # the plan assumes document masking
+        args += ["--reset-attention-mask", "--reset-position-ids"]
     if lay.recompute == "core_attention":
         args += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     else:
