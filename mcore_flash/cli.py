@@ -16,6 +16,7 @@ COMMANDS = {
     "bench-recompute": ("mcore_flash.benchmarks.recompute", "saved bytes and time of the recompute modes"),
     "bench-convert": ("mcore_flash.benchmarks.convert", "peak RSS and time of hf-to-mcore and mcore-to-hf at >= 1B parameters"),
     "bench-cp": ("mcore_flash.benchmarks.context_parallel", "per-rank time and saved bytes of context parallelism"),
+    "bench-packed": ("mcore_flash.benchmarks.packed", "attention time of packed documents vs one causal sequence"),
 }
 
 

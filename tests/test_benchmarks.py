@@ -95,3 +95,30 @@ def test_bench_convert_round_trips_and_reports_peak_rss():
     assert result["round_trip_bit_exact"] is True
     for name in ("hf_to_mcore", "mcore_to_hf"):
         assert result[name]["peak_rss"] >= result["baseline"]["peak_rss"] > 0
+
+
+def test_bench_packed_reports_documents_and_sum_of_squares_prediction():
+    """bench-packed on a tiny sample: document lengths that sum to S and lie in [1, 2D-1] (the
+    last one cut), the prediction equal to sum(len^2) / S^2 recomputed here, the measured ratio
+    the quotient of the reported medians, and per-document attention that matches the dense
+    causal output on the first document. The table run reports the same seeded documents."""
+    import json
+
+    s, mean, repeats = 256, 16, 2
+    argv = ("--seq-length", str(s), "--mean-document-length", str(mean), "--heads", "2", "--head-dim", "16",
+            "--repeats", str(repeats), "--threads", "1", "--seed", "3")  # fmt: skip
+    result = json.loads(_bench("bench-packed", *argv, "--json").strip().splitlines()[-1])
+    lengths = result["document_lengths"]
+    assert sum(lengths) == s and result["num_documents"] == len(lengths) > 1
+    assert all(1 <= n <= 2 * mean - 1 for n in lengths)
+    assert result["predicted_ratio"] == sum(n * n for n in lengths) / s**2
+    assert len(result["dense_runs_ms"]) == len(result["packed_runs_ms"]) == repeats
+    assert result["measured_ratio"] == result["packed_ms"] / result["dense_ms"]
+    assert result["measured_cpu_ratio"] == result["packed_cpu_ms"] / result["dense_cpu_ms"]
+    assert result["first_document_max_diff"] < 1e-5  # fp32: document masking leaves a prefix unchanged
+
+    table = _bench("bench-packed", *argv)
+    (dense,), (packed,) = _rows(table, "dense"), _rows(table, "packed")
+    assert dense[1] == "1" and dense[3] == dense[5] == dense[6] == "1.000"
+    assert packed[1] == str(len(lengths)) and packed[6] == f"{result['predicted_ratio']:.3f}"
+    assert f"document lengths: {','.join(map(str, lengths))}" in table
