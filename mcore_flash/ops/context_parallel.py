@@ -54,7 +54,13 @@ the chunks are put back in position order, one fused kernel call runs, and the i
 all-to-all returns ``[b, s_local, h, d]``. Needs ``hq % cp == 0``; key/value heads are
 replicated when ``hkv < cp`` and ``cp % hkv == 0``.
 
-Neither algorithm supports an explicit attention mask or packed (varlen) sequences.
+Packed documents (THD, :func:`context_parallel_varlen_attn_func`): every document is split
+into ``2*cp`` chunks and rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of EVERY document
+(:func:`thd_positions_for_cp_rank`, Transformer Engine's scheme), so the rule above holds per
+document: the ring's halves become index sets (each document's first / second half) and
+every block is ONE varlen kernel call over all documents with their cumulative lengths;
+Ulysses gathers the rows and puts them in position order by one index map. Documents must be
+padded to multiples of ``2*cp``. Neither algorithm takes an explicit attention mask.
 """
 
 from __future__ import annotations
