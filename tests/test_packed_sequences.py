@@ -99,6 +99,7 @@ def _op_checks(rank, world_size):
     import torch.distributed as dist
 
     from mcore_flash.emulation import op_double
+    from mcore_flash.memory import measure_saved_bytes
     from mcore_flash.ops.context_parallel import context_parallel_varlen_attn_func, thd_positions_for_cp_rank
 
     double = op_double()
@@ -116,7 +117,11 @@ def _op_checks(rank, world_size):
         out.backward(dout[rows])
         results[backend, comm, causal] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
         calls[backend, comm, causal] = {(c["name"], c["layout"], c["sparse_mode"]) for c in double.calls}
-    return rows, results, calls
+    ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
+    _, saved = measure_saved_bytes(
+        lambda: context_parallel_varlen_attn_func(ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=True, backend="cpu")
+    )
+    return rows, results, calls, saved.total
 
 
 def _op_cu(cp):
@@ -239,7 +244,7 @@ def test_packed_op_equals_oracle_per_document(spawn, request):
     per_rank = request.getfixturevalue(spawn)
     cp = len(per_rank)
     references = {causal: _op_references(cp, causal) for causal in (True, False)}
-    for rank, ((rows, results, _), _) in enumerate(per_rank):
+    for rank, ((rows, results, _, _), _) in enumerate(per_rank):
         for backend, comm, causal in OP_CASES:
             expected = references[causal]
             got = results[backend, comm, causal]
@@ -362,10 +367,21 @@ def test_reset_attention_mask_needs_an_eod_token():
 def test_packed_op_on_npu_runs_tnd_calls(spawn, request):
     """The npu backend runs every block as a "TND" call: causal blocks sparse_mode 3, the
     others (and non-causal attention) sparse_mode 0; no fallback to the reference kernel."""
-    for (_, _, calls), _ in request.getfixturevalue(spawn):
+    for (_, _, calls, _), _ in request.getfixturevalue(spawn):
         for comm in ("p2p", "a2a"):
             for causal, modes in ((True, {3} if comm == "a2a" else {0, 3}), (False, {0})):
                 got = calls["npu", comm, causal]
                 assert {layout for _, layout, _ in got} == {"TND"}, (comm, causal, got)
                 assert {mode for _, _, mode in got} == modes, (comm, causal, got)
                 assert {name for name, _, _ in got} == {"npu_fusion_attention", "npu_fusion_attention_grad"}
+
+
+@pytest.mark.parametrize("spawn", ["cp2_run", "cp4_run"])
+def test_packed_ring_saves_only_its_rows(spawn, request):
+    """Saved for backward by the packed ring on each rank: exactly its t_local rows of q, k,
+    v, out (fp32) and the fp32 logsumexp -- 1/cp of the pack, nothing per pair of rows."""
+    per_rank = request.getfixturevalue(spawn)
+    for (rows, _, _, saved), _ in per_rank:
+        t = len(rows)
+        assert t == _op_cu(len(per_rank))[-1] // len(per_rank)
+        assert saved == t * (4 * 8 + 2 * 8 + 2 * 8 + 4 * 8) * 4 + 4 * t * 4
