@@ -26,6 +26,7 @@ padded lengths are both ``cu_seqlens_*`` and ``cu_seqlens_*_padded`` of the
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -62,7 +63,7 @@ def padded_lengths(lengths: list[int], cp_size: int, pad_to_multiple_of: int = 1
     multiple of ``cp * pad_to_multiple_of`` (it is itself a multiple of ``2*cp``)."""
     multiple = 2 * cp_size if cp_size > 1 else 1
     padded = [-(-n // multiple) * multiple for n in lengths]
-    total_multiple = _lcm(multiple, cp_size * pad_to_multiple_of)
+    total_multiple = math.lcm(multiple, cp_size * pad_to_multiple_of)
     tail = -sum(padded) % total_multiple
     return padded + [tail] if tail else padded
 
@@ -147,9 +148,3 @@ def _pack_rows(lengths: list[int], padded: list[int]) -> tuple[torch.Tensor, tor
         offset.append(torch.arange(p))
         start += n
     return torch.cat(source), torch.cat(first), torch.cat(offset)
-
-
-def _lcm(a: int, b: int) -> int:
-    import math
-
-    return a * b // math.gcd(a, b)
