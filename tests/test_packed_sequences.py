@@ -9,7 +9,7 @@ than a CP chunk of the dense split.
 
 Three spawns, batching many checks: 1 process (the one-by-one oracle and CP=1 packed), 2
 processes (CP=2 p2p and a2a; the op on the cpu and npu-double backends), 4 processes (CP=4
-p2p, TP=2 x CP=2 p2p and a2a; the op at CP=4).
+p2p, TP=2 x CP=2 p2p and a2a, TP=2 + SP x CP=2; the op at CP=4).
 """
 
 from __future__ import annotations
@@ -73,17 +73,19 @@ def _one_by_one():
     return dict(loss=total / count, grads=grads)
 
 
-def _packed_run(tp, cp, comm):
-    """Loss (token mean) and full grads of the packed batch at this TP x CP."""
+def _packed_run(tp, cp, comm, sequence_parallel=False):
+    """Loss (token mean) and full grads of the packed batch at this TP x CP (+ SP)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from mcore_flash.transformer.packed_sequences import pack_documents
 
-    config = tiny_config(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm)
+    config = tiny_config(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm, sequence_parallel=sequence_parallel
+    )
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), flash_gpt(config))
     batch = _packed_batch()
-    local, params = pack_documents(batch, EOD)
+    local, params = pack_documents(batch, EOD, pad_to_multiple_of=tp if sequence_parallel else 1)
     losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"], packed_seq_params=params)
     count = batch["loss_mask"].sum()
     loss = (losses * local["loss_mask"]).sum()
@@ -167,6 +169,7 @@ def _w_cp4_and_tp2_cp2(rank, world_size):
     try:
         for comm in ("p2p", "a2a"):
             runs[f"tp2 cp2 {comm}"] = _packed_run(2, 2, comm)
+        runs["tp2 sp cp2 p2p"] = _packed_run(2, 2, "p2p", sequence_parallel=True)
     finally:
         teardown_megatron()
     return ops, runs
@@ -209,7 +212,7 @@ def test_packed_cp2_equals_documents_one_by_one(cp2_run, single_run, comm):
         _check_equal(runs[comm], single_run["one_by_one"], f"CP=2 {comm} rank {rank}")
 
 
-@pytest.mark.parametrize("what", ["cp4 p2p", "tp2 cp2 p2p", "tp2 cp2 a2a"])
+@pytest.mark.parametrize("what", ["cp4 p2p", "tp2 cp2 p2p", "tp2 cp2 a2a", "tp2 sp cp2 p2p"])
 def test_packed_cp4_and_tp2_cp2_equal_documents_one_by_one(cp4_run, single_run, what):
     for rank, (_, runs) in enumerate(cp4_run):
         _check_equal(runs[what], single_run["one_by_one"], f"{what} rank {rank}")
