@@ -83,6 +83,7 @@ __all__ = [
     "context_parallel_attn_func",
     "context_parallel_varlen_attn_func",
     "thd_positions_for_cp_rank",
+    "concat_ranges",
     "check_thd_cp_lengths",
     "split_for_cp_rank",
     "gather_from_cp_ranks",
@@ -145,13 +146,23 @@ def thd_positions_for_cp_rank(cu_seqlens: list[int], cp_size: int, cp_rank: int)
     if cp_size == 1:
         return torch.arange(cu_seqlens[-1])
     check_thd_cp_lengths(cu_seqlens, cp_size)
-    parts = []
     first, second = cp_chunk_ids(cp_size, cp_rank)
+    starts, lengths = [], []
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         chunk = (end - start) // (2 * cp_size)
-        parts += [torch.arange(start + first * chunk, start + (first + 1) * chunk),
-                  torch.arange(start + second * chunk, start + (second + 1) * chunk)]  # fmt: skip
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        starts += [start + first * chunk, start + second * chunk]
+        lengths += [chunk, chunk]
+    return concat_ranges(starts, lengths)
+
+
+def concat_ranges(starts: list[int], lengths: list[int]) -> Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a loop of
+    tensor ops (packs hold thousands of documents). int64."""
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    total = int(lengths_t.sum())
+    segment_starts = torch.cumsum(lengths_t, 0) - lengths_t
+    offsets = torch.arange(total) - torch.repeat_interleave(segment_starts, lengths_t, output_size=total)
+    return torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), lengths_t, output_size=total) + offsets
 
 
 def check_thd_cp_lengths(cu_seqlens: list[int], cp_size: int) -> None:
@@ -360,11 +371,9 @@ class _PackedBlocks:
         for half in halves:
             half_cu.append(half_cu[-1] + half)
 
-        def indices(offset):  # per document: rows [start + offset * half, start + (offset + 1) * half)
-            parts = [torch.arange(s + offset * h, s + (offset + 1) * h) for s, h in zip(local_cu[:-1], halves)]
-            return torch.cat(parts).to(device)
-
-        self.rows = {"all": _ALL, "first": indices(0), "second": indices(1)}
+        first = concat_ranges(local_cu[:-1], halves)
+        second = concat_ranges([start + half for start, half in zip(local_cu[:-1], halves)], halves)
+        self.rows = {"all": _ALL, "first": first.to(device), "second": second.to(device)}
         self.cu = {"all": local_cu, "first": half_cu, "second": half_cu}
 
     def forward(self, q, k, v, q_rows: str, kv_rows: str, causal: bool):

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from mcore_flash.ops.context_parallel import thd_positions_for_cp_rank
+from mcore_flash.ops.context_parallel import concat_ranges, thd_positions_for_cp_rank
 from mcore_flash.transformer.context_parallel import cp_size_and_rank
 
 __all__ = ["document_lengths", "pack_documents", "padded_lengths"]
@@ -141,10 +141,12 @@ def _pack_rows(lengths: list[int], padded: list[int]) -> tuple[torch.Tensor, tor
     """Per row of the padded pack: its row in the flattened batch (-1: padding), the batch
     row of its document's first token (-1: the all-padding document) and its offset in the
     document. Each int64 ``[sum(padded)]``."""
-    source, first, offset, start = [], [], [], 0
-    for n, p in zip(lengths + [0] * (len(padded) - len(lengths)), padded):
-        source += [torch.arange(start, start + n), torch.full((p - n,), -1)]
-        first.append(torch.full((p,), start if n else -1))
-        offset.append(torch.arange(p))
-        start += n
-    return torch.cat(source), torch.cat(first), torch.cat(offset)
+    real = lengths + [0] * (len(padded) - len(lengths))
+    starts = [0]
+    for n in real[:-1]:
+        starts.append(starts[-1] + n)
+    padded_t = torch.tensor(padded, dtype=torch.int64)
+    offset = concat_ranges([0] * len(padded), padded)
+    first = torch.repeat_interleave(torch.tensor([s if n else -1 for s, n in zip(starts, real)]), padded_t)
+    is_real = offset < torch.repeat_interleave(torch.tensor(real, dtype=torch.int64), padded_t)
+    return torch.where(is_real, first + offset, -1), first, offset
