@@ -308,7 +308,6 @@ def validate_args(args: argparse.Namespace) -> None:
             )
 
 
-
 def _check_document_flags(args) -> None:
     """RoPE positions come from the packed layout (megatron-core's THD RoPE restarts them per
     document), so with RoPE the two reset flags only make sense together."""
