@@ -265,3 +265,22 @@ def test_document_masking_same_losses_at_cp1_cp2_and_pp2(tmp_path):
     assert cp2 == pytest.approx(one, abs=2e-5)
     assert pp2 == pytest.approx({k: one[k] for k in (2, 3)}, abs=2e-5)
     assert abs(plain[1] - one[1]) > 1e-3  # document masking changes the loss: the flags act
+
+
+def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
+    """--tensorboard-dir: TensorBoard's own reader finds Megatron-LM's tags, one point per
+    logged iteration, with the values metrics.jsonl holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _pretrain(tmp_path / "run", "--train-iters", "2", "--tensorboard-dir", str(tmp_path / "tb"))
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "iteration_time_s": "iteration-time",
+            "tokens_per_s": "tokens-per-second", "peak_memory_bytes": "mem-max-allocated-bytes"}  # fmt: skip
+    assert set(events.Tags()["scalars"]) == set(tags.values())
+    for key, tag in tags.items():
+        points = events.Scalars(tag)
+        assert [p.step for p in points] == [r["iteration"] for r in records] == [1, 2]
+        assert [p.value for p in points] == pytest.approx([r[key] for r in records], rel=1e-6)

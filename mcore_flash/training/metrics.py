@@ -3,6 +3,8 @@
 The last rank logs (it sits on the last pipeline stage, where the loss is known).
 ``metrics.jsonl`` in ``--save`` gets one JSON object per logged iteration:
 ``iteration, loss, lr, grad_norm, iteration_time_s, tokens_per_s, peak_memory_bytes``.
+With ``--tensorboard-dir`` (the ``tensorboard`` extra) the same values become scalars under
+Megatron-LM's tag names (:data:`TENSORBOARD_TAGS`), step = iteration.
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ import time
 import torch.distributed as dist
 
 from mcore_flash import platform
+
+#: ``metrics.jsonl`` key -> TensorBoard tag (Megatron-LM's ``training_log`` names)
+TENSORBOARD_TAGS = {
+    "loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "iteration_time_s": "iteration-time",
+    "tokens_per_s": "tokens-per-second",
+    "peak_memory_bytes": "mem-max-allocated-bytes",
+}
 
 
 class MetricsLogger:
@@ -33,7 +45,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
-                raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from error
+                raise ValueError(
+                    "--tensorboard-dir needs the tensorboard package: pip install 'mcore-flash[tensorboard]'"
+                ) from error
             self.writer = SummaryWriter(args.tensorboard_dir)
         self.note(
             f"training {args.model}: {num_parameters:,} parameters on this rank, world size {args.world_size} "
@@ -57,9 +71,10 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.writer is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            for key, tag in TENSORBOARD_TAGS.items():
                 if record[key] is not None:
-                    self.writer.add_scalar(key, record[key], iteration)
+                    self.writer.add_scalar(tag, record[key], iteration)
+            self.writer.flush()
         width = len(str(self.args.train_iters))
         print(
             f"iteration {iteration:>{width}}/{self.args.train_iters} | loss {loss:.4f} | lr {lr:.2e} | "
