@@ -20,7 +20,7 @@ import torch
 
 import oracle
 from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import SEQ, batch, causal_mask, flash_gpt, full_grads, tiny_config
+from gpt_models import SEQ, batch, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
 
 B, S, HQ, HKV, D = 2, 32, 4, 2, 8
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 against fp32 CP=1 / float64
@@ -153,8 +153,9 @@ def split(x, world_size, rank):
     return split_for_cp_rank(x, 1, world_size, rank)
 
 
-def _gpt_run(tp, cp, comm, with_mask_check=False):
-    """Loss (global token mean), per-token losses (whole sequence), grads, saved bytes per rank."""
+def _gpt_run(tp, cp, comm, weights=None, with_mask_check=False):
+    """Loss (global token mean), per-token losses (whole sequence), grads, saved bytes per rank;
+    at TP>1 over ``weights`` (the TP=1 reference's), copied into a model from another seed."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -163,7 +164,10 @@ def _gpt_run(tp, cp, comm, with_mask_check=False):
     from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
     config = tiny_config(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm)
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), flash_gpt(config))
+    model = flash_gpt(config, seed=0 if weights is None else 7)
+    if weights is not None:
+        load_full_weights(model, weights)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     tokens, labels, positions = batch()
     loss_mask = torch.ones(labels.shape)
     local = get_batch_on_this_cp_rank(dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=positions))
@@ -184,6 +188,7 @@ def _gpt_run(tp, cp, comm, with_mask_check=False):
         token_losses=gather_from_cp_ranks(parts, 1),
         grads=full_grads(model),
         saved_bytes=saved.total,
+        weights=full_weights(model) if tp == 1 else None,
     )
     if with_mask_check:  # Megatron-split causal mask, whole causal mask, no mask: same logits
         mask_rows = get_batch_on_this_cp_rank(dict(attention_mask=causal_mask()))["attention_mask"]
@@ -209,11 +214,11 @@ def _w_cp2(rank, world_size):
         teardown_megatron()
 
 
-def _w_cp4_and_tp2_cp2(rank, world_size):
+def _w_cp4_and_tp2_cp2(rank, world_size, tp1_weights):
     ops = _op_checks(rank, world_size, with_extras=False)
     init_megatron(tp=2, cp=2)
     try:
-        return ops, {comm: _gpt_run(2, 2, comm) for comm in GPT_COMMS}
+        return ops, {comm: _gpt_run(2, 2, comm, tp1_weights) for comm in GPT_COMMS}
     finally:
         teardown_megatron()
 
@@ -229,8 +234,8 @@ def cp2_run():
 
 
 @pytest.fixture(scope="module")
-def cp4_run():
-    return run_distributed(_w_cp4_and_tp2_cp2, 4)
+def cp4_run(reference_run):
+    return run_distributed(_w_cp4_and_tp2_cp2, 4, reference_run["weights"])
 
 
 # ---- the op: CP=2 and CP=4 equal CP=1 and the float64 oracle ------------------------------
@@ -364,14 +369,26 @@ def test_gpt_saved_bytes_per_rank_about_half_at_cp2(cp2_run, reference_run):
 # ---- the batch helper -----------------------------------------------------------------------
 
 
+def _fake_or(group, real):
+    """``group`` if it is a test fake, else an object asking torch.distributed's ``real``."""
+    if isinstance(group, types.SimpleNamespace):
+        return group
+    return types.SimpleNamespace(size=lambda: real(group), rank=lambda: real(group))
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_batch_helper_matches_megatron_split(monkeypatch, cp):
     import megatron.core.utils as mutils
 
+    from mcore_flash.compat import megatron_get_batch_on_this_cp_rank
     from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
+    # a fake group: megatron 0.16-0.17 asks utils.get_pg_size/get_pg_rank, 0.18+ torch.distributed
+    size, rank_of = torch.distributed.get_world_size, torch.distributed.get_rank
     monkeypatch.setattr(mutils, "get_pg_size", lambda group=None: group.size())
     monkeypatch.setattr(mutils, "get_pg_rank", lambda group=None: group.rank())
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: _fake_or(group, size).size())
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: _fake_or(group, rank_of).rank())
     tokens, labels, positions = batch(seq=SEQ)
     full = dict(
         tokens=tokens, labels=labels, loss_mask=torch.rand(labels.shape), position_ids=positions,
@@ -380,7 +397,7 @@ def test_batch_helper_matches_megatron_split(monkeypatch, cp):
     for rank in range(cp):
         group = types.SimpleNamespace(size=lambda: cp, rank=lambda r=rank: r)
         ours = get_batch_on_this_cp_rank(full, group)
-        theirs = mutils.get_batch_on_this_cp_rank(dict(full), cp_group=group)
+        theirs = megatron_get_batch_on_this_cp_rank(dict(full), cp_group=group)
         assert ours.keys() == theirs.keys()
         for key, value in theirs.items():
             if value is None:

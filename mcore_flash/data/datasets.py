@@ -1,4 +1,4 @@
-"""Train/valid/test GPT datasets from ``megatron.core.datasets`` (megatron-core 0.12 .. 0.16).
+"""Train/valid/test GPT datasets from ``megatron.core.datasets`` (megatron-core 0.16 .. 0.19).
 
 ``build_datasets`` wraps ``BlendedMegatronDatasetBuilder(GPTDataset | MockGPTDataset, sizes,
 is_built_on_rank, GPTDatasetConfig(...))`` with ``create_attention_mask=False``: samples are

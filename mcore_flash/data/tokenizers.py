@@ -1,4 +1,4 @@
-"""Tokenizers that ``megatron.core.datasets`` accepts (duck-typed, megatron-core 0.12 .. 0.16).
+"""Tokenizers that ``megatron.core.datasets`` accepts (duck-typed, megatron-core 0.16 .. 0.19).
 
 What megatron.core.datasets 0.16.1 reads from ``config.tokenizer``:
 

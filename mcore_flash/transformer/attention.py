@@ -82,15 +82,13 @@ class FlashDotProductAttention(MegatronModule):
         **kwargs,
     ):
         super().__init__(config=config)
-        tp_size = _tensor_parallel_size(pg_collection, kwargs.get("model_comm_pgs"))
+        tp_size = _tensor_parallel_size(pg_collection)
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
         _check_heads(heads, groups, tp_size)
         self.cp_group, self.cp_comm_type = None, None
         if config.context_parallel_size > 1:
             self.cp_comm_type = _check_cp_comm_type(cp_comm_type, config.context_parallel_size)
-            self.cp_group = _context_parallel_group(
-                pg_collection, kwargs.get("model_comm_pgs"), config.context_parallel_size
-            )
+            self.cp_group = _context_parallel_group(pg_collection, config.context_parallel_size)
             if self.cp_comm_type == "a2a":
                 _check_a2a_heads(heads, groups, tp_size, config.context_parallel_size)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
@@ -238,12 +236,11 @@ def _packed_layout(params, attention_mask: Optional[Tensor], causal: bool) -> Te
     return layouts[0]
 
 
-def _tensor_parallel_size(pg_collection, model_comm_pgs) -> int:
-    """TP size from the process-group collection (0.15+), model_comm_pgs (0.13-0.14) or mpu."""
-    for groups in (pg_collection, model_comm_pgs):
-        tp_group = getattr(groups, "tp", None)
-        if tp_group is not None:
-            return tp_group.size()
+def _tensor_parallel_size(pg_collection) -> int:
+    """TP size from megatron's process-group collection, else from ``parallel_state``."""
+    tp_group = getattr(pg_collection, "tp", None)
+    if tp_group is not None:
+        return tp_group.size()
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
@@ -276,13 +273,9 @@ def _check_cp_comm_type(cp_comm_type, cp_size: int) -> str:
     return cp_comm_type
 
 
-def _context_parallel_group(pg_collection, model_comm_pgs, cp_size: int):
-    """Megatron's CP group: ``pg_collection.cp`` (0.15+), ``model_comm_pgs.cp`` (0.13-0.14) or mpu."""
-    group = None
-    for groups in (pg_collection, model_comm_pgs):
-        group = getattr(groups, "cp", None)
-        if group is not None:
-            break
+def _context_parallel_group(pg_collection, cp_size: int):
+    """Megatron's CP group: ``pg_collection.cp``, else from ``parallel_state``."""
+    group = getattr(pg_collection, "cp", None)
     if group is None:
         group = parallel_state.get_context_parallel_group(check_initialized=False)
     if group is None:

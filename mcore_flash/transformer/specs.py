@@ -17,8 +17,6 @@ apex kernels, which do not exist on Ascend or CPU).
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -26,11 +24,13 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+from mcore_flash.compat import mlp_spec
 
 from .activations import SwiGLU
 from .attention import FlashDotProductAttention
@@ -68,7 +68,7 @@ def get_gpt_layer_flash_spec(
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=MLP, submodules=_mlp_submodules()),
+            mlp=mlp_spec(_mlp_submodules()),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -79,10 +79,8 @@ def get_gpt_layer_flash_spec(
 
 
 def _mlp_submodules() -> MLPSubmodules:
-    """Megatron's MLP with our fused SwiGLU where megatron-core has the hook (0.16+)."""
-    if "activation_func" in {f.name for f in dataclasses.fields(MLPSubmodules)}:
-        return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU)
-    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    """Megatron's MLP with our fused SwiGLU in its activation hook."""
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU)
 
 
 def get_gpt_decoder_block_flash_spec(
@@ -100,13 +98,7 @@ def get_gpt_decoder_block_flash_spec(
     qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
     layer_spec = get_gpt_layer_flash_spec(normalization, qk_layernorm, attention_backend)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * _num_layers_to_build(config, vp_stage),
+        layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=norm_class(normalization),
     )
 
-
-def _num_layers_to_build(config: TransformerConfig, vp_stage: Optional[int]) -> int:
-    """``get_num_layers_to_build`` across megatron-core versions (vp_stage arrived in 0.13)."""
-    if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
-        return get_num_layers_to_build(config, vp_stage=vp_stage)
-    return get_num_layers_to_build(config)

@@ -1,0 +1,47 @@
+"""megatron-core version differences, in one place.
+
+Supported: megatron-core 0.16.1 (the newest for Python 3.11) through 0.19.x (Python 3.12);
+CI runs the whole suite on both ends (``docs/megatron-versions.md``). Each function names
+the megatron-core file/function it answers to and the release that changed it.
+
+What megatron needs on a *device* (the CPU's missing CUDA, the NPU's tensor types) is not a
+version difference and lives in :mod:`mcore_flash.platform`, even where a newer release
+added a call (0.19's ``torch.cuda.current_stream()`` in DDP: ``platform.megatron_torch_view``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+def mlp_spec(submodules: MLPSubmodules):
+    """The ``TransformerLayerSubmodules.mlp`` entry for megatron's dense ``MLP``.
+
+    0.18+ (``transformer/mlp.py: MLP.as_mlp_submodule``): the layer builds its MLP by calling
+    ``submodules.mlp(config=, pg_collection=, is_mtp_layer=, name=)``; a ``ModuleSpec(MLP)`` is
+    still accepted but rewrapped in ``transformer/transformer_layer.py: TransformerLayer.__init__``
+    with the warning "Rewrapping ModuleSpec with module ...".
+    0.16-0.17: a ``ModuleSpec(module=MLP)``, built by ``build_module`` with ``tp_group``.
+    """
+    if hasattr(MLP, "as_mlp_submodule"):
+        return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=MLP, submodules=submodules)
+
+
+def megatron_get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
+    """megatron's own context-parallel batch split (``utils.py: get_batch_on_this_cp_rank``).
+
+    0.18+ added a required ``is_hybrid_cp`` (False: the zigzag split of every sequence, the
+    0.16 behaviour) and reads the group's size and rank through ``torch.distributed``
+    instead of ``utils.get_pg_size`` / ``get_pg_rank``.
+    """
+    from megatron.core import utils
+
+    split = utils.get_batch_on_this_cp_rank
+    if "is_hybrid_cp" in inspect.signature(split).parameters:
+        return split(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return split(batch, cp_group=cp_group)
