@@ -33,17 +33,20 @@ Covers, in megatron-core 0.16.1:
   count), ``transformer/utils.py:35,40`` (``get_default_causal_mask``),
   ``tensor_parallel/data.py:37``, ``dist_checkpointing/exchange_utils.py``,
   ``state_dict_saver.py:204``; ``torch.autocast("cuda")`` (``schedules.py:418``).
+- ``torch.cuda.current_stream()`` / ``torch.cuda.stream(...)`` (megatron-core 0.19):
+  ``distributed/param_and_grad_buffer.py:632`` (``start_grad_sync``, every DDP step).
 - ``pin_memory=True``: RoPE context-parallel slicing (``models/common/embeddings/rope_utils.py:63``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib.abc
-import sys
 import types
 
 import torch
+
+from mcore_flash.import_hooks import AfterImportFinder
 
 from ._common import is_megatron_module, once
 from .megatron_cpu_rng import device_generator
@@ -97,6 +100,32 @@ def _noop(*args, **kwargs):
     return None
 
 
+class _CPUStream:
+    """The one in-order "stream" of the CPU: waits and synchronizations are no-ops.
+
+    megatron-core 0.19's ``_ParamAndGradBucketGroup.start_grad_sync``
+    (``distributed/param_and_grad_buffer.py:632``) calls ``torch.cuda.current_stream()``
+    unconditionally (to wait on CUDA-graph gradient events) on every DDP step."""
+
+    def wait_event(self, event=None):
+        return None
+
+    def wait_stream(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def record_event(self, event=None):
+        return event
+
+
+_CPU_STREAM = _CPUStream()
+
+
 def _make_cuda_standin() -> types.ModuleType:
     """``torch.cuda`` as megatron sees it on the CPU."""
     real = torch.cuda
@@ -116,6 +145,8 @@ def _make_cuda_standin() -> types.ModuleType:
     cuda.is_available = lambda: False
     cuda.synchronize = _noop
     cuda.empty_cache = _noop
+    cuda.current_stream = cuda.default_stream = lambda device=None: _CPU_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
     return cuda
 
 
@@ -140,38 +171,11 @@ def _install_view(module) -> None:
         module.torch = _TORCH_VIEW
 
 
-class _ViewLoader(importlib.abc.Loader):
-    """Wraps a megatron module's loader: exec the module, then give it the torch view."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        _install_view(module)
-
-    def __getattr__(self, name):  # get_source, is_package, get_resource_reader, ...
-        return getattr(self._inner, name)
-
-
-class ViewFinder(importlib.abc.MetaPathFinder):
+class ViewFinder(AfterImportFinder):
     """Gives megatron modules imported after setup() the torch view."""
 
-    def find_spec(self, fullname, path, target=None):
-        if not is_megatron_module(fullname):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _ViewLoader(spec.loader)
-                return spec
-        return None
+    def __init__(self):
+        super().__init__(is_megatron_module, _install_view)
 
 
 @once
@@ -180,8 +184,4 @@ def megatron_torch_view():
     global _TORCH_VIEW
     if _TORCH_VIEW is None:
         _TORCH_VIEW = _make_torch_view()
-    if not any(isinstance(f, ViewFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, ViewFinder())
-    for name, module in list(sys.modules.items()):
-        if is_megatron_module(name) and module is not None:
-            _install_view(module)
+    ViewFinder().install()

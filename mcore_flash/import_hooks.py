@@ -1,0 +1,62 @@
+"""Run a function on modules as they are imported (and on those imported already).
+
+Used where another library's module must be adjusted whenever it gets imported: the CPU
+view of ``torch`` in megatron modules (:mod:`mcore_flash.platform.megatron_torch_view`) and
+the emulated NPU's storage sharing (:mod:`mcore_flash.emulation.storage_sharing`).
+Standard library only; knows nothing of Megatron or devices.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Callable
+
+
+class _AfterExecLoader(importlib.abc.Loader):
+    """Wraps a module's loader: execute the module, then call ``callback(module)``."""
+
+    def __init__(self, inner, callback: Callable):
+        self._inner = inner
+        self._callback = callback
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name):  # get_source, is_package, get_resource_reader, ...
+        return getattr(self._inner, name)
+
+
+class AfterImportFinder(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` entry that lets the other finders find a module named
+    ``wanted(name)`` and calls ``callback(module)`` once it has executed."""
+
+    def __init__(self, wanted: Callable[[str], bool], callback: Callable):
+        self.wanted = wanted
+        self.callback = callback
+
+    def find_spec(self, fullname, path, target=None):
+        if not self.wanted(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _AfterExecLoader(spec.loader, self.callback)
+                return spec
+        return None
+
+    def install(self) -> None:
+        """Apply to the modules imported already, then to every later import (idempotent
+        per finder class: a second finder of the same class is not added)."""
+        for name, module in list(sys.modules.items()):
+            if module is not None and self.wanted(name):
+                self.callback(module)
+        if not any(type(f) is type(self) for f in sys.meta_path):
+            sys.meta_path.insert(0, self)
