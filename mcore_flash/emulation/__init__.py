@@ -19,7 +19,8 @@ project executes. What it cannot prove: kernel speed, the numerics of the real k
 memory limits, stream concurrency.
 
 Parts: :mod:`.runtime` (``torch.npu``), :mod:`.tensor` (npu tensors), :mod:`.hccl` (the
-process-group backend), :mod:`.transfer` (``transfer_to_npu``), :mod:`.fusion_attention`
+process-group backend), :mod:`.storage_sharing` (C++ storage sharing on the CPU data),
+:mod:`.transfer` (``transfer_to_npu``), :mod:`.fusion_attention`
 and :mod:`.fused_ops` (the operator doubles), and the ``torch_npu`` package beside them
 that ``import torch_npu`` finds.
 """
@@ -71,10 +72,12 @@ def activate():
 
     from . import hccl, tensor
     from .runtime import runtime
+    from .storage_sharing import storage_sharing_on_cpu_tensors
 
     npu = runtime()
     tensor.register(npu)
     hccl.register()
+    storage_sharing_on_cpu_tensors()
     dist.is_hccl_available = lambda: True
     return npu
 
