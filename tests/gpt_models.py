@@ -1,8 +1,9 @@
 """Tiny Llama-shaped GPTModels for tests (RMSNorm, SwiGLU, GQA, RoPE), built in workers.
 
-TP-partitioned gradients are gathered back to full tensors so a TP=2 run can be compared
-with a TP=1 run of the same weights (megatron initialises the full master weight on the
-CPU from the seed and slices it, so both runs start from identical models).
+A TP=2 run is compared with a TP=1 run of the same weights by copying them: the TP=1
+model's parameters are sliced into each TP rank's shard (``load_full_weights``), and its
+TP-partitioned gradients are gathered back to full tensors (``full_grads``). Equal seeds are
+not relied on (how megatron slices its initial weights changed across releases).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def causal_mask(seq: int = SEQ):
     return torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
 
 
+def _glu_fc1(name: str, model) -> bool:
+    """Each TP rank holds ``[gate_r; up_r]`` of a gated fc1; the full weight is ``[gate; up]``."""
+    return name.endswith("linear_fc1.weight") and model.config.gated_linear_unit
+
+
 def full_grads(model) -> dict[str, torch.Tensor]:
     """Every parameter's gradient (``main_grad`` under DDP) as a full, unpartitioned tensor."""
     from megatron.core import parallel_state
@@ -79,13 +85,40 @@ def full_grads(model) -> dict[str, torch.Tensor]:
         if world > 1 and getattr(param, "tensor_model_parallel", False):
             parts = [torch.empty_like(grad) for _ in range(world)]
             torch.distributed.all_gather(parts, grad.contiguous(), group=group)
-            if name.endswith("linear_fc1.weight") and model.config.gated_linear_unit:
-                # each rank holds [gate_r; up_r]: the full weight is [gate_0..; up_0..]
+            if _glu_fc1(name, model):
                 halves = [part.chunk(2, dim=param.partition_dim) for part in parts]
                 parts = [h[0] for h in halves] + [h[1] for h in halves]
             grad = torch.cat(parts, dim=param.partition_dim)
         grads[name.removeprefix("module.")] = grad
     return grads
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """A TP=1 model's parameters by name (DDP's ``module.`` prefix dropped)."""
+    from megatron.core import parallel_state
+
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1, "full_weights needs TP=1"
+    return {name.removeprefix("module."): p.detach().clone() for name, p in model.named_parameters()}
+
+
+def load_full_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    """Copy full (TP=1) ``weights`` into this rank's shard of ``model``: the inverse of
+    ``full_grads``' gather (contiguous slices along ``partition_dim``; gate and up halves
+    sliced separately for a gated fc1)."""
+    from megatron.core import parallel_state
+
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    names = {name.removeprefix("module.") for name, _ in model.named_parameters()}
+    assert names == weights.keys(), names ^ weights.keys()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = weights[name.removeprefix("module.")]
+            if world > 1 and getattr(param, "tensor_model_parallel", False):
+                dim = param.partition_dim
+                halves = full.chunk(2, dim=dim) if _glu_fc1(name, model) else (full,)
+                full = torch.cat([half.chunk(world, dim=dim)[rank] for half in halves], dim=dim)
+            param.copy_(full)
 
 
 def gather_vocab(logits: torch.Tensor) -> torch.Tensor:

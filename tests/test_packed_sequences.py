@@ -21,7 +21,7 @@ import torch
 
 import oracle
 from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import VOCAB, flash_gpt, full_grads, tiny_config
+from gpt_models import VOCAB, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
 
 SEQ = 32
 EOD = VOCAB - 1
@@ -70,11 +70,12 @@ def _one_by_one():
             start += n
     count = batch["loss_mask"].sum()
     grads = {name: p.grad / count for name, p in model.named_parameters()}
-    return dict(loss=total / count, grads=grads)
+    return dict(loss=total / count, grads=grads, weights=full_weights(model))
 
 
-def _packed_run(tp, cp, comm, sequence_parallel=False):
-    """Loss (token mean) and full grads of the packed batch at this TP x CP (+ SP)."""
+def _packed_run(tp, cp, comm, sequence_parallel=False, weights=None):
+    """Loss (token mean) and full grads of the packed batch at this TP x CP (+ SP); at TP>1
+    over ``weights`` (the TP=1 model's), copied into a model initialised from another seed."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -83,7 +84,10 @@ def _packed_run(tp, cp, comm, sequence_parallel=False):
     config = tiny_config(
         tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm, sequence_parallel=sequence_parallel
     )
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), flash_gpt(config))
+    model = flash_gpt(config, seed=0 if weights is None else 7)
+    if weights is not None:
+        load_full_weights(model, weights)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     batch = _packed_batch()
     local, params = pack_documents(batch, EOD, pad_to_multiple_of=tp if sequence_parallel else 1)
     losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"], packed_seq_params=params)
@@ -157,7 +161,7 @@ def _w_cp2(rank, world_size):
         teardown_megatron()
 
 
-def _w_cp4_and_tp2_cp2(rank, world_size):
+def _w_cp4_and_tp2_cp2(rank, world_size, tp1_weights):
     ops = _op_checks(rank, world_size)
     runs = {}
     init_megatron(tp=1, cp=4)
@@ -168,8 +172,8 @@ def _w_cp4_and_tp2_cp2(rank, world_size):
     init_megatron(tp=2, cp=2)
     try:
         for comm in ("p2p", "a2a"):
-            runs[f"tp2 cp2 {comm}"] = _packed_run(2, 2, comm)
-        runs["tp2 sp cp2 p2p"] = _packed_run(2, 2, "p2p", sequence_parallel=True)
+            runs[f"tp2 cp2 {comm}"] = _packed_run(2, 2, comm, weights=tp1_weights)
+        runs["tp2 sp cp2 p2p"] = _packed_run(2, 2, "p2p", sequence_parallel=True, weights=tp1_weights)
     finally:
         teardown_megatron()
     return ops, runs
@@ -186,8 +190,8 @@ def cp2_run():
 
 
 @pytest.fixture(scope="module")
-def cp4_run():
-    return run_distributed(_w_cp4_and_tp2_cp2, 4)
+def cp4_run(single_run):
+    return run_distributed(_w_cp4_and_tp2_cp2, 4, single_run["one_by_one"]["weights"])
 
 
 # ---- the model: packed == one by one --------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dist_utils import init_megatron, run_distributed, teardown_megatron
+from gpt_models import full_weights, load_full_weights
 from mcore_flash import platform
 from mcore_flash.training.distributed import set_random_seed
 
@@ -55,12 +56,12 @@ def _single_worker(rank, world_size):
     return out
 
 
-def _pair_worker(rank, world_size, ckpt_dir):
-    """Two processes: TP=2 (GPT + SP, RNG, checkpoint, dist-ckpt), then DP=2 (DDP)."""
+def _pair_worker(rank, world_size, ckpt_dir, tp1_weights):
+    """Two processes: TP=2 (GPT + SP over the TP=1 weights, RNG, checkpoint, dist-ckpt), then DP=2 (DDP)."""
     out = {}
     init_megatron(tp=2, seed=SEED)
     try:
-        _section(out, "gpt", _gpt_section, 2, True)
+        _section(out, "gpt", _gpt_section, 2, True, tp1_weights)
         _section(out, "rng", _rng_section)
         _section(out, "dist_ckpt", _dist_ckpt_section, 2, ckpt_dir)
     finally:
@@ -79,8 +80,8 @@ def single():
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return run_distributed(_pair_worker, 2, str(tmp_path_factory.mktemp("dist_ckpt")))
+def pair(tmp_path_factory, single):
+    return run_distributed(_pair_worker, 2, str(tmp_path_factory.mktemp("dist_ckpt")), _get(single, "gpt")["weights"])
 
 
 # --------------------------------------------------------------------------------------
@@ -367,11 +368,15 @@ def _batch(batch=2):
     return tokens[:, :-1].contiguous(), position_ids, tokens[:, 1:].contiguous()
 
 
-def _gpt_section(tp, sp):
+def _gpt_section(tp, sp, weights=None):
+    """GPT loss and embedding gradient; at TP>1 over ``weights`` from the TP=1 run, copied
+    into a model initialised from another seed (the TP=1 run returns its weights)."""
     from megatron.core import parallel_state, tensor_parallel
 
-    set_random_seed(SEED)
+    set_random_seed(SEED if weights is None else SEED + 1)
     model = _gpt(_config(tp=tp, sp=sp))
+    if weights is not None:
+        load_full_weights(model, weights)
     tokens, pos, labels = _batch()
     loss = model(tokens, pos, attention_mask=None, labels=labels).float().mean()
     loss.backward()
@@ -383,6 +388,7 @@ def _gpt_section(tp, sp):
         emb_grad=grad,
         sp_params=sum(getattr(p, "sequence_parallel", False) for p in model.parameters()),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        weights=full_weights(model) if weights is None else None,
     )
 
 

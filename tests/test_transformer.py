@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import batch, build_gpt, causal_mask, flash_gpt, full_grads, tiny_config
+from gpt_models import batch, build_gpt, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
 
 ATOL = 1e-5
 
@@ -51,11 +51,15 @@ def test_matches_megatron_stock_local_spec(with_mask, fused_swiglu):
         torch.testing.assert_close(grads[name], stock_grads[name], atol=ATOL, rtol=1e-4, msg=name)
 
 
-def _w_tensor_parallel(rank, world_size, sequence_parallel, groups, use_ddp):
+def _w_tensor_parallel(rank, world_size, sequence_parallel, groups, use_ddp, weights=None):
+    """Loss and full grads at TP=world_size; with ``weights`` (a TP=1 model's, else this
+    run's own are returned) copied in over a model initialised from another seed."""
     init_megatron(tp=world_size)
     try:
         config = tiny_config(tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel, num_query_groups=groups)
-        model = flash_gpt(config)
+        model = flash_gpt(config, seed=0 if weights is None else 7)
+        if weights is not None:
+            load_full_weights(model, weights)
         if use_ddp:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -65,7 +69,7 @@ def _w_tensor_parallel(rank, world_size, sequence_parallel, groups, use_ddp):
             finalize_model_grads([model])
             result = (result[0], full_grads(model))
         sp_norms = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
-        return result, sp_norms
+        return result, sp_norms, full_weights(model) if weights is None else None
     finally:
         teardown_megatron()
 
@@ -76,9 +80,9 @@ def _w_tensor_parallel(rank, world_size, sequence_parallel, groups, use_ddp):
     ids=["tp2-gqa2", "tp2-sp-gqa2", "tp2-mqa", "tp2-sp-mha"],
 )
 def test_tensor_parallel_matches_single_rank(sequence_parallel, groups):
-    (ref_loss, ref_grads), _ = run_distributed(_w_tensor_parallel, 1, False, groups, False)[0]
-    results = run_distributed(_w_tensor_parallel, 2, sequence_parallel, groups, sequence_parallel)
-    for (loss, grads), sp_norms in results:
+    (ref_loss, ref_grads), _, weights = run_distributed(_w_tensor_parallel, 1, False, groups, False)[0]
+    results = run_distributed(_w_tensor_parallel, 2, sequence_parallel, groups, sequence_parallel, weights)
+    for (loss, grads), sp_norms, _ in results:
         torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=1e-5)
         for name in ref_grads:
             torch.testing.assert_close(grads[name], ref_grads[name], atol=ATOL, rtol=1e-4, msg=name)
