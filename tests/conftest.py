@@ -14,3 +14,15 @@ def npu_double(monkeypatch):
     module = op_double()
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     yield module
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _record_versions(record_testsuite_property):
+    """Python, torch and megatron-core versions into the JUnit XML (``--junitxml``), which
+    ``scripts/version_table.py`` turns into docs/megatron-versions.md."""
+    import platform
+    from importlib.metadata import version
+
+    record_testsuite_property("python", platform.python_version())
+    for package in ("torch", "megatron-core"):
+        record_testsuite_property(package, version(package))
