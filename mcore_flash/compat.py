@@ -45,3 +45,22 @@ def megatron_get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
     if "is_hybrid_cp" in inspect.signature(split).parameters:
         return split(batch, is_hybrid_cp=False, cp_group=cp_group)
     return split(batch, cp_group=cp_group)
+
+
+def hybrid_stack_parts():
+    """``(HybridStack, HybridStackSubmodules, MLPLayer)`` for our ``HybridModel`` spec.
+
+    0.19+: ``models/hybrid/hybrid_block.py`` (``HybridModel``'s stack) and
+    ``ssm/mlp_layer.py``. Before 0.19 there is no ``HybridModel``: ImportError with the fix.
+    """
+    from importlib.metadata import version
+
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.ssm.mlp_layer import MLPLayer
+    except ImportError as error:
+        raise ImportError(
+            f"HybridModel needs megatron-core 0.19 or later (installed: {version('megatron-core')}); "
+            "upgrade megatron-core (Python 3.12), or build GPTModel with get_gpt_decoder_block_flash_spec"
+        ) from error
+    return HybridStack, HybridStackSubmodules, MLPLayer
