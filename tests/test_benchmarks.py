@@ -51,10 +51,11 @@ def test_bench_recompute_reports_bytes_calls_and_exact_gradients():
         "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "128",
         "--seq-lengths", "64,128", "--repeats", "1",
     )  # fmt: skip
-    rows = {(row[0], int(row[1])): row for mode in ("none", "attention", "full") for row in _rows(out, mode)}
-    assert len(rows) == 6
+    rows = {(row[0], int(row[1])): row for mode in ("none", "qkv", "attention", "full") for row in _rows(out, mode)}
+    assert len(rows) == 8
     for (mode, s), row in rows.items():
-        assert row[9].endswith("(0)")  # the fused backward, never the fallback
+        # kernel forward calls per layer: once, plus once more where recompute re-runs it; never the fallback
+        assert row[9] == f"{1 if mode in ('none', 'qkv') else 2}, 1 (0)", row
         assert row[10] == "0"  # no [.., s, s] tensor saved in forward or recompute
         if mode != "none":
             assert float(row[12]) == 0.0  # gradients identical to no recompute
@@ -67,6 +68,8 @@ def test_bench_recompute_reports_bytes_calls_and_exact_gradients():
         assert f"attention sub-block keeps 0.000 MiB + checkpoint input {layer_input:.3f} MiB" in line
         assert float(re.search(r"saved bytes cut ([\d.]+)%", line).group(1)) >= 25
     assert all("only inputs + shared RoPE table" in line for line in full)
+    qkv = [v for v in verdicts if v.startswith("- qkv")]
+    assert len(qkv) == 2 and all("kernel forward calls 2/step = 1/layer" in line for line in qkv)
 
 
 def test_bench_cp_halves_saved_bytes_at_cp2():

@@ -153,9 +153,10 @@ def split(x, world_size, rank):
     return split_for_cp_rank(x, 1, world_size, rank)
 
 
-def _gpt_run(tp, cp, comm, weights=None, with_mask_check=False):
+def _gpt_run(tp, cp, comm, weights=None, with_mask_check=False, recompute_qkv=False):
     """Loss (global token mean), per-token losses (whole sequence), grads, saved bytes per rank;
-    at TP>1 over ``weights`` (the TP=1 reference's), copied into a model from another seed."""
+    at TP>1 over ``weights`` (the TP=1 reference's), copied into a model from another seed;
+    ``recompute_qkv``: under the qkv recompute boundary."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -164,7 +165,7 @@ def _gpt_run(tp, cp, comm, weights=None, with_mask_check=False):
     from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
     config = tiny_config(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm)
-    model = flash_gpt(config, seed=0 if weights is None else 7)
+    model = flash_gpt(config, seed=0 if weights is None else 7, recompute_qkv=recompute_qkv)
     if weights is not None:
         load_full_weights(model, weights)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
@@ -209,7 +210,9 @@ def _w_cp2(rank, world_size):
     ops = _op_checks(rank, world_size, with_extras=True)
     init_megatron(tp=1, cp=2)
     try:
-        return ops, {comm: _gpt_run(1, 2, comm, with_mask_check=comm == "p2p") for comm in GPT_COMMS}
+        runs = {comm: _gpt_run(1, 2, comm, with_mask_check=comm == "p2p") for comm in GPT_COMMS}
+        runs.update({f"{comm}+qkv": _gpt_run(1, 2, comm, recompute_qkv=True) for comm in GPT_COMMS})
+        return ops, runs
     finally:
         teardown_megatron()
 
@@ -218,7 +221,9 @@ def _w_cp4_and_tp2_cp2(rank, world_size, tp1_weights):
     ops = _op_checks(rank, world_size, with_extras=False)
     init_megatron(tp=2, cp=2)
     try:
-        return ops, {comm: _gpt_run(2, 2, comm, tp1_weights) for comm in GPT_COMMS}
+        runs = {comm: _gpt_run(2, 2, comm, tp1_weights) for comm in GPT_COMMS}
+        runs["p2p+qkv"] = _gpt_run(2, 2, "p2p", tp1_weights, recompute_qkv=True)
+        return ops, runs
     finally:
         teardown_megatron()
 
@@ -340,13 +345,22 @@ def _check_gpt(run, reference, what):
         torch.testing.assert_close(run["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=f"{what} {name}")
 
 
-@pytest.mark.parametrize("comm", GPT_COMMS)
+@pytest.mark.parametrize("comm", GPT_COMMS + tuple(f"{comm}+qkv" for comm in GPT_COMMS))
 def test_gpt_cp2_equals_cp1(cp2_run, reference_run, comm):
     for _, gpt in cp2_run:
         _check_gpt(gpt[comm], reference_run, f"cp2 {comm}")
 
 
-@pytest.mark.parametrize("comm", GPT_COMMS)
+def test_qkv_recompute_under_cp_saves_less(cp2_run):
+    """Under the ring the kernel's own q, k, v are dropped too; under a2a the kernel keeps the
+    all-to-all's head-split q, k, v (same bytes), the prelude's tensors are still dropped."""
+    for _, gpt in cp2_run:
+        for comm in GPT_COMMS:
+            assert gpt[f"{comm}+qkv"]["saved_bytes"] < gpt[comm]["saved_bytes"], comm
+        assert gpt["p2p+qkv"]["saved_bytes"] < gpt["a2a+qkv"]["saved_bytes"]
+
+
+@pytest.mark.parametrize("comm", GPT_COMMS + ("p2p+qkv",))
 def test_gpt_tp2_cp2_equals_tp1_cp1(cp4_run, reference_run, comm):
     for _, gpt in cp4_run:
         _check_gpt(gpt[comm], reference_run, f"tp2 x cp2 {comm}")

@@ -73,9 +73,10 @@ def _one_by_one():
     return dict(loss=total / count, grads=grads, weights=full_weights(model))
 
 
-def _packed_run(tp, cp, comm, sequence_parallel=False, weights=None):
+def _packed_run(tp, cp, comm, sequence_parallel=False, weights=None, recompute_qkv=False):
     """Loss (token mean) and full grads of the packed batch at this TP x CP (+ SP); at TP>1
-    over ``weights`` (the TP=1 model's), copied into a model initialised from another seed."""
+    over ``weights`` (the TP=1 model's), copied into a model initialised from another seed;
+    ``recompute_qkv``: under the qkv recompute boundary."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -84,7 +85,7 @@ def _packed_run(tp, cp, comm, sequence_parallel=False, weights=None):
     config = tiny_config(
         tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm, sequence_parallel=sequence_parallel
     )
-    model = flash_gpt(config, seed=0 if weights is None else 7)
+    model = flash_gpt(config, seed=0 if weights is None else 7, recompute_qkv=recompute_qkv)
     if weights is not None:
         load_full_weights(model, weights)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
@@ -156,7 +157,9 @@ def _w_cp2(rank, world_size):
     ops = _op_checks(rank, world_size)
     init_megatron(tp=1, cp=2)
     try:
-        return ops, {comm: _packed_run(1, 2, comm) for comm in ("p2p", "a2a")}
+        runs = {comm: _packed_run(1, 2, comm) for comm in ("p2p", "a2a")}
+        runs["p2p+qkv"] = _packed_run(1, 2, "p2p", recompute_qkv=True)
+        return ops, runs
     finally:
         teardown_megatron()
 
@@ -210,7 +213,7 @@ def test_packed_cp1_equals_documents_one_by_one(single_run):
     _check_equal(single_run["cp1"], single_run["one_by_one"], "CP=1 packed")
 
 
-@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "p2p+qkv"])
 def test_packed_cp2_equals_documents_one_by_one(cp2_run, single_run, comm):
     for rank, (_, runs) in enumerate(cp2_run):
         _check_equal(runs[comm], single_run["one_by_one"], f"CP=2 {comm} rank {rank}")

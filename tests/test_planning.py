@@ -40,11 +40,7 @@ from mcore_flash.planning.cli import main as plan_main
 from mcore_flash.planning.flops import FUSED_ATTENTION_BACKWARD
 
 TOL = 0.02
-RECOMPUTE = {
-    "none": {},
-    "attention": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-}
+RECOMPUTE = ("none", "qkv", "attention", "full")
 # the tiny model (tests/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
 TINY = ModelShape("tiny", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
 ODD = ModelShape("odd", 3, 96, 160, 6, 3, VOCAB, max_position_embeddings=128)
@@ -56,6 +52,7 @@ def _case(name, shape=TINY, recompute="none", b=2, s=256, dtype="fp32", sp=False
 
 TP1_CASES = [
     _case("none"),
+    _case("qkv", recompute="qkv"),
     _case("attention", recompute="attention"),
     _case("full", recompute="full"),
     _case("bf16-none", dtype="bf16", b=1, s=512),
@@ -73,9 +70,11 @@ TP2_CASES = [_case(f"{mode}-sp{int(sp)}", recompute=mode, sp=sp) for sp in (Fals
 
 def _build(case, tp):
     from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
+    from mcore_flash.transformer.recompute import recompute_mode_settings
 
     shape = case["shape"]
     dtype = dict(bf16=True, params_dtype=torch.bfloat16) if case["dtype"] == "bf16" else {}
+    recompute = recompute_mode_settings(case["recompute"])
     config = tiny_config(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -84,11 +83,11 @@ def _build(case, tp):
         ffn_hidden_size=shape.ffn_hidden_size,
         tensor_model_parallel_size=tp,
         sequence_parallel=case["sp"],
-        **RECOMPUTE[case["recompute"]],
+        **recompute.config,
         **dtype,
         **case["extra"],
     )
-    spec = get_gpt_decoder_block_flash_spec(config)
+    spec = get_gpt_decoder_block_flash_spec(config, recompute_qkv=recompute.qkv)
     if case["attention"] == "standard":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -230,6 +229,7 @@ def test_predicted_activation_bytes_match_measured_under_context_parallel():
 NPU_CASES = [
     _case("npu-none", use_te_activation_func=True),
     _case("npu-attention", recompute="attention", use_te_activation_func=True),
+    _case("npu-qkv", recompute="qkv", use_te_activation_func=True),
     _case("npu-bf16-none", dtype="bf16", b=1, s=512, use_te_activation_func=True),
 ]
 
@@ -371,6 +371,22 @@ def test_korthikanti_table2_reproduced_term_by_term(s, b, h, a, t):
     assert ours(t, False, "full") == korthikanti_table2(s, b, h, a, t, "full") == 2 * s * b * h
     sbh = Fraction(s * b * h)
     assert korthikanti_table2(s, b, h, a, 1, "none") == sbh * (34 + Fraction(5 * a * s, h))
+
+
+def test_qkv_recompute_on_the_70b_128k_recipe_layout():
+    """Issue 14's target: the qkv boundary costs <= 3% more compute and keeps <= 85% of a
+    layer's activations at TP8 PP2 CP16, 128K tokens (npu profile: 64-byte statistics)."""
+    plans = {
+        mode: plan_memory("llama2-70b", 131072, Layout(tp=8, pp=2, cp=16, recompute=mode), device_memory="64GB")
+        for mode in ("none", "qkv", "attention")
+    }
+    assert plans["qkv"].recompute_overhead <= 0.03 < plans["attention"].recompute_overhead
+    assert plans["qkv"].layer_bytes <= 0.85 * plans["none"].layer_bytes
+    assert plans["attention"].layer_bytes < plans["qkv"].layer_bytes  # attention-only cuts more, costs more
+    # the FLOPs of the QKV projection alone, written out: 2 * s * h * (a + 2g) * d per layer
+    s, h, a, g, d, layers = 131072, 8192, 64, 8, 128, 80
+    qkv = layers * 2 * s * h * (a + 2 * g) * d
+    assert plans["qkv"].recompute_overhead == pytest.approx(qkv / step_flops("llama2-70b", s), rel=1e-12)
 
 
 def test_context_parallel_divides_the_local_sequence():

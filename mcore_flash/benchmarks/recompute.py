@@ -3,10 +3,10 @@
 A Llama-shaped ``GPTModel`` with our spec (RMSNorm, SwiGLU, GQA, RoPE, no biases, no
 dropout, fp32, causal with ``attention_mask=None``; by default Llama's proportions at small
 scale: 2 layers, h 1024, 8 heads of 128, 2 query groups, ffn 2752 = 2.6875 h) is built once per recompute mode
-(:func:`mcore_flash.transformer.recompute.recompute_mode_settings`: ``none``, ``attention``
-= Megatron's ``selective`` + ``core_attn`` with our ``FlashTransformerLayer``, ``full`` =
-``full``/``uniform``/1 layer), all from the same seed, so the three models hold identical
-weights. At each sequence length:
+(:func:`mcore_flash.transformer.recompute.recompute_mode_settings`: ``none``, ``qkv`` (our
+module: keeps the kernel's output, re-runs norm -> QKV -> RoPE), ``attention`` = Megatron's
+``selective`` + ``core_attn`` with our ``FlashTransformerLayer``, ``full`` =
+``full``/``uniform``/1 layer), all from the same seed, so the models hold identical weights. At each sequence length:
 
 * **bytes**: one forward under :func:`mcore_flash.memory.measure_activation_bytes`. "Per
   layer" is everything saved under ``decoder.layers.<i>`` plus what the ``decoder`` block
@@ -22,7 +22,7 @@ weights. At each sequence length:
   dropout, which this benchmark does not use). Loss and gradients are compared with mode
   ``none``.
 * **time**: after one more untimed step per mode, ``--repeats`` rounds of one fwd+bwd step
-  per mode, interleaved (none, attention, full, then attention, full, none, ...) so that a
+  per mode, interleaved (none, qkv, attention, full, then qkv, attention, full, none, ...) so that a
   change in machine load hits them alike. Medians of wall-clock and of process CPU time are
   reported; the time relative to ``none`` is the median over rounds of the ratio to the same
   round's ``none`` step. One thread by default (``--threads``): on a shared machine the
@@ -50,7 +50,7 @@ import torch
 from .common import MegatronGroup, choice_list, int_list, loadavg
 
 MIB = 2**20
-MODES = ("none", "attention", "full")
+MODES = ("none", "qkv", "attention", "full")
 
 
 @dataclass
@@ -132,8 +132,12 @@ def build_model(args, mode: str, max_s: int) -> torch.nn.Module:
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    settings = recompute_mode_settings(mode)
     model = build_flash_gpt(
-        bench_shape(args, max_s), use_te_activation_func=args.fused_swiglu, **recompute_mode_settings(mode)
+        bench_shape(args, max_s),
+        use_te_activation_func=args.fused_swiglu,
+        recompute_qkv=settings.qkv,
+        **settings.config,
     )
     model.train()
     return model
@@ -296,7 +300,7 @@ def format_summary(results: list[Result], args) -> str:
     base = {r.s: r for r in results if r.mode == "none"}
     lines = [
         "| mode | s | saved MiB / layer | % of none | fwd+bwd ms, wall (median) | wall vs none "
-        "| fwd+bwd ms, CPU (median) | CPU vs none (quartiles) | FLOP model | attention bwd calls / step (fallback) "
+        "| fwd+bwd ms, CPU (median) | CPU vs none (quartiles) | FLOP model | attention kernel fwd, bwd calls / layer (fallback) "
         "| [.., s, s] tensors saved | largest saved tensor / (b·hq·s²) | max abs grad diff vs none |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -312,7 +316,7 @@ def format_summary(results: list[Result], args) -> str:
         diff = "" if r.max_grad_diff is None else f"{r.max_grad_diff:.1e}"
         lines.append(
             f"| {r.mode} | {r.s} | {r.layer_bytes / MIB:.2f} | {pct} | {r.ms:.1f} | {wall} | {r.cpu:.1f} | {cpu} | {flops} "
-            f"| {r.bwd_calls} = {r.bwd_calls / num_layers:g}/layer ({r.fallback_calls}) | {r.square_saved} "
+            f"| {r.fwd_calls / num_layers:g}, {r.bwd_calls / num_layers:g} ({r.fallback_calls}) | {r.square_saved} "
             f"| {r.max_saved_numel / _probs_numel(r, args):.3f} | {diff} |"
         )
     return "\n".join(lines)
@@ -363,7 +367,13 @@ def verdicts(results: list[Result], args) -> list[str]:
             f"[.., s, s] tensors saved {r.square_saved}, largest saved tensor {r.max_saved_numel / _probs_numel(r, args):.3f} "
             f"x b·hq·s²"
         )
-        if r.mode == "attention":
+        if r.mode == "qkv":
+            lines.append(
+                f"qkv s={r.s}: keeps {r.layer_bytes / MIB:.3f} MiB/layer; saved bytes cut {100 * cut:.1f}%; kernel "
+                f"forward calls {r.fwd_calls}/step = {r.fwd_calls / num_layers:g}/layer (never re-run); extra time "
+                f"{100 * extra:+.1f}% wall, {100 * extra_cpu:+.1f}% CPU (quartiles {spread}; {model}); {common}"
+            )
+        elif r.mode == "attention":
             attn = sum(v for n, v in r.per_submodule.items() if n.startswith(_ATTENTION_PARTS))
             layer_own = r.per_submodule.get("<layer>", 0.0)
             lines.append(
@@ -388,7 +398,7 @@ def verdicts(results: list[Result], args) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcore-flash bench-recompute",
-        description="Saved-for-backward bytes per layer and fwd+bwd time of recompute modes none/attention/full "
+        description="Saved-for-backward bytes per layer and fwd+bwd time of recompute modes none/qkv/attention/full "
         "for a Llama-shaped GPTModel with the fused-attention spec.",
     )
     parser.add_argument("--seq-lengths", type=int_list, default=[512, 1024, 2048],
@@ -401,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=9, help="timed steps per mode and length (median reported)")
-    parser.add_argument("--modes", type=choice_list("--modes", MODES), default=list(MODES), help="comma-separated: none,attention,full")
+    parser.add_argument("--modes", type=choice_list("--modes", MODES), default=list(MODES), help="comma-separated: none,qkv,attention,full")
     parser.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
                         help="our fused SwiGLU via config.use_te_activation_func (default: on, as the trainer)")
     parser.add_argument("--threads", type=int, default=1,

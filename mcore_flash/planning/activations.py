@@ -70,7 +70,7 @@ __all__ = [
     "korthikanti_model",
 ]
 
-RECOMPUTE_MODES = ("none", "attention", "full", "core_attention")
+RECOMPUTE_MODES = ("none", "qkv", "attention", "full", "core_attention")
 F = Fraction
 
 
@@ -276,6 +276,12 @@ def layer_terms(
 
     if recompute == "attention":
         attn = [layer_input]
+    elif recompute == "qkv":  # the layer input (as the input norm's saved input), the kernel's out + statistics
+        if p.attention != "fused":
+            raise ValueError("recompute 'qkv' keeps the fused kernel's output: it needs the fused attention profile")
+        kernel_outputs = [t for t in attn if t.module == "self_attention.core_attention" and t.name not in ("q", "k", "v")]
+        after_kernel = [t for t in attn if t.module == "<layer>"]  # the bias-dropout-add mask
+        attn = [Term("input_layernorm", "input (the layer input)", s_t * b * h * B)] + kernel_outputs + after_kernel
     return [term for term in attn + mlp_terms if term.bytes]
 
 

@@ -19,7 +19,9 @@ logsumexp and then runs four more matmuls (dV, dP, dQ, dK) against the forward's
 unfused kernel keeps the probabilities and needs only the four (2x). Recompute adds one
 forward of what it recomputes: ``full`` the whole layer, ``attention`` each layer's
 attention sub-block (QKV projection, attention kernel, output projection), ``core_attention``
-(Megatron's stock selective recompute) the attention kernel alone. The 1F1B bubble is
+(Megatron's stock selective recompute) the attention kernel alone, ``qkv`` the QKV
+projection alone (``2*b*s*h*(a+2g)*d``; its input norm and RoPE are elementwise and, like
+every elementwise op here, not counted). The 1F1B bubble is
 ``(pp-1)/(v*m)`` of the ideal step time (``v`` virtual stages per rank, ``m`` micro-batches
 per step).
 """
@@ -113,14 +115,16 @@ def recompute_overhead(
     fused_attention: bool = True,
     mean_document_length: Optional[float] = None,
 ) -> float:
-    """Extra FLOPs of ``recompute`` (none, attention, full, core_attention) as a fraction of
+    """Extra FLOPs of ``recompute`` (none, qkv, attention, full, core_attention) as a fraction of
     the step's FLOPs without recompute, for sequences of ``seq_length`` tokens (packing
     documents of ``mean_document_length`` tokens when given)."""
     m = get_model(model)
     fl = forward_flops(m, seq_length, mean_document_length=mean_document_length)
     kernel, projections = fl["attention_kernel"], fl["attention_projections"]
+    qkv_columns, output_columns = m.num_attention_heads + 2 * m.num_query_groups, m.num_attention_heads
     per_layer = {
         "none": 0.0,
+        "qkv": projections * qkv_columns / (qkv_columns + output_columns),
         "core_attention": kernel,
         "attention": projections + kernel,
         "full": projections + kernel + fl["mlp"],

@@ -95,12 +95,14 @@ def optimizer_bytes_per_parameter(distributed: bool, dp: int, cp: int = 1) -> fl
     return 12.0 / (dp * cp) if distributed else 12.0
 
 
-def build_flash_gpt(model, tp: int = 1, vp_stage: Optional[int] = None, **config_overrides):
+def build_flash_gpt(
+    model, tp: int = 1, vp_stage: Optional[int] = None, recompute_qkv: bool = False, **config_overrides
+):
     """megatron-core ``GPTModel`` with the flash spec for a model shape, on the current
     default device (this rank's pipeline stage; fp32, no dropout unless overridden).
 
     ``config_overrides`` go to ``TransformerConfig`` (e.g. ``params_dtype``, recompute
-    settings). Needs torch and megatron-core with its parallel state initialised.
+    settings); ``recompute_qkv`` to the spec (the ``qkv`` recompute module). Needs torch and megatron-core with its parallel state initialised.
     """
     import torch
     from megatron.core.models.gpt import GPTModel
@@ -130,7 +132,7 @@ def build_flash_gpt(model, tp: int = 1, vp_stage: Optional[int] = None, **config
     config = TransformerConfig(**{**settings, **config_overrides})
     return GPTModel(
         config,
-        get_gpt_decoder_block_flash_spec(config, vp_stage=vp_stage),
+        get_gpt_decoder_block_flash_spec(config, vp_stage=vp_stage, recompute_qkv=recompute_qkv),
         vocab_size=m.vocab_size,
         max_sequence_length=m.max_position_embeddings,
         position_embedding_type=m.position_embedding_type,

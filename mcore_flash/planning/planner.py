@@ -66,6 +66,7 @@ ESTIMATED_CATEGORIES = (
 # what the user-facing recompute names mean in Megatron-LM flags
 RECOMPUTE_FLAGS = {
     "none": [],
+    "qkv": ["--recompute-granularity", "selective", "--recompute-modules", "qkv"],
     "attention": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
     "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
 }
@@ -355,6 +356,9 @@ def plan_memory(
         workspace = act.sum_terms(none_terms)
     elif lay.recompute == "attention":
         workspace = sum((t.bytes for t in none_terms if t.scope == "attention"), Fraction(0))
+    elif lay.recompute == "qkv":  # the replayed prelude and q, k, v: the attention terms not kept
+        kept = {(t.module, t.name) for t in terms}
+        workspace = sum((t.bytes for t in none_terms if t.scope == "attention" and (t.module, t.name) not in kept), Fraction(0))
     else:
         workspace = Fraction(0)
     workspace += s_c * b * (f_t + 2 * h) * B  # gradients in flight inside a layer's backward

@@ -78,13 +78,17 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
     """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included).
 
     Megatron's selective recompute counts as ``attention`` when it includes ``core_attn``
-    (our spec's attention-only mode) and as ``none`` otherwise (a conservative upper bound).
+    (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``
+    otherwise (a conservative upper bound).
     """
     from .models import get_model
 
-    recompute = args.recompute.get("recompute_granularity")
-    if recompute == "selective":
-        recompute = "attention" if "core_attn" in args.recompute["recompute_modules"] else "none"
+    config = args.recompute.config
+    recompute = config.get("recompute_granularity")
+    if args.recompute.qkv:
+        recompute = "qkv"
+    elif recompute == "selective":
+        recompute = "attention" if "core_attn" in config["recompute_modules"] else "none"
     shape = get_model(args.model).with_(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -300,7 +300,7 @@ def validate_args(args: argparse.Namespace) -> None:
     args.recompute = recompute_settings(
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules
     )
-    if args.recompute.get("recompute_granularity") == "full":
+    if args.recompute.config.get("recompute_granularity") == "full":
         per_stage = args.num_layers // pp
         if args.recompute_num_layers > per_stage:
             raise ValueError(

@@ -37,7 +37,7 @@ def transformer_config(args):
         use_cpu_initialization=True,
         calculate_per_token_loss=True,
         batch_p2p_comm=False,  # gloo has no batched p2p; harmless elsewhere
-        **args.recompute,
+        **args.recompute.config,
         **_packed_pipeline_settings(args),
     )
 
@@ -62,7 +62,9 @@ def build_model(args, config, padded_vocab_size: int, parallel_output: bool = Tr
 
     return GPTModel(
         config,
-        get_gpt_decoder_block_flash_spec(config, attention_backend=args.attention_backend),
+        get_gpt_decoder_block_flash_spec(
+            config, attention_backend=args.attention_backend, recompute_qkv=args.recompute.qkv
+        ),
         vocab_size=padded_vocab_size,
         max_sequence_length=max(args.max_position_embeddings, args.seq_length),
         pre_process=parallel_state.is_pipeline_first_stage(),

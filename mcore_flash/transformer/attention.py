@@ -107,6 +107,8 @@ class FlashDotProductAttention(MegatronModule):
         self.hidden_size_per_attention_head = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        # set by FlashTransformerLayer while a forward runs under the qkv recompute boundary
+        self.qkv_recompute = None
 
     def forward(
         self,
@@ -138,35 +140,37 @@ class FlashDotProductAttention(MegatronModule):
         # let the kernel keep [s, b, n, d] each instead of that whole buffer for backward,
         # and are what the NPU kernel takes as "SBH" without another copy.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        out = flash_attn_func(
-            query,
-            key,
-            value,
-            dropout_p=dropout_p,
-            softmax_scale=self.softmax_scale,
-            causal=causal,
-            backend=self.backend,
-            attn_mask=mask,
-            layout="sbhd",
-        )  # [sq, b, np, hn]
+        with self._kernel_scope(query, key, value):
+            out = flash_attn_func(
+                query,
+                key,
+                value,
+                dropout_p=dropout_p,
+                softmax_scale=self.softmax_scale,
+                causal=causal,
+                backend=self.backend,
+                attn_mask=mask,
+                layout="sbhd",
+            )  # [sq, b, np, hn]
         return out.reshape(sq, b, np_ * hn)
 
     def _packed_forward(self, query, key, value, attention_mask, causal_type, dropout_p, params) -> Tensor:
         cu_seqlens = _packed_layout(params, attention_mask, causal_type)
         # as in the dense path: [t, n, d] copies out of the fused QKV buffer, the NPU's "TND"
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        out = context_parallel_varlen_attn_func(
-            query,
-            key,
-            value,
-            cu_seqlens,
-            self.cp_group,
-            causal=causal_type,
-            softmax_scale=self.softmax_scale,
-            dropout_p=dropout_p,
-            comm_type=self.cp_comm_type or "p2p",
-            backend=self.backend,
-        )  # [t, np, hn]
+        with self._kernel_scope(query, key, value):
+            out = context_parallel_varlen_attn_func(
+                query,
+                key,
+                value,
+                cu_seqlens,
+                self.cp_group,
+                causal=causal_type,
+                softmax_scale=self.softmax_scale,
+                dropout_p=dropout_p,
+                comm_type=self.cp_comm_type or "p2p",
+                backend=self.backend,
+            )  # [t, np, hn]
         return out.reshape(out.shape[0], -1)
 
     def _context_parallel_forward(self, query, key, value, attention_mask, causal_type, dropout_p):
@@ -186,19 +190,26 @@ class FlashDotProductAttention(MegatronModule):
             )
         causal = _resolve_cp_mask(attention_mask, causal_type, b, sq, cp_size, self.cp_group.rank())
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        out = context_parallel_attn_func(
-            query,
-            key,
-            value,
-            self.cp_group,
-            causal=causal,
-            softmax_scale=self.softmax_scale,
-            dropout_p=dropout_p,
-            comm_type=self.cp_comm_type,
-            backend=self.backend,
-            layout="sbhd",
-        )  # [sq, b, np, hn]
+        with self._kernel_scope(query, key, value):
+            out = context_parallel_attn_func(
+                query,
+                key,
+                value,
+                self.cp_group,
+                causal=causal,
+                softmax_scale=self.softmax_scale,
+                dropout_p=dropout_p,
+                comm_type=self.cp_comm_type,
+                backend=self.backend,
+                layout="sbhd",
+            )  # [sq, b, np, hn]
         return out.reshape(sq, b, np_ * hn)
+
+    def _kernel_scope(self, query: Tensor, key: Tensor, value: Tensor):
+        """The qkv recompute boundary's scope around the kernel call, if one is active."""
+        if self.qkv_recompute is None:
+            return contextlib.nullcontext()
+        return self.qkv_recompute.kernel(query, key, value)
 
     def _dropout_rng(self, dropout_p: float):
         """Megatron's RNG scope for attention dropout (tracker fork unless sequence parallel)."""

@@ -3,6 +3,10 @@
 Modes (what ``mcore-flash plan --recompute`` and the benchmarks call them):
 
 * ``none`` -- every layer keeps its activations;
+* ``qkv`` -- ``--recompute-granularity selective --recompute-modules qkv`` (ours): the
+  attention sub-block keeps the layer input, the kernel's output and statistics, and
+  re-runs input norm -> QKV -> RoPE in backward, never the kernel
+  (:mod:`mcore_flash.transformer.qkv_recompute`);
 * ``attention`` -- Megatron's ``--recompute-granularity selective --recompute-modules
   core_attn``, which with our spec keeps only each layer's input for the attention
   sub-block (see :class:`~mcore_flash.transformer.layer.FlashTransformerLayer`);
@@ -12,11 +16,22 @@ Modes (what ``mcore-flash plan --recompute`` and the benchmarks call them):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-MODES = ("none", "attention", "full")
+MODES = ("none", "qkv", "attention", "full")
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
+QKV = "qkv"  # our module; megatron's TransformerConfig does not know it
+
+
+@dataclass(frozen=True)
+class RecomputeSettings:
+    """``config``: ``TransformerConfig`` keyword arguments; ``qkv``: the spec's
+    ``recompute_qkv`` (:func:`~mcore_flash.transformer.get_gpt_decoder_block_flash_spec`)."""
+
+    config: dict = field(default_factory=dict)
+    qkv: bool = False
 
 
 def recompute_settings(
@@ -24,8 +39,8 @@ def recompute_settings(
     method: Optional[str] = None,
     num_layers: Optional[int] = None,
     modules: Optional[Sequence[str]] = None,
-) -> dict:
-    """``TransformerConfig`` keyword arguments for Megatron-LM's recompute flags.
+) -> RecomputeSettings:
+    """The settings for Megatron-LM's recompute flags (``qkv`` allowed among the modules).
 
     Raises ValueError naming the flag to change for contradictory settings.
     """
@@ -34,7 +49,7 @@ def recompute_settings(
             raise ValueError(
                 "--recompute-method/--recompute-num-layers/--recompute-modules need --recompute-granularity"
             )
-        return {"recompute_granularity": None}
+        return RecomputeSettings({"recompute_granularity": None})
     if granularity not in GRANULARITIES:
         raise ValueError(f"--recompute-granularity {granularity!r}: choose one of {GRANULARITIES}")
     if granularity == "full":
@@ -46,19 +61,33 @@ def recompute_settings(
             raise ValueError("--recompute-granularity full needs --recompute-num-layers >= 1")
         if modules:
             raise ValueError("--recompute-modules applies to --recompute-granularity selective only; drop it")
-        return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": num_layers}
+        return RecomputeSettings(
+            {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": num_layers}
+        )
     if method is not None or num_layers is not None:
         raise ValueError(
             "--recompute-method/--recompute-num-layers apply to --recompute-granularity full only; "
             "drop them for selective (choose what to recompute with --recompute-modules)"
         )
-    return {"recompute_granularity": "selective", "recompute_modules": list(modules or ["core_attn"])}
+    modules = list(modules or ["core_attn"])
+    qkv = QKV in modules
+    if qkv and "core_attn" in modules:
+        raise ValueError(
+            "--recompute-modules qkv core_attn: core_attn already recomputes the whole attention sub-block "
+            "(kernel included) and qkv keeps its output; keep one"
+        )
+    megatron_modules = [name for name in modules if name != QKV]
+    if not megatron_modules:  # qkv alone: nothing for megatron's selective recompute to do
+        return RecomputeSettings({"recompute_granularity": None}, qkv=True)
+    return RecomputeSettings({"recompute_granularity": "selective", "recompute_modules": megatron_modules}, qkv=qkv)
 
 
-def recompute_mode_settings(mode: str) -> dict:
-    """``TransformerConfig`` keyword arguments for a named mode (``none | attention | full``)."""
+def recompute_mode_settings(mode: str) -> RecomputeSettings:
+    """The settings of a named mode (``none | qkv | attention | full``)."""
     if mode == "none":
         return recompute_settings(None)
+    if mode == "qkv":
+        return recompute_settings("selective", modules=[QKV])
     if mode == "attention":
         return recompute_settings("selective", modules=["core_attn"])
     if mode == "full":

@@ -42,6 +42,7 @@ def get_gpt_layer_flash_spec(
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
     attention_backend: Optional[str] = None,
+    recompute_qkv: bool = False,
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec: our norms, Megatron's projections and MLP, fused attention.
 
@@ -49,10 +50,13 @@ def get_gpt_layer_flash_spec(
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (match ``config.normalization``).
         qk_layernorm: normalise queries and keys per head (``config.qk_layernorm``).
         attention_backend: ``"npu" | "cuda" | "cpu" | "reference"`` or None (by device).
+        recompute_qkv: the ``qkv`` recompute module (``--recompute-modules qkv``; not a
+            megatron config setting): keep the attention output, re-run norm -> QKV -> RoPE.
     """
     norm = norm_class(normalization)
     return ModuleSpec(
         module=FlashTransformerLayer,
+        params={"recompute_qkv": recompute_qkv},
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
@@ -89,14 +93,16 @@ def get_gpt_decoder_block_flash_spec(
     qk_layernorm: Optional[bool] = None,
     attention_backend: Optional[str] = None,
     vp_stage: Optional[int] = None,
+    recompute_qkv: bool = False,
 ) -> TransformerBlockSubmodules:
     """Submodules of this pipeline stage's ``TransformerBlock``, final norm included.
 
-    ``normalization`` and ``qk_layernorm`` default to the config's settings.
+    ``normalization`` and ``qk_layernorm`` default to the config's settings;
+    ``recompute_qkv`` as in :func:`get_gpt_layer_flash_spec`.
     """
     normalization = normalization or config.normalization
     qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
-    layer_spec = get_gpt_layer_flash_spec(normalization, qk_layernorm, attention_backend)
+    layer_spec = get_gpt_layer_flash_spec(normalization, qk_layernorm, attention_backend, recompute_qkv)
     return TransformerBlockSubmodules(
         layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=norm_class(normalization),
