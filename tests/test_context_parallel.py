@@ -165,7 +165,7 @@ def _gpt_run(tp, cp, comm, weights=None, with_mask_check=False, recompute_qkv=Fa
     from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
     config = tiny_config(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm)
-    model = flash_gpt(config, seed=0 if weights is None else 7, recompute_qkv=recompute_qkv)
+    model = flash_gpt(config, seed=0 if weights is None else 7, layer_recompute_modules=("qkv",) if recompute_qkv else ())
     if weights is not None:
         load_full_weights(model, weights)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)

@@ -85,7 +85,7 @@ def _packed_run(tp, cp, comm, sequence_parallel=False, weights=None, recompute_q
     config = tiny_config(
         tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm, sequence_parallel=sequence_parallel
     )
-    model = flash_gpt(config, seed=0 if weights is None else 7, recompute_qkv=recompute_qkv)
+    model = flash_gpt(config, seed=0 if weights is None else 7, layer_recompute_modules=("qkv",) if recompute_qkv else ())
     if weights is not None:
         load_full_weights(model, weights)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)

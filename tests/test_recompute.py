@@ -12,12 +12,14 @@ import torch
 from dist_utils import init_megatron, run_distributed, teardown_megatron
 from gpt_models import batch, flash_gpt, full_grads, tiny_config
 
-MODES = ("none", "qkv", "attention", "full", "attention+mlp", "qkv+mlp")
+MODES = ("none", "qkv", "attention", "full", "attention+mlp", "qkv+mlp", "partial")
 
 
 def _mode_settings(mode):
     from mcore_flash.transformer.recompute import recompute_mode_settings, recompute_settings
 
+    if mode == "partial":  # layer 1 of 2 recomputed whole, the other with qkv + megatron's mlp and layernorm
+        return recompute_settings("full", "block", 1, ["qkv", "mlp", "layernorm"])
     if mode.endswith("+mlp"):
         first = {"attention": "core_attn", "qkv": "qkv"}[mode.split("+")[0]]
         return recompute_settings("selective", modules=[first, "mlp", "layernorm"])
@@ -26,7 +28,7 @@ def _mode_settings(mode):
 
 def _model(mode, **config):
     settings = _mode_settings(mode)
-    return flash_gpt(tiny_config(**settings.config, **config), recompute_qkv=settings.qkv)
+    return flash_gpt(tiny_config(**settings.config, **config), layer_recompute_modules=settings.layer_modules)
 
 
 def _w_recompute(rank, world_size, modes, sequence_parallel):
@@ -74,6 +76,8 @@ def test_recompute_modes_give_identical_gradients_with_dropout():
     }
     assert sum(attention.values()) <= 0.75 * sum(none.values())  # >= 25% of the layer's bytes
     assert full == {}  # full recompute: nothing inside the layers (inputs are charged to the block)
+    # partial: the block recomputes the first layer whole; the second keeps what qkv+mlp keeps
+    assert results["partial"][2] == results["qkv+mlp"][2]
     # the no-recompute baseline really saves the attention sub-block (the test can fail)
     assert none["self_attention.core_attention"] > 0
 

@@ -136,7 +136,7 @@ def build_model(args, mode: str, max_s: int) -> torch.nn.Module:
     model = build_flash_gpt(
         bench_shape(args, max_s),
         use_te_activation_func=args.fused_swiglu,
-        recompute_qkv=settings.qkv,
+        layer_recompute_modules=settings.layer_modules,
         **settings.config,
     )
     model.train()

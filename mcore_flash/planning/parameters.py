@@ -13,7 +13,7 @@ parallelism (``dp * cp`` ranks): ``6 + 12/d`` bytes per parameter instead of 18.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from .models import ModelShape, get_model
 
@@ -96,13 +96,18 @@ def optimizer_bytes_per_parameter(distributed: bool, dp: int, cp: int = 1) -> fl
 
 
 def build_flash_gpt(
-    model, tp: int = 1, vp_stage: Optional[int] = None, recompute_qkv: bool = False, **config_overrides
+    model,
+    tp: int = 1,
+    vp_stage: Optional[int] = None,
+    layer_recompute_modules: Sequence[str] = (),
+    **config_overrides,
 ):
     """megatron-core ``GPTModel`` with the flash spec for a model shape, on the current
     default device (this rank's pipeline stage; fp32, no dropout unless overridden).
 
     ``config_overrides`` go to ``TransformerConfig`` (e.g. ``params_dtype``, recompute
-    settings); ``recompute_qkv`` to the spec (the ``qkv`` recompute module). Needs torch and megatron-core with its parallel state initialised.
+    settings); ``layer_recompute_modules`` to the spec (the selective modules our layer
+    applies itself). Needs torch and megatron-core with its parallel state initialised.
     """
     import torch
     from megatron.core.models.gpt import GPTModel
@@ -132,7 +137,9 @@ def build_flash_gpt(
     config = TransformerConfig(**{**settings, **config_overrides})
     return GPTModel(
         config,
-        get_gpt_decoder_block_flash_spec(config, vp_stage=vp_stage, recompute_qkv=recompute_qkv),
+        get_gpt_decoder_block_flash_spec(
+            config, vp_stage=vp_stage, layer_recompute_modules=layer_recompute_modules
+        ),
         vocab_size=m.vocab_size,
         max_sequence_length=m.max_position_embeddings,
         position_embedding_type=m.position_embedding_type,

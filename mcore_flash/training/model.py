@@ -63,7 +63,7 @@ def build_model(args, config, padded_vocab_size: int, parallel_output: bool = Tr
     return GPTModel(
         config,
         get_gpt_decoder_block_flash_spec(
-            config, attention_backend=args.attention_backend, recompute_qkv=args.recompute.qkv
+            config, attention_backend=args.attention_backend, layer_recompute_modules=args.recompute.layer_modules
         ),
         vocab_size=padded_vocab_size,
         max_sequence_length=max(args.max_position_embeddings, args.seq_length),

@@ -18,14 +18,23 @@ Megatron's other selective modules (``mlp``, ``layernorm`` for the pre-MLP norm)
 working; the input norm is inside the checkpoint, so its own ``layernorm`` recompute is
 switched off there.
 
-With ``recompute_qkv=True`` (a spec parameter: ``--recompute-modules qkv``, which megatron's
-config does not know) the attention sub-block keeps the layer input, the kernel's output and
-its statistics, and re-runs only input norm -> QKV -> RoPE in backward, never the kernel
-(:mod:`mcore_flash.transformer.qkv_recompute`). It combines with Megatron's ``mlp`` and
-``layernorm`` (pre-MLP norm) modules, not with ``core_attn`` (which already recomputes more).
+The spec parameter ``layer_recompute_modules`` adds selective modules the layer applies itself,
+beyond what megatron's config can say:
+
+* ``qkv`` (``--recompute-modules qkv``, which megatron's config does not know): the attention
+  sub-block keeps the layer input, the kernel's output and its statistics, and re-runs only
+  input norm -> QKV -> RoPE in backward, never the kernel
+  (:mod:`mcore_flash.transformer.qkv_recompute`). It combines with ``mlp`` and ``layernorm``
+  (pre-MLP norm), not with ``core_attn`` (which already recomputes more).
+* partial recompute: under ``--recompute-granularity full --recompute-method block
+  --recompute-num-layers N`` megatron's block recomputes the first N layers of each stage
+  whole; the spec gives the other layers the selective ``layer_recompute_modules`` (any of
+  ``qkv``, ``core_attn``, ``mlp``, ``layernorm``), which megatron would ignore under ``full``.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from megatron.core import tensor_parallel
@@ -33,26 +42,37 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .qkv_recompute import QKVRecompute
 
+LAYER_MODULES = ("qkv", "core_attn", "mlp", "layernorm")  # what layer_recompute_modules may name
+
 
 class FlashTransformerLayer(TransformerLayer):
-    """``TransformerLayer`` whose ``core_attn`` selective recompute covers the attention sub-block."""
+    """``TransformerLayer`` whose ``core_attn`` selective recompute covers the attention sub-block,
+    with the ``qkv`` module and partial recompute's selective modules (``layer_recompute_modules``)."""
 
-    def __init__(self, config, submodules, *args, recompute_qkv: bool = False, **kwargs):
+    def __init__(self, config, submodules, *args, layer_recompute_modules: Sequence[str] = (), **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.recompute_attention = config.recompute_granularity == "selective" and "core_attn" in (
-            config.recompute_modules or []
-        )
-        if recompute_qkv and self.recompute_attention:
+        own = set(layer_recompute_modules)
+        if own and config.recompute_granularity == "full" and config.recompute_method != "block":
+            raise ValueError(
+                "--recompute-modules with --recompute-granularity full needs --recompute-method block (the modules "
+                "apply to the layers the block does not recompute whole); with uniform every layer is recomputed"
+            )
+        unknown = own - set(LAYER_MODULES)
+        if unknown:
+            raise ValueError(f"--recompute-modules {sorted(unknown)}: this layer recomputes {LAYER_MODULES}")
+        selective = config.recompute_granularity == "selective"
+        modules = own | set((config.recompute_modules or []) if selective else [])
+        if {"qkv", "core_attn"} <= modules:
             raise ValueError(
                 "--recompute-modules qkv and core_attn exclude each other: core_attn already recomputes the whole "
                 "attention sub-block (kernel included); keep one"
             )
-        if recompute_qkv and config.recompute_granularity == "full":
-            raise ValueError(
-                "--recompute-modules qkv with --recompute-granularity full: every layer is recomputed whole; drop "
-                "qkv, or use --recompute-granularity selective"
-            )
-        self.recompute_qkv = recompute_qkv
+        self.recompute_attention = "core_attn" in modules
+        self.recompute_qkv = "qkv" in modules
+        if "mlp" in own:
+            self.recompute_mlp = True
+        if "layernorm" in own:
+            self.recompute_input_layernorm = self.recompute_pre_mlp_layernorm = True
         if self.recompute_attention:
             self.self_attention.checkpoint_core_attention = False  # covered, and would do nothing
         if self.recompute_attention or self.recompute_qkv:

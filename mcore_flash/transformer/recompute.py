@@ -12,6 +12,12 @@ Modes (what ``mcore-flash plan --recompute`` and the benchmarks call them):
   sub-block (see :class:`~mcore_flash.transformer.layer.FlashTransformerLayer`);
 * ``full`` -- ``--recompute-granularity full --recompute-method uniform
   --recompute-num-layers 1``: each layer keeps only its input.
+
+Partial recompute (for a plan that recomputes just enough): ``--recompute-granularity full
+--recompute-method block --recompute-num-layers N --recompute-modules M...`` recomputes the
+first N layers of each pipeline stage (chunk) whole, as Megatron-LM does, and gives the other
+layers the selective modules M (``qkv``, ``core_attn``, ``mlp``, ``layernorm``); Megatron-LM
+refuses modules with ``full``, so this combination is ours.
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ QKV = "qkv"  # our module; megatron's TransformerConfig does not know it
 
 @dataclass(frozen=True)
 class RecomputeSettings:
-    """``config``: ``TransformerConfig`` keyword arguments; ``qkv``: the spec's
-    ``recompute_qkv`` (:func:`~mcore_flash.transformer.get_gpt_decoder_block_flash_spec`)."""
+    """``config``: ``TransformerConfig`` keyword arguments; ``layer_modules``: the spec's
+    ``layer_recompute_modules`` (:func:`~mcore_flash.transformer.get_gpt_decoder_block_flash_spec`),
+    the selective modules our layer applies itself (``qkv``; all of them under partial recompute)."""
 
     config: dict = field(default_factory=dict)
-    qkv: bool = False
+    layer_modules: tuple[str, ...] = ()
 
 
 def recompute_settings(
@@ -59,27 +66,34 @@ def recompute_settings(
             )
         if num_layers is None or num_layers < 1:
             raise ValueError("--recompute-granularity full needs --recompute-num-layers >= 1")
-        if modules:
-            raise ValueError("--recompute-modules applies to --recompute-granularity selective only; drop it")
-        return RecomputeSettings(
-            {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": num_layers}
-        )
+        if modules and method != "block":
+            raise ValueError(
+                "--recompute-modules with --recompute-granularity full needs --recompute-method block (partial "
+                "recompute: the modules apply to the layers after the first --recompute-num-layers); with uniform "
+                "every layer is recomputed whole, drop --recompute-modules"
+            )
+        config = {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": num_layers}
+        return RecomputeSettings(config, _check_modules(modules or ()))
     if method is not None or num_layers is not None:
         raise ValueError(
             "--recompute-method/--recompute-num-layers apply to --recompute-granularity full only; "
             "drop them for selective (choose what to recompute with --recompute-modules)"
         )
-    modules = list(modules or ["core_attn"])
-    qkv = QKV in modules
-    if qkv and "core_attn" in modules:
+    modules = _check_modules(modules or ["core_attn"])
+    layer_modules = (QKV,) if QKV in modules else ()
+    megatron_modules = [name for name in modules if name != QKV]
+    if not megatron_modules:  # qkv alone: nothing for megatron's selective recompute to do
+        return RecomputeSettings({"recompute_granularity": None}, layer_modules)
+    return RecomputeSettings({"recompute_granularity": "selective", "recompute_modules": megatron_modules}, layer_modules)
+
+
+def _check_modules(modules: Sequence[str]) -> tuple[str, ...]:
+    if QKV in modules and "core_attn" in modules:
         raise ValueError(
             "--recompute-modules qkv core_attn: core_attn already recomputes the whole attention sub-block "
             "(kernel included) and qkv keeps its output; keep one"
         )
-    megatron_modules = [name for name in modules if name != QKV]
-    if not megatron_modules:  # qkv alone: nothing for megatron's selective recompute to do
-        return RecomputeSettings({"recompute_granularity": None}, qkv=True)
-    return RecomputeSettings({"recompute_granularity": "selective", "recompute_modules": megatron_modules}, qkv=qkv)
+    return tuple(modules)
 
 
 def recompute_mode_settings(mode: str) -> RecomputeSettings:

@@ -17,7 +17,7 @@ apex kernels, which do not exist on Ascend or CPU).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -42,7 +42,7 @@ def get_gpt_layer_flash_spec(
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
     attention_backend: Optional[str] = None,
-    recompute_qkv: bool = False,
+    layer_recompute_modules: Sequence[str] = (),
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec: our norms, Megatron's projections and MLP, fused attention.
 
@@ -50,13 +50,15 @@ def get_gpt_layer_flash_spec(
         normalization: ``"RMSNorm"`` or ``"LayerNorm"`` (match ``config.normalization``).
         qk_layernorm: normalise queries and keys per head (``config.qk_layernorm``).
         attention_backend: ``"npu" | "cuda" | "cpu" | "reference"`` or None (by device).
-        recompute_qkv: the ``qkv`` recompute module (``--recompute-modules qkv``; not a
-            megatron config setting): keep the attention output, re-run norm -> QKV -> RoPE.
+        layer_recompute_modules: selective recompute modules the layer applies itself, beyond the
+            config's (:class:`FlashTransformerLayer`): ``qkv`` (keep the attention output,
+            re-run norm -> QKV -> RoPE), and under full/block recompute the modules of the
+            layers the block does not recompute whole.
     """
     norm = norm_class(normalization)
     return ModuleSpec(
         module=FlashTransformerLayer,
-        params={"recompute_qkv": recompute_qkv},
+        params={"layer_recompute_modules": tuple(layer_recompute_modules)},
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
@@ -93,18 +95,27 @@ def get_gpt_decoder_block_flash_spec(
     qk_layernorm: Optional[bool] = None,
     attention_backend: Optional[str] = None,
     vp_stage: Optional[int] = None,
-    recompute_qkv: bool = False,
+    layer_recompute_modules: Sequence[str] = (),
 ) -> TransformerBlockSubmodules:
     """Submodules of this pipeline stage's ``TransformerBlock``, final norm included.
 
-    ``normalization`` and ``qk_layernorm`` default to the config's settings;
-    ``recompute_qkv`` as in :func:`get_gpt_layer_flash_spec`.
+    ``normalization`` and ``qk_layernorm`` default to the config's settings.
+    ``layer_recompute_modules`` (:func:`get_gpt_layer_flash_spec`) go to every layer, except under
+    ``recompute_method="block"`` to the first ``recompute_num_layers`` of the stage (chunk),
+    which megatron's block recomputes whole (partial recompute).
     """
     normalization = normalization or config.normalization
     qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
-    layer_spec = get_gpt_layer_flash_spec(normalization, qk_layernorm, attention_backend, recompute_qkv)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    whole = 0
+    if config.recompute_granularity == "full" and config.recompute_method == "block":
+        whole = min(num_layers, config.recompute_num_layers)
+    whole_spec, layer_spec = (
+        get_gpt_layer_flash_spec(normalization, qk_layernorm, attention_backend, modules)
+        for modules in ((), layer_recompute_modules)
+    )
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_specs=[whole_spec] * whole + [layer_spec] * (num_layers - whole),
         layer_norm=norm_class(normalization),
     )
 
