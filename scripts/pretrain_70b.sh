@@ -8,14 +8,20 @@
 #   bash scripts/pretrain_70b.sh --rehearse    # on any CPU machine: the recipe's code path on 8
 #                                              # emulated NPUs (TP2 x PP2 x CP2), a tiny model
 #
-# Layout (checked by `mcore-flash plan`, see docs/benchmarks.md "Memory planner"):
+# Layout and recompute: the planner's best fitting layout, asked at launch (below) with
+#   mcore-flash plan --search --hardware ascend-910b-64g --num-devices $WORLD_SIZE --device-memory 64GB
+# Why the planner: it keeps only layouts whose predicted memory fits 64 GB with >= 5% free and
+# ranks them by the step-time model (docs/step-time.md: compute with recompute, exposed TP /
+# CP-ring / PP / DP communication, the pipeline bubble), which reproduces published 70B
+# figures within 15%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (52.6 GiB,
+# 11.4 GiB free, ~95 s per 32 x 128K-token step); next: recompute qkv (49.1 GiB, +2% time),
+# attention (47.5 GiB, +20%), full (31.3 GiB, +26%). TP=, PP=, CP=, RECOMPUTE= override it.
 #   TP 8 + sequence parallel   one node's 8 NPUs share each layer (HCCS inside the node)
-#   CP ${CP}                   ring attention over 2*CP chunks: 131072 / CP tokens per rank
-#   PP ${PP}                   80 layers -> 80/PP per stage, 1F1B
+#   CP                         ring attention over 2*CP chunks: 131072 / CP tokens per rank
+#   PP                         80 layers -> 80/PP per stage, 1F1B
 #   DP = world / (TP*PP*CP)    distributed optimizer shards fp32 master weights + Adam over DP x CP
-#   recompute ${RECOMPUTE}     attention-only (default): the attention sub-block keeps only its
-#                              input; planner: 47.5 GiB of 64 GiB, +19% FLOPs. RECOMPUTE=none:
-#                              52.6 GiB (+0%, less margin); RECOMPUTE=full: 31.3 GiB (+31%)
+#   recompute                  none | qkv | attention (the attention sub-block keeps only its
+#                              input) | full (the layer keeps only its input)
 #
 # Continued pretraining (Xiong et al. 2023; Fu et al. 2024): with HF_CHECKPOINT set, node 0
 # converts the Hugging Face checkpoint once into $SAVE/hf_converted (`mcore-flash convert
@@ -43,12 +49,20 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-6000}
 WORLD_SIZE=$((NNODES * NPUS_PER_NODE))
 
-TP=${TP:-8}
-PP=${PP:-2}
-CP=${CP:-16}
 SEQ_LENGTH=131072
 GLOBAL_BATCH=${GLOBAL_BATCH:-32}
-RECOMPUTE=${RECOMPUTE:-attention}
+PYTHON=${PYTHON:-python}
+# the planner's best fitting layout for this world size (pure Python, well under a second)
+read -r PLAN_TP PLAN_PP PLAN_CP PLAN_RECOMPUTE_ARGS < <(
+  "$PYTHON" -m mcore_flash.planning.cli --search --model llama2-70b --seq-length "$SEQ_LENGTH" \
+    --num-devices "$WORLD_SIZE" --global-batch-size "$GLOBAL_BATCH" --device-memory 64GB \
+    --hardware ascend-910b-64g --top 1 --json |
+  "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]; print(lay["tp"], lay["pp"], lay["cp"], *best["recompute_flags"])'
+) || { echo "mcore-flash plan --search found no layout of $WORLD_SIZE NPUs that fits 64 GB" >&2; exit 2; }
+TP=${TP:-$PLAN_TP}
+PP=${PP:-$PLAN_PP}
+CP=${CP:-$PLAN_CP}
+RECOMPUTE=${RECOMPUTE:-planner}  # planner: the plan's recompute flags (partial recompute included)
 DATA_PATH=${DATA_PATH:-/data/llama2_text_document}
 SAVE=${SAVE:-/ckpt/llama2-70b-128k}
 HF_CHECKPOINT=${HF_CHECKPOINT:-}
@@ -68,10 +82,12 @@ export CPU_AFFINITY_CONF=1
 export COMBINED_ENABLE=1
 
 case "$RECOMPUTE" in
+  planner) read -r -a RECOMPUTE_ARGS <<< "$PLAN_RECOMPUTE_ARGS" ;;
   none) RECOMPUTE_ARGS=() ;;
+  qkv) RECOMPUTE_ARGS=(--recompute-granularity selective --recompute-modules qkv) ;;
   attention) RECOMPUTE_ARGS=(--recompute-granularity selective --recompute-modules core_attn) ;;
   full) RECOMPUTE_ARGS=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
-  *) echo "RECOMPUTE=$RECOMPUTE: choose none, attention or full" >&2; exit 2 ;;
+  *) echo "RECOMPUTE=$RECOMPUTE: choose none, qkv, attention or full" >&2; exit 2 ;;
 esac
 
 case "$ROPE" in
@@ -110,7 +126,6 @@ ARGS=(
 
 # Where training starts: $SAVE once it holds a checkpoint (resume), else the converted
 # Hugging Face checkpoint (converted here once), else random weights.
-PYTHON=${PYTHON:-python}
 CONVERTED=${CONVERTED:-$SAVE/hf_converted}
 start_from() {
   if [[ -f "$SAVE/latest_checkpointed_iteration.txt" ]]; then

@@ -9,6 +9,7 @@ Korthikanti et al. 2022, Table 2, and FLOPs counted by hand (packed documents).
 from __future__ import annotations
 
 import json
+import math
 from fractions import Fraction
 
 import pytest
@@ -30,6 +31,7 @@ from mcore_flash.planning import (
     non_layer_terms,
     plan_for_recipe,
     plan_memory,
+    search_layouts,
     recompute_overhead,
     stage_parameters,
     step_flops,
@@ -46,8 +48,11 @@ TINY = ModelShape("tiny", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
 ODD = ModelShape("odd", 3, 96, 160, 6, 3, VOCAB, max_position_embeddings=128)
 
 
-def _case(name, shape=TINY, recompute="none", b=2, s=256, dtype="fp32", sp=False, attention="fused", **extra):
-    return dict(name=name, shape=shape, recompute=recompute, b=b, s=s, dtype=dtype, sp=sp, attention=attention, extra=extra)
+def _case(name, shape=TINY, recompute="none", b=2, s=256, dtype="fp32", sp=False, attention="fused", whole=0, **extra):
+    """``whole`` > 0: partial recompute, that many layers recomputed whole, ``recompute`` for the rest."""
+    return dict(
+        name=name, shape=shape, recompute=recompute, b=b, s=s, dtype=dtype, sp=sp, attention=attention, whole=whole, extra=extra
+    )
 
 
 TP1_CASES = [
@@ -55,6 +60,7 @@ TP1_CASES = [
     _case("qkv", recompute="qkv"),
     _case("attention", recompute="attention"),
     _case("full", recompute="full"),
+    _case("partial-qkv", shape=ODD, recompute="qkv", whole=2, b=3, s=128),
     _case("bf16-none", dtype="bf16", b=1, s=512),
     _case("bf16-attention", dtype="bf16", recompute="attention", b=1, s=512),
     _case("odd-none", shape=ODD, b=3, s=128),
@@ -70,11 +76,14 @@ TP2_CASES = [_case(f"{mode}-sp{int(sp)}", recompute=mode, sp=sp) for sp in (Fals
 
 def _build(case, tp):
     from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
-    from mcore_flash.transformer.recompute import recompute_mode_settings
+    from mcore_flash.transformer.recompute import recompute_mode_settings, recompute_settings
 
     shape = case["shape"]
     dtype = dict(bf16=True, params_dtype=torch.bfloat16) if case["dtype"] == "bf16" else {}
     recompute = recompute_mode_settings(case["recompute"])
+    if case["whole"]:
+        modules = recompute.layer_modules or recompute.config.get("recompute_modules", [])
+        recompute = recompute_settings("full", "block", case["whole"], modules)
     config = tiny_config(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -87,7 +96,7 @@ def _build(case, tp):
         **dtype,
         **case["extra"],
     )
-    spec = get_gpt_decoder_block_flash_spec(config, recompute_qkv=recompute.qkv)
+    spec = get_gpt_decoder_block_flash_spec(config, layer_recompute_modules=recompute.layer_modules)
     if case["attention"] == "standard":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -165,6 +174,8 @@ def _close(predicted, measured, what):
 
 def _check_case(case, measured, tp, table):
     per_layer, modules, total = measured
+    if case["whole"]:
+        return _check_partial(case, total, tp, table)
     layer, outside = _predict(case, tp)
     layers = case["shape"].num_layers
     predicted_total = layers * sum_terms(layer) + sum_terms(outside)
@@ -184,6 +195,26 @@ def _check_case(case, measured, tp, table):
         _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']} tp{tp}: {module}")
     _close(sum_terms(layer), sum(per_layer.values()), f"{case['name']} tp{tp}: layer total")
     table.append((f"tp{tp} {case['name']}", float(sum_terms(layer)), sum(per_layer.values())))
+
+
+def _check_partial(case, total, tp, table):
+    """Partial recompute: the block's layers keep their input (charged to ``decoder``), the
+    others their mode's terms; the plan's mean per layer is the same sum."""
+    layers, whole = case["shape"].num_layers, case["whole"]
+    selective, _ = _predict(case, tp)
+    full, outside = _predict(dict(case, recompute="full"), tp)
+    predicted = whole * sum_terms(full) + (layers - whole) * sum_terms(selective) + sum_terms(outside)
+    _close(predicted, total, f"{case['name']} tp{tp}: whole model")
+    table.append((f"tp{tp} {case['name']} (whole model)", float(predicted), total))
+    plan = plan_memory(
+        case["shape"],
+        case["s"],
+        Layout(tp=tp, recompute=case["recompute"], recompute_num_layers=whole, micro_batch_size=case["b"]),
+        activation_profile=PROFILES["cpu"].with_(swiglu_fused=False),
+        dtype_bytes=4,
+    )
+    mean = (whole * sum_terms(full) + (layers - whole) * sum_terms(selective, "activations")) / layers
+    assert plan.per_device["activations"] == math.ceil(layers * mean + sum_terms(o for o in outside if o.module == "decoder"))
 
 
 CP2_CASES = [_case(f"cp2-{mode}", recompute=mode) for mode in RECOMPUTE] + [
@@ -429,11 +460,20 @@ def test_recipe_70b_128k_fits_64gb():
     plan = plan_for_recipe()
     assert plan.layout.tp == 8 and plan.layout.sp and plan.layout.distributed_optimizer
     assert plan.fits and plan.headroom > 4 * 2**30, plan.format_text()
-    # exact parts, by hand: 40 layers x 2 micro-batches in flight x (layer input 16 MiB +
-    # pre-MLP norm input 16 + fc1 input 16 + fused-SwiGLU input 112 + fc2 input 56 MiB
-    # + 4 KiB rstd); s/cp = 8192 tokens, /tp = 1024 under SP, bf16
-    assert plan.per_device["activations"] == 80 * sum_terms(plan.layer_terms) == 80 * (216 * 2**20 + 4096)
+    # exact parts, by hand: 40 layers x 2 micro-batches in flight x (input norm input 16 MiB +
+    # QKV input 16 + RoPE cos/sin 8 + q 16 + k 2 + v 2 + out 16 + pre-MLP norm input 16 + fc1
+    # input 16 + fused-SwiGLU input 112 + fc2 input 56 MiB + 2 x 4 KiB rstd) and 4 MiB of NPU
+    # softmax statistics; s/cp = 8192 tokens, /tp = 1024 under SP, 1 KV head per TP rank, bf16
+    assert plan.per_device["activations"] == 80 * (276 * 2**20 + 8192)
+    assert plan.per_device["attention_statistics"] == 80 * 4 * 2**20
     assert not plan_for_recipe(pp=1).fits
+
+
+def test_recipe_70b_128k_is_the_searchs_best_layout():
+    """The recipe (and scripts/pretrain_70b.sh, which asks the search at launch) is the layout
+    the step-time ranking puts first for 256 x 64 GB."""
+    best = search_layouts("llama2-70b", 131072, 256, "64GB", global_batch_size=32)[0].plan.layout
+    assert best == plan_for_recipe().layout
 
 
 def test_cli_plan_json(capsys):
@@ -582,3 +622,23 @@ def test_mean_document_length_is_checked_in_the_api():
         forward_flops(TINY, 256, mean_document_length=512)
     with pytest.raises(ValueError, match="at least 1 token"):
         plan_memory(TINY, 256, Layout(), mean_document_length=0.5)
+
+
+def test_cli_partial_recompute_plan_and_its_launch_flags(capsys):
+    """--recompute qkv --recompute-num-layers 4: 4 of 40 layers per stage recomputed whole, qkv for
+    the rest; the overhead mixes the modes by layer share and the launch flags parse back."""
+    from mcore_flash.transformer.recompute import recompute_settings
+
+    rc = plan_main(RECIPE_ARGS[:-4] + "--recompute qkv --recompute-num-layers 4 --device-memory 64GB --json".split())
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["layout"]["recompute_num_layers"] == 4
+    s = 131072
+    mixed = 0.1 * recompute_overhead("llama2-70b", s, "full") + 0.9 * recompute_overhead("llama2-70b", s, "qkv")
+    assert out["recompute_overhead"] == pytest.approx(mixed, rel=1e-12)
+    flags = out["recompute_flags"]
+    assert " ".join(flags) in out["launch_command"]
+    assert flags == "--recompute-granularity full --recompute-method block --recompute-num-layers 4 --recompute-modules qkv".split()
+    settings = recompute_settings(flags[1], flags[3], int(flags[5]), flags[7:])
+    assert settings.config["recompute_method"] == "block" and settings.layer_modules == ("qkv",)
+    qkv_only = plan_memory("llama2-70b", s, Layout(tp=8, pp=2, cp=16, recompute="qkv"), device_memory="64GB")
+    assert out["total_bytes_per_device"] < qkv_only.total

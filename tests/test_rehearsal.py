@@ -128,8 +128,8 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
     """scripts/pretrain_70b.sh --rehearse as a continued-pretraining run: HF_CHECKPOINT (a
     tiny random Llama of the rehearsal's shape) is converted once, then trained with
     --finetune and the recipe's flags (TP + SP, PP, CP ring, the distributed optimizer with
-    overlapped reduction, attention-only recompute, bf16, ABF RoPE, the npu attention backend,
-    document masking: packed TND batches split over CP)
+    overlapped reduction, bf16, ABF RoPE, the npu attention backend, document masking: packed
+    TND batches split over CP) and RECOMPUTE=qkv (the planner's recipe runs without recompute)
     with every parallel size halved, on 8 emulated NPUs; launched again, it resumes from
     $SAVE instead."""
     from hf_models import make_hf_llama
@@ -138,7 +138,7 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
     save = tmp_path / "run"
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_70b.sh")
     env = {**os.environ, "PYTHON": sys.executable, "REHEARSAL_SAVE": str(save), "MASTER_PORT": str(free_port()),
-           "PYTHONWARNINGS": "ignore", "HF_CHECKPOINT": hf_dir}  # fmt: skip
+           "PYTHONWARNINGS": "ignore", "HF_CHECKPOINT": hf_dir, "RECOMPUTE": "qkv"}  # fmt: skip
     result = subprocess.run(["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     output = result.stdout + result.stderr  # progress on stdout, the [mcore-flash] notes on stderr

@@ -26,6 +26,7 @@ from .activations import (
 )
 from .compare import compare_standard
 from .flops import forward_flops, pipeline_bubble, recompute_overhead, step_flops
+from .hardware import HARDWARE_PROFILES, HardwareProfile, load_hardware
 from .models import MODELS, ModelShape, get_model
 from .parameters import (
     build_flash_gpt,
@@ -37,11 +38,18 @@ from .parameters import (
 )
 from .planner import CATEGORIES, ESTIMATED_CATEGORIES, Layout, MemoryPlan, plan_memory
 from .recipes import RECIPE_70B_128K, plan_for_recipe
-from .search import launch_command, search_layouts
+from .search import Candidate, launch_command, search_layouts
+from .step_time import StepTime, predict_step_time
 from .units import format_bytes, parse_bytes
 
 __all__ = [
     "CATEGORIES",
+    "Candidate",
+    "HARDWARE_PROFILES",
+    "HardwareProfile",
+    "StepTime",
+    "load_hardware",
+    "predict_step_time",
     "ESTIMATED_CATEGORIES",
     "Layout",
     "MODELS",

@@ -5,6 +5,9 @@
     mcore-flash plan --search --num-devices 256 --device-memory 64GB [--top 5]
     mcore-flash plan --compare-standard --model llama2-7b [--tp 1]
 
+``--hardware ascend-910b-64g|h100-80g|h200-141g|profile.json`` (default ascend-910b-64g)
+adds the predicted step time, tokens/s per device, MFU and their breakdown
+(:mod:`.step_time`); ``--search`` ranks the fitting layouts by that step time.
 ``--mean-document-length N`` (tokens, e.g. 8K) plans sequences that pack documents of N
 tokens on average with document masking: attention FLOPs (and so the recompute overhead
 and the search's ranking) scale by N / seq-length; the memory does not change.
@@ -22,9 +25,11 @@ from typing import Optional
 from .activations import PROFILES
 from .compare import DEFAULT_SEQ_LENGTHS, compare_standard, format_compare
 from .flops import check_mean_document_length
+from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, load_hardware
 from .models import MODELS, get_model
 from .planner import Layout, plan_memory
-from .search import default_global_batch_size, search_layouts
+from .search import SEARCH_RECOMPUTE_MODES, default_global_batch_size, search_layouts
+from .step_time import predict_step_time
 from .units import format_bytes, parse_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -59,7 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     devices = p.add_mutually_exclusive_group()
     devices.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, help="data-parallel size")
     devices.add_argument("--num-devices", type=int, help="total devices (dp = devices / (tp*pp*cp))")
-    p.add_argument("--recompute", choices=("none", "attention", "full"), default="none")
+    p.add_argument("--recompute", choices=SEARCH_RECOMPUTE_MODES, default="none")
+    p.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="partial recompute: the first N layers of each pipeline chunk recomputed whole, --recompute for the "
+        "others (Megatron's --recompute-method block; default 0)",
+    )
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--global-batch-size", type=int, help="sequences per step (default: about 4M tokens)")
     p.add_argument("--device-memory", help="memory per device, e.g. 64GB (binary: 64 GiB)")
@@ -70,9 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
     p.add_argument("--runtime-reserve", default="2GiB", help="fixed reserve for runtime/collectives (default 2GiB)")
     p.add_argument("--fragmentation", type=float, default=0.05, help="fraction of dynamic memory lost (default 0.05)")
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        metavar="NAME|FILE.json",
+        help=f"device profile for the step time: {', '.join(HARDWARE_PROFILES)} or a JSON file with the same "
+        f"fields (docs/step-time.md; default {DEFAULT_HARDWARE})",
+    )
+    p.add_argument("--tp-comm-overlap", action="store_true", help="step time: TP collectives overlap the GEMMs")
+    p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="step time: the gradient reduction does not overlap the last backward")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="step time: the distributed optimizer's parameter all-gather overlaps the first forward")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--search", action="store_true", help="enumerate TP/PP/CP/recompute layouts that fit")
-    p.add_argument("--top", type=int, default=5, help="layouts shown by --search (default 5)")
+    p.add_argument("--top", type=int, default=5, help="layouts shown by --search, with their step-time breakdown (default 5)")
     p.add_argument("--max-tp", type=int, default=8, help="largest TP --search tries (default 8: one node)")
     p.add_argument("--interleave", default="1", help="--search: virtual pipeline sizes to try, e.g. 1,2 (default 1)")
     p.add_argument("--compare-standard", action="store_true", help="standard vs fused attention by sequence length")
@@ -103,9 +128,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         check_mean_document_length(args.seq_length, args.mean_document_length)
         if args.compare_standard:
             return _compare(args, dtype_bytes)
+        hardware = load_hardware(args.hardware)
         if args.search:
-            return _search(args, parser, dtype_bytes)
-        return _plan(args, dtype_bytes)
+            return _search(args, parser, dtype_bytes, hardware)
+        return _plan(args, dtype_bytes, hardware)
     except ValueError as error:
         print(f"mcore-flash plan: {error}", file=sys.stderr)
         return 2
@@ -121,7 +147,15 @@ def _plan_kwargs(args, dtype_bytes):
     )
 
 
-def _plan(args, dtype_bytes) -> int:
+def _step_options(args) -> dict:
+    return dict(
+        tp_comm_overlap=args.tp_comm_overlap,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+    )
+
+
+def _plan(args, dtype_bytes, hardware) -> int:
     dp = _dp(args)
     gbs = args.global_batch_size or default_global_batch_size(args.seq_length, args.micro_batch_size, dp)
     layout = Layout(
@@ -132,19 +166,27 @@ def _plan(args, dtype_bytes) -> int:
         vp=args.vp,
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
+        recompute_num_layers=args.recompute_num_layers,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=gbs,
         distributed_optimizer=args.distributed_optimizer,
     )
     plan = plan_memory(args.model, args.seq_length, layout, device_memory=args.device_memory, **_plan_kwargs(args, dtype_bytes))
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.format_text())
+    step = predict_step_time(
+        args.model, args.seq_length, layout, hardware, mean_document_length=args.mean_document_length,
+        dtype_bytes=dtype_bytes, **_step_options(args),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "step_time": step.to_dict()}, indent=2))
+    else:
+        print(plan.format_text() + "\n\n" + step.format_text())
     return 0 if plan.fits is not False else 1
 
 
-def _search(args, parser, dtype_bytes) -> int:
+def _search(args, parser, dtype_bytes, hardware) -> int:
     if args.num_devices is None or args.device_memory is None:
         parser.error("--search needs --num-devices and --device-memory")
-    plans = search_layouts(
+    found = search_layouts(
         args.model,
         args.seq_length,
         args.num_devices,
@@ -155,34 +197,39 @@ def _search(args, parser, dtype_bytes) -> int:
         max_tp=args.max_tp,
         sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer,
+        hardware=hardware,
+        step_options=_step_options(args),
         **_plan_kwargs(args, dtype_bytes),
     )
-    shown = plans[: args.top]
+    shown = found[: args.top]
     if args.json:
-        print(json.dumps({"num_fitting": len(plans), "layouts": [p.to_dict() for p in shown]}, indent=2))
-        return 0 if plans else 1
+        print(json.dumps({"num_fitting": len(found), "hardware": hardware.to_dict(),
+                          "layouts": [c.to_dict() for c in shown]}, indent=2))  # fmt: skip
+        return 0 if found else 1
     capacity = parse_bytes(args.device_memory)
     tokens = f"{args.seq_length:,} tokens"
     if args.mean_document_length is not None:
         tokens += f" (documents of mean {args.mean_document_length:,})"
     print(
-        f"{args.model} at {tokens} on {args.num_devices} devices of {format_bytes(capacity)}: "
-        f"{len(plans)} layouts fit; best {len(shown)} by estimated step time (recompute FLOPs x pipeline bubble):"
+        f"{args.model} at {tokens} on {args.num_devices} x {hardware.name} with {format_bytes(capacity)}: "
+        f"{len(found)} layouts fit; best {len(shown)} by predicted step time:"
     )
-    for rank, plan in enumerate(shown, 1):
-        lay = plan.layout
+    for rank, candidate in enumerate(shown, 1):
+        plan, step, lay = candidate.plan, candidate.step, candidate.plan.layout
         print(
             f"\n{rank}. TP{lay.tp}{' SP' if lay.sp else ''} PP{lay.pp}{f' v{lay.vp}' if lay.vp > 1 else ''} "
-            f"CP{lay.cp} DP{lay.dp}, recompute {lay.recompute}: {format_bytes(plan.total)} per device "
-            f"({format_bytes(plan.headroom)} free); recompute +{plan.recompute_overhead:.1%}, "
-            f"bubble +{plan.pipeline_bubble:.1%} ({lay.num_microbatches} micro-batches)"
+            f"CP{lay.cp} DP{lay.dp}, recompute {plan.recompute_text()}: {step.step_time_s:.2f} s per step, "
+            f"{step.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {step.mfu:.1%}; "
+            f"{format_bytes(plan.total)} per device ({format_bytes(plan.headroom)} free); recompute "
+            f"+{plan.recompute_overhead:.1%}, bubble +{plan.pipeline_bubble:.1%} ({lay.num_microbatches} micro-batches)"
         )
+        print("\n".join("  " + line for line in step.format_text().splitlines()[1:]))
         for note in plan.notes:
             print(f"   note: {note}")
         print(f"   {plan.launch_command()}")
-    if not plans:
+    if not found:
         print("nothing fits: add devices, a longer pipeline or context parallelism, or recompute")
-    return 0 if plans else 1
+    return 0 if found else 1
 
 
 def _compare(args, dtype_bytes) -> int:

@@ -40,7 +40,7 @@ from .models import ModelShape, get_model
 from .parameters import optimizer_bytes_per_parameter, stage_parameters, total_parameters
 from .units import format_bytes, parse_bytes
 
-__all__ = ["Layout", "MemoryPlan", "StagePlan", "plan_memory", "CATEGORIES", "ESTIMATED_CATEGORIES"]
+__all__ = ["Layout", "MemoryPlan", "StagePlan", "plan_memory", "recompute_flags", "CATEGORIES", "ESTIMATED_CATEGORIES"]
 
 CATEGORIES = (
     "weights",
@@ -69,7 +69,18 @@ RECOMPUTE_FLAGS = {
     "qkv": ["--recompute-granularity", "selective", "--recompute-modules", "qkv"],
     "attention": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
     "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "core_attention": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
 }
+
+
+def recompute_flags(layout: Layout) -> list[str]:
+    """The ``mcore-flash pretrain`` flags (Megatron-LM's names) of ``layout``'s recompute."""
+    if not layout.recompute_num_layers:
+        return list(RECOMPUTE_FLAGS[layout.recompute])
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block"]
+    flags += ["--recompute-num-layers", str(layout.recompute_num_layers)]
+    modules = RECOMPUTE_FLAGS[layout.recompute][3:]  # after "--recompute-modules"
+    return flags + (["--recompute-modules", *modules] if modules else [])
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,9 @@ class Layout:
     """A parallel layout: TP x PP x CP x DP devices, and how each trains.
 
     ``vp`` is the number of interleaved (virtual) pipeline chunks per rank (1 = plain 1F1B).
-    ``global_batch_size`` (sequences) fixes the number of micro-batches per step
+    ``recompute_num_layers`` > 0 is partial recompute: the first that many layers of each
+    pipeline chunk are recomputed whole (Megatron's ``block`` method), the others use
+    ``recompute``. ``global_batch_size`` (sequences) fixes the number of micro-batches per step
     ``m = global_batch_size / (micro_batch_size * dp)``; None = enough to fill the pipeline.
     """
 
@@ -88,6 +101,7 @@ class Layout:
     vp: int = 1
     sequence_parallel: bool = True
     recompute: str = "none"
+    recompute_num_layers: int = 0
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None
     distributed_optimizer: bool = True
@@ -98,6 +112,11 @@ class Layout:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.recompute not in act.RECOMPUTE_MODES:
             raise ValueError(f"recompute {self.recompute!r}: choose one of {act.RECOMPUTE_MODES}")
+        if self.recompute_num_layers < 0 or (self.recompute_num_layers and self.recompute == "full"):
+            raise ValueError(
+                f"recompute_num_layers {self.recompute_num_layers}: the layers recomputed whole per pipeline chunk "
+                "(>= 0), with a selective recompute mode for the others (not 'full', which recomputes every layer)"
+            )
         if self.vp > 1 and self.pp == 1:
             raise ValueError("an interleaved schedule (vp > 1) needs pp > 1")
         if self.global_batch_size is not None and self.global_batch_size % (self.micro_batch_size * self.dp):
@@ -109,6 +128,19 @@ class Layout:
     @property
     def num_devices(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    def recompute_shares(self, num_layers: int) -> list[tuple[float, str]]:
+        """``(fraction of the layers, recompute mode)``: with partial recompute the first
+        ``recompute_num_layers`` of each of the ``num_layers / (pp * vp)``-layer chunks are
+        ``full``, the rest ``recompute``."""
+        chunk_layers = num_layers // (self.pp * self.vp)
+        if self.recompute_num_layers > chunk_layers:
+            raise ValueError(
+                f"recompute_num_layers {self.recompute_num_layers} exceeds the {chunk_layers} layers per pipeline "
+                f"chunk ({num_layers} layers / (pp {self.pp} x vp {self.vp}))"
+            )
+        whole = self.recompute_num_layers / chunk_layers
+        return [(whole, "full"), (1 - whole, self.recompute)] if whole else [(1.0, self.recompute)]
 
     @property
     def sp(self) -> bool:
@@ -205,6 +237,13 @@ class MemoryPlan:
             f"({format_bytes(abs(self.headroom))} {sign})"
         )
 
+    def recompute_text(self) -> str:
+        lay = self.layout
+        if not lay.recompute_num_layers:
+            return lay.recompute
+        chunk = self.model.num_layers // (lay.pp * lay.vp)
+        return f"full for {lay.recompute_num_layers} of {chunk} layers per chunk, {lay.recompute} for the others"
+
     def launch_command(self) -> str:
         from .search import launch_command
 
@@ -257,6 +296,7 @@ class MemoryPlan:
             "recompute_overhead": self.recompute_overhead,
             "pipeline_bubble": self.pipeline_bubble,
             "relative_step_time": self.relative_step_time,
+            "recompute_flags": recompute_flags(self.layout),
             "launch_command": self.launch_command(),
             "notes": self.notes,
         }
@@ -268,10 +308,11 @@ class MemoryPlan:
             f"{lay.micro_batch_size}, activations {self.dtype_bytes} B ({self.profile} profile)",
             f"layout: TP{lay.tp}{' SP' if lay.sp else ''} x PP{lay.pp}"
             f"{f' (v={lay.vp})' if lay.vp > 1 else ''} x CP{lay.cp} x DP{lay.dp} = {lay.num_devices} devices; "
-            f"recompute {lay.recompute}; {'distributed' if lay.distributed_optimizer else 'replicated'} optimizer; "
+            f"recompute {self.recompute_text()}; {'distributed' if lay.distributed_optimizer else 'replicated'} optimizer; "
             f"micro-batches/step {lay.num_microbatches or 'n/a'}",
             "",
-            f"per-layer activations (one micro-batch, this device): {format_bytes(self.layer_bytes)}",
+            f"per-layer activations (one micro-batch, this device{', layers not recomputed whole' if lay.recompute_num_layers else ''}): "
+            f"{format_bytes(self.layer_bytes)}",
         ]
         if self.mean_document_length is not None:
             lines.insert(1, self.documents_line())
@@ -344,15 +385,20 @@ def plan_memory(
     )
     terms = act.layer_terms(m, seq_length, lay.micro_batch_size, **dims)
     none_terms = act.layer_terms(m, seq_length, lay.micro_batch_size, **{**dims, "recompute": "none"})
-    layer_acts = act.sum_terms(terms, "activations")
-    layer_stats = act.sum_terms(terms, "attention_stats")
+    full_terms = act.layer_terms(m, seq_length, lay.micro_batch_size, **{**dims, "recompute": "full"})
+    shares = lay.recompute_shares(m.num_layers)
+    whole = lay.recompute_num_layers  # partial recompute: layers per chunk recomputed whole
+    # mean bytes per layer of a chunk: `whole` layers keep their input, the others `terms`
+    share = Fraction(whole, m.num_layers // (lay.pp * lay.vp))
+    layer_acts = share * act.sum_terms(full_terms) + (1 - share) * act.sum_terms(terms, "activations")
+    layer_stats = (1 - share) * act.sum_terms(terms, "attention_stats")
 
     s_c = Fraction(seq_length, lay.cp)
     s_t = s_c / lay.tp if lay.sp else s_c
     b, B, h = lay.micro_batch_size, dtype_bytes, m.hidden_size
     f_t = Fraction(m.ffn_hidden_size * (2 if m.gated else 1), lay.tp)
     g_t = Fraction(m.num_query_groups, lay.tp) if m.num_query_groups >= lay.tp else Fraction(1)
-    if lay.recompute == "full":
+    if lay.recompute == "full" or whole:
         workspace = act.sum_terms(none_terms)
     elif lay.recompute == "attention":
         workspace = sum((t.bytes for t in none_terms if t.scope == "attention"), Fraction(0))
@@ -372,6 +418,7 @@ def plan_memory(
     reserve = parse_bytes(runtime_reserve)
     opt_per_param = optimizer_bytes_per_parameter(lay.distributed_optimizer, lay.dp, lay.cp)
 
+    fused = prof.attention != "standard"
     stages = []
     layers_per_stage = m.num_layers // lay.pp
     for stage in range(lay.pp):
@@ -382,7 +429,12 @@ def plan_memory(
         # micro-batches in flight through this stage's first/last chunk (embedding / loss)
         n_micro = min(n_chunks, lay.num_microbatches or n_chunks)
         outside = act.non_layer_terms(
-            m, seq_length, lay.micro_batch_size, first_stage=first, last_stage=last, **dims
+            m,
+            seq_length,
+            lay.micro_batch_size,
+            first_stage=first,
+            last_stage=last,
+            **{**dims, "recompute": "full" if whole else lay.recompute},
         )
         first_terms = [t for t in outside if t.module.startswith("embedding")]
         last_terms = [t for t in outside if not t.module.startswith(("embedding", "decoder"))]
@@ -428,8 +480,8 @@ def plan_memory(
         stages=stages,
         layer_terms=terms,
         device_memory=None if device_memory is None else parse_bytes(device_memory),
-        recompute_overhead=recompute_overhead(
-            m, seq_length, lay.recompute, prof.attention != "standard", mean_document_length
+        recompute_overhead=sum(
+            weight * recompute_overhead(m, seq_length, mode, fused, mean_document_length) for weight, mode in shares
         ),
         pipeline_bubble=pipeline_bubble(lay.pp, lay.num_microbatches, lay.vp),
         mean_document_length=mean_document_length,

@@ -1,13 +1,15 @@
 """The layouts our launch scripts use, as plans (``scripts/pretrain_70b.sh --dry-run``).
 
-Llama-2-70B at 128K tokens on 64 GB devices (Ascend 910B): TP8 with sequence parallel
-(inside a node), PP2, CP16 (8K tokens per CP rank: ring attention can hide its
-communication), attention-only recompute, distributed optimizer, micro-batch 1, 32
-sequences (4M tokens) per step on 256 devices (DP1). Per device (stage 0): 8.0 GiB
-weights, 16.1 GiB fp32 grads, 3.0 GiB optimizer shard, 16.9 GiB activations (40 layers x
-2 micro-batches in flight x 216 MiB), ~3.5 GiB estimated buffers/reserve: about 47.5 GiB
-of 64 GiB. Without recompute the same layout needs about 52.3 GiB (+0% FLOPs, 11.7 GiB
-free); with full recompute 31.3 GiB at +33% FLOPs instead of +21%.
+Llama-2-70B at 128K tokens on 64 GB devices (Ascend 910B), the planner's best fitting
+layout for 256 devices (``mcore-flash plan --search``, ranked by predicted step time,
+docs/step-time.md; ``scripts/pretrain_70b.sh`` asks the planner at launch): TP8 with
+sequence parallel (inside a node), PP2, CP16 (8K tokens per CP rank: the ring's hops hide
+behind its blocks), no recompute, distributed optimizer, micro-batch 1, 32 sequences (4M
+tokens) per step (DP1). Per device (stage 0): 8.0 GiB weights, 16.1 GiB fp32 grads, 3.0 GiB
+optimizer shard, 21.6 GiB activations + 0.3 GiB softmax statistics (40 layers x 2
+micro-batches in flight x 280 MiB), ~3.7 GiB estimated buffers/reserve: about 52.6 GiB of
+64 GiB, ~95 s per step. Next: qkv recompute 49.1 GiB at +1.3% FLOPs, attention-only 47.5 GiB
+at +19.3%, full 31.3 GiB at +30.5%.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ RECIPE_70B_128K = dict(
     dp=1,
     vp=1,
     sequence_parallel=True,
-    recompute="attention",
+    recompute="none",
     micro_batch_size=1,
     global_batch_size=32,
     distributed_optimizer=True,
@@ -63,7 +65,7 @@ def plan_for_recipe(
         if num_devices % unit:
             raise ValueError(f"num_devices {num_devices} is not divisible by tp*pp*cp = {unit}")
         settings["dp"] = num_devices // unit
-    layout = Layout(**{k: settings[k] for k in layout_keys})
+    layout = Layout(**{k: settings[k] for k in layout_keys if k in settings})
     return plan_memory(
         settings["model"],
         settings["seq_length"],
@@ -85,7 +87,7 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
 
     config = args.recompute.config
     recompute = config.get("recompute_granularity")
-    if args.recompute.qkv:
+    if "qkv" in args.recompute.layer_modules:
         recompute = "qkv"
     elif recompute == "selective":
         recompute = "attention" if "core_attn" in config["recompute_modules"] else "none"

@@ -1,26 +1,44 @@
 """Layout search: every TP x PP x CP (x interleaving) x recompute choice that fits, ranked.
 
-Ranking (best first): layouts whose ring context parallelism can hide its communication
-(>= 8K tokens per CP rank) before those that cannot; layouts that leave at least
-``safety_margin`` (default 5%) of the device free before tight ones (the transient buffers
-and the runtime reserve are estimates); then the estimated relative step
-time ``(1 + recompute FLOPs) * (1 + pipeline bubble)`` (:mod:`.flops`); then less
-communication (smaller CP, PP, TP), then more free memory.
+Ranking (best first): layouts that leave at least ``safety_margin`` (default 5%) of the
+device free before tight ones (the transient buffers and the runtime reserve are
+estimates); then the predicted step time on the hardware profile (:mod:`.step_time`:
+compute with recompute, exposed TP / CP-ring / PP / DP communication, the pipeline
+bubble); then less communication (smaller CP, PP, TP), then more free memory. The step-time
+model's exposed ring time replaces the former rule of thumb that ring CP needs >= 8K
+tokens per rank.
 """
 
 from __future__ import annotations
 
 import shlex
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
+from .activations import RECOMPUTE_MODES
+from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .models import get_model
-from .planner import RECOMPUTE_FLAGS, Layout, MemoryPlan, plan_memory
+from .planner import Layout, MemoryPlan, plan_memory, recompute_flags
+from .step_time import StepTime, predict_step_time
 from .units import parse_bytes
 
-__all__ = ["search_layouts", "launch_command", "default_global_batch_size", "CP_MIN_TOKENS"]
+__all__ = ["Candidate", "search_layouts", "launch_command", "default_global_batch_size", "SEARCH_RECOMPUTE_MODES"]
 
-CP_MIN_TOKENS = 8192
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # Llama-2's 4M-token batches
+# what --search tries (and --recompute accepts): our modes; Megatron's stock core_attention
+# recompute saves nothing with a fused kernel (README "Recompute")
+SEARCH_RECOMPUTE_MODES = tuple(mode for mode in RECOMPUTE_MODES if mode != "core_attention")
+
+
+@dataclass
+class Candidate:
+    """A layout the search found: its memory plan and its predicted step time."""
+
+    plan: MemoryPlan
+    step: StepTime
+
+    def to_dict(self) -> dict:
+        return {**self.plan.to_dict(), "step_time": self.step.to_dict()}
 
 
 def default_global_batch_size(seq_length: int, micro_batch_size: int = 1, dp: int = 1, tokens: int = DEFAULT_TOKENS_PER_STEP) -> int:
@@ -59,10 +77,7 @@ def launch_command(plan: MemoryPlan, program: str = "mcore-flash pretrain") -> s
         args.append("--use-distributed-optimizer")
     if plan.mean_document_length is not None:  # the plan assumes document masking
         args += ["--reset-attention-mask", "--reset-position-ids"]
-    if lay.recompute == "core_attention":
-        args += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
-    else:
-        args += RECOMPUTE_FLAGS[lay.recompute]
+    args += recompute_flags(lay)
     args.append("--bf16" if plan.dtype_bytes == 2 else "--fp32")
     return " ".join([program] + [shlex.quote(a) for a in args])
 
@@ -91,28 +106,38 @@ def search_layouts(
     pp_choices: Optional[Iterable[int]] = None,
     cp_choices: Optional[Iterable[int]] = None,
     vp_choices: Sequence[int] = (1,),
-    recompute_choices: Sequence[str] = ("none", "attention", "full"),
+    recompute_choices: Sequence[str] = SEARCH_RECOMPUTE_MODES,
     max_tp: int = 8,
     sequence_parallel: bool = True,
     distributed_optimizer: bool = True,
     include_non_fitting: bool = False,
+    partial_recompute: bool = True,
     safety_margin: float = 0.05,
+    hardware=DEFAULT_HARDWARE,
+    step_options: Optional[dict] = None,
     **plan_kwargs,
-) -> list[MemoryPlan]:
+) -> list[Candidate]:
     """All layouts of ``num_devices`` devices that fit ``device_memory``, best first.
 
     TP defaults to the divisors of the query-group count up to ``max_tp`` (one node),
     PP to the divisors of the layer count, CP to powers of two; DP takes the remaining
     devices. ``global_batch_size`` defaults to about 4M tokens per step.
     Layouts leaving less than ``safety_margin`` of the memory free are ranked after the
-    others. ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve`` ...).
+    others. With ``partial_recompute`` a selective mode that does not fit is retried with
+    the fewest layers per pipeline chunk recomputed whole that make it fit
+    (``Layout.recompute_num_layers``: recompute just enough). ``hardware`` (a :class:`HardwareProfile`, name or JSON path) and ``step_options``
+    (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
+    ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
+    ``mean_document_length`` ...).
     """
     m = get_model(model)
+    hw: HardwareProfile = load_hardware(hardware)
+    step_kwargs = {"mean_document_length": plan_kwargs.get("mean_document_length"), **(step_options or {})}
     capacity = parse_bytes(device_memory)
     tps = list(tp_choices) if tp_choices else [t for t in _divisors(m.num_query_groups) if t <= max_tp and m.num_attention_heads % t == 0]
     pps = list(pp_choices) if pp_choices else [p for p in _divisors(m.num_layers) if p <= num_devices]
     cps = list(cp_choices) if cp_choices else [c for c in _powers_of_two(num_devices) if seq_length % (2 * c) == 0 or c == 1]
-    plans = []
+    found = []
     for tp in tps:
         for pp in pps:
             for cp in cps:
@@ -143,25 +168,45 @@ def search_layouts(
                             distributed_optimizer=distributed_optimizer,
                         )
                         plan = plan_memory(m, seq_length, layout, device_memory=capacity, **plan_kwargs)
+                        if not plan.fits and partial_recompute and recompute != "full":
+                            plan = _least_partial_recompute(plan, plan_kwargs) or plan
+                        layout = plan.layout
                         if plan.fits and plan.headroom < safety_margin * capacity:
                             plan.notes.append(
                                 f"tight: less than {safety_margin:.0%} of the device memory left free"
                             )
                         if plan.fits or include_non_fitting:
-                            plans.append(plan)
-    plans.sort(key=lambda plan: rank_key(plan, safety_margin))
-    return plans
+                            step = predict_step_time(m, seq_length, layout, hw, dtype_bytes=plan.dtype_bytes, **step_kwargs)
+                            found.append(Candidate(plan, step))
+    found.sort(key=lambda candidate: rank_key(candidate, safety_margin))
+    return found
 
 
-def rank_key(plan: MemoryPlan, safety_margin: float = 0.05):
-    """Sort key: CP exposed?, tight?, relative step time, cp, pp, tp, -headroom."""
-    lay = plan.layout
-    cp_exposed = lay.cp > 1 and plan.seq_length // lay.cp < CP_MIN_TOKENS
+def _least_partial_recompute(plan: MemoryPlan, plan_kwargs: dict) -> Optional[MemoryPlan]:
+    """The fitting plan with the fewest layers per chunk recomputed whole (bytes fall as
+    that number grows: bisection), or None if even all but one do not fit."""
+    lay, m = plan.layout, plan.model
+    chunk_layers = m.num_layers // (lay.pp * lay.vp)
+    best, low, high = None, 1, chunk_layers - 1
+    while low <= high:
+        mid = (low + high) // 2
+        candidate = plan_memory(
+            m, plan.seq_length, replace(lay, recompute_num_layers=mid), device_memory=plan.device_memory, **plan_kwargs
+        )
+        if candidate.fits:
+            best, high = candidate, mid - 1
+        else:
+            low = mid + 1
+    return best
+
+
+def rank_key(candidate: Candidate, safety_margin: float = 0.05):
+    """Sort key: tight?, predicted step time (ms), cp, pp, tp, -headroom."""
+    plan, lay = candidate.plan, candidate.plan.layout
     tight = plan.device_memory is not None and (plan.headroom or 0) < safety_margin * plan.device_memory
     return (
-        cp_exposed,
         tight,
-        round(plan.relative_step_time, 6),
+        round(candidate.step.step_time_s, 3),
         lay.cp,
         lay.pp,
         lay.tp,

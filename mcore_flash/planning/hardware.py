@@ -1,0 +1,114 @@
+"""Hardware profiles for the step-time model: one device's compute, memory and links.
+
+Profiles are data (``hardware_profiles.json`` next to this module, every number with its
+public source in ``sources``); a custom profile is a JSON file with the same fields.
+Resolve a name or path once, at the edge, with :func:`load_hardware` and pass the
+:class:`HardwareProfile` down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+__all__ = ["HardwareProfile", "HARDWARE_PROFILES", "load_hardware", "DEFAULT_HARDWARE"]
+
+DEFAULT_HARDWARE = "ascend-910b-64g"
+_PROFILES_FILE = os.path.join(os.path.dirname(__file__), "hardware_profiles.json")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator as the step-time model sees it.
+
+    ``peak_bf16_tflops``: dense BF16 matrix peak (TFLOP/s). ``achievable_fraction``: the
+    fraction of that peak the model's FLOPs run at (GEMMs and the fused attention kernel
+    alike). ``hbm_bytes``: device memory (bytes). ``intra_node_bandwidth`` and
+    ``inter_node_bandwidth``: bytes/s one device sends in one direction inside a node and
+    to another node. ``devices_per_node``: devices sharing the intra-node links.
+    ``sources``: field name -> where the number comes from (or that it is an assumption).
+    """
+
+    name: str
+    peak_bf16_tflops: float
+    achievable_fraction: float
+    hbm_bytes: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int
+    description: str = ""
+    sources: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("peak_bf16_tflops", "hbm_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "devices_per_node"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--hardware {self.name}: {name} must be positive (got {getattr(self, name)})")
+        if not 0 < self.achievable_fraction <= 1:
+            raise ValueError(
+                f"--hardware {self.name}: achievable_fraction is a fraction of the peak in (0, 1] "
+                f"(got {self.achievable_fraction})"
+            )
+
+    @property
+    def achievable_flops(self) -> float:
+        """FLOP/s the model's work runs at: peak x achievable fraction."""
+        return self.peak_bf16_tflops * 1e12 * self.achievable_fraction
+
+    def with_(self, **changes) -> "HardwareProfile":
+        """A copy with some fields changed (e.g. a different ``achievable_fraction``)."""
+        return HardwareProfile(**{**asdict(self), **changes})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+REQUIRED_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", "sources"))
+
+
+def _profile(name: str, data: dict, origin: str) -> HardwareProfile:
+    if not isinstance(data, dict):
+        raise ValueError(f"--hardware {origin}: expected a JSON object with the fields {', '.join(REQUIRED_FIELDS)}")
+    known = {f.name for f in fields(HardwareProfile)}
+    missing = [k for k in REQUIRED_FIELDS if k not in data]
+    unknown = sorted(set(data) - known)
+    if missing or unknown:
+        problems = [f"missing {', '.join(missing)}"] if missing else []
+        problems += [f"unknown {', '.join(unknown)}"] if unknown else []
+        raise ValueError(
+            f"--hardware {origin}: {'; '.join(problems)}; a profile has the fields {', '.join(REQUIRED_FIELDS)} "
+            "(and optionally name, description, sources)"
+        )
+    return HardwareProfile(**{"name": name, **data})
+
+
+def _builtin() -> dict[str, HardwareProfile]:
+    with open(_PROFILES_FILE) as f:
+        return {name: _profile(name, data, name) for name, data in json.load(f).items()}
+
+
+HARDWARE_PROFILES: dict[str, HardwareProfile] = _builtin()
+
+
+def load_hardware(name_or_path) -> HardwareProfile:
+    """A built-in profile by name (``ascend-910b-64g``, ``h100-80g``, ``h200-141g``), a
+    custom profile from a JSON file path, or a HardwareProfile as is."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    key = str(name_or_path)
+    if key.lower() in HARDWARE_PROFILES:
+        return HARDWARE_PROFILES[key.lower()]
+    if not key.endswith(".json"):
+        raise ValueError(
+            f"--hardware {key}: unknown profile; choose one of {', '.join(HARDWARE_PROFILES)} "
+            "or give the path of a JSON file with the fields " + ", ".join(REQUIRED_FIELDS)
+        )
+    try:
+        with open(key) as f:
+            data = json.load(f)
+    except OSError as error:
+        raise ValueError(f"--hardware {key}: cannot read the file ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--hardware {key}: not valid JSON ({error.msg}, line {error.lineno})") from None
+    name = data.pop("name", os.path.splitext(os.path.basename(key))[0]) if isinstance(data, dict) else key
+    return _profile(name, data, key)
