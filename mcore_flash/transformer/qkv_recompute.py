@@ -43,6 +43,13 @@ Tensor = torch.Tensor
 __all__ = ["QKVRecompute"]
 
 
+def _outer_saved_tensors_hooks():
+    """The (pack, unpack) hooks active around this layer, or None. torch has no public API
+    for it; without the private one (torch 2.x has it) outer hooks do not see kept tensors."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
 class _PreludeRecomputed(Exception):
     """Stops the prelude's replay at the kernel: its inputs are all the replay needs."""
 
@@ -61,7 +68,7 @@ class QKVRecompute:
         self._run_prelude = run_prelude
         self._input = layer_input.detach()
         self._input_storage = layer_input.untyped_storage().data_ptr()
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._outer = _outer_saved_tensors_hooks()
         self._phase = "prelude"  # forward: "prelude" -> "kernel" -> "after"; "replay" in backward
         self._saves = 0  # tensors saved so far in the prelude (numbers the dropped ones)
         self._kernel_inputs: tuple[Tensor, ...] = ()
