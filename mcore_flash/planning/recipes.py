@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .models import ModelShape, get_model
 from .planner import Layout, MemoryPlan, plan_memory
 
-__all__ = ["RECIPE_70B_128K", "plan_for_recipe", "plan_for_pretrain_args"]
+__all__ = ["RECIPE_70B_128K", "plan_for_recipe", "plan_for_pretrain_args", "model_shape_for_pretrain_args"]
 
 RECIPE_70B_128K = dict(
     model="llama2-70b",
@@ -83,21 +84,13 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
     (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``
     otherwise (a conservative upper bound).
     """
-    from .models import get_model
-
     config = args.recompute.config
     recompute = config.get("recompute_granularity")
     if "qkv" in args.recompute.layer_modules:
         recompute = "qkv"
     elif recompute == "selective":
         recompute = "attention" if "core_attn" in config["recompute_modules"] else "none"
-    shape = get_model(args.model).with_(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-    )
+    shape = model_shape_for_pretrain_args(args)
     layout = Layout(
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
@@ -110,3 +103,19 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
         distributed_optimizer=args.use_distributed_optimizer,
     )
     return plan_memory(shape, args.seq_length, layout, device_memory=device_memory, profile=profile)
+
+
+def model_shape_for_pretrain_args(args, vocab_size: Optional[int] = None) -> ModelShape:
+    """The :class:`ModelShape` a parsed ``mcore-flash pretrain`` command line trains: its
+    ``--model`` preset with the shape flags applied; ``vocab_size`` (the tokenizer's padded
+    vocabulary, rows) when given, else the preset's."""
+    preset = get_model(args.model)
+    return preset.with_(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        activation="swiglu" if args.swiglu else "gelu",
+        vocab_size=preset.vocab_size if vocab_size is None else vocab_size,
+    )

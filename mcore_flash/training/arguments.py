@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from mcore_flash.data.datasets import parse_data_path
 from mcore_flash.data.indexed import check_indexed_dataset
+from mcore_flash.planning.hardware import HARDWARE_PROFILES, load_hardware
 from mcore_flash.planning.models import MODELS
 from mcore_flash.transformer.recompute import recompute_settings
 
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--exit-interval", type=int, default=None, help="save and exit after iteration N (same schedule)")
     ckpt.add_argument("--log-interval", type=int, default=10)
     ckpt.add_argument("--tensorboard-dir", default=None)
+    ckpt.add_argument("--hardware", default=None, metavar="NAME|FILE.json",
+                      help=f"device profile ({', '.join(HARDWARE_PROFILES)} or a JSON file, as for `mcore-flash plan "
+                           "--hardware`): adds MFU (model TFLOP/s per device / the profile's BF16 peak) to the log")  # fmt: skip
     ckpt.add_argument("--device-memory", default="64GB", help="per-device memory the --dry-run plan checks against")
     ckpt.add_argument("--dry-run", action="store_true",
                       help="validate flags and build one rank's model on the meta device (WORLD_SIZE from env)")  # fmt: skip
@@ -290,6 +294,7 @@ def validate_args(args: argparse.Namespace) -> None:
     for flag in ("finetune", "no_load_optim", "no_load_rng"):
         if getattr(args, flag) and not args.load:
             raise ValueError(f"--{flag.replace('_', '-')} needs --load (the checkpoint to start from)")
+    args.hardware = load_hardware(args.hardware) if args.hardware else None  # ValueError names --hardware
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
     _check_document_flags(args)

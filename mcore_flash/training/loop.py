@@ -85,7 +85,7 @@ def train(args) -> dict:
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
 
-    logger = MetricsLogger(args, count_parameters(model))
+    logger = MetricsLogger(args, count_parameters(model), vocab)
     iteration, consumed = 0, 0
     described, provenance = model_args(args, tokenizer.vocab_size), {}
     if args.load and checkpointing.latest_iteration(args.load) is not None:
