@@ -11,6 +11,7 @@ COMMANDS = {
     "preprocess": ("mcore_flash.data.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
     "convert": ("mcore_flash.conversion.cli", "Hugging Face Llama <-> megatron checkpoints (hf-to-mcore, mcore-to-hf)"),
     "generate": ("mcore_flash.generate", "greedy decoding from a checkpoint (does the converted model speak?)"),
+    "evaluate": ("mcore_flash.evaluation.cli", "needle retrieval by length x depth, or loss by position, of a checkpoint"),
     "plot": ("mcore_flash.plot", "training curves from metrics.jsonl into a PNG"),
     "plan": ("mcore_flash.planning.cli", "per-device memory plan for a model, sequence length and layout"),
     "bench-attention": ("mcore_flash.benchmarks.attention", "fwd+bwd time and saved bytes of attention implementations"),

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-__all__ = ["read_metric", "plot_runs", "main"]
+__all__ = ["read_metric", "plot_runs", "pyplot", "main"]
 
 
 def read_metric(path: str, metric: str) -> tuple[list[int], list[float]]:
@@ -45,15 +45,22 @@ def read_metric(path: str, metric: str) -> tuple[list[int], list[float]]:
     return iterations, values
 
 
-def plot_runs(paths: list[str], metric: str, output: str, log_x: bool = False) -> None:
-    """Draw ``metric`` against the iteration for every file in ``paths`` into the PNG ``output``."""
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend; ValueError when matplotlib
+    is missing (it is the ``plot`` extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise ValueError("mcore-flash plot needs matplotlib: pip install 'mcore-flash[plot]'") from error
+        raise ValueError("plots need matplotlib: pip install 'mcore-flash[plot]'") from error
+    return plt
+
+
+def plot_runs(paths: list[str], metric: str, output: str, log_x: bool = False) -> None:
+    """Draw ``metric`` against the iteration for every file in ``paths`` into the PNG ``output``."""
+    plt = pyplot()
     curves = [(path, *read_metric(path, metric)) for path in paths]
     figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for path, iterations, values in curves:

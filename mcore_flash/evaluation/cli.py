@@ -1,0 +1,239 @@
+"""``mcore-flash evaluate``: did the context extension work?
+
+    mcore-flash evaluate --load DIR --task needle [--lengths 256,512] [--depths 0,0.25,0.5,0.75,1]
+                         [--num-samples 100] [--needle-length K] [--json] [--plot grid.png]
+    mcore-flash evaluate --load DIR --task loss-by-position [--data-path P] [--num-samples 100]
+                         [--json] [--plot loss.png]
+
+The model is built as ``mcore-flash pretrain`` builds it (its flags; those left out come from
+the checkpoint, as with ``--use-checkpoint-args``) and runs under ``torchrun`` with TP, PP and
+CP. ``needle``: :mod:`mcore_flash.evaluation.needle` (haystack: held-out ``--data-path``
+documents, else the built-in digits; byte tokenizer). ``loss-by-position``:
+:mod:`mcore_flash.evaluation.loss_by_position` over held-out sequences of ``--seq-length``
+tokens: the validation split of ``--data-path`` (``--split``), else fresh documents of the
+built-in task. Lengths beyond the model's ``--max-position-embeddings`` need a RoPE extension
+(``--use-rope-scaling`` or ``--rotary-seq-len-interpolation-factor``) or a raised
+``--max-position-embeddings`` on this command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import asdict
+from typing import Optional, Sequence
+
+import numpy
+import torch.distributed as dist
+
+from mcore_flash.training.arguments import build_parser as build_pretrain_parser
+from mcore_flash.training.arguments import parse_args
+
+TASKS = ("needle", "loss-by-position")
+DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
+HELD_OUT_SEED_OFFSET = 1  # the built-in task's held-out documents: --seed + 1 (training uses --seed)
+
+
+def build_parser():
+    p = build_pretrain_parser()
+    p.prog = "mcore-flash evaluate"
+    p.description = "Needle retrieval by length x depth, or loss by token position, of a checkpoint."
+    group = p.add_argument_group("evaluation")
+    group.add_argument("--task", choices=TASKS, required=True)
+    group.add_argument("--lengths", default=None, help="needle: context lengths, e.g. 256,512 (default --seq-length)")
+    group.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"needle: depths in [0, 1] (default {DEFAULT_DEPTHS})")
+    group.add_argument("--needle-length", type=int, default=None,
+                       help="needle: key letters (default max(2, --seq-length // 16), the built-in task's)")  # fmt: skip
+    group.add_argument("--num-samples", type=int, default=100, help="samples per cell / held-out sequences")
+    group.add_argument("--eval-batch-size", type=int, default=20, help="sequences per forward pass")
+    group.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    group.add_argument("--plot", default=None, help="write a PNG: the needle heatmap or the loss-by-position line")
+    p.set_defaults(use_checkpoint_args=True)
+    return p
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give comma-separated integers, e.g. 256,512") from None
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        return [float(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give comma-separated numbers, e.g. {DEFAULT_DEPTHS}") from None
+
+
+def resolve(argv: Optional[Sequence[str]]):
+    """Parsed and checked flags; ValueError names the flag. Adds ``eval_lengths`` and ``eval_depths``."""
+    from mcore_flash.evaluation.needle import check_needle_lengths
+
+    args = parse_args(argv, parser=build_parser())
+    if not args.load:
+        raise ValueError("--load is required: the checkpoint to evaluate")
+    if args.num_samples < 1 or args.eval_batch_size < 1:
+        raise ValueError(f"--num-samples and --eval-batch-size must be >= 1, got {args.num_samples}, {args.eval_batch_size}")
+    if args.task == "needle":
+        args.eval_lengths = _int_list(args.lengths, "--lengths") if args.lengths else [args.seq_length]
+        args.eval_depths = _float_list(args.depths, "--depths")
+        if args.needle_length is None:
+            args.needle_length = max(2, args.seq_length // 16)
+        if args.tokenizer_type not in (None, "ByteTokenizer"):
+            raise ValueError(
+                f"--task needle writes its markers and key letters as byte-tokenizer ids; --tokenizer-type "
+                f"{args.tokenizer_type} is not supported by it (use --task loss-by-position)"
+            )
+        check_needle_lengths(args.eval_lengths, args.eval_depths, args.needle_length)
+    else:
+        args.eval_lengths = [args.seq_length]
+    extended = args.use_rope_scaling or args.rotary_seq_len_interpolation_factor
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    flag = "--lengths" if args.task == "needle" else "--seq-length"
+    multiple = math.lcm(2 * cp if cp > 1 else 1, tp * cp if args.sequence_parallel else 1)
+    for length in args.eval_lengths:
+        if length > args.max_position_embeddings and not extended:
+            raise ValueError(
+                f"{flag} {length} is beyond the model's {args.max_position_embeddings} positions "
+                "(--max-position-embeddings, from the checkpoint) and RoPE is not scaled: pass "
+                "--use-rope-scaling --rope-scaling-factor F or --rotary-seq-len-interpolation-factor N, or "
+                f"--max-position-embeddings {length} to measure unscaled extrapolation"
+            )
+        if length % multiple:
+            raise ValueError(f"{flag} {length} must be divisible by {multiple} with this TP/CP/SP layout")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from mcore_flash.training.distributed import destroy_distributed, init_distributed
+
+    try:
+        args = resolve(argv)
+    except ValueError as error:
+        print(f"mcore-flash evaluate: error: {error}", file=sys.stderr)
+        return 2
+    init_distributed(args)
+    try:
+        result = evaluate(args)
+    except ValueError as error:
+        print(f"mcore-flash evaluate: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result) if args.json else format_table(result))
+    return 0
+
+
+def evaluate(args) -> dict:
+    """Run ``args.task`` on the checkpoint in ``args.load``; call after ``init_distributed``.
+    Returns the JSON-ready result (the same on every rank); rank 0 writes ``--plot``."""
+    from mcore_flash.evaluation.model_runner import LoadedModel
+
+    model = LoadedModel(args)
+    if args.task == "needle":
+        result = {"task": "needle", "iteration": model.iteration, "needle_length": args.needle_length,
+                  "cells": [asdict(cell) for cell in _needle_cells(args, model)]}  # fmt: skip
+    else:
+        result = {"task": "loss-by-position", "iteration": model.iteration, "seq_length": args.seq_length,
+                  "buckets": [asdict(b) for b in _loss_buckets(args, model)]}  # fmt: skip
+    if args.plot and _is_first_rank():
+        from mcore_flash.evaluation import plots
+
+        if args.task == "needle":
+            from mcore_flash.evaluation.needle import NeedleCell
+
+            plots.needle_heatmap([NeedleCell(**c) for c in result["cells"]], args.plot)
+        else:
+            from mcore_flash.evaluation.loss_by_position import PositionBucket
+
+            plots.loss_by_position_plot([PositionBucket(**b) for b in result["buckets"]], args.plot)
+        _progress(f"wrote {args.plot}")
+    return result
+
+
+def _needle_cells(args, model):
+    from mcore_flash.evaluation.needle import digit_filler, needle_grid, stream_filler
+
+    filler = stream_filler(_held_out_stream(args, model.tokenizer)) if args.data_path else digit_filler
+    cells = needle_grid(model, args.eval_lengths, args.eval_depths, args.needle_length, args.num_samples,
+                        args.eval_batch_size, filler, args.seed)  # fmt: skip
+    total = len(args.eval_lengths) * len(args.eval_depths)
+    for done, cell in enumerate(cells, 1):
+        _progress(f"needle {done}/{total}: length {cell.length} depth {cell.depth:g}: exact {cell.exact:.3f}, "
+                  f"tokens {cell.token_accuracy:.3f}")  # fmt: skip
+        yield cell
+
+
+def _held_out_stream(args, tokenizer) -> numpy.ndarray:
+    """Tokens of the validation split of ``--data-path`` (EOD removed), one epoch, in order."""
+    valid = _validation_split(args, tokenizer, max(args.eval_lengths))
+    tokens = numpy.concatenate([numpy.asarray(valid[i]["tokens"]) for i in range(min(len(valid), 256))])
+    return tokens[tokens != tokenizer.eod]
+
+
+def _validation_split(args, tokenizer, seq_length: int):
+    from mcore_flash.data.datasets import build_datasets
+
+    _, valid, _ = build_datasets(
+        args.data_path, False, args.split, seq_length, args.seed, tokenizer, 0, None, 0,
+        cache_dir=args.data_cache_path or os.path.join(args.load, "data", "cache"),
+    )  # fmt: skip
+    if valid is None or len(valid) == 0:
+        raise ValueError(f"--split {args.split}: the held-out (validation) split of --data-path is empty; give it weight")
+    return valid
+
+
+def _loss_buckets(args, model):
+    import torch
+
+    from mcore_flash.evaluation.loss_by_position import loss_by_position, stack_samples
+
+    if args.data_path:
+        valid = _validation_split(args, model.tokenizer, args.seq_length)
+        indices = range(min(args.num_samples, len(valid)))
+        samples = [valid[i] for i in indices]
+    else:
+        from mcore_flash.data.synthetic import generate_documents, make_task
+
+        docs = torch.from_numpy(generate_documents(make_task(args.seq_length), args.num_samples,
+                                                   seed=args.seed + HELD_OUT_SEED_OFFSET))  # fmt: skip
+        mask = torch.ones_like(docs, dtype=torch.float32)
+        mask[:, -1] = 0  # the last token's label is the next document's
+        samples = [{"tokens": d, "labels": torch.roll(d, -1), "loss_mask": m} for d, m in zip(docs, mask)]
+    batches = (stack_samples(samples[i : i + args.eval_batch_size]) for i in range(0, len(samples), args.eval_batch_size))
+    return loss_by_position(model, batches)
+
+
+def format_table(result: dict) -> str:
+    """The human-readable table of a result."""
+    if result["task"] == "needle":
+        depths = sorted({c["depth"] for c in result["cells"]})
+        lengths = sorted({c["length"] for c in result["cells"]})
+        exact = {(c["length"], c["depth"]): c["exact"] for c in result["cells"]}
+        samples = result["cells"][0]["samples"]
+        lines = [f"needle retrieval (exact, {samples} samples per cell, key of {result['needle_length']} letters; "
+                 f"checkpoint iteration {result['iteration']})",  # fmt: skip
+                 "length \\ depth " + " ".join(f"{d:>6g}" for d in depths)]
+        lines += [f"{n:>14} " + " ".join(f"{exact[n, d]:6.3f}" for d in depths) for n in lengths]
+        return "\n".join(lines)
+    lines = [f"loss by position (nats/token; checkpoint iteration {result['iteration']})",
+             f"{'positions':>17} {'tokens':>9} {'loss':>8}"]  # fmt: skip
+    lines += [f"{b['start']:>8}-{b['end'] - 1:<8} {b['tokens']:>9} {b['loss']:8.4f}" for b in result["buckets"]]
+    return "\n".join(lines)
+
+
+def _is_first_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _progress(text: str) -> None:
+    if _is_first_rank():
+        print(f"[mcore-flash evaluate] {text}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
