@@ -11,10 +11,13 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from mcore_flash.training.arguments import parse_args
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Imported here, not at the top: megatron's checkpoint writer starts a helper process
+    # with the spawn method, which re-imports this module (``python -m mcore_flash.pretrain``);
+    # a top-level megatron import made that cost ~8 s at the first save of every launch.
+    from mcore_flash.training.arguments import parse_args
+
     try:
         args = parse_args(argv)
     except ValueError as error:  # bad flags: say which, before anything is allocated
@@ -38,13 +41,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         emulation.install()  # platform.setup() now finds the emulated torch_npu
 
+    from mcore_flash.training.checkpointing import CheckpointSaveError
     from mcore_flash.training.distributed import destroy_distributed, init_distributed
     from mcore_flash.training.loop import TrainingDiverged, train
 
     init_distributed(args)
     try:
         summary = train(args)
-    except TrainingDiverged as error:
+    except (TrainingDiverged, CheckpointSaveError) as error:
         print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
         return 1
     except ValueError as error:  # a checkpoint that does not fit the flags: say which flag

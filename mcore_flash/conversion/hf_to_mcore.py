@@ -24,7 +24,7 @@ from mcore_flash.conversion.llama import hf_shape, tensor_maps
 from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import HFCheckpointReader
 from mcore_flash.data.tokenizers import padded_vocab_size
-from mcore_flash.training import checkpointing
+from mcore_flash.training import checkpointing, manifest
 
 # DCP's writer keeps the last chunk it wrote of every key alive until the file is done
 # (torch 2.13 ``_write_files_from_queue``), so chunks are cut into row blocks of at most
@@ -83,6 +83,7 @@ def hf_to_mcore(
             "iteration": 0, "consumed_samples": 0, "padded_vocab_size": padded,
             "model_args": model_args, "hf_config": config, "converted_from": os.path.abspath(hf_dir), "model_only": True,
         })  # fmt: skip
+        manifest.write_manifest(path)
         checkpointing.write_marker(tmp, 0)
     return {"model_args": model_args, "padded_vocab_size": padded, "flags": flags, "path": save}
 

@@ -28,7 +28,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
 
 def mcore_to_hf(load: str, save_hf: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> dict:
     """Export the latest checkpoint under ``load``; returns ``{"config", "files", "iteration"}``."""
-    path, common = checkpointing.read_latest(load)
+    path, common = checkpointing.read_latest(load, verify_all=True)
     model_args = common.get("model_args")
     if model_args is None:
         raise ConversionError(f"--load {load}: the checkpoint does not record its model flags (written before they were stored)")

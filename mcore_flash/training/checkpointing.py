@@ -1,39 +1,67 @@
-"""Atomic, exactly-resumable checkpoints with megatron's ``dist_checkpointing``.
+"""Atomic, exactly-resumable, verified checkpoints with megatron's ``dist_checkpointing``.
 
 Layout under ``--save`` (Megatron-LM's names)::
 
     iter_0000100/                       model + optimizer (sharded), scheduler, counters
         rng_rank00000.pt                each rank's RNG states (CPU, device, TP tracker)
+        manifest.json                   size + SHA-256 of every other file, written last
     latest_checkpointed_iteration.txt   "100"
 
-A checkpoint is written into ``iter_XXXXXXX.tmp/`` by all ranks, renamed to its final
-name by rank 0 once every rank has finished, and only then is the marker replaced (itself
-through a temporary file and ``os.replace``). A save killed at any point therefore leaves
-the previous checkpoint and marker untouched; stale ``.tmp`` directories are removed by
-the next save.
+A checkpoint is written into ``iter_XXXXXXX.tmp/`` by all ranks, hashed into its manifest,
+renamed to its final name by rank 0 once every rank has finished, and only then is the
+marker replaced (itself through a temporary file and ``os.replace``; renames are fsynced).
+A save killed at any point therefore leaves the previous checkpoint and marker untouched;
+stale ``.tmp`` directories are reported at start and removed by the next save. A save that
+fails (a full disk) removes its partial files and stops training with
+:class:`CheckpointSaveError`. Loading checks every file against the manifest and every
+pickle with a restricted unpickler (:mod:`mcore_flash.training.safe_pickles`) before
+megatron reads anything.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import random
 import shutil
+import sys
 from typing import Optional
 
 import numpy
 import torch
 import torch.distributed as dist
 
+from mcore_flash.training import faults, manifest, safe_pickles
+
 MARKER = "latest_checkpointed_iteration.txt"
 # Where the weights came from (a converted Hugging Face checkpoint's original config.json and
 # directory): read on load and written into every later checkpoint, so an export after
 # continued pretraining keeps the original token ids and metadata.
 PROVENANCE_KEYS = ("hf_config", "converted_from")
+# dist_checkpointing's index and non-tensor files, checked before anything is read
+COMMON_FILES = ("metadata.json", "common.pt", ".metadata")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (disk full, I/O error); the previous checkpoint is untouched."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def unfinished_saves(root: Optional[str]) -> list[str]:
+    """The ``iter_*.tmp`` directories under ``root``: saves that were killed or failed."""
+    return sorted(glob.glob(os.path.join(root, "iter_*.tmp"))) if root else []
+
+
+def _marker_iteration(root: str) -> Optional[int]:
+    """The iteration the marker names, or None (no marker, or one naming nothing)."""
+    try:
+        return latest_iteration(root)
+    except ValueError:
+        return None
 
 
 def latest_iteration(root: str) -> Optional[int]:
@@ -44,7 +72,7 @@ def latest_iteration(root: str) -> Optional[int]:
     with open(marker) as f:
         text = f.read().strip()
     if not text.isdigit() or not os.path.isdir(checkpoint_dir(root, int(text))):
-        raise ValueError(f"--load {root}: {MARKER} says {text!r} but that checkpoint is missing or unreadable")
+        raise ValueError(f"--load {root}: {marker} says {text!r} but that checkpoint is missing or unreadable")
     return int(text)
 
 
@@ -54,26 +82,41 @@ def save_checkpoint(
 ) -> str:  # fmt: skip
     """Write checkpoint ``iteration`` under ``root`` atomically (collective over all ranks)."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     rank = dist.get_rank()
     final = checkpoint_dir(root, iteration)
     tmp = final + ".tmp"
     if rank == 0:
-        for stale in glob.glob(os.path.join(root, "iter_*.tmp")):
+        for stale in unfinished_saves(root):
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+    faults.point("save-begin", iteration)
     state = _sharded_state(model, optimizer, scheduler, is_loading=False)
     state.update(iteration=iteration, consumed_samples=consumed_samples, padded_vocab_size=padded_vocab_size,
-                 model_args=model_args, **(provenance or {}))  # fmt: skip
-    dist_checkpointing.save(state, tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
-    dist.barrier()
+                 model_args=model_args, optimizer_layout=optimizer_layout(optimizer), **(provenance or {}))  # fmt: skip
+    try:
+        dist_checkpointing.save(state, tmp)
+        faults.point("save-shards", iteration)
+        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
+        faults.point("save-rng", iteration)
+        dist.barrier()
+        manifest.write_manifest(tmp)
+    except (Exception, CheckpointException) as error:
+        message = _save_failure(root, iteration, error)  # measures the free space before the partial files go
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back
+        raise CheckpointSaveError(message) from error
+    faults.point("save-manifest", iteration)
     if rank == 0:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_directory(root)
+        faults.point("save-renamed", iteration)
         write_marker(root, iteration)
+        faults.point("save-tracker", iteration)
     dist.barrier()
     return final
 
@@ -89,7 +132,8 @@ def load_checkpoint(
     ``load_optim=False`` (``--no-load-optim``) keeps the checkpoint's iteration and sample
     count but starts the optimizer afresh (the lr schedule is advanced to that point);
     ``load_rng=False`` keeps this run's seeds. Any TP/PP/DP layout loads any other
-    (dist_checkpointing reshards), as long as the model and the padded vocabulary agree.
+    (dist_checkpointing reshards), as long as the model and the padded vocabulary agree;
+    distributed-optimizer state only at its TP and PP sizes (:func:`_check_optimizer_layout`).
     """
     from megatron.core import dist_checkpointing
 
@@ -101,6 +145,7 @@ def load_checkpoint(
             "to train from them starting at iteration 0 (or --no-load-optim to keep the checkpoint's iteration)"
         )
     if load_optim:
+        _check_optimizer_layout(root, common, optimizer)
         _materialise_optimizer_state(optimizer)
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
         _unwrap(model).load_state_dict(loaded["model"])
@@ -119,7 +164,7 @@ def load_checkpoint(
         scheduler.step(increment=consumed)
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
     if load_rng and os.path.exists(rng_file):  # a run resumed on another world size draws fresh RNG streams
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(safe_pickles.load_rng_file(rng_file))
     return int(common["iteration"]), consumed, provenance
 
 
@@ -132,21 +177,29 @@ def load_weights(root: str, model, padded_vocab_size: int, model_args: dict) -> 
 
 
 def _open_checkpoint(root: str, padded_vocab_size: int, model_args: dict) -> tuple[str, dict]:
+    """The latest checkpoint, every file checked against its manifest (collective), and its
+    common state, checked against this run's model."""
+    from mcore_flash import platform
+
     path, common = read_latest(root)
+    if not manifest.verify_checkpoint(path, platform.torch_device()) and dist.get_rank() == 0:
+        print(f"note: {path} has no {manifest.MANIFEST} (not written by mcore-flash): its files are not verified",
+              file=sys.stderr)
     _check_same_model(root, common, padded_vocab_size, model_args)
     return path, common
 
 
-def read_latest(root: str) -> tuple[str, dict]:
+def read_latest(root: str, verify_all: bool = False) -> tuple[str, dict]:
     """The latest checkpoint under ``root``: its directory and its common (non-tensor) state
-    (iteration, ``model_args``, padded vocabulary, ...)."""
-    from megatron.core import dist_checkpointing
-
+    (iteration, ``model_args``, padded vocabulary, ...). Checks the index and common files
+    against the manifest (``verify_all``: every file, in this process alone, for readers
+    outside training such as the export) and every pickle before reading any."""
     iteration = latest_iteration(root)
     if iteration is None:
         raise ValueError(f"--load {root}: no {MARKER} there; point --load at a --save directory of an earlier run")
     path = checkpoint_dir(root, iteration)
-    return path, dist_checkpointing.load_common_state_dict(path)
+    manifest.verify_files(path, None if verify_all else COMMON_FILES)
+    return path, safe_pickles.load_common_state(path)
 
 
 def _load_model(path: str, model) -> None:
@@ -188,6 +241,47 @@ def _check_same_model(root: str, common: dict, padded_vocab_size: int, model_arg
             f"to {padded_vocab_size} (padding is a multiple of --make-vocab-size-divisible-by x TP); choose "
             "--make-vocab-size-divisible-by so both layouts pad alike"
         )
+
+
+def optimizer_layout(optimizer) -> dict:
+    """What decides whether optimizer state reloads: distributed or not, TP and PP sizes."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    return {
+        "distributed": any(isinstance(inner, DistributedOptimizer) for inner in inners),
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+    }
+
+
+def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
+    """Refuse optimizer state that would not load into this run's optimizer (errors name the flag).
+
+    The distributed optimizer's ``dp_reshardable`` state is cut into the DP ranks' flat
+    buffers of each TP/PP shard: it reloads under any data-parallel size, but only with the
+    TP and PP sizes it was saved with. The plain optimizer's state is per parameter and
+    reshards like the weights. The two formats do not load into each other.
+    """
+    saved = common.get("optimizer_layout")
+    if saved is None:  # written before the layout was recorded
+        return
+    now = optimizer_layout(optimizer)
+    fresh = "or pass --no-load-optim to load the weights, iteration and schedule with a fresh optimizer"
+    if saved["distributed"] != now["distributed"]:
+        which = "with" if saved["distributed"] else "without"
+        raise ValueError(f"--load {root}: its optimizer state was saved {which} --use-distributed-optimizer; "
+                         f"resume {which} it, {fresh}")  # fmt: skip
+    if now["distributed"]:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if saved[name] != now[name]:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"--load {root}: its distributed-optimizer state was saved at {flag} {saved[name]} and reloads "
+                    f"under any data-parallel size but only at that {flag} (this run: {now[name]}); "
+                    f"pass {flag} {saved[name]}, {fresh}"
+                )
 
 
 def _sharded_state(model, optimizer, scheduler, is_loading: bool) -> dict:
@@ -252,6 +346,55 @@ def write_marker(root: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, MARKER))
+    _fsync_directory(root)
+
+
+def _fsync_directory(path: str) -> None:
+    """Make a rename inside ``path`` durable (POSIX: the directory entry is data too)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_failure(root: str, iteration: int, error: BaseException) -> str:
+    """The message for a failed save: the cause (ENOSPC said plainly) and what is still safe."""
+    cause = _os_error(error)
+    free = shutil.disk_usage(root).free
+    # torch's C++ file writer (torch.save to a path) reports a full disk without an errno
+    full = (cause is not None and cause.errno == errno.ENOSPC) or free < _FULL_DISK_BYTES
+    if full:
+        reason = f"No space left on device ({free:,} bytes free on the filesystem of --save)"
+    elif cause is not None:
+        reason = f"{cause.strerror} ({cause.filename or 'a checkpoint file'})"
+    else:
+        reason = f"{type(error).__name__}: {error}"
+    previous = _marker_iteration(root)
+    kept = f"the checkpoint of iteration {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+    advice = "free space on the disk of --save, then" if full else "then"
+    return (f"saving iteration {iteration} to {checkpoint_dir(root, iteration)} failed: {str(reason)[:500]}; "
+            f"its partial files were removed and {kept}; {advice} resume with --load {root}")  # fmt: skip
+
+
+_FULL_DISK_BYTES = 1 << 20  # less free than this after a failed save: the disk is full
+
+
+def _os_error(error: BaseException) -> Optional[OSError]:
+    """The OSError behind ``error``: its cause chain, or one of DCP's per-rank failures."""
+    seen = set()
+    stack = [error]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        stack.extend([current.__cause__, current.__context__])
+        failures = current.failures if isinstance(getattr(current, "failures", None), dict) else {}
+        stack.extend(failure[0] if isinstance(failure, tuple) else failure for failure in failures.values())
+    return None
 
 
 def _rng_state() -> dict:
@@ -259,9 +402,11 @@ def _rng_state() -> dict:
 
     from mcore_flash import platform
 
+    algorithm, key, position, has_gauss, cached_gaussian = numpy.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": numpy.random.get_state(),
+        # numpy's state as tensors and numbers: the file loads with weights_only=True
+        "numpy": (algorithm, torch.from_numpy(key.astype(numpy.int64)), position, has_gauss, cached_gaussian),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -276,7 +421,8 @@ def _set_rng_state(state: dict) -> None:
     from mcore_flash import platform
 
     random.setstate(state["python"])
-    numpy.random.set_state(state["numpy"])
+    algorithm, key, *rest = state["numpy"]
+    numpy.random.set_state((algorithm, numpy.asarray(key, dtype=numpy.uint32), *rest))
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if "device" in state:

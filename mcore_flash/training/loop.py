@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_flash import platform
-from mcore_flash.training import checkpointing
+from mcore_flash.training import checkpointing, faults
 from mcore_flash.training.data import build_train_dataset, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
 from mcore_flash.training.model import build_model, count_parameters, model_args, transformer_config
@@ -84,6 +84,7 @@ def train(args) -> dict:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
+    faults.install(model, config)
 
     logger = MetricsLogger(args, count_parameters(model), vocab)
     iteration, consumed = 0, 0
@@ -97,6 +98,8 @@ def train(args) -> dict:
         logger.note(f"{how} {args.load} at iteration {iteration} ({consumed} samples consumed)")
     elif args.load:
         logger.note(f"no checkpoint in --load {args.load} yet: starting from scratch")
+    for stale in checkpointing.unfinished_saves(args.load):
+        logger.note(f"ignoring {stale}: a save that did not finish (the next save removes it)")
     dataset = build_train_dataset(args, tokenizer)
     data = micro_batches(
         dataset,
@@ -111,6 +114,7 @@ def train(args) -> dict:
     first_loss = last_loss = None
     while iteration < args.train_iters:
         start = time.perf_counter()
+        faults.begin_iteration(iteration + 1)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
@@ -126,6 +130,7 @@ def train(args) -> dict:
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=args.global_batch_size)
         iteration += 1
+        faults.point("optimizer-step", iteration)
         consumed += args.global_batch_size
         loss = _reduce_loss(losses)
         if loss is not None and not math.isfinite(loss):

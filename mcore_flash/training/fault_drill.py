@@ -1,0 +1,315 @@
+"""The fault drill: kill a training run at every fault point, resume it, compare it bit for bit.
+
+    python -m mcore_flash.training.fault_drill --work-dir /tmp/drill [--write docs/fault-tolerance.md]
+
+A tiny model trains for 12 iterations on 2 CPU ranks under ``torchrun`` (data parallel, the
+distributed optimizer, dropout 0.1, a checkpoint every iteration). One run is never
+interrupted. The other is a chain of launches on one ``--save`` directory: each launch
+resumes with ``--load`` and is killed (SIGKILL, :mod:`mcore_flash.training.faults`) at the
+next point of :data:`CHAIN`, until a last launch finishes. After every kill the tracker
+must name a checkpoint whose files equal the uninterrupted run's of that iteration, and
+the checkpoints written after each resume must equal the uninterrupted run's, byte for
+byte: weights, optimizer state, scheduler, counters, every rank's RNG states. Only DCP's
+``.metadata`` index is left out of the comparison (it records the directory's path) and
+our ``manifest.json`` (it hashes that index). The comparison hashes the files itself.
+
+A full disk is real: the run's ``--save`` is a tmpfs (in a private mount namespace:
+``unshare -m``, root) that holds one checkpoint, so the second save fails with ENOSPC;
+after the tmpfs is enlarged, the run resumes. Each outcome is one row of the table in
+``docs/fault-tolerance.md`` (:func:`markdown`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from typing import NamedTuple, Optional
+
+from mcore_flash.training import faults
+from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
+
+ITERATIONS = 12
+# (point, iteration, rank): each kill lands after the previous resume has made progress
+CHAIN = (
+    ("forward", 2, 0),
+    ("backward", 3, 1),
+    ("grad-reduce", 4, 1),
+    ("optimizer-step", 5, 0),
+    ("save-begin", 6, 1),
+    ("save-shards", 7, 1),
+    ("save-rng", 8, 0),
+    ("save-manifest", 9, 0),
+    ("save-renamed", 10, 0),
+    ("save-tracker", 11, 0),
+)
+FLAGS = (
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "1",
+    "--log-interval", "1", "--train-iters", str(ITERATIONS), "--save-interval", "1",
+    "--use-distributed-optimizer", "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+)  # fmt: skip
+NOT_COMPARED = (".metadata", "manifest.json")
+_TOKEN = "MCORE_FLASH_DRILL_LAUNCH"  # marks every process of one launch
+
+
+class Row(NamedTuple):
+    fault: str  # point@iteration:rank, or the disk-full case
+    where: str
+    killed: bool  # the launch died at that point (non-zero exit, the point's message)
+    tracker: Optional[int]  # what latest_checkpointed_iteration.txt said afterwards
+    tracker_complete: bool  # that checkpoint equals the uninterrupted run's
+    resumed_from: Optional[int]  # what the next launch said it resumed from (0: from scratch)
+    equal_after: bool  # every checkpoint the next launch wrote equals the uninterrupted run's
+
+    @property
+    def ok(self) -> bool:
+        return self.killed and self.tracker_complete and self.equal_after and self.resumed_from == (self.tracker or 0)
+
+
+def run_uninterrupted(reference: str) -> str:
+    """The reference run into ``reference`` (its ``--save``); returns ``reference``."""
+    code, output = launch(reference)
+    if code != 0:
+        raise RuntimeError(f"the uninterrupted run failed:\n{output[-3000:]}")
+    return reference
+
+
+def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = True, log=print) -> list[Row]:
+    """The chain of kills and the full disk, one row each, against ``reference`` (a run of
+    :func:`run_uninterrupted`; made under ``work_dir`` when not given)."""
+    reference = reference or run_uninterrupted(os.path.join(work_dir, "uninterrupted"))
+    chain = os.path.join(work_dir, "chain")
+    rows = []
+    code, output = launch(chain, fault=_spec(*CHAIN[0]), load=True)
+    if "starting from scratch" not in output:  # --load of an empty directory
+        raise RuntimeError(f"the first launch did not start from scratch:\n{output[-3000:]}")
+    for index, (point, iteration, rank) in enumerate(CHAIN):
+        killed = code != 0 and f"fault injection: SIGKILL at {point}, iteration {iteration}, rank {rank}" in output
+        tracker = _tracker(chain)
+        complete = tracker is None or same_files(checkpoint_dir(chain, tracker), checkpoint_dir(reference, tracker))
+        following = _spec(*CHAIN[index + 1]) if index + 1 < len(CHAIN) else None
+        code, output = launch(chain, fault=following, load=True)
+        resumed = _resumed_from(output)
+        written = [i for i in _checkpoints(chain) if i > (resumed or 0)]  # renamed into place, tracked or not
+        equal = len(written) > 0 and all(
+            same_files(checkpoint_dir(chain, i), checkpoint_dir(reference, i)) for i in written
+        )  # fmt: skip
+        rows.append(Row(_spec(point, iteration, rank), faults.POINTS[point], killed, tracker, complete, resumed, equal))
+        log(f"fault drill: {rows[-1].fault}: {'ok' if rows[-1].ok else 'FAILED'}")
+    if code != 0 or _tracker(chain) != ITERATIONS:
+        raise RuntimeError(f"the last launch of the chain did not finish:\n{output[-3000:]}")
+    if disk_full:
+        rows.append(_disk_full(work_dir, reference))
+        log(f"fault drill: disk full: {'ok' if rows[-1].ok else 'FAILED'}")
+    return rows
+
+
+def launch(save: str, fault: Optional[str] = None, load: bool = False, extra: tuple = ()) -> tuple[int, str]:
+    """``torchrun`` 2 CPU ranks of ``mcore_flash.pretrain``; returns (exit code, stdout + stderr)."""
+    env = _environment(fault)
+    with tempfile.TemporaryFile("w+") as output:
+        try:
+            code = subprocess.run(_torchrun_command(save, load, extra), stdout=output, stderr=subprocess.STDOUT,
+                                  env=env, timeout=600).returncode  # fmt: skip
+        finally:
+            _kill_leftovers(env[_TOKEN])
+        output.seek(0)
+        return code, output.read()
+
+
+def _kill_leftovers(token: str) -> None:
+    """SIGKILL what a launch left running. megatron's checkpoint writer starts a helper
+    process (a ``multiprocessing`` manager); a rank killed by SIGKILL cannot stop it, so it
+    lives on, holding the launch's output pipes. Found by the token in its environment."""
+    mark = f"{_TOKEN}={token}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue  # gone already, or not ours
+
+
+def same_files(one: str, other: str) -> bool:
+    """Both checkpoint directories hold the same files with the same bytes (but
+    :data:`NOT_COMPARED`), hashed here, not read from their manifests."""
+    if not (os.path.isdir(one) and os.path.isdir(other)):
+        return False
+    digests = [_digests(one), _digests(other)]
+    return digests[0] == digests[1] and len(digests[0]) > 0
+
+
+def _disk_full(work_dir: str, reference: str) -> Row:
+    """Train with ``--save-interval 2`` on a tmpfs that holds one checkpoint: the save of
+    iteration 4 fails with ENOSPC; enlarge the tmpfs and resume."""
+    out = os.path.join(work_dir, "disk_full")
+    os.makedirs(out)
+    data = _bytes(os.path.join(reference, "data"))
+    one_checkpoint = _bytes(checkpoint_dir(reference, 2))
+    size_kib = (data + one_checkpoint * 3 // 2 + (256 << 10)) // 1024
+    mount_point = os.path.join(out, "tmpfs")
+    os.makedirs(mount_point)
+    extra = ("--save-interval", "2")
+    script = "\n".join([
+        "set -u",
+        f"mount -t tmpfs -o size={size_kib}k tmpfs {mount_point}",
+        f"{_shell(_torchrun_command(mount_point, False, extra))} > {out}/first.log 2>&1; echo $? > {out}/first.code",
+        f"cat {mount_point}/{MARKER} > {out}/tracker 2>/dev/null",
+        f"mount -o remount,size=1g {mount_point}",
+        f"{_shell(_torchrun_command(mount_point, True, extra))} > {out}/second.log 2>&1; echo $? > {out}/second.code",
+        f"cp -a {mount_point}/. {out}/after/",
+        f"umount {mount_point}",
+    ])  # fmt: skip
+    env = _environment(None)
+    try:
+        subprocess.run(["unshare", "-m", "bash", "-c", script], check=True, timeout=1200, env=env)
+    finally:
+        _kill_leftovers(env[_TOKEN])
+    first, second = (_read(os.path.join(out, name)) for name in ("first.log", "second.log"))
+    killed = _read(os.path.join(out, "first.code")).strip() == "1" and "No space left on device" in first
+    tracker_text = _read(os.path.join(out, "tracker")).strip()
+    tracker = int(tracker_text) if tracker_text.isdigit() else None
+    after = os.path.join(out, "after")
+    complete = tracker is not None and same_files(checkpoint_dir(after, tracker), checkpoint_dir(reference, tracker))
+    resumed = _resumed_from(second)
+    finished = _read(os.path.join(out, "second.code")).strip() == "0"
+    written = range((resumed or 0) + 2, ITERATIONS + 1, 2)
+    equal = finished and all(same_files(checkpoint_dir(after, i), checkpoint_dir(reference, i)) for i in written)
+    where = "the save of iteration 4 on a tmpfs that holds one checkpoint (ENOSPC), then the tmpfs enlarged"
+    return Row("disk full@4", where, killed, tracker, complete, resumed, equal)
+
+
+def _torchrun_command(save: str, load: bool, extra: tuple) -> list[str]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "mcore_flash.pretrain",
+        *FLAGS, *extra, "--save", save,
+    ]  # fmt: skip
+    return command + (["--load", save] if load else [])
+
+
+def _environment(fault: Optional[str]) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != faults.ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{_TOKEN: uuid.uuid4().hex})
+    if fault:
+        env[faults.ENV] = fault
+    return env
+
+
+def _spec(point: str, iteration: int, rank: int) -> str:
+    return f"{point}@{iteration}:{rank}"
+
+
+def _tracker(save: str) -> Optional[int]:
+    path = os.path.join(save, MARKER)
+    text = _read(path).strip() if os.path.exists(path) else ""
+    return int(text) if text.isdigit() else None
+
+
+def _checkpoints(save: str) -> list[int]:
+    """The iterations of the finished (renamed) checkpoint directories under ``save``."""
+    return sorted(int(name[5:]) for name in os.listdir(save) if re.fullmatch(r"iter_\d{7}", name))
+
+
+def _resumed_from(output: str) -> Optional[int]:
+    """The iteration a launch said it resumed from; 0 when it started from scratch."""
+    if "starting from scratch" in output:
+        return 0
+    found = re.search(r"resumed from \S+ at iteration (\d+)", output)
+    return int(found.group(1)) if found else None
+
+
+def _digests(directory: str) -> dict[str, str]:
+    result = {}
+    for name in sorted(os.listdir(directory)):
+        if name not in NOT_COMPARED:
+            with open(os.path.join(directory, name), "rb") as f:
+                result[name] = hashlib.sha256(f.read()).hexdigest()
+    return result
+
+
+def _bytes(directory: str) -> int:
+    """Bytes of every file under ``directory``, each rounded up to whole 4 KiB pages (tmpfs)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        total += sum(-(-os.path.getsize(os.path.join(root, name)) // 4096) * 4096 for name in files)
+    return total
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read()
+
+
+def _shell(command: list[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(part) for part in command)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+COLUMNS = ("fault (point@iteration:rank)", "where the rank dies", "killed there", "tracker after",
+           "tracker's checkpoint complete", "next launch resumed from", "checkpoints after the resume bit-equal")  # fmt: skip
+
+
+def markdown(rows: list[Row]) -> str:
+    """The table: one row per fault, every cell measured by :func:`run_drill`."""
+
+    def yes(value: bool) -> str:
+        return "yes" if value else "**no**"
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        resumed = "scratch" if row.resumed_from == 0 else row.resumed_from
+        cells = (f"`{row.fault}`", row.where, yes(row.killed), row.tracker if row.tracker is not None else "none",
+                 yes(row.tracker_complete), resumed, yes(row.equal_after))  # fmt: skip
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- fault-table:begin -->", "<!-- fault-table:end -->"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcore_flash.training.fault_drill", description=__doc__.split("\n")[0])
+    parser.add_argument("--work-dir", required=True, help="an empty or missing directory for the runs")
+    parser.add_argument("--write", default=None, help="replace the table between the fault-table markers of this file")
+    parser.add_argument("--no-disk-full", action="store_true", help="skip the tmpfs case (it needs root)")
+    args = parser.parse_args(argv)
+    if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
+        parser.error(f"--work-dir {args.work_dir} is not empty")
+    rows = run_drill(args.work_dir, disk_full=not args.no_disk_full, log=lambda line: print(line, file=sys.stderr))
+    table = markdown(rows)
+    print(table)
+    if args.write:
+        with open(args.write) as f:
+            text = f.read()
+        if BEGIN not in text or END not in text:
+            parser.error(f"--write {args.write}: add the lines {BEGIN} and {END} where the table goes")
+        head, rest = text.split(BEGIN, 1)
+        with open(args.write, "w") as f:
+            f.write(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
+    shutil.rmtree(args.work_dir, ignore_errors=True)
+    return 0 if all(row.ok for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Fault injection for tests: SIGKILL one rank at a named point of training or saving.
+
+Off unless the environment variable ``MCORE_FLASH_FAULT`` is set (read once, at import)::
+
+    MCORE_FLASH_FAULT=POINT@ITERATION[:RANK]      e.g. backward@3, save-renamed@4, grad-reduce@3:1
+
+The named rank (default 0) prints one line to stderr and kills itself with SIGKILL at
+``POINT`` of iteration ``ITERATION`` (for the save points: the save of that iteration). No
+``finally`` block, atexit handler or signal handler runs, as when a node dies; ``torchrun``
+then ends the other ranks. A disk that fills up is not simulated here: the tests put
+``--save`` on a small tmpfs, a real full disk (``tests/test_faults.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import NamedTuple, Optional
+
+ENV = "MCORE_FLASH_FAULT"
+
+POINTS = {
+    "forward": "inside the forward pass (entering the last decoder layer, first micro-batch)",
+    "backward": "inside the backward pass (the gradient reaching the last decoder layer's output)",
+    "grad-reduce": "entering the gradient reduce-scatter/all-reduce, the other ranks inside it",
+    "optimizer-step": "after the optimizer step, before the iteration's checkpoint",
+    "save-begin": "in the save: the .tmp directory made, nothing written",
+    "save-shards": "in the save: after the model/optimizer shards (dist_checkpointing's files)",
+    "save-rng": "in the save: after this rank's RNG file",
+    "save-manifest": "in the save: after the manifest, before the rename",
+    "save-renamed": "in the save: after the rename, before the tracker update",
+    "save-tracker": "in the save: after the tracker update",
+}
+MODEL_POINTS = ("forward", "backward")
+
+
+class Fault(NamedTuple):
+    point: str
+    iteration: int
+    rank: int
+
+
+def parse(spec: str) -> Fault:
+    """``"POINT@ITERATION[:RANK]"`` -> :class:`Fault` (ValueError naming the variable)."""
+    point, _, rest = spec.partition("@")
+    iteration, _, rank = rest.partition(":")
+    if point not in POINTS or not iteration.isdigit() or not (rank or "0").isdigit():
+        raise ValueError(f"{ENV}={spec!r}: expected POINT@ITERATION[:RANK], POINT one of {', '.join(POINTS)}")
+    return Fault(point, int(iteration), int(rank or 0))
+
+
+_FAULT: Optional[Fault] = parse(os.environ[ENV]) if os.environ.get(ENV) else None
+_iteration = 0  # the iteration being trained (1-based), for the points inside the model
+
+
+def begin_iteration(iteration: int) -> None:
+    """Tell the model's points which iteration (1-based) is being trained."""
+    global _iteration
+    _iteration = iteration
+
+
+def point(name: str, iteration: Optional[int] = None) -> None:
+    """Die here if ``MCORE_FLASH_FAULT`` names this point, iteration and this rank."""
+    if _FAULT is None or _FAULT.point != name:
+        return
+    iteration = _iteration if iteration is None else iteration
+    if iteration == _FAULT.iteration and _rank() == _FAULT.rank:
+        print(f"fault injection: SIGKILL at {name}, iteration {iteration}, rank {_FAULT.rank}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(model, config) -> None:
+    """Arm the points inside the model and the gradient reduction (a no-op when disarmed).
+
+    ``model``: megatron's DDP-wrapped GPTModel; ``config``: its TransformerConfig, whose
+    ``finalize_model_grads_func`` (the gradient reduce-scatter/all-reduce) gets wrapped.
+    """
+    if _FAULT is None:
+        return
+    if _FAULT.point in MODEL_POINTS:
+        layers = getattr(model, "module", model).decoder.layers
+        layers[-1].register_forward_pre_hook(lambda module, args: point("forward"))
+        layers[-1].register_forward_hook(_die_in_backward)
+    if _FAULT.point == "grad-reduce":
+        finalize = config.finalize_model_grads_func
+
+        def finalize_and_die(*args, **kwargs):
+            point("grad-reduce")
+            return finalize(*args, **kwargs)
+
+        config.finalize_model_grads_func = finalize_and_die
+
+
+def _die_in_backward(module, args, output) -> None:
+    import torch
+
+    hidden = output[0] if isinstance(output, tuple) else output
+    if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        hidden.register_hook(lambda grad: point("backward"))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -1,0 +1,238 @@
+"""Training survives faults: kills at every fault point, a full disk, damaged and forged checkpoints.
+
+Oracles: an uninterrupted run's checkpoints, compared byte for byte by hashing the files
+(`mcore_flash.training.fault_drill`, not our manifests); for damaged files, the byte this
+test flipped; for forged pickles, a side effect that must not happen; for resharding, the
+one-process run (tests/test_pretrain.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import re
+import shutil
+
+import pytest
+import torch
+
+from dist_utils import free_port, run_distributed
+from mcore_flash.training import fault_drill, faults
+from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
+
+LAST = fault_drill.ITERATIONS
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """The drill's uninterrupted run: 12 iterations, DP2, distributed optimizer, dropout 0.1."""
+    return fault_drill.run_uninterrupted(str(tmp_path_factory.mktemp("drill") / "uninterrupted"))
+
+
+@pytest.mark.slow  # the chain's 13 launches: CI's Python 3.12 job runs the tests below (tests/conftest.py)
+def test_fault_drill_table(reference, tmp_path):
+    """Every fault point and the full disk: killed there, the tracker names a complete
+    checkpoint, the next launch resumes from it and writes the uninterrupted run's bytes.
+    docs/fault-tolerance.md holds exactly this table."""
+    rows = fault_drill.run_drill(str(tmp_path), reference)
+    assert [row.fault.split("@")[0] for row in rows] == [*faults.POINTS, "disk full"]
+    for row in rows:
+        assert row.ok, row
+    assert [row.resumed_from for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 2]
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "fault-tolerance.md")).read()
+    table = docs.split(fault_drill.BEGIN)[1].split(fault_drill.END)[0].strip()
+    assert table == fault_drill.markdown(rows)  # regenerate: python -m mcore_flash.training.fault_drill --write
+
+
+def test_fault_spec_errors_name_the_variable():
+    assert faults.parse("save-rng@4:1") == faults.Fault("save-rng", 4, 1)
+    for bad in ("explode@3", "backward", "backward@x", "backward@3:r"):
+        with pytest.raises(ValueError, match=faults.ENV):
+            faults.parse(bad)
+
+
+def _w_mains(rank, world_size, argvs):
+    """``mcore_flash.pretrain.main(argv)`` for each argv: (exit code, stderr). The first runs in
+    run_distributed's process group; main() ends it, so later ones (one rank only) get a
+    fresh port, picked just before use."""
+    from mcore_flash.pretrain import main
+
+    results = []
+    for argv in argvs:
+        if not torch.distributed.is_initialized():
+            assert world_size == 1, "one main() per run_distributed call at world size > 1"
+            os.environ["MASTER_PORT"] = str(free_port())
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        results.append((code, err.getvalue()))
+    return results
+
+
+def _mains(argvs):
+    """One process, ``main(argv)`` for each: rank 0's (exit code, stderr) per argv."""
+    return run_distributed(_w_mains, 1, argvs, timeout=400)[0]
+
+
+def _copy_checkpoint(reference: str, iteration: int, target) -> str:
+    """``target`` holding the reference's checkpoint ``iteration`` and a tracker naming it."""
+    os.makedirs(target)
+    shutil.copytree(checkpoint_dir(reference, iteration), checkpoint_dir(str(target), iteration))
+    with open(os.path.join(target, MARKER), "w") as f:
+        f.write(str(iteration))
+    return str(target)
+
+
+def _present(reference: str, name: str) -> tuple[str, ...]:
+    """``(name,)`` if the reference's last checkpoint has that file: megatron-core 0.16 writes
+    ``common.pt``, 0.19 keeps the common state as a byte item inside the ``.distcp`` files."""
+    return (name,) if os.path.exists(os.path.join(checkpoint_dir(reference, LAST), name)) else ()
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _resume_argv(load: str) -> list[str]:
+    return [*fault_drill.FLAGS, "--save", load, "--load", load]
+
+
+def test_a_flipped_byte_in_each_file_kind_is_named_at_load(reference, tmp_path):
+    """One bit changed in any file of a checkpoint (or the tracker, or the manifest), or a
+    file cut short, fails the load with exit 2 and a message naming that file."""
+    cases, runs = [], []
+    for kind in (*_present(reference, "common.pt"), "metadata.json", ".metadata", "__0_0.distcp", "rng_rank00001.pt",
+                 "manifest.json", MARKER, "truncated __1_0.distcp"):  # fmt: skip
+        load = _copy_checkpoint(reference, LAST, tmp_path / re.sub(r"\W", "_", kind))
+        if kind == MARKER:
+            path = os.path.join(load, MARKER)
+            _flip_byte(path, os.path.getsize(path) - 1)  # "12" -> "13": a checkpoint that is not there
+        elif kind.startswith("truncated"):
+            path = os.path.join(checkpoint_dir(load, LAST), kind.split()[1])
+            os.truncate(path, os.path.getsize(path) // 2)
+        else:
+            path = os.path.join(checkpoint_dir(load, LAST), kind)
+            _flip_byte(path, os.path.getsize(path) // 2)
+        cases.append((kind, path))
+        runs.append(_resume_argv(load))
+    for (kind, path), (code, stderr) in zip(cases, _mains(runs)):
+        assert code == 2, (kind, stderr[-2000:])
+        assert path in stderr, (kind, stderr[-2000:])
+        assert "Traceback" not in stderr, kind
+
+
+class _RunsCode:
+    """Unpickling this runs ``touch MARKER_FILE``: what a forged checkpoint would do."""
+
+    def __init__(self, marker_file: str):
+        self.marker_file = marker_file
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker_file}",)
+
+
+def test_pickles_that_would_run_code_are_refused(reference, tmp_path):
+    """Forged checkpoints whose manifest matches (the forger rewrote it): code planted in
+    ``.metadata``, in a byte item inside a ``.distcp`` file, in ``common.pt`` or in an RNG
+    file is refused, naming the file, and never runs."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from mcore_flash.training import manifest
+
+    cases, runs = [], []
+    for kind in (".metadata", "byte item", *_present(reference, "common.pt"), "rng_rank00000.pt"):
+        name = re.sub(r"\W", "_", kind)
+        load = _copy_checkpoint(reference, LAST, tmp_path / name)
+        path = checkpoint_dir(load, LAST)
+        marker_file = str(tmp_path / f"ran_{name}")
+        planted = _RunsCode(marker_file)
+        if kind == ".metadata":
+            named = os.path.join(path, ".metadata")
+            with open(named, "wb") as f:
+                pickle.dump(planted, f)
+        elif kind == "byte item":  # append a pickle to a .distcp file and point an item at it
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                metadata = pickle.load(f)  # our own reference run's: trusted
+            index, info = next((i, s) for i, s in metadata.storage_data.items()
+                               if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))  # fmt: skip
+            named = os.path.join(path, info.relative_path)
+            payload = io.BytesIO()
+            torch.save(planted, payload)
+            info.offset, info.length = os.path.getsize(named), len(payload.getvalue())
+            with open(named, "ab") as f:
+                f.write(payload.getvalue())
+            with open(os.path.join(path, ".metadata"), "wb") as f:
+                pickle.dump(metadata, f)
+        else:
+            named = os.path.join(path, kind)
+            state = torch.load(named, weights_only=True)
+            state["planted"] = planted
+            torch.save(state, named)
+        os.remove(os.path.join(path, manifest.MANIFEST))
+        manifest.write_manifest(path)  # the forger's manifest matches the forged files
+        cases.append((kind, named, marker_file))
+        runs.append(_resume_argv(load))
+    for (kind, named, marker_file), (code, stderr) in zip(cases, _mains(runs)):
+        assert code == 2, (kind, stderr[-2000:])
+        assert named in stderr and "refus" in stderr, (kind, stderr[-2000:])
+        assert not os.path.exists(marker_file), f"{kind}: the planted code ran"
+
+
+def test_stale_tmp_is_reported_and_removed_and_dp2_state_loads_at_dp1(reference, tmp_path):
+    """A directory left by a killed save is named at start, never loaded, removed by the
+    next save; the DP2 distributed-optimizer checkpoint resumes in one process."""
+    load = _copy_checkpoint(reference, LAST - 1, tmp_path / "run")
+    stale = checkpoint_dir(load, LAST) + ".tmp"
+    os.makedirs(stale)
+    open(os.path.join(stale, "common.pt"), "w").write("half a checkpoint")
+    ((code, stderr),) = _mains([_resume_argv(load)])
+    assert code == 0, stderr[-3000:]
+    assert f"ignoring {stale}: a save that did not finish" in stderr
+    assert f"resumed from {load} at iteration {LAST - 1}" in stderr
+    assert not os.path.exists(stale) and os.path.isdir(checkpoint_dir(load, LAST))
+
+
+def test_distributed_optimizer_reshards_over_dp_and_refuses_tp_pp(tmp_path):
+    """Distributed-optimizer state saved at DP2 resumes at DP2 and DP1, saved at DP1 resumes
+    at DP2, each equal to the one-process run; a TP or PP change, a switch between the
+    distributed and the plain optimizer, or another vocabulary padding is refused (exit 2)
+    with a message naming the flag."""
+    from test_pretrain import TINY, _pretrain
+
+    one = _pretrain(tmp_path / "one", "--train-iters", "4")  # plain optimizer, one process
+    distributed = ["--train-iters", "4", "--use-distributed-optimizer"]
+    _pretrain(tmp_path / "dp2", *distributed, "--exit-interval", "2", world_size=2)
+    _pretrain(tmp_path / "dp1", *distributed, "--exit-interval", "2")
+    for name in ("dp2_to_dp1", "dp2_refusals"):
+        shutil.copytree(tmp_path / "dp2", tmp_path / name, ignore=shutil.ignore_patterns("metrics.jsonl"))
+    resumed = [
+        _pretrain(tmp_path / "dp2", *distributed, "--load", str(tmp_path / "dp2"), world_size=2),
+        _pretrain(tmp_path / "dp2_to_dp1", *distributed, "--load", str(tmp_path / "dp2_to_dp1")),
+        _pretrain(tmp_path / "dp1", *distributed, "--load", str(tmp_path / "dp1"), world_size=2),
+    ]
+    for losses in resumed:
+        assert {k: losses[k] for k in (3, 4)} == pytest.approx({k: one[k] for k in (3, 4)}, abs=2e-5)
+
+    def argv(load, *flags):
+        return [*TINY, "--train-iters", "4", "--save", str(load), "--load", str(load), *flags]
+
+    refused = tmp_path / "dp2_refusals"
+    two_ranks = [
+        (argv(refused, "--use-distributed-optimizer", f"--{size}", "2"), f"pass --{size} 1")
+        for size in ("tensor-model-parallel-size", "pipeline-model-parallel-size")
+    ]
+    one_rank = [
+        (argv(refused), "with --use-distributed-optimizer"),
+        (argv(tmp_path / "one", "--use-distributed-optimizer"), "without --use-distributed-optimizer"),
+        (argv(tmp_path / "one", "--make-vocab-size-divisible-by", "128"), "--make-vocab-size-divisible-by"),
+    ]
+    results = [run_distributed(_w_mains, 2, [a], timeout=400)[0][0] for a, _ in two_ranks]
+    results += _mains([a for a, _ in one_rank])
+    for (_, expected), (code, stderr) in zip(two_ranks + one_rank, results):
+        assert code == 2 and expected in stderr and "Traceback" not in stderr, stderr[-2000:]
