@@ -26,3 +26,11 @@ def _record_versions(record_testsuite_property):
     record_testsuite_property("python", platform.python_version())
     for package in ("torch", "megatron-core"):
         record_testsuite_property(package, version(package))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow: minutes long; CI runs it in the Python 3.11 job only (the megatron calls it makes run on "
+        "the newest megatron-core in faster tests; docs/megatron-versions.md)",
+    )

@@ -51,7 +51,7 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device):
+def _worker(rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device, threads):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -59,9 +59,9 @@ def _worker(rank, world_size, port, timeout, fn, args, results, emulate_npu, bin
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
+        OMP_NUM_THREADS=str(threads),
     )
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         if emulate_npu:  # the emulated torch_npu: an npu device and the HCCL-strict backend
             from mcore_flash import emulation
@@ -92,11 +92,14 @@ def _worker(rank, world_size, port, timeout, fn, args, results, emulate_npu, bin
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180, emulate_npu: bool = False, bind_device: bool = True):
+def run_distributed(
+    fn, world_size: int, *args, timeout: float = 180, emulate_npu: bool = False, bind_device: bool = True, threads: int = 1
+):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
 
     ``emulate_npu``: the processes import the emulated ``torch_npu`` first, bind rank r to
     ``npu:r`` (unless ``bind_device=False``) and use the HCCL-strict ``hccl`` backend.
+    ``threads``: torch's intra-op threads per process (default 1: the ranks share the cores).
     Returns the per-rank return values (rank order). Raises RuntimeError carrying the
     failing worker's traceback, or TimeoutError after ``timeout`` seconds.
     """
@@ -106,7 +109,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, emulate_np
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device),
+            args=(rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device, threads),
             daemon=False,  # workers may start processes (dist-ckpt save does)
         )
         for rank in range(world_size)

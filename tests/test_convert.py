@@ -58,7 +58,10 @@ def pretrain(world_size, *argv):
 TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--log-interval", "1"]
 
 
-@pytest.mark.parametrize("tp,pp,tie", [(1, 1, False), (1, 1, True), (2, 2, False), (2, 2, True)])
+@pytest.mark.parametrize("tp,pp,tie", [
+    pytest.param(1, 1, False, marks=pytest.mark.slow), (1, 1, True),
+    pytest.param(2, 2, False, marks=pytest.mark.slow), pytest.param(2, 2, True, marks=pytest.mark.slow),
+])  # fmt: skip
 def test_round_trip_through_the_trainer_is_bit_exact(tmp_path, tp, pp, tie):
     """hf -> mcore -> (loaded, one lr-0 step, saved at TP/PP) -> hf: every tensor bit-identical,
     the vocabulary padding removed, and transformers loads the result with the same config."""
@@ -129,7 +132,10 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [
+    family if family in ("llama3.1 (GQA, llama3 scaling)", "llama3.2 (tied)") else pytest.param(family, marks=pytest.mark.slow)
+    for family in FAMILIES
+])  # fmt: skip
 def test_loss_after_conversion_equals_transformers(tmp_path, family):
     """fp32 per-token loss of the converted model = transformers' (1e-5 relative), for each
     family's config. With 258 tokens the vocabulary is padded to 384 rows of zeros: their
@@ -170,7 +176,7 @@ def _hf_greedy(src, prompt, n):
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_generate_equals_transformers_greedy(tmp_path, tp):
     """`mcore-flash generate --json` from the converted checkpoint = transformers'
     `generate(do_sample=False)` token for token (GQA, llama3 RoPE scaling), at TP1 and TP2."""
@@ -203,6 +209,7 @@ def _metrics(save):
         return {r["iteration"]: r["loss"] for r in map(json.loads, f)}
 
 
+@pytest.mark.slow
 def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
     """--finetune starts at iteration 0 from the converted weights (its first loss is the
     converted model's); interrupted at 2 and resumed with --load, the run equals the
