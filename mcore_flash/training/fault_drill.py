@@ -25,9 +25,9 @@ import argparse
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +36,7 @@ from typing import NamedTuple, Optional
 
 from mcore_flash.training import faults
 from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
+from mcore_flash.training.distributed import _free_port
 
 ITERATIONS = 12
 # (point, iteration, rank): each kill lands after the previous resume has made progress
@@ -164,10 +165,10 @@ def _disk_full(work_dir: str, reference: str) -> Row:
     script = "\n".join([
         "set -u",
         f"mount -t tmpfs -o size={size_kib}k tmpfs {mount_point}",
-        f"{_shell(_torchrun_command(mount_point, False, extra))} > {out}/first.log 2>&1; echo $? > {out}/first.code",
+        f"{shlex.join(_torchrun_command(mount_point, False, extra))} > {out}/first.log 2>&1; echo $? > {out}/first.code",
         f"cat {mount_point}/{MARKER} > {out}/tracker 2>/dev/null",
         f"mount -o remount,size=1g {mount_point}",
-        f"{_shell(_torchrun_command(mount_point, True, extra))} > {out}/second.log 2>&1; echo $? > {out}/second.code",
+        f"{shlex.join(_torchrun_command(mount_point, True, extra))} > {out}/second.log 2>&1; echo $? > {out}/second.code",
         f"cp -a {mount_point}/. {out}/after/",
         f"umount {mount_point}",
     ])  # fmt: skip
@@ -252,18 +253,6 @@ def _read(path: str) -> str:
         return ""
     with open(path) as f:
         return f.read()
-
-
-def _shell(command: list[str]) -> str:
-    import shlex
-
-    return " ".join(shlex.quote(part) for part in command)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 COLUMNS = ("fault (point@iteration:rank)", "where the rank dies", "killed there", "tracker after",
