@@ -16,17 +16,25 @@ from typing import Optional
 import torch
 
 
-def visible(sq: int, sk: int, causal: bool, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def visible(
+    sq: int, sk: int, causal: bool, attn_mask: Optional[torch.Tensor] = None, window: tuple[int, int] = (-1, -1)
+) -> torch.Tensor:
     """Bool ``[.., sq, sk]``: True where query i may attend to key j.
 
     Bottom-right causal: key j visible to query i iff ``j - i <= sk - sq``.
-    ``attn_mask`` is True = masked out (broadcast against ``[b, h, sq, sk]``).
+    ``window = (left, right)`` (flash-attn's, -1 = unbounded): ``i + sk - sq - left <= j <=
+    i + sk - sq + right``. ``attn_mask`` is True = masked out (broadcast against ``[b, h, sq, sk]``).
     """
     i = torch.arange(sq).view(sq, 1)
     j = torch.arange(sk).view(1, sk)
     allowed = torch.ones(sq, sk, dtype=torch.bool)
     if causal:
         allowed = (j - i) <= (sk - sq)
+    left, right = window
+    if left >= 0:
+        allowed = allowed & (j >= i + sk - sq - left)
+    if right >= 0:
+        allowed = allowed & (j <= i + sk - sq + right)
     allowed = allowed.view(1, 1, sq, sk)
     if attn_mask is not None:
         allowed = allowed & ~attn_mask.to(torch.bool)
@@ -40,9 +48,21 @@ def attention(
     causal: bool = False,
     softmax_scale: Optional[float] = None,
     attn_mask: Optional[torch.Tensor] = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(out [b, sq, hq, d] float64, lse [b, hq, sq] float64)``; differentiable."""
-    q, k, v = q.double(), k.double(), v.double()
+    """Return ``(out [b, sq, hq, d], lse [b, hq, sq])`` in ``dtype``; differentiable.
+
+    ``softcap``: scores ``c * tanh(s / c)``; ``alibi_slopes`` (``[hq]`` or ``[b, hq]``): plus
+    ``-slope * |i + sk - sq - j|``; ``dropout_mask`` (bool ``[b, hq, sq, sk]``, True = kept):
+    kept probabilities scaled by ``1 / (1 - dropout_p)`` (lse is that of the undropped softmax).
+    ``dtype=q.dtype`` gives flash-attn's same-precision "PyTorch" reference, float64 the oracle.
+    """
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     assert hq % hkv == 0
@@ -52,28 +72,44 @@ def attention(
     v_full = v.repeat_interleave(groups, dim=2)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
 
-    scores = torch.einsum("bihd,bjhd->bhij", q, k_full) * scale  # [b, hq, sq, sk]
-    allowed = visible(sq, sk, causal, attn_mask).expand(b, hq, sq, sk)
-    neg_inf = torch.tensor(float("-inf"), dtype=torch.float64)
+    scores = torch.einsum("bihd,bjhd->bhij", q * scale, k_full)  # [b, hq, sq, sk]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.view(-1, hq, 1, 1).to(dtype)
+        i = torch.arange(sq).view(sq, 1)
+        j = torch.arange(sk).view(1, sk)
+        scores = scores - slopes * (i + sk - sq - j).abs().to(dtype)
+    allowed = visible(sq, sk, causal, attn_mask, window).expand(b, hq, sq, sk)
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype)
     scores = torch.where(allowed, scores, neg_inf)
 
-    has_key = allowed.any(dim=-1)  # [b, hq, sq]
-    zero = torch.zeros((), dtype=torch.float64)
-    raw_max = scores.amax(dim=-1) if sk > 0 else torch.zeros(b, hq, sq, dtype=torch.float64)
-    row_max = torch.where(has_key, raw_max, zero).detach()
-    expd = torch.exp(scores - row_max.unsqueeze(-1))  # exactly 0 where masked
-    denom = expd.sum(dim=-1)
-    probs = expd / torch.where(has_key, denom, torch.ones((), dtype=torch.float64)).unsqueeze(-1)
+    has_key = allowed.any(dim=-1, keepdim=True)  # [b, hq, sq, 1]
+    # rows that see no key get 0 scores (so no NaN reaches autograd) and probability 0
+    scores = torch.where(has_key, scores, torch.zeros((), dtype=dtype))
+    zero = torch.zeros((), dtype=dtype)
+    probs = torch.where(has_key, torch.softmax(scores, dim=-1), zero)
+    if dropout_mask is not None:
+        probs = torch.where(dropout_mask, probs / (1.0 - dropout_p), zero)
     out = torch.einsum("bhij,bjhd->bihd", probs, v_full)
-    lse = torch.where(has_key, row_max + torch.log(torch.where(has_key, denom, 1.0)), neg_inf)
+    lse = torch.where(has_key[..., 0], torch.logsumexp(scores, dim=-1), neg_inf)
     return out, lse
 
 
-def attention_with_grads(q, k, v, dout, **kwargs):
-    """Float64 ``(out, lse, dq, dk, dv)`` for the given upstream gradient ``dout``."""
-    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
-    out, lse = attention(q64, k64, v64, **kwargs)
-    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+def probabilities(q: torch.Tensor, k: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Float64 ``[b, hq, sq, sk]`` attention probabilities (0 where hidden): the output for
+    ``v`` = the identity over the keys."""
+    b, sk, hkv, _ = k.shape
+    eye = torch.eye(sk, dtype=torch.float64).view(1, sk, 1, sk).expand(b, sk, hkv, sk)
+    out, _ = attention(q, k, eye, **kwargs)  # [b, sq, hq, sk]
+    return out.permute(0, 2, 1, 3)
+
+
+def attention_with_grads(q, k, v, dout, dtype: torch.dtype = torch.float64, **kwargs):
+    """``(out, lse, dq, dk, dv)`` in ``dtype`` (float64: the oracle) for the upstream gradient ``dout``."""
+    q64, k64, v64 = (x.detach().to(dtype).requires_grad_(True) for x in (q, k, v))
+    out, lse = attention(q64, k64, v64, dtype=dtype, **kwargs)
+    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.to(dtype))
     return out.detach(), lse.detach(), dq, dk, dv
 
 

@@ -26,6 +26,9 @@ B, S, HQ, HKV, D = 2, 32, 4, 2, 8
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 against fp32 CP=1 / float64
 CASES = [(backend, comm, causal) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for causal in (True, False)]
 GPT_COMMS = ("p2p", "a2a")
+# sliding windows over the whole sequence: (window_size, causal); chunks are 8 (cp2) or 4 (cp4) rows
+WINDOWS = [((5, 0), True), ((3, 6), False), ((13, -1), False)]
+WINDOW_CASES = [(backend, comm, window, causal) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for window, causal in WINDOWS]
 
 
 def _inputs(dtype=torch.float32, seed=0):
@@ -67,6 +70,18 @@ def _op_checks(rank, world_size, with_extras):
         results[backend, comm, causal] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
         calls[backend, comm, causal] = [
             (c["name"], c["sparse_mode"], c["mask_shape"], c["q_shape"][1], c["k_shape"][1], c["score_shape"])
+            for c in double.calls
+        ]
+    for backend, comm, window, causal in WINDOW_CASES:
+        double.calls.clear()
+        ql, kl, vl = local(q), local(k), local(v)
+        out, lse = context_parallel_attn_func(
+            ql, kl, vl, group, causal=causal, comm_type=comm, backend=backend, return_lse=True, window_size=window
+        )
+        out.backward(split_for_cp_rank(dout, 1, world_size, rank))
+        results[backend, comm, window, causal] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
+        calls[backend, comm, window, causal] = [
+            (c["name"], c["sparse_mode"], c["mask_shape"], c["q_shape"][1], c["k_shape"][1], c["pre_tockens"], c["next_tockens"])
             for c in double.calls
         ]
     extras = _op_extras(rank, world_size, group, local, measure_saved_bytes) if with_extras else None
@@ -293,6 +308,49 @@ def _check_npu_calls(per_rank_results, cp):
         assert a2a == [(3, (2048, 2048), S, S)] * 2  # one fused call on the whole sequence
         work.append(sum(c[5][-1] * c[5][-2] for c in calls["npu", "p2p", True] if c[0] == "npu_fusion_attention"))
     assert len(set(work)) == 1, f"causal work per rank is unbalanced: {work}"
+
+
+def _check_windows(per_rank_results, cp):
+    """Windowed CP equals the float64 oracle; the ring calls the kernel once per chunk pair the
+    window reaches (found here by brute force over the global visibility), unmasked where it
+    covers the pair, and never for the others."""
+    from mcore_flash.ops.context_parallel import cp_chunk_ids, gather_from_cp_ranks
+
+    q, k, v, dout = _inputs()
+    c = S // (2 * cp)
+    for backend, comm, window, causal in WINDOW_CASES:
+        case = (backend, comm, window, causal)
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        out, lse = oracle.attention(*leaves, causal=causal, window=window)
+        out.backward(dout.double())
+        exact = (out.detach(), lse.detach(), *(x.grad for x in leaves))
+        for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+            got = gather_from_cp_ranks([results[case][i] for results, _, _ in per_rank_results], 2 if name == "lse" else 1)
+            torch.testing.assert_close(got.double(), exact[i], **TOL, msg=f"{case} {name} vs float64")
+        if (backend, comm) != ("npu", "p2p"):
+            continue
+        visible = oracle.visible(S, S, causal, window=window)[0, 0]
+        for rank, (_, calls, _) in enumerate(per_rank_results):
+            pairs = [visible[a * c : (a + 1) * c, b * c : (b + 1) * c] for a in cp_chunk_ids(cp, rank) for b in range(2 * cp)]
+            forward = [call for call in calls[case] if call[0] == "npu_fusion_attention"]
+            assert len(forward) == sum(bool(p.any()) for p in pairs), (case, rank)
+            assert all(call[3:5] == (c, c) for call in forward)  # chunk x chunk, no [s, s] block
+            assert sum(call[2] is None for call in forward) == sum(bool(p.all()) for p in pairs)
+            # a cut pair is a band (4), or causal (3) where its shifted band is exactly the causal one
+            assert all(call[1] in (3, 4) for call in forward if call[2] is not None)
+
+
+def test_op_windows_under_cp2_and_cp4_skip_the_pairs_outside(cp2_run, cp4_run):
+    _check_windows([ops for ops, _ in cp2_run], 2)
+    _check_windows([ops for ops, _ in cp4_run], 4)
+
+
+def test_packed_ring_refuses_a_window_naming_the_fix():
+    from mcore_flash.ops.context_parallel import context_parallel_varlen_attn_func
+
+    q = torch.randn(8, 2, 8)
+    with pytest.raises(ValueError, match="comm_type='a2a'"):
+        context_parallel_varlen_attn_func(q, q, q, torch.tensor([0, 16]), _fake_group(2), causal=True, window_size=(4, 0))
 
 
 def test_op_cp2_equals_cp1(cp2_run):

@@ -409,7 +409,7 @@ def test_double_rejects_wrong_calls():
     with pytest.raises(err, match="bool/uint8"):
         op(q, k, v, 4, "BSND", atten_mask=torch.zeros(4, 4), sparse_mode=1)
     with pytest.raises(NotImplementedError, match="unsupported in the double"):
-        op(q, k, v, 4, "BSND", atten_mask=MASK2048, sparse_mode=4)
+        op(q, k, v, 4, "BSND", atten_mask=MASK2048, sparse_mode=5)
     with pytest.raises(err, match="tockens"):  # band disagrees with an all-visible mask
         op(q, k, v, 4, "BSND", atten_mask=torch.zeros(4, 4, dtype=torch.bool), pre_tockens=1, next_tockens=0)
     qt, kt, vt = q[0], k[0], v[0]
@@ -701,3 +701,78 @@ def test_npu_backend_rejects_inputs_beyond_the_op(npu_double, shape_q, shape_k, 
         else:
             flash_attn_func(q, k, k, backend="npu")
     assert npu_double.calls == []  # rejected before reaching the op
+
+
+# ---- sliding windows (sparse_mode 4) and the keywords the op lacks ------------------------------
+
+
+def window_visible(sq, sk, left, right):
+    """[sq, sk] bool: flash-attn's window, bottom-right: ``i + sk - sq - left <= j <= i + sk - sq + right``."""
+    offset = torch.arange(sk) - torch.arange(sq).unsqueeze(-1) - (sk - sq)
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    return visible
+
+
+@pytest.mark.parametrize(
+    "sq,sk,window,causal",
+    [
+        pytest.param(24, 24, (5, 0), True, id="causal-window5"),
+        pytest.param(24, 24, (3, 4), False, id="two-sided"),
+        pytest.param(20, 12, (4, -1), False, id="left-only-sq>sk-empty-rows"),
+        pytest.param(10, 30, (-1, 2), False, id="right-only-sq<sk"),
+    ],
+)
+def test_window_is_sparse_mode_4_band_with_the_compressed_mask(npu_double, sq, sk, window, causal):
+    q, k, v, do = rand_qkv(2, sq, sk, 4, 2, 16)
+    res = api("npu", q, k, v, do, causal=causal, window_size=window)
+    left, right = window[0], 0 if causal else window[1]
+    for call in npu_double.calls:
+        assert call["sparse_mode"] == 4 and torch.equal(call["atten_mask"], MASK2048)
+        assert call["pre_tockens"] == (left if left >= 0 else 2147483647)
+        assert call["next_tockens"] == (right if right >= 0 else 2147483647)
+    visible = window_visible(sq, sk, left, right)
+    empty = bool((~visible).all(dim=-1).any())
+    assert all(call["inner_precise"] == (2 if empty else 0) for call in npu_double.calls)
+    assert_same_result(res, oracle(q, k, v, 0.25, visible, dout=do))
+
+
+def test_window_with_an_explicit_mask_folds_the_band_into_it(npu_double):
+    q, k, v, do = rand_qkv(1, 16, 16, 2, 2, 16)
+    mask = torch.rand(1, 1, 16, 16, generator=torch.Generator().manual_seed(1)) < 0.2
+    res = api("npu", q, k, v, do, causal=True, window_size=(6, 0), attn_mask=mask)
+    assert all(call["sparse_mode"] == 1 for call in npu_double.calls)
+    assert_same_result(res, oracle(q, k, v, 0.25, window_visible(16, 16, 6, 0) & ~mask, dout=do))
+
+
+def test_varlen_window_is_band_per_sequence(npu_double):
+    cu = [0, 9, 30, 44]
+    q, k, v, do = rand_qkv(0, 44, 44, 4, 1, 16)
+    res = api_varlen("npu", q, k, v, do, cu, cu, causal=True, window_size=(4, 0))
+    assert [c["sparse_mode"] for c in npu_double.calls] == [4, 4]
+    assert npu_double.calls[0]["layout"] == "TND"
+    parts = [oracle(q[a:b][None], k[a:b][None], v[a:b][None], 0.25, window_visible(b - a, b - a, 4, 0), dout=do[a:b][None]) for a, b in zip(cu, cu[1:])]
+    expected = (torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts], dim=-1),
+                tuple(torch.cat([p[2][i][0] for p in parts]) for i in range(3)))  # fmt: skip
+    assert_same_result(res, expected)
+
+
+def test_double_band_rejects_tockens_that_do_not_overlap():
+    forward, _ = nd.make_ops([])
+    q, k, v, _ = rand_qkv(1, 8, 8, 2, 2, 16)
+    with pytest.raises(nd.NpuContractError, match="do not overlap"):
+        forward(q, k, v, 2, "BSND", atten_mask=MASK2048, sparse_mode=4, pre_tockens=-3, next_tockens=1, scale=0.25)
+    with pytest.raises(nd.NpuContractError, match="must be < Skv"):
+        forward(q, k, v, 2, "BSND", atten_mask=MASK2048, sparse_mode=4, pre_tockens=20, next_tockens=-8, scale=0.25)
+
+
+@pytest.mark.parametrize("keyword", [dict(softcap=30.0), dict(deterministic=True), "alibi"])
+def test_npu_backend_refuses_keywords_the_op_lacks_naming_them(npu_double, keyword):
+    q, k, v, _ = rand_qkv(1, 8, 8, 2, 2, 16)
+    kwargs = dict(alibi_slopes=torch.ones(2)) if keyword == "alibi" else keyword
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"npu backend: {name}"):
+        flash_attn_func(q, k, v, backend="npu", **kwargs)

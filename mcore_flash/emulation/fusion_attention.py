@@ -43,8 +43,12 @@ Choices where the contract is silent (documented here, asserted by tests/test_np
   gives them probability 0 (zero gradients) whatever statistics it is handed.
 * sparse_mode 0 with non-default tockens: the band (top-left aligned, key j visible to
   query i iff i - pre <= j <= i + next) must be implied by the mask, else NpuContractError;
-  tockens without a mask, and sparse modes 4..8, raise NotImplementedError (unsupported
+  tockens without a mask, and sparse modes 5..8, raise NotImplementedError (unsupported
   in the double; our backend must never use them). TND takes no mask in modes 0/1 here.
+* sparse_mode 4 (band, dense and TND per sequence): the compressed mask is required, origin
+  bottom-right: key j visible to query i iff ``-pre <= j - i - (Skv - Sq) <= next``. The
+  two tockens must overlap (``pre + next >= 0``), and a negative one must stay inside the
+  block (``|next| < Skv``, ``|pre| < Sq``), else NpuContractError.
 * Arguments past ``input_layout`` are keyword-only in both ops (torch_npu's forward also
   takes them positionally, but positions differ across CANN releases): a positional call
   raises TypeError. ``pse``, ``padding_mask``, ``prefix``, ``sink`` and ``dropout_mask``
@@ -183,7 +187,9 @@ def _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, s
     b, nq, sq, _ = q.shape
     sk = k.shape[2]
     dev = q.device
-    if sparse_mode not in (0, 1, 2, 3):
+    if sparse_mode == 4:
+        _check_band_tockens(pre_tockens, next_tockens, seq_q, seq_k, sq, sk, layout)
+    if sparse_mode not in (0, 1, 2, 3, 4):
         raise NotImplementedError(f"npu_double: sparse_mode={sparse_mode} is unsupported in the double")
     if atten_mask is not None:
         if not isinstance(atten_mask, torch.Tensor) or atten_mask.dtype not in MASK_DTYPES:
@@ -199,10 +205,10 @@ def _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, s
         q0 = k0 = 0
         for q1, k1 in zip(seq_q, seq_k):
             block = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=dev)
-            if atten_mask is not None and sparse_mode in (2, 3):
+            if atten_mask is not None and sparse_mode in (2, 3, 4):
                 li, lj = rows[q0:q1] - q0, cols[k0:k1] - k0
                 shift = 0 if sparse_mode == 2 else (k1 - k0) - (q1 - q0)
-                block = lj <= li + shift
+                block = _band(li, lj, shift, pre_tockens, next_tockens) if sparse_mode == 4 else lj <= li + shift
             same[q0:q1, k0:k1] = block
             q0, k0 = q1, k1
         if atten_mask is None:
@@ -223,6 +229,9 @@ def _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, s
         _check_compressed(atten_mask, sparse_mode)
         shift = 0 if sparse_mode == 2 else sk - sq
         return (cols <= rows + shift).view(1, 1, sq, sk)
+    if sparse_mode == 4:
+        _check_compressed(atten_mask, sparse_mode)
+        return _band(rows, cols, sk - sq, pre_tockens, next_tockens).view(1, 1, sq, sk)
 
     # modes 0 / 1: a full mask, SS / 11SS / B1SS / BNSS (N = head_num)
     m = atten_mask
@@ -240,6 +249,27 @@ def _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, s
         if bool((outside & ~m4).any()):
             _fail("sparse_mode=0: atten_mask does not agree with pre_tockens/next_tockens")
     return ~m4
+
+
+def _band(rows, cols, shift: int, pre_tockens: int, next_tockens: int) -> torch.Tensor:
+    """sparse_mode 4: ``-pre <= j - i - shift <= next`` (origin bottom-right)."""
+    offset = cols - rows - shift
+    return (offset >= -pre_tockens) & (offset <= next_tockens)
+
+
+def _check_band_tockens(pre_tockens, next_tockens, seq_q, seq_k, sq, sk, layout) -> None:
+    """sparse_mode 4's rules on pre/next_tockens, for every (sequence's) block."""
+    if pre_tockens + next_tockens < 0:
+        _fail(f"sparse_mode=4: pre_tockens={pre_tockens} and next_tockens={next_tockens} do not overlap")
+    if layout == "TND":
+        blocks = [(b - a, d - c) for a, b, c, d in zip([0] + seq_q[:-1], seq_q, [0] + seq_k[:-1], seq_k)]
+    else:
+        blocks = [(sq, sk)]
+    for n_q, n_k in blocks:
+        if next_tockens < 0 and -next_tockens >= n_k:
+            _fail(f"sparse_mode=4: |next_tockens|={-next_tockens} must be < Skv={n_k}")
+        if pre_tockens < 0 and -pre_tockens >= n_q:
+            _fail(f"sparse_mode=4: |pre_tockens|={-pre_tockens} must be < Sq={n_q}")
 
 
 def _check_compressed(mask: torch.Tensor, sparse_mode: int) -> None:

@@ -7,7 +7,14 @@ Backends: ``npu`` (torch_npu.npu_fusion_attention), ``cuda`` (torch's flash kern
 ``cpu`` (torch's fused CPU kernel), ``reference`` (pure PyTorch FlashAttention-2).
 """
 
-from .api import flash_attn_func, flash_attn_varlen_func
+from .api import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from .backends import (
     AttentionBackend,
     AttentionParams,
@@ -25,7 +32,11 @@ __all__ = [
     "available_backends",
     "backend_names",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "get_backend",
     "last_used_backend",
 ]

@@ -68,6 +68,44 @@ def check_dropout(dropout_p: float) -> float:
     return float(dropout_p)
 
 
+def check_window_size(window_size) -> tuple[int, int]:
+    """flash-attn's ``window_size=(left, right)``: two ints, each -1 (unbounded) or >= 0."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    ok = ok and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    if not ok:
+        raise ValueError(
+            f"window_size must be (left, right), two ints each -1 (unbounded) or >= 0, got {window_size!r}; "
+            "e.g. window_size=(4095, 0) with causal=True for a 4096-token sliding window"
+        )
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
+    return float(softcap)
+
+
+def check_alibi_slopes(slopes: Optional[Tensor], q: Tensor, batch: Optional[int]) -> Optional[Tensor]:
+    """ALiBi slopes: float32 ``[hq]`` or ``[batch, hq]`` on q's device (flash-attn's rule)."""
+    if slopes is None:
+        return None
+    hq = q.shape[-2]
+    shapes = [(hq,)] + ([(batch, hq)] if batch is not None else [])
+    if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 or tuple(slopes.shape) not in shapes:
+        got = (slopes.dtype, tuple(slopes.shape)) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise ValueError(f"alibi_slopes must be a float32 tensor shaped {' or '.join(map(str, shapes))}, got {got}")
+    if slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {slopes.device} but q is on {q.device}; move it with .to(q.device)")
+    return slopes
+
+
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_attn_mask(mask: Optional[Tensor], b: int, hq: int, sq: int, sk: int) -> None:
     """``attn_mask`` must be bool (True = masked out) with dims each 1 or ``[b, hq, sq, sk]``."""
     if mask is None:

@@ -29,7 +29,14 @@ holds the K/V of rank ``src = (r - i) mod cp``; with ``c = s_local / 2`` and cau
 * ``src > r``: both kv chunks precede query chunk ``2cp-1-r`` and follow chunk ``r``:
   q second half ``[c]`` x kv ``[2c]``, no mask.
 
-Without causal every step is q ``[2c]`` x kv ``[2c]``, no mask. Each block returns
+Without causal every step is q ``[2c]`` x kv ``[2c]``, no mask.
+
+With a sliding window (``window_size``) every step is split into its four chunk pairs
+(query chunk ``a``, kv chunk ``b``, each ``[c]``): the global band ``lo <= j - i <= hi``
+becomes the local band ``(lo + delta, hi + delta)`` with ``delta = (a - b) * c``; a pair the
+band misses entirely is skipped (neither computed nor masked, no kernel call), a pair it
+covers entirely runs unmasked. With window 4096 at 128K over cp 8 most pairs are skipped.
+Each block returns
 ``(out_i, stats_i)``; partial results merge as (row max, row sum) pairs, MindSpeed's rule
 (fp32 accumulators)::
 
@@ -193,6 +200,7 @@ def context_parallel_attn_func(
     backend: Union[str, AttentionBackend, None] = None,
     return_lse: bool = False,
     layout: str = "bshd",
+    window_size: tuple[int, int] = (-1, -1),
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention over a sequence split across ``group`` (see the module docstring).
 
@@ -202,6 +210,8 @@ def context_parallel_attn_func(
             (``layout="sbhd"``: ``[s_local, b, h, d]``).
         group: the context-parallel process group (None or size 1: plain attention).
         causal: causal over the WHOLE sequence (positions from the chunk layout).
+        window_size: flash-attn's ``(left, right)`` sliding window over the whole sequence;
+            the ring skips the chunk pairs it misses.
         comm_type: ``"p2p"`` (ring) or ``"a2a"`` (Ulysses all-to-all over heads).
         Other arguments as in :func:`mcore_flash.ops.flash_attn_func`.
 
@@ -213,7 +223,7 @@ def context_parallel_attn_func(
     cp_size = 1 if group is None else group.size()
     if cp_size == 1:
         return flash_attn_func(
-            q, k, v, dropout_p, softmax_scale, causal, backend=backend, return_lse=return_lse, layout=layout
+            q, k, v, dropout_p, softmax_scale, causal, window_size, backend=backend, return_lse=return_lse, layout=layout
         )
     checks.check_layout(layout, LAYOUTS)
     checks.check_qkv(q, k, v, packed=False, layout=layout)
@@ -228,7 +238,7 @@ def context_parallel_attn_func(
             f"local sequence length {q.shape[seq]} is odd: each context-parallel rank holds two equal "
             f"chunks, so the total length must be divisible by 2 * cp = {2 * cp_size}"
         )
-    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, layout=layout)
+    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, layout=layout, window_size=window_size)
     impl.check_inputs(q, k, v, params)
     if comm_type == "a2a":
         out, lse = _ulysses(q, k, v, group, _DenseSequence(impl, params, cp_size))
@@ -250,6 +260,7 @@ def context_parallel_varlen_attn_func(
     comm_type: str = "p2p",
     backend: Union[str, AttentionBackend, None] = None,
     return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention over packed documents split across ``group``; no token sees another document.
 
@@ -258,6 +269,8 @@ def context_parallel_varlen_attn_func(
             :func:`thd_positions_for_cp_rank` (chunks ``r`` and ``2cp-1-r`` of every document).
         cu_seqlens: int ``[num_docs + 1]`` cumulative document lengths over the WHOLE pack
             (``cu_seqlens[-1] == cp * t_local``), each a multiple of ``2*cp``.
+        window_size: a sliding window within each document; Ulysses (``"a2a"``) only: the
+            ring's chunk pairs have one length per document, so their shifted bands differ.
         Other arguments as in :func:`context_parallel_attn_func`.
 
     Ring (p2p): every hop is one varlen kernel call over all documents -- at step 0 the
@@ -279,11 +292,16 @@ def context_parallel_varlen_attn_func(
     if cp_size == 1:
         longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
         return flash_attn_varlen_func(
-            q, k, v, cu_seqlens, cu_seqlens, longest, longest, dropout_p, softmax_scale, causal,
+            q, k, v, cu_seqlens, cu_seqlens, longest, longest, dropout_p, softmax_scale, causal, window_size,
             backend=backend, return_lse=return_lse,
         )  # fmt: skip
     check_thd_cp_lengths(cu, cp_size)
-    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend)
+    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, window_size=window_size)
+    if params.window is not None and comm_type == "p2p":
+        raise ValueError(
+            "window_size with packed documents under ring context parallelism (comm_type='p2p') is not "
+            "supported: use comm_type='a2a' (--cp-comm-type a2a), or pack without a window"
+        )
     impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
     if comm_type == "a2a":
         out, lse = _ulysses(q, k, v, group, _PackedSequence(impl, params, cu, cp_size, q.device))
@@ -331,15 +349,51 @@ _ALL = slice(None)
 Rows = Union[slice, Tensor]  # a slice of the local sequence, or the indices of its rows
 
 
-def _block_halves(step: int, rank: int, size: int, causal: bool) -> tuple[str, str, bool]:
-    """``(query rows, kv rows, causal)`` of ring step ``step``, each ``"all"``, ``"first"``
-    (the rows of chunk ``r``) or ``"second"`` (those of chunk ``2cp-1-r``)."""
-    if not causal or step == 0:
-        return "all", "all", causal  # step 0 is the diagonal block
+Block = tuple[str, str, AttentionParams]  # (query rows, kv rows, the params of that block's kernel)
+
+
+def _ring_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk_len: int) -> list[Block]:
+    """The kernel calls of ring step ``step``: ``(query rows, kv rows, params)`` with rows
+    ``"all"``, ``"first"`` (the rows of chunk ``r``) or ``"second"`` (those of chunk
+    ``2cp-1-r``); see the module docstring."""
+    if params.window is not None:
+        return _window_blocks(step, rank, size, params, chunk_len)
+    if not params.causal or step == 0:
+        return [("all", "all", params)]  # step 0 is the diagonal block
     src = (rank - step) % size
+    unmasked = params.with_band(None, None)
     if src < rank:
-        return "all", "first", False  # kv chunk src precedes both query chunks, 2cp-1-src follows
-    return "second", "all", False  # both kv chunks precede chunk 2cp-1-r only
+        return [("all", "first", unmasked)]  # kv chunk src precedes both query chunks, 2cp-1-src follows
+    return [("second", "all", unmasked)]  # both kv chunks precede chunk 2cp-1-r only
+
+
+def _window_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk_len: int) -> list[Block]:
+    """The chunk pairs (``chunk_len`` rows each) of step ``step`` that some query's window
+    reaches, each with its band shifted to the pair's positions."""
+    lo, hi = params.window
+    src = (rank - step) % size
+    q_chunks = dict(zip(("first", "second"), cp_chunk_ids(size, rank)))
+    kv_chunks = dict(zip(("first", "second"), cp_chunk_ids(size, src)))
+    blocks = []
+    for q_rows, a in q_chunks.items():
+        for kv_rows, b in kv_chunks.items():
+            band = _shifted_band(lo, hi, a - b, chunk_len)
+            if band is not None:
+                blocks.append((q_rows, kv_rows, params.with_band(*band)))
+    return blocks
+
+
+def _shifted_band(lo, hi, chunk_delta: int, c: int):
+    """The local band of a ``c x c`` chunk pair ``chunk_delta`` chunks below the diagonal, or
+    None when no pair ``(i, j)`` of it is inside; sides it does not cut become None."""
+    delta = chunk_delta * c
+    lo = None if lo is None else lo + delta
+    hi = None if hi is None else hi + delta
+    if (lo is not None and lo > c - 1) or (hi is not None and hi < -(c - 1)):
+        return None
+    lo = None if lo is not None and lo <= -(c - 1) else lo
+    hi = None if hi is not None and hi >= c - 1 else hi
+    return lo, hi
 
 
 class _DenseBlocks:
@@ -349,14 +403,17 @@ class _DenseBlocks:
     def __init__(self, backend: AttentionBackend, params: AttentionParams, local_len: int):
         self.backend, self.params = backend, params
         self.seq = params.layout.index("s")
-        half = local_len // 2
-        self.rows = {"all": _ALL, "first": slice(0, half), "second": slice(half, None)}
+        self.half = local_len // 2
+        self.rows = {"all": _ALL, "first": slice(0, self.half), "second": slice(self.half, None)}
 
-    def forward(self, q, k, v, q_rows: str, kv_rows: str, causal: bool):
-        return forward_kernel(self.backend, q, k, v, _with_causal(self.params, causal))
+    def plan(self, step: int, ring: "_Ring") -> list[Block]:
+        return _ring_blocks(step, ring.rank, ring.size, self.params, self.half)
 
-    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: str, kv_rows: str, causal: bool):
-        return backward_kernel(self.backend, dout, q, k, v, out, stats, rng_state, _with_causal(self.params, causal))
+    def forward(self, q, k, v, q_rows: str, kv_rows: str, params: AttentionParams):
+        return forward_kernel(self.backend, q, k, v, params)
+
+    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: str, kv_rows: str, params: AttentionParams):
+        return backward_kernel(self.backend, dout, q, k, v, out, stats, rng_state, params)
 
 
 class _PackedBlocks:
@@ -376,17 +433,17 @@ class _PackedBlocks:
         self.rows = {"all": _ALL, "first": first.to(device), "second": second.to(device)}
         self.cu = {"all": local_cu, "first": half_cu, "second": half_cu}
 
-    def forward(self, q, k, v, q_rows: str, kv_rows: str, causal: bool):
-        out, stats, rng_state = self.backend.varlen_forward(
-            q[0], k[0], v[0], self.cu[q_rows], self.cu[kv_rows], _with_causal(self.params, causal)
-        )
+    def plan(self, step: int, ring: "_Ring") -> list[Block]:
+        return _ring_blocks(step, ring.rank, ring.size, self.params, chunk_len=0)  # no windows here
+
+    def forward(self, q, k, v, q_rows: str, kv_rows: str, params: AttentionParams):
+        out, stats, rng_state = self.backend.varlen_forward(q[0], k[0], v[0], self.cu[q_rows], self.cu[kv_rows], params)
         return out.unsqueeze(0), stats, rng_state
 
-    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: str, kv_rows: str, causal: bool):
+    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: str, kv_rows: str, params: AttentionParams):
         grads = self.backend.varlen_backward(
-            dout[0], q[0], k[0], v[0], out[0], stats, rng_state,
-            self.cu[q_rows], self.cu[kv_rows], _with_causal(self.params, causal),
-        )  # fmt: skip
+            dout[0], q[0], k[0], v[0], out[0], stats, rng_state, self.cu[q_rows], self.cu[kv_rows], params
+        )
         return tuple(g.unsqueeze(0) for g in grads)
 
 
@@ -462,20 +519,24 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, blocks):
         ring, seq, params = _Ring(group), blocks.seq, blocks.params
         kv = torch.stack([k, v])  # one message per hop
-        rng_states: list[Any] = []
+        rng_states: list[list[Any]] = []
+        out_acc: Optional[Tensor] = None
         for step in range(ring.size):
             if step + 1 < ring.size:  # send the next block while this one is computed
                 incoming = torch.empty_like(kv)
                 requests = ring.hop(kv, incoming, _KV_TAG)
-            q_rows, kv_rows, causal = _block_halves(step, ring.rank, ring.size, params.causal)
-            rows, cols = blocks.rows[q_rows], blocks.rows[kv_rows]
-            out, stats, rng_state = blocks.forward(
-                _take(q, rows, seq), _take(kv[0], cols, seq), _take(kv[1], cols, seq), q_rows, kv_rows, causal
-            )
-            rng_states.append(rng_state)
-            if step == 0:  # the diagonal block covers every row
-                out_acc, stats_acc = out.to(_accumulator_dtype(q.dtype)), stats
-            else:
+            rng_states.append([])
+            for q_rows, kv_rows, block_params in blocks.plan(step, ring):
+                rows, cols = blocks.rows[q_rows], blocks.rows[kv_rows]
+                out, stats, rng_state = blocks.forward(
+                    _take(q, rows, seq), _take(kv[0], cols, seq), _take(kv[1], cols, seq), q_rows, kv_rows, block_params
+                )
+                rng_states[-1].append(rng_state)
+                if out_acc is None and q_rows == "all":  # a first block that covers every row
+                    out_acc, stats_acc = out.to(_accumulator_dtype(q.dtype)), stats
+                    continue
+                if out_acc is None:
+                    out_acc, stats_acc = _empty_accumulators(q, v, stats, seq)
                 merged, merged_stats = _merge(_take(out_acc, rows, seq), stats_acc.rows(rows), out, stats, params.layout)
                 _put(out_acc, rows, seq, merged)
                 _set_rows(stats_acc, rows, merged_stats)
@@ -505,28 +566,31 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 kv_incoming = torch.empty_like(kv)
                 kv_requests = ring.hop(kv, kv_incoming, _KV_TAG)
-            q_rows, kv_rows, causal = _block_halves(step, ring.rank, ring.size, blocks.params.causal)
-            rows, cols = blocks.rows[q_rows], blocks.rows[kv_rows]
-            dq_blk, dk_blk, dv_blk = blocks.backward(
-                _take(dout, rows, seq),
-                _take(q, rows, seq),
-                _take(kv[0], cols, seq),
-                _take(kv[1], cols, seq),
-                _take(out, rows, seq),
-                stats.rows(rows),
-                ctx.rng_states[step],
-                q_rows,
-                kv_rows,
-                causal,
-            )
-            _add(dq, rows, seq, dq_blk)
+            kv_grads = []
+            for (q_rows, kv_rows, block_params), rng_state in zip(blocks.plan(step, ring), ctx.rng_states[step]):
+                rows, cols = blocks.rows[q_rows], blocks.rows[kv_rows]
+                dq_blk, dk_blk, dv_blk = blocks.backward(
+                    _take(dout, rows, seq),
+                    _take(q, rows, seq),
+                    _take(kv[0], cols, seq),
+                    _take(kv[1], cols, seq),
+                    _take(out, rows, seq),
+                    stats.rows(rows),
+                    rng_state,
+                    q_rows,
+                    kv_rows,
+                    block_params,
+                )
+                _add(dq, rows, seq, dq_blk)
+                kv_grads.append((cols, dk_blk, dv_blk))
             if step == 0:  # the dK/dV accumulator of our own block starts here ...
                 dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
             else:  # ... the others arrive from the previous rank, one hop behind K/V
                 _wait(dkv_requests)
                 dkv = dkv_incoming
-            _add(dkv[0], cols, seq, dk_blk)
-            _add(dkv[1], cols, seq, dv_blk)
+            for cols, dk_blk, dv_blk in kv_grads:
+                _add(dkv[0], cols, seq, dk_blk)
+                _add(dkv[1], cols, seq, dv_blk)
             dkv_incoming = torch.empty_like(dkv)
             dkv_requests = ring.hop(dkv, dkv_incoming, _DKV_TAG)  # after the last step: to its owner
             if step + 1 < ring.size:
@@ -537,8 +601,16 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None
 
 
-def _with_causal(params: AttentionParams, causal: bool) -> AttentionParams:
-    return params if params.causal == causal else replace(params, causal=causal)
+def _empty_accumulators(q: Tensor, v: Tensor, like: SoftmaxStats, seq: int) -> tuple[Tensor, SoftmaxStats]:
+    """fp32 zeros shaped like the output and statistics of rows that have seen no key yet
+    (``-inf`` maxima, zero sums), shaped like ``like`` with every local row."""
+    shape = list(q.shape)
+    shape[-1] = v.shape[-1]
+    out = torch.zeros(shape, dtype=_accumulator_dtype(q.dtype), device=q.device)
+    rows = q.shape[seq]
+    row_max = torch.full((*like.row_max.shape[:2], rows, *like.row_max.shape[3:]), float("-inf"), dtype=like.row_max.dtype, device=q.device)
+    row_sum = None if like.row_sum is None else torch.zeros(row_max.shape, dtype=like.row_sum.dtype, device=q.device)
+    return out, SoftmaxStats(row_max, row_sum)
 
 
 # ---- Ulysses (a2a) ---------------------------------------------------------------------------
@@ -593,7 +665,7 @@ class _DenseSequence:
 
     def attend(self, q, k, v) -> tuple[Tensor, Tensor]:
         """``(out, lse per token)``; lse as ``[.., s, .., h, 1]`` beside ``out``."""
-        out, lse = _FlashAttnFunction.apply(q, k, v, self.backend, self.params)
+        out, lse = _FlashAttnFunction.apply(q, k, v, self.backend, self.params, None)
         return out, _per_token(lse, self.params.layout)
 
     def lse_from_tokens(self, lse: Tensor) -> Tensor:
@@ -621,7 +693,7 @@ class _PackedSequence:
         return x.index_select(0, self.rank_order)
 
     def attend(self, q, k, v) -> tuple[Tensor, Tensor]:
-        out, lse = _FlashAttnVarlenFunction.apply(q, k, v, self.cu, self.cu, self.backend, self.params)
+        out, lse = _FlashAttnVarlenFunction.apply(q, k, v, self.cu, self.cu, self.backend, self.params, None)
         return out, lse.t().unsqueeze(-1)  # [h, t] -> [t, h, 1]
 
     def lse_from_tokens(self, lse: Tensor) -> Tensor:

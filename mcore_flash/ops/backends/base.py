@@ -20,6 +20,15 @@ Conventions shared by all backends:
 * A query row with no visible key yields ``out = 0``, ``lse = -inf`` and zero gradients.
 * ``attn_mask`` is bool, True = masked out, shaped ``[b|1, hq|1, sq, sk]``; it is combined
   with ``causal``.
+* ``window = (lo, hi)`` (a band, None = unbounded on that side): key ``j`` is visible to
+  query ``i`` iff ``lo <= j - i - (sk - sq) <= hi``, the bottom-right aligned band of
+  flash-attn's ``window_size=(left, right)`` as ``(-left, right)``. Causal is the band
+  ``(None, 0)``; :func:`band` keeps one spelling for each, so a backend sees either
+  ``causal`` or a ``window``, never both. Offsets may be of either sign (context
+  parallelism shifts them for blocks away from the diagonal).
+* ``softcap > 0`` replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``;
+  ``alibi_slopes`` (float32 ``[hq]`` or ``[b, hq]``) then adds
+  ``-slope * |i + sk - sq - j|`` (flash-attn's definition, for causal attention too).
 """
 
 from __future__ import annotations
@@ -48,6 +57,70 @@ class AttentionParams:
     dropout_p: float = 0.0
     attn_mask: Optional[Tensor] = None
     layout: str = "bshd"
+    window: Optional[tuple[Optional[int], Optional[int]]] = None
+    softcap: float = 0.0
+    alibi_slopes: Optional[Tensor] = None
+    deterministic: bool = False
+
+    def band(self) -> tuple[Optional[int], Optional[int]]:
+        """The visible offsets ``(lo, hi)`` of ``j - i - (sk - sq)``, causal included."""
+        if self.window is not None:
+            return self.window
+        return (None, 0) if self.causal else (None, None)
+
+    def with_band(self, lo: Optional[int], hi: Optional[int]) -> "AttentionParams":
+        """These params with the band ``(lo, hi)`` in its canonical spelling (:func:`band`)."""
+        causal, window = band(lo, hi)
+        return replace(self, causal=causal, window=window)
+
+
+def band(lo: Optional[int], hi: Optional[int]) -> tuple[bool, Optional[tuple[Optional[int], Optional[int]]]]:
+    """``(causal, window)`` for the band ``lo <= j - i - (sk - sq) <= hi``: ``(None, 0)`` is
+    causal, ``(None, None)`` full attention, anything else a window with causal False."""
+    if lo is None and hi is None:
+        return False, None
+    if lo is None and hi == 0:
+        return True, None
+    return False, (lo, hi)
+
+
+def band_rows(lo: Optional[int], hi: Optional[int], q0: int, q1: int, sq: int, sk: int) -> tuple[int, int]:
+    """The key range ``[k0, k1)`` (clipped to ``[0, sk)``, possibly empty) that query rows
+    ``[q0, q1)`` see under the band ``(lo, hi)``."""
+    shift = sk - sq
+    k0 = 0 if lo is None else max(0, q0 + shift + lo)
+    k1 = sk if hi is None else min(sk, q1 - 1 + shift + hi + 1)
+    return k0, max(k0, k1)
+
+
+def band_crosses(lo: Optional[int], hi: Optional[int], q_range: tuple[int, int], k_range: tuple[int, int], sq: int, sk: int) -> bool:
+    """Whether the block ``q_range x k_range`` holds a key outside the band (needs masking)."""
+    (q0, q1), (k0, k1) = q_range, k_range
+    shift = sk - sq
+    below = lo is not None and k0 - (q1 - 1) - shift < lo
+    above = hi is not None and (k1 - 1) - q0 - shift > hi
+    return below or above
+
+
+def band_mask(lo: Optional[int], hi: Optional[int], q_range: tuple[int, int], k_range: tuple[int, int], sq: int, sk: int, device) -> Tensor:
+    """Bool ``[q1 - q0, k1 - k0]``: True where the key is OUTSIDE the band (masked out)."""
+    (q0, q1), (k0, k1) = q_range, k_range
+    offset = torch.arange(k0, k1, device=device) - torch.arange(q0, q1, device=device).unsqueeze(-1) - (sk - sq)
+    outside = torch.zeros(offset.shape, dtype=torch.bool, device=device)
+    if lo is not None:
+        outside |= offset < lo
+    if hi is not None:
+        outside |= offset > hi
+    return outside
+
+
+def alibi_bias(slopes: Tensor, q_range: tuple[int, int], k_range: tuple[int, int], sq: int, sk: int) -> Tensor:
+    """Float32 ``[b|1, hq, q1 - q0, k1 - k0]``: ``-slope * |i + sk - sq - j|``."""
+    (q0, q1), (k0, k1) = q_range, k_range
+    device = slopes.device
+    distance = (torch.arange(q0, q1, device=device).unsqueeze(-1) + (sk - sq) - torch.arange(k0, k1, device=device)).abs()
+    slopes = slopes.float() if slopes.dim() == 2 else slopes.float().unsqueeze(0)
+    return -slopes[..., None, None] * distance.float()
 
 
 @dataclass(frozen=True)
@@ -108,6 +181,9 @@ class AttentionBackend(abc.ABC):
     def check_inputs(self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams) -> None:
         """Raise ``ValueError``/``TypeError`` for inputs beyond this backend's limits."""
 
+    def check_params(self, params: AttentionParams) -> None:
+        """Raise ``ValueError`` for a keyword this backend cannot honour, naming both."""
+
     def _falls_back(self, reason: Optional[str]) -> bool:
         """Whether a call runs the reference kernel instead (``reason`` given, from the
         arguments alone so forward and backward agree); each reason is logged once."""
@@ -160,9 +236,9 @@ class AttentionBackend(abc.ABC):
         """Packed attention. q ``[tq, hq, d]``, k/v ``[tk, hkv, d]``; cu_seqlens are Python
         lists starting at 0. Returns ``(out [tq, hq, d], stats [1, hq, tq(, w)], rng_state)``."""
         outs, stats, states = [], [], []
-        for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
+        for i, ((q0, q1), (k0, k1)) in enumerate(_segments(cu_seqlens_q, cu_seqlens_k)):
             out, stat, state = self.forward(
-                q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), params
+                q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), _sequence_params(params, i)
             )
             outs.append(out.squeeze(0))
             stats.append(stat)
@@ -185,7 +261,7 @@ class AttentionBackend(abc.ABC):
         """Gradients of :meth:`varlen_forward`; same layouts as its inputs."""
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         segments = _segments(cu_seqlens_q, cu_seqlens_k)
-        for ((q0, q1), (k0, k1)), state in zip(segments, rng_state):
+        for i, (((q0, q1), (k0, k1)), state) in enumerate(zip(segments, rng_state)):
             grads = self.backward(
                 dout[q0:q1].unsqueeze(0),
                 q[q0:q1].unsqueeze(0),
@@ -194,10 +270,18 @@ class AttentionBackend(abc.ABC):
                 out[q0:q1].unsqueeze(0),
                 stats.rows(slice(q0, q1)),
                 state,
-                params,
+                _sequence_params(params, i),
             )
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g.squeeze(0) for g in grads)
         return dq, dk, dv
+
+
+def _sequence_params(params: AttentionParams, index: int) -> AttentionParams:
+    """The params of packed sequence ``index`` run as a batch of one (its row of ``[n, hq]``
+    ALiBi slopes)."""
+    if params.alibi_slopes is None or params.alibi_slopes.dim() == 1:
+        return params
+    return replace(params, alibi_slopes=params.alibi_slopes[index : index + 1])
 
 
 def _segments(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> list[tuple[tuple[int, int], tuple[int, int]]]:

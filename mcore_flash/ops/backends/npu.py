@@ -10,9 +10,15 @@ Follows the operator contract of torch_npu 2.13 (``shared/reference/npu-ops.md``
 * ``keep_prob = 1 - dropout_p``; dropout is replayed from the op's ``seed, offset, numels``;
 * causal -> ``sparse_mode=3`` (bottom-right, our convention) with the cached COMPRESSED
   2048x2048 upper-triangular mask, never an ``S x S`` one;
+* a sliding window (our band ``(lo, hi)``) -> ``sparse_mode=4`` (band, origin bottom-right)
+  with the compressed mask, ``pre_tockens = -lo`` and ``next_tockens = hi`` (unbounded
+  sides ``2147483647``), dense and TND alike;
 * an explicit bool mask (True = masked out, the op's polarity too) -> ``sparse_mode=1``
-  (full mask, tockens ignored), combined with the causal rule when both are asked for;
-  ``inner_precise=2`` when a row sees no key;
+  (full mask, tockens ignored), combined with the causal rule or the window when both are
+  asked for; ``inner_precise=2`` when a row sees no key;
+* ``softcap``, ``alibi_slopes`` and ``deterministic=True`` raise: the op has no score cap,
+  ALiBi would go through its ``pse`` input, whose contract this backend does not follow
+  yet, and its docs name no deterministic switch;
 * backward gets the kernel's own ``softmax_max`` and ``softmax_sum`` ``[b, n, s, 8]`` back
   (what torch_npu's autograd passes; context parallelism passes them merged as
   (max, sum) pairs, as MindSpeed does); ``lse = max + log(sum)`` only for callers;
@@ -34,13 +40,14 @@ from typing import Any, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
+from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor, band_mask, band_rows
 from .reference import ReferenceBackend
 
 MAX_TOCKENS = 2147483647
 COMPRESSED_MASK_SIZE = 2048
 SPARSE_FULL_MASK = 1
 SPARSE_CAUSAL_BOTTOM_RIGHT = 3
+SPARSE_BAND = 4
 MAX_HEAD_DIM = 768
 MAX_HEADS = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,13 +92,29 @@ class NpuBackend(AttentionBackend):
                 f"1..{MAX_HEADS}; raise --tensor-model-parallel-size"
             )
 
+    def check_params(self, params):
+        unsupported = [
+            name
+            for name, on in (
+                ("softcap", params.softcap > 0),
+                ("alibi_slopes", params.alibi_slopes is not None),
+                ("deterministic=True", params.deterministic),
+            )
+            if on
+        ]
+        if unsupported:
+            raise ValueError(
+                f"npu backend: {', '.join(unsupported)} is not supported by npu_fusion_attention as this backend calls "
+                "it; drop the argument, or run backend='reference' (slow) to check results"
+            )
+
     # ---- dense (BSND / SBH) --------------------------------------------------------------
 
     def forward(self, q, k, v, params):
         mask, sparse_mode = self._dense_mask_and_mode(params, q, k)
         outputs = _torch_npu().npu_fusion_attention(
             *_op_inputs(params.layout, q, k, v), q.shape[-2], _OP_LAYOUTS[params.layout],
-            **self._common(params, mask, sparse_mode, _has_empty_rows(mask)),
+            **self._common(params, mask, sparse_mode, self._empty_rows(params, mask, q, k)),
         )  # fmt: skip
         out = _from_op(outputs[0], params.layout, q.shape[-2])
         return out, SoftmaxStats(outputs[1], outputs[2]), _rng_state(outputs)
@@ -102,7 +125,7 @@ class NpuBackend(AttentionBackend):
         grads = _torch_npu().npu_fusion_attention_grad(
             query, key, value, dy, q.shape[-2], _OP_LAYOUTS[params.layout],
             softmax_max=stats.row_max, softmax_sum=stats.row_sum, attention_in=attention_in,
-            **self._common(params, mask, sparse_mode, _has_empty_rows(mask), grad=True),
+            **self._common(params, mask, sparse_mode, self._empty_rows(params, mask, q, k), grad=True),
             **_replay_kwargs(rng_state),
         )  # fmt: skip
         heads = (q.shape[-2], k.shape[-2], v.shape[-2])
@@ -146,6 +169,8 @@ class NpuBackend(AttentionBackend):
             reason = "a packed sequence with queries but no keys (TND has no inner_precise)"
         elif params.causal and any(nq > nk for nq, nk in zip(q_lens, k_lens)):
             reason = "causal packed sequences with more queries than keys (TND sparse_mode 3 needs Sq <= Skv)"
+        elif params.window is not None and any(_band_has_empty_rows(params, nq, nk) for nq, nk in zip(q_lens, k_lens)):
+            reason = "a window that leaves a packed query row without keys (TND has no inner_precise)"
         return self._falls_back(reason)
 
     # ---- shared arguments ----------------------------------------------------------------
@@ -158,14 +183,19 @@ class NpuBackend(AttentionBackend):
         no key, which needs ``inner_precise=2`` (the op only turns it on by itself for
         sparse_mode=3 with Sq > Skv)."""
         scale_key = "scale_value" if grad else "scale"
+        pre_tockens = next_tockens = MAX_TOCKENS
+        if sparse_mode == SPARSE_BAND:
+            lo, hi = params.window
+            pre_tockens = MAX_TOCKENS if lo is None else -lo
+            next_tockens = MAX_TOCKENS if hi is None else hi
         return {
             "pse": None,
             "padding_mask": None,
             "atten_mask": mask,
             scale_key: params.softmax_scale,
             "keep_prob": 1.0 - params.dropout_p,
-            "pre_tockens": MAX_TOCKENS,
-            "next_tockens": MAX_TOCKENS,
+            "pre_tockens": pre_tockens,
+            "next_tockens": next_tockens,
             "inner_precise": 2 if empty_rows else 0,
             "sparse_mode": sparse_mode,
         }
@@ -173,15 +203,25 @@ class NpuBackend(AttentionBackend):
     def _dense_mask_and_mode(self, params: AttentionParams, q: Tensor, k: Tensor) -> tuple[Optional[Tensor], int]:
         seq, batch = params.layout.index("s"), params.layout.index("b")
         if params.attn_mask is not None:
-            mask = _dense_mask(params.attn_mask, params.causal, q.shape[batch], q.shape[2], q.shape[seq], k.shape[seq])
+            mask = _dense_mask(params, q.shape[batch], q.shape[2], q.shape[seq], k.shape[seq])
             return mask, SPARSE_FULL_MASK
         return self._mask_and_mode(params, q.device)
 
     def _mask_and_mode(self, params: AttentionParams, device: torch.device) -> tuple[Optional[Tensor], int]:
-        """The compressed causal mask and ``sparse_mode=3``, or no mask (full attention)."""
+        """The compressed mask with ``sparse_mode=3`` (causal) or ``4`` (band), or no mask (full attention)."""
+        if params.window is not None:
+            return self._compressed_causal_mask(device), SPARSE_BAND
         if params.causal:
             return self._compressed_causal_mask(device), SPARSE_CAUSAL_BOTTOM_RIGHT
         return None, 0
+
+    @staticmethod
+    def _empty_rows(params: AttentionParams, mask: Optional[Tensor], q: Tensor, k: Tensor) -> bool:
+        """Whether some query row sees no key (an explicit mask's, or the band's)."""
+        if mask is not None and mask.dim() == 4:
+            return _has_empty_rows(mask)
+        seq = params.layout.index("s")
+        return params.window is not None and _band_has_empty_rows(params, q.shape[seq], k.shape[seq])
 
     def _compressed_causal_mask(self, device: torch.device) -> Tensor:
         if device not in self._compressed_masks:
@@ -203,14 +243,23 @@ def _from_op(x: Tensor, layout: str, heads: int) -> Tensor:
     return x if layout == "bshd" else x.unflatten(2, (heads, -1))
 
 
-def _dense_mask(mask: Tensor, causal: bool, b: int, hq: int, sq: int, sk: int) -> Tensor:
-    """Our ``[b|1, hq|1, sq, sk]`` mask as one of the op's shapes (BNSS, B1SS, 11SS)."""
-    if causal:
-        rows = torch.arange(sq, device=mask.device).unsqueeze(-1)
-        mask = mask | (torch.arange(sk, device=mask.device) > rows + (sk - sq))
+def _dense_mask(params: AttentionParams, b: int, hq: int, sq: int, sk: int) -> Tensor:
+    """Our ``[b|1, hq|1, sq, sk]`` mask, with the causal rule or window folded in, as one of
+    the op's shapes (BNSS, B1SS, 11SS)."""
+    mask = params.attn_mask
+    lo, hi = params.band()
+    if (lo, hi) != (None, None):
+        mask = mask | band_mask(lo, hi, (0, sq), (0, sk), sq, sk, mask.device)
     if mask.shape[0] == 1 and mask.shape[1] == hq and b > 1:  # 1NSS is not an accepted shape
         mask = mask.expand(b, hq, sq, sk)
     return mask.contiguous()
+
+
+def _band_has_empty_rows(params: AttentionParams, sq: int, sk: int) -> bool:
+    """Whether the window leaves a query row of ``sq`` against ``sk`` keys without keys (the
+    band moves monotonically, so the first and the last row decide)."""
+    lo, hi = params.band()
+    return sq > 0 and any(k0 == k1 for k0, k1 in (band_rows(lo, hi, 0, 1, sq, sk), band_rows(lo, hi, sq - 1, sq, sq, sk)))
 
 
 def _has_empty_rows(mask: Optional[Tensor]) -> bool:

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
+from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor, alibi_bias, band_crosses, band_mask, band_rows
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,13 @@ class ReferenceBackend(AttentionBackend):
 
         out = torch.zeros(qg.shape[:-1] + (v.shape[-1],), dtype=compute_dtype, device=q.device)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        for (q0, q1), kv_blocks in _block_plan(sq, sk, params.causal, self.block_q, self.block_k):
+        for (q0, q1), kv_blocks in _block_plan(sq, sk, params, self.block_q, self.block_k):
             q_blk = qg[..., q0:q1, :]
             row_max = torch.full(q_blk.shape[:-1], float("-inf"), dtype=compute_dtype, device=q.device)
             row_sum = torch.zeros_like(row_max)
             acc = torch.zeros(q_blk.shape[:-1] + (v.shape[-1],), dtype=compute_dtype, device=q.device)
             for k0, k1 in kv_blocks:
-                scores = _masked_scores(q_blk, kg[..., k0:k1, :], params, mask, (q0, q1), (k0, k1), sq, sk)
+                scores, _ = _masked_scores(q_blk, kg[..., k0:k1, :], params, mask, (q0, q1), (k0, k1), sq, sk)
                 new_max = torch.maximum(row_max, scores.amax(dim=-1))
                 safe_max = _finite_or_zero(new_max)
                 probs = torch.exp(scores - safe_max.unsqueeze(-1))
@@ -90,11 +90,11 @@ class ReferenceBackend(AttentionBackend):
         dq = torch.zeros_like(qg)
         dk = torch.zeros_like(kg)
         dv = torch.zeros_like(vg)
-        for (q0, q1), kv_blocks in _block_plan(sq, sk, params.causal, block_q, block_k):
+        for (q0, q1), kv_blocks in _block_plan(sq, sk, params, block_q, block_k):
             q_blk, do_blk = qg[..., q0:q1, :], doutg[..., q0:q1, :]
             for k0, k1 in kv_blocks:
                 k_blk, v_blk = kg[..., k0:k1, :], vg[..., k0:k1, :]
-                scores = _masked_scores(q_blk, k_blk, params, mask, (q0, q1), (k0, k1), sq, sk)
+                scores, softcap_slope = _masked_scores(q_blk, k_blk, params, mask, (q0, q1), (k0, k1), sq, sk)
                 probs = torch.exp(scores - lse_g[..., q0:q1].unsqueeze(-1))
                 dprobs = do_blk @ v_blk.transpose(-1, -2)
                 dropped = probs
@@ -103,6 +103,8 @@ class ReferenceBackend(AttentionBackend):
                     dropped, dprobs = probs * keep, dprobs * keep
                 dv[..., k0:k1, :] += (dropped.transpose(-1, -2) @ do_blk).sum(dim=2, keepdim=True)
                 dscores = probs * (dprobs - delta[..., q0:q1].unsqueeze(-1)) * params.softmax_scale
+                if softcap_slope is not None:
+                    dscores = dscores * softcap_slope
                 dq[..., q0:q1, :] += dscores @ k_blk
                 dk[..., k0:k1, :] += (dscores.transpose(-1, -2) @ q_blk).sum(dim=2, keepdim=True)
         return _ungrouped(dq, q.dtype), _ungrouped(dk, k.dtype), _ungrouped(dv, v.dtype)
@@ -150,17 +152,19 @@ def _finite_or_zero(x: Tensor) -> Tensor:
 
 
 def _block_plan(
-    sq: int, sk: int, causal: bool, block_q: int, block_k: int
+    sq: int, sk: int, params: AttentionParams, block_q: int, block_k: int
 ) -> Iterator[tuple[tuple[int, int], list[tuple[int, int]]]]:
     """Yield each query block with the key blocks it can see.
 
-    Under bottom-right causal masking, query ``i`` sees keys ``< i + sk - sq + 1``: key
-    blocks entirely above the diagonal are skipped, never computed and masked.
+    Only the keys inside the band (causal and/or sliding window, bottom-right aligned) of
+    some row of the block are visited: blocks entirely outside it are skipped, never
+    computed and masked.
     """
+    lo, hi = params.band()
     for q0 in range(0, sq, block_q):
         q1 = min(q0 + block_q, sq)
-        k_end = min(sk, q1 + sk - sq) if causal else sk
-        yield (q0, q1), [(k0, min(k0 + block_k, k_end)) for k0 in range(0, max(k_end, 0), block_k)]
+        k_start, k_end = band_rows(lo, hi, q0, q1, sq, sk)
+        yield (q0, q1), [(k0, min(k0 + block_k, k_end)) for k0 in range(k_start, k_end, block_k)]
 
 
 def _masked_scores(
@@ -172,17 +176,27 @@ def _masked_scores(
     k_range: tuple[int, int],
     sq: int,
     sk: int,
-) -> Tensor:
-    """Scaled scores of one block with -inf where the causal rule or the mask hides a key."""
-    (q0, q1), (k0, k1) = q_range, k_range
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Scores of one block: scaled, soft-capped, ALiBi-biased, with -inf where the band
+    (causal / window) or the mask hides a key. Also ``d capped / d scaled`` = ``1 - tanh^2``
+    when ``softcap`` is on (None otherwise), for backward."""
     scores = (q_blk @ k_blk.transpose(-1, -2)) * params.softmax_scale
-    if params.causal and k1 - 1 > q0 + sk - sq:  # the block crosses the diagonal
-        rows = torch.arange(q0, q1, device=scores.device).unsqueeze(-1)
-        cols = torch.arange(k0, k1, device=scores.device)
-        scores = scores.masked_fill(cols > rows + (sk - sq), float("-inf"))
+    softcap_slope = None
+    if params.softcap > 0:
+        capped = torch.tanh(scores / params.softcap)
+        softcap_slope = 1.0 - capped * capped
+        scores = capped * params.softcap
+    if params.alibi_slopes is not None:
+        bias = alibi_bias(params.alibi_slopes, q_range, k_range, sq, sk)  # [b|1, hq, bq, bk]
+        b, hkv, groups = bias.shape[0], scores.shape[1], scores.shape[2]
+        scores = scores + bias.view(b, hkv, groups, *bias.shape[2:]).to(scores.dtype)
+    lo, hi = params.band()
+    if band_crosses(lo, hi, q_range, k_range, sq, sk):
+        scores = scores.masked_fill(band_mask(lo, hi, q_range, k_range, sq, sk, scores.device), float("-inf"))
     if mask is not None:
+        (q0, q1), (k0, k1) = q_range, k_range
         scores = scores.masked_fill(mask[..., q0:q1, k0:k1], float("-inf"))
-    return scores
+    return scores, softcap_slope
 
 
 # ---- dropout -----------------------------------------------------------------------------
@@ -206,3 +220,30 @@ def _dropout_keep(x: Tensor, p: float, state: Optional[DropoutState], q0: int, k
     generator.manual_seed((state.seed + q0 * 1_000_003 + k0) % 2**63)
     keep = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) >= p
     return keep.to(x.dtype) / (1.0 - p)
+
+
+# ---- probabilities (return_attn_probs) ----------------------------------------------------
+
+
+def attention_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Optional[DropoutState], params: AttentionParams) -> Tensor:
+    """The float32 ``[b, hq, sq, sk]`` probabilities ``exp(score - lse)`` of a finished forward
+    (q ``[b, sq, hq, d]``, k ``[b, sk, hkv, d]``, lse ``[b, hq, sq]``), negated where its
+    dropout dropped them (flash-attn's ``S_dmask`` encoding). Materialises the matrix:
+    for tests only. The dropout masks are redrawn from ``rng_state`` block by block, as
+    :meth:`ReferenceBackend.backward` does."""
+    b, sq, hq, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    compute_dtype = _compute_dtype(q.dtype)
+    qg, kg = _grouped(q, hkv, compute_dtype), _grouped(k, hkv, compute_dtype)
+    mask = _grouped_mask(params.attn_mask, hkv, hq // hkv)
+    lse_g = lse.reshape(qg.shape[:-1]).to(compute_dtype)
+    lse_g = torch.where(torch.isneginf(lse_g), float("inf"), lse_g)
+    block_q, block_k = (rng_state.block_q, rng_state.block_k) if rng_state else (max(sq, 1), max(sk, 1))
+    probs = torch.zeros(qg.shape[:-1] + (sk,), dtype=compute_dtype, device=q.device)
+    for (q0, q1), kv_blocks in _block_plan(sq, sk, params, block_q, block_k):
+        for k0, k1 in kv_blocks:
+            scores, _ = _masked_scores(qg[..., q0:q1, :], kg[..., k0:k1, :], params, mask, (q0, q1), (k0, k1), sq, sk)
+            block = torch.exp(scores - lse_g[..., q0:q1].unsqueeze(-1))
+            keep = _dropout_keep(block, params.dropout_p, rng_state, q0, k0)
+            probs[..., q0:q1, k0:k1] = block if keep is None else torch.where(keep > 0, block, -block)
+    return probs.reshape(b, hq, sq, sk).float()
