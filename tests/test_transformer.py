@@ -192,15 +192,16 @@ def test_attention_dropout_uses_megatron_rng_tracker():
 # ---- bad input (no process group needed) ---------------------------------------------------
 
 
-def _attention(tp_size=1, backend=None, **overrides):
+def _attention(tp_size=1, backend=None, layer_number=1, **overrides):
     from megatron.core.transformer.enums import AttnMaskType
 
     from mcore_flash.transformer import FlashDotProductAttention
 
     pg = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: tp_size))
     return FlashDotProductAttention(
-        tiny_config(**overrides), layer_number=1, attn_mask_type=AttnMaskType.causal, pg_collection=pg, backend=backend
-    )
+        tiny_config(**overrides), layer_number=layer_number, attn_mask_type=AttnMaskType.causal, pg_collection=pg,
+        backend=backend,
+    )  # fmt: skip
 
 
 def test_heads_not_divisible_by_tp():
@@ -253,3 +254,42 @@ def test_padding_mask_is_honoured_and_causal_mask_takes_fused_path(monkeypatch):
     assert seen[-1]["causal"] is False and seen[-1]["attn_mask"].shape == (2, 1, 8, 8)
     alone = attention(q[:, 1:], k[:5, 1:], v[:5, 1:], torch.zeros(1, 1, 8, 5, dtype=torch.bool))
     torch.testing.assert_close(out[:, 1:], alone, atol=ATOL, rtol=1e-5)
+
+
+def _w_window_vs_stock(rank, world_size, window):
+    """Ours with ``config.window_size`` against the stock local spec given the same sliding
+    window as an explicit mask (megatron's own window mask is built on "cuda" only)."""
+    init_megatron(tp=1)
+    try:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from gpt_models import SEQ
+        from oracle import visible
+
+        stock = build_gpt(tiny_config(), get_gpt_layer_local_spec(normalization="RMSNorm"))
+        ours = flash_gpt(tiny_config(window_size=window))
+        ours.load_state_dict(stock.state_dict(), strict=True)
+        window_mask = ~visible(SEQ, SEQ, causal=True, window=window)
+        return _loss_and_grads(stock, window_mask), _loss_and_grads(ours, None)
+    finally:
+        teardown_megatron()
+
+
+def test_window_size_matches_stock_attention_with_the_window_mask():
+    (stock_loss, stock_grads), (loss, grads) = run_distributed(_w_window_vs_stock, 1, (5, 0))[0]
+    full_loss = run_distributed(_w_stock_vs_flash, 1, False, False)[0][1][0]
+    assert not torch.allclose(loss, full_loss, atol=1e-3), "the window must change the result"
+    torch.testing.assert_close(loss, stock_loss, atol=ATOL, rtol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads[name], stock_grads[name], atol=ATOL, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("skip_freq,expected", [(None, [(7, 0), (7, 0)]), (2, [(7, 0), (-1, -1)]), ([0, 1], [(-1, -1), (7, 0)])])
+def test_window_attn_skip_freq_picks_the_sliding_window_layers(skip_freq, expected):
+    got = [_attention(layer_number=n, window_size=(7, 0), window_attn_skip_freq=skip_freq).window_size for n in (1, 2)]
+    assert got == expected
+
+
+def test_bad_window_size_names_the_flag():
+    with pytest.raises(ValueError, match="--window-size"):
+        _attention(window_size=(4.5, 0))

@@ -35,6 +35,13 @@ Packed documents (``packed_seq_params``, THD ``[t, np, hn]``; Megatron-LM's
 chunks ``r`` and ``2cp-1-r`` of every document; :mod:`mcore_flash.transformer.packed_sequences`
 builds such batches).
 
+Sliding windows: ``config.window_size = (left, right)`` (-1 = unbounded; the layers
+``window_attn_skip_freq`` picks, as megatron's ``is_layer_window_attention`` decides) runs
+flash-attn's bottom-right window in the kernel -- dense, packed and under context
+parallelism (ring: chunk pairs outside every window are skipped; packed documents under
+CP need ``cp_comm_type="a2a"``). With a causal mask type the right side is 0, as in
+flash-attn (Megatron's own mask would take ``right`` as given).
+
 Differences from the stock module: causal is aligned bottom-right when ``sq != sk``
 (flash-attn >= 2.1; identical when ``sq == sk``), and a query row whose keys are all
 masked gives 0 (Megatron's -10000 fill gives a uniform average).
@@ -51,6 +58,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from mcore_flash.ops import backend_names, flash_attn_func
 from mcore_flash.ops.context_parallel import (
@@ -93,8 +101,6 @@ class FlashDotProductAttention(MegatronModule):
                 _check_a2a_heads(heads, groups, tp_size, config.context_parallel_size)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the fused kernel; use 'vanilla'")
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError("window_size (sliding-window attention) is not supported by FlashDotProductAttention")
         if backend is not None and backend not in backend_names():
             raise ValueError(f"attention backend {backend!r} is unknown; choose one of {backend_names()} or None")
 
@@ -107,6 +113,7 @@ class FlashDotProductAttention(MegatronModule):
         self.hidden_size_per_attention_head = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.window_size = _layer_window_size(config, self.layer_number)
         # set by FlashTransformerLayer while a forward runs under the qkv recompute boundary
         self.qkv_recompute = None
 
@@ -148,6 +155,7 @@ class FlashDotProductAttention(MegatronModule):
                 dropout_p=dropout_p,
                 softmax_scale=self.softmax_scale,
                 causal=causal,
+                window_size=self.window_size,
                 backend=self.backend,
                 attn_mask=mask,
                 layout="sbhd",
@@ -170,6 +178,7 @@ class FlashDotProductAttention(MegatronModule):
                 dropout_p=dropout_p,
                 comm_type=self.cp_comm_type or "p2p",
                 backend=self.backend,
+                window_size=self.window_size,
             )  # [t, np, hn]
         return out.reshape(out.shape[0], -1)
 
@@ -202,6 +211,7 @@ class FlashDotProductAttention(MegatronModule):
                 comm_type=self.cp_comm_type,
                 backend=self.backend,
                 layout="sbhd",
+                window_size=self.window_size,
             )  # [sq, b, np, hn]
         return out.reshape(sq, b, np_ * hn)
 
@@ -216,6 +226,18 @@ class FlashDotProductAttention(MegatronModule):
         if dropout_p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+def _layer_window_size(config, layer_number: int) -> tuple[int, int]:
+    """This layer's ``(left, right)`` window (-1 = unbounded): ``config.window_size`` where
+    megatron's ``is_layer_window_attention`` (``window_attn_skip_freq``) makes it a
+    sliding-window layer, else unbounded. Under a causal mask type the right side is 0."""
+    window = getattr(config, "window_size", None)
+    if window is None or not is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return (-1, -1)
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) and w >= -1 for w in window)):
+        raise ValueError(f"window_size (--window-size) must be (left, right) with -1 for unbounded, got {window!r}")
+    return int(window[0]), int(window[1])
 
 
 def _packed_layout(params, attention_mask: Optional[Tensor], causal: bool) -> Tensor:
