@@ -19,6 +19,7 @@ COMMANDS = {
     "bench-convert": ("mcore_flash.benchmarks.convert", "peak RSS and time of hf-to-mcore and mcore-to-hf at >= 1B parameters"),
     "bench-cp": ("mcore_flash.benchmarks.context_parallel", "per-rank time and saved bytes of context parallelism"),
     "bench-packed": ("mcore_flash.benchmarks.packed", "attention time of packed documents vs one causal sequence"),
+    "bench-window": ("mcore_flash.benchmarks.window", "a sliding-window layer vs full causal attention, next to the pairs ratio"),
 }
 
 

@@ -125,3 +125,27 @@ def test_bench_packed_reports_documents_and_sum_of_squares_prediction():
     assert dense[1] == "1" and dense[3] == dense[5] == dense[6] == "1.000"
     assert packed[1] == str(len(lengths)) and packed[6] == f"{result['predicted_ratio']:.3f}"
     assert f"document lengths: {','.join(map(str, lengths))}" in table
+
+
+def test_bench_window_reports_pairs_predictions_and_both_levels():
+    """bench-window on a tiny layer: the predicted ratio is the attended pairs counted here by
+    brute force, the chunks compute at least those, the measured ratios are the quotients of
+    the medians, and the first W rows (which see the same keys either way) agree exactly."""
+    import json
+
+    import oracle
+
+    from mcore_flash.benchmarks.window import attended_pairs, computed_pairs
+
+    s, w = 384, 96
+    visible = oracle.visible(s, s, causal=True, window=(w - 1, 0))
+    assert attended_pairs(s, w) == int(visible.sum()) and attended_pairs(s, None) == s * (s + 1) // 2
+    assert computed_pairs(s, w, 64) >= attended_pairs(s, w)
+    argv = ("--seq-length", str(s), "--window", str(w), "--hidden-size", "64", "--ffn-hidden-size", "96",
+            "--repeats", "1")  # fmt: skip
+    result = json.loads(_bench("bench-window", *argv, "--json").strip().splitlines()[-1])
+    assert result["predicted_attention_ratio"] == attended_pairs(s, w) / attended_pairs(s, None)
+    assert result["predicted_attention_ratio"] < result["predicted_layer_ratio"] < 1
+    assert result["attention_ratio"] == result["attention_window_ms"] / result["attention_full_ms"]
+    assert result["layer_ratio"] == result["layer_window_ms"] / result["layer_full_ms"]
+    assert result["max_abs_diff_first_window"] < 1e-5  # fp32; 0 on our machine

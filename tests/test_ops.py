@@ -623,3 +623,41 @@ def test_valid_inputs_of_the_error_tables_run():
     assert flash_attn_func(Q, K, V, attn_mask=torch.zeros(2, 4, 8, 8, dtype=torch.bool)).shape == Q.shape
     out = flash_attn_varlen_func(PQ, PK, PK.clone(), _cu_t([0, 4, 10]), _cu_t([0, 4, 10]), 6, 6)
     assert out.shape == PQ.shape
+
+
+@pytest.mark.parametrize(
+    "kwargs,falls_back",
+    [
+        (dict(), False),
+        (dict(causal=True), False),
+        (dict(causal=True, window_size=(64, 0)), True),
+        (dict(softcap=30.0), True),
+        (dict(alibi_slopes="slopes"), True),
+        (dict(deterministic=True), True),
+    ],
+    ids=["plain", "causal", "window", "softcap", "alibi", "deterministic"],
+)
+def test_cuda_backend_sends_what_torchs_flash_kernel_lacks_to_the_reference_kernel(kwargs, falls_back):
+    """The decision alone (no GPU here): keywords torch's flash kernel cannot take run the
+    reference kernel instead of being dropped."""
+    from mcore_flash.ops.api import resolve_call
+    from mcore_flash.ops.backends.cuda import CudaBackend
+
+    q = torch.randn(1, 128, 4, 64, dtype=torch.bfloat16)
+    if kwargs.get("alibi_slopes") == "slopes":
+        kwargs = dict(alibi_slopes=torch.rand(4))
+    _, params = resolve_call(q, kwargs.pop("causal", False), None, 0.0, "reference", **kwargs)
+    assert CudaBackend()._needs_fallback(q, q, params) == falls_back
+
+
+def test_cpu_compute_dtype_is_decided_in_one_place():
+    """Backward and fp16 always in float32; bf16 forward in bf16 only with bf16 units and no ALiBi."""
+    from mcore_flash.ops.backends.cpu import compute_dtype
+
+    bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+    assert compute_dtype(bf16, backward=False, native_bf16=True) == bf16
+    assert compute_dtype(bf16, backward=False, native_bf16=False) == fp32
+    assert compute_dtype(bf16, backward=False, alibi=True, native_bf16=True) == fp32
+    assert compute_dtype(bf16, backward=True, native_bf16=True) == fp32
+    assert {compute_dtype(fp16, b, native_bf16=True) for b in (False, True)} == {fp32}
+    assert compute_dtype(fp32, False) == fp32 and compute_dtype(fp64, True) == fp64

@@ -133,3 +133,33 @@ def test_varlen_saved_tensors(backend):
     )
     assert lse.shape == (4, 2024)
     _check_bounds(nbytes, shapes, inputs, out, lse, 1000, 1000)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "extra",
+    [dict(window_size=(256, 0)), dict(window_size=(100, 300)), dict(alibi_slopes="slopes"), dict(softcap=20.0)],
+    ids=["window-256", "window-100-300", "alibi", "softcap"],
+)
+def test_windows_alibi_and_softcap_save_exactly_what_plain_causal_saves(backend, dtype, extra):
+    """No mask, bias or float32 copy is kept: the bytes equal the plain causal call's
+    (q, k, v, out in the input dtype and the float32 lse)."""
+    if extra.get("alibi_slopes") == "slopes":
+        extra = dict(alibi_slopes=torch.rand(4))
+    plain = _dense(backend, 1024, h=4, hkv=2, dtype=dtype)
+    nbytes, shapes, inputs, out, lse = _dense(backend, 1024, h=4, hkv=2, dtype=dtype, **extra)
+    _check_bounds(nbytes, shapes, inputs, out, lse, 1024, 1024)
+    assert nbytes == plain[0] == _nbytes(*inputs, out, lse)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_qkvpacked_saves_the_packed_buffer_once(backend):
+    """The packed forms hand the kernel views of ``qkv``: its one buffer is what stays alive."""
+    from mcore_flash.ops import flash_attn_qkvpacked_func
+
+    qkv = torch.randn(1, 1024, 3, 4, 64)
+    nbytes, shapes, (leaf,), out, lse = _measure(
+        lambda x: flash_attn_qkvpacked_func(x, 0.0, None, True, (256, 0), backend=backend, return_lse=True), qkv
+    )
+    assert nbytes == _nbytes(leaf, out, lse)

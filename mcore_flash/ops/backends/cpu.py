@@ -3,11 +3,15 @@
 ``aten._scaled_dot_product_flash_attention_for_cpu`` takes ``[b, h, s, d]``, supports GQA
 natively and returns the logsumexp; its backward op takes it back.
 
-* Half precision runs in float32 (:data:`COMPUTE_DTYPES`, the one place this is decided):
-  the kernel's own bf16 backward accumulates dq/dk/dv and the GQA group sum in bf16 and
-  misses flash-attn's error bound, and on this project's AVX2 machines the float32 kernel on
-  upcast inputs is also about 5x faster (``docs/benchmarks.md``, "CPU half precision").
-  ``out`` and the gradients are cast back to the input dtype.
+* Half precision: :func:`compute_dtype` is the one place that decides what the kernel
+  computes in. Backward always runs in float32 on upcast inputs: the kernel's own bf16
+  backward accumulates dq/dk/dv and the GQA group sum in bf16 and misses flash-attn's error
+  bound (``tests/test_flash_attn_grid.py``). Forward runs bf16 in bf16 where the CPU has
+  native bf16 units (AVX512-BF16 / AMX: about 3x faster than float32 and within the bound)
+  unless ALiBi biases are added, float32 elsewhere (on AVX2 the float32 kernel was about 5x faster); fp16 always runs in
+  float32 (torch's fp16 CPU kernel is no faster than float32). ``docs/benchmarks.md``, "CPU
+  half precision", has the measurements. ``out`` and the gradients are cast back to the
+  input dtype.
 * Anything the kernel cannot express as its own causal flag -- a sliding window, causal with
   ``sq != sk`` (it aligns causal top-left, we promise bottom-right), ALiBi, a bool
   ``attn_mask`` -- runs in query chunks of :attr:`CpuBackend.query_chunk` rows: each chunk
@@ -34,8 +38,17 @@ from .reference import ReferenceBackend
 _fused_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-#: the dtype the kernel computes in, per input dtype (others compute in their own)
-COMPUTE_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+def compute_dtype(dtype: torch.dtype, backward: bool, alibi: bool = False, native_bf16: Optional[bool] = None) -> torch.dtype:
+    """The dtype the kernel computes in for inputs of ``dtype`` (see the module docstring).
+
+    ``alibi``: the call adds ALiBi biases, which reach the kernel in its compute dtype and
+    grow with the distance (bf16 would round a bias of 60 to a multiple of 0.25): float32.
+    ``native_bf16``: whether the CPU has bf16 units; None asks torch (AVX512-BF16 or AMX)."""
+    if dtype == torch.bfloat16 and not backward and not alibi:
+        if native_bf16 is None:
+            native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return torch.bfloat16 if native_bf16 else torch.float32
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class CpuBackend(AttentionBackend):
@@ -43,16 +56,17 @@ class CpuBackend(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, fallback: Optional[AttentionBackend] = None, query_chunk: int = 512):
+    def __init__(self, fallback: Optional[AttentionBackend] = None, query_chunk: int = 256, native_bf16: Optional[bool] = None):
         if query_chunk < 1:
             raise ValueError(f"query_chunk must be positive, got {query_chunk}")
         self.fallback = fallback or ReferenceBackend()
         self.query_chunk = query_chunk
+        self.native_bf16 = native_bf16  # None: ask torch (compute_dtype)
 
     def forward(self, q, k, v, params):
         if self._needs_fallback(q, k, params):
             return self.fallback.forward(q, k, v, params)
-        qc, kc, vc = _kernel_inputs(q, k, v)
+        qc, kc, vc = _kernel_inputs(compute_dtype(q.dtype, False, params.alibi_slopes is not None, self.native_bf16), q, k, v)
         if not _needs_bias(params, q.shape[1], k.shape[1]):
             out, lse = _fused_forward(qc, kc, vc, 0.0, params.causal, scale=params.softmax_scale)
             return _output(out, q.dtype), SoftmaxStats(lse), None
@@ -71,7 +85,7 @@ class CpuBackend(AttentionBackend):
     def backward(self, dout, q, k, v, out, stats, rng_state, params):
         if self._needs_fallback(q, k, params):
             return self.fallback.backward(dout, q, k, v, out, stats, rng_state, params)
-        qc, kc, vc, doc, outc = _kernel_inputs(q, k, v, dout, out)
+        qc, kc, vc, doc, outc = _kernel_inputs(compute_dtype(q.dtype, True), q, k, v, dout, out)
         # +inf on empty rows makes the kernel's exp(s - lse) exactly 0 there.
         lse = stats.lse().to(qc.dtype)
         lse = torch.where(torch.isneginf(lse), float("inf"), lse)
@@ -92,12 +106,21 @@ class CpuBackend(AttentionBackend):
 
     def _chunks(self, params: AttentionParams, b: int, hq: int, sq: int, sk: int, dtype, device) -> Iterator[tuple[slice, slice, Tensor]]:
         """``(query rows, key columns, additive bias [b|1, hq|1, rows, cols])`` per chunk of
-        query rows; chunks whose band holds no key are left out (their rows stay empty)."""
+        query rows; chunks whose band holds no key are left out (their rows stay empty).
+
+        Without an explicit mask the bias depends only on the chunk's shape and its offset
+        from the diagonal (band and ALiBi distance are translation invariant), so the chunks
+        inside the sequence share one tensor."""
         lo, hi = params.band()
+        shared: dict[tuple[int, int, int], Tensor] = {}
         for q0 in range(0, sq, self.query_chunk):
             q1 = min(q0 + self.query_chunk, sq)
             k0, k1 = band_rows(lo, hi, q0, q1, sq, sk)
             if k0 == k1:
+                continue
+            key = (k0 - q0 - (sk - sq), q1 - q0, k1 - k0)
+            if params.attn_mask is None and key in shared:
+                yield slice(q0, q1), slice(k0, k1), shared[key]
                 continue
             hidden = band_mask(lo, hi, (q0, q1), (k0, k1), sq, sk, device)
             if params.attn_mask is not None:
@@ -108,6 +131,8 @@ class CpuBackend(AttentionBackend):
             bias = bias.masked_fill(hidden, float("-inf"))
             while bias.dim() < 4:
                 bias = bias.unsqueeze(0)
+            if params.attn_mask is None:
+                shared[key] = bias
             yield slice(q0, q1), slice(k0, k1), bias
 
     def _needs_fallback(self, q: Tensor, k: Tensor, params: AttentionParams) -> bool:
@@ -127,9 +152,9 @@ def _needs_bias(params: AttentionParams, sq: int, sk: int) -> bool:
     return params.window is not None or params.alibi_slopes is not None or params.attn_mask is not None or top_left_differs
 
 
-def _kernel_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """``[b, s, h, d]`` tensors as the kernel's ``[b, h, s, d]`` views in the compute dtype."""
-    return tuple(x.transpose(1, 2).to(COMPUTE_DTYPES.get(x.dtype, x.dtype)) for x in tensors)
+def _kernel_inputs(dtype: torch.dtype, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """``[b, s, h, d]`` tensors as the kernel's ``[b, h, s, d]`` views in ``dtype``."""
+    return tuple(x.transpose(1, 2).to(dtype) for x in tensors)
 
 
 def _output(x: Tensor, dtype: torch.dtype) -> Tensor:

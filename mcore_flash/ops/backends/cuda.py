@@ -1,7 +1,9 @@
 """CUDA backend: torch's FlashAttention-2 kernel (``aten._scaled_dot_product_flash_attention``).
 
 Covers fp16/bf16, no mask, and causal only with ``sq == sk`` (torch aligns causal
-top-left); everything else runs the reference kernel on the GPU (logged once per reason).
+top-left); everything else -- and sliding windows, ``softcap``, ALiBi and
+``deterministic=True`` (torch's flash backward accumulates dq with atomics), which torch's
+kernel does not take -- runs the reference kernel on the GPU (logged once per reason).
 torch's flash kernel has no native GQA: K/V heads are repeated for the kernel and the
 gradients summed back over each group.
 
@@ -81,6 +83,12 @@ class CudaBackend(AttentionBackend):
             reason = "an explicit attn_mask (torch's flash kernel takes none)"
         elif params.causal and q.shape[1] != k.shape[1]:
             reason = "causal with sq != sk (torch aligns causal top-left)"
+        elif params.window is not None:
+            reason = "a sliding window (torch's flash kernel takes none)"
+        elif params.softcap > 0 or params.alibi_slopes is not None:
+            reason = "softcap / alibi_slopes (torch's flash kernel takes neither)"
+        elif params.deterministic:
+            reason = "deterministic=True (torch's flash backward is not deterministic)"
         return self._falls_back(reason)
 
 
