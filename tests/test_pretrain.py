@@ -141,6 +141,9 @@ def test_nan_loss_stops_with_clear_message(tmp_path):
         (["--data-path", "/nonexistent/corpus_text_document"], 1, "--data-path"),
         (["--recompute-granularity", "full"], 1, "--recompute-method"),
         (["--tensor-model-parallel-size", "2"], 3, "world size"),
+        (["--window-attn-skip-freq", "2"], 1, "--window-size"),
+        (["--window-size", "8,0", "--reset-attention-mask", "--reset-position-ids", "--context-parallel-size", "2"], 2,
+         "--cp-comm-type a2a"),
     ],
 )
 def test_bad_flags_fail_before_allocation(tmp_path, argv, world_size, flag):
@@ -148,6 +151,17 @@ def test_bad_flags_fail_before_allocation(tmp_path, argv, world_size, flag):
 
     with pytest.raises(ValueError, match=flag):
         parse_args([*TINY, "--save", str(tmp_path), *argv], world_size=world_size)
+
+
+def test_window_size_flags_reach_the_config(tmp_path):
+    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.model import transformer_config
+
+    args = parse_args([*TINY, "--save", str(tmp_path), "--window-size", "15,0", "--window-attn-skip-freq", "2"])
+    config = transformer_config(args)
+    assert config.window_size == (15, 0) and config.window_attn_skip_freq == 2
+    with pytest.raises(SystemExit):
+        parse_args([*TINY, "--save", str(tmp_path), "--window-size", "15"])
 
 
 def test_bad_flags_cli_message_and_unknown_preset(tmp_path):

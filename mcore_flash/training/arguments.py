@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-dropout", type=float, default=0.0)
     model.add_argument("--attention-backend", choices=["npu", "cuda", "cpu", "reference"], default=None,
                        help="fused attention backend (default: by device)")  # fmt: skip
+    model.add_argument("--window-size", type=_window_size, default=None, metavar="LEFT,RIGHT",
+                       help="sliding-window attention: each token sees LEFT earlier and RIGHT later tokens "
+                       "(-1 = unbounded; the right side is 0 under causal attention), e.g. 4095,0")  # fmt: skip
+    model.add_argument("--window-attn-skip-freq", type=int, default=None,
+                       help="every N-th layer uses full attention, the others the window (megatron's meaning)")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -222,6 +227,17 @@ def apply_preset(args: argparse.Namespace) -> None:
         args.save_interval = args.train_iters
 
 
+def _window_size(text: str) -> tuple[int, int]:
+    """argparse type of ``--window-size``: ``LEFT,RIGHT``, each -1 or >= 0."""
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two integers, e.g. 4095,0), got {text!r}") from None
+    if min(left, right) < -1:
+        raise argparse.ArgumentTypeError(f"LEFT and RIGHT must be -1 (unbounded) or >= 0, got {text!r}")
+    return left, right
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for settings that cannot work (before any allocation)."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
@@ -298,6 +314,13 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
     _check_document_flags(args)
+    if args.window_attn_skip_freq is not None and (args.window_size is None or args.window_attn_skip_freq < 1):
+        raise ValueError("--window-attn-skip-freq needs --window-size and a value >= 1")
+    if args.window_size is not None and args.reset_attention_mask and cp > 1 and args.cp_comm_type == "p2p":
+        raise ValueError(
+            "--window-size with packed documents (--reset-attention-mask) under --context-parallel-size > 1 "
+            "needs --cp-comm-type a2a (the ring cannot shift one window for documents of different lengths)"
+        )
     if args.data_path:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:

@@ -29,6 +29,8 @@ def transformer_config(args):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=args.cp_comm_type,
+        window_size=args.window_size,
+        window_attn_skip_freq=args.window_attn_skip_freq,
         sequence_parallel=args.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
