@@ -44,7 +44,7 @@ class _FlashAttnFunction(torch.autograd.Function):
     """Autograd around a backend's dense forward/backward kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, backend: AttentionBackend, params: AttentionParams, record: Optional[_ForwardRecord] = None):
+    def forward(ctx, q, k, v, backend: AttentionBackend, params: AttentionParams, record: Optional[_ForwardRecord]):
         out, stats, rng_state = forward_kernel(backend, q, k, v, params)
         ctx.save_for_backward(q, k, v, out, *stats.tensors())
         ctx.backend, ctx.params, ctx.rng_state = backend, params, rng_state
@@ -66,7 +66,7 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
     """Autograd around a backend's packed-sequence forward/backward kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q: list, cu_k: list, backend: AttentionBackend, params: AttentionParams, record=None):
+    def forward(ctx, q, k, v, cu_q: list, cu_k: list, backend: AttentionBackend, params: AttentionParams, record):
         out, stats, rng_state = backend.varlen_forward(q, k, v, cu_q, cu_k, params)
         ctx.save_for_backward(q, k, v, out, *stats.tensors())
         ctx.cu, ctx.backend, ctx.params, ctx.rng_state = (cu_q, cu_k), backend, params, rng_state
@@ -239,36 +239,37 @@ def flash_attn_varlen_func(
         alibi_slopes=alibi_slopes, deterministic=deterministic, batch=len(cu_q) - 1,
     )  # fmt: skip
     impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
-    out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_q, cu_k, impl, params)
+    out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_q, cu_k, impl, params, None)
     if return_attn_probs:
         return out, _flash_attn_lse(lse), None
     return (out, lse) if return_lse else out
 
 
-def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale=None, causal: bool = False, *args, **kwargs):
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p=0.0, softmax_scale=None, causal=False, *args, **kwargs):
     """:func:`flash_attn_func` with ``qkv [b, s, 3, h, d]`` (gradient ``[b, s, 3, h, d]``)."""
     q, k, v = _unpack(qkv, 2, 3, "qkv", "[b, s, 3, h, d]")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, *args, **kwargs)
 
 
-def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale=None, causal: bool = False, *args, **kwargs):
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p=0.0, softmax_scale=None, causal=False, *args, **kwargs):
     """:func:`flash_attn_func` with ``kv [b, sk, 2, hkv, d]``."""
     k, v = _unpack(kv, 2, 2, "kv", "[b, sk, 2, hkv, d]")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, *args, **kwargs)
 
 
-def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0, *args, **kwargs):
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p=0.0, *args, **kwargs):
     """:func:`flash_attn_varlen_func` with ``qkv [total, 3, h, d]`` and one ``cu_seqlens``."""
     q, k, v = _unpack(qkv, 1, 3, "qkv", "[total, 3, h, d]")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, *args, **kwargs)
 
 
 def flash_attn_varlen_kvpacked_func(
-    q: Tensor, kv: Tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0, *args, **kwargs
+    q: Tensor, kv: Tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, dropout_p=0.0, *args, **kwargs
 ):
     """:func:`flash_attn_varlen_func` with ``kv [total_k, 2, hkv, d]``."""
     k, v = _unpack(kv, 1, 2, "kv", "[total_k, 2, hkv, d]")
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, *args, **kwargs)
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return flash_attn_varlen_func(q, k, v, *lengths, dropout_p, *args, **kwargs)
 
 
 def _unpack(packed: Tensor, dim: int, parts: int, name: str, shape: str) -> tuple[Tensor, ...]:

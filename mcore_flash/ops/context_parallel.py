@@ -223,8 +223,9 @@ def context_parallel_attn_func(
     cp_size = 1 if group is None else group.size()
     if cp_size == 1:
         return flash_attn_func(
-            q, k, v, dropout_p, softmax_scale, causal, window_size, backend=backend, return_lse=return_lse, layout=layout
-        )
+            q, k, v, dropout_p, softmax_scale, causal, window_size,
+            backend=backend, return_lse=return_lse, layout=layout,
+        )  # fmt: skip
     checks.check_layout(layout, LAYOUTS)
     checks.check_qkv(q, k, v, packed=False, layout=layout)
     seq = layout.index("s")
@@ -537,7 +538,8 @@ class _RingAttention(torch.autograd.Function):
                     continue
                 if out_acc is None:
                     out_acc, stats_acc = _empty_accumulators(q, v, stats, seq)
-                merged, merged_stats = _merge(_take(out_acc, rows, seq), stats_acc.rows(rows), out, stats, params.layout)
+                acc_rows = _take(out_acc, rows, seq), stats_acc.rows(rows)
+                merged, merged_stats = _merge(*acc_rows, out, stats, params.layout)
                 _put(out_acc, rows, seq, merged)
                 _set_rows(stats_acc, rows, merged_stats)
             if step + 1 < ring.size:
@@ -608,7 +610,8 @@ def _empty_accumulators(q: Tensor, v: Tensor, like: SoftmaxStats, seq: int) -> t
     shape[-1] = v.shape[-1]
     out = torch.zeros(shape, dtype=_accumulator_dtype(q.dtype), device=q.device)
     rows = q.shape[seq]
-    row_max = torch.full((*like.row_max.shape[:2], rows, *like.row_max.shape[3:]), float("-inf"), dtype=like.row_max.dtype, device=q.device)
+    shape = (*like.row_max.shape[:2], rows, *like.row_max.shape[3:])
+    row_max = torch.full(shape, float("-inf"), dtype=like.row_max.dtype, device=q.device)
     row_sum = None if like.row_sum is None else torch.zeros(row_max.shape, dtype=like.row_sum.dtype, device=q.device)
     return out, SoftmaxStats(row_max, row_sum)
 

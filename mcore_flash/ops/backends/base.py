@@ -93,7 +93,10 @@ def band_rows(lo: Optional[int], hi: Optional[int], q0: int, q1: int, sq: int, s
     return k0, max(k0, k1)
 
 
-def band_crosses(lo: Optional[int], hi: Optional[int], q_range: tuple[int, int], k_range: tuple[int, int], sq: int, sk: int) -> bool:
+Range = tuple[int, int]  # [start, end) of query rows or key columns
+
+
+def band_crosses(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Range, sq: int, sk: int) -> bool:
     """Whether the block ``q_range x k_range`` holds a key outside the band (needs masking)."""
     (q0, q1), (k0, k1) = q_range, k_range
     shift = sk - sq
@@ -102,7 +105,7 @@ def band_crosses(lo: Optional[int], hi: Optional[int], q_range: tuple[int, int],
     return below or above
 
 
-def band_mask(lo: Optional[int], hi: Optional[int], q_range: tuple[int, int], k_range: tuple[int, int], sq: int, sk: int, device) -> Tensor:
+def band_mask(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Range, sq: int, sk: int, device) -> Tensor:
     """Bool ``[q1 - q0, k1 - k0]``: True where the key is OUTSIDE the band (masked out)."""
     (q0, q1), (k0, k1) = q_range, k_range
     offset = torch.arange(k0, k1, device=device) - torch.arange(q0, q1, device=device).unsqueeze(-1) - (sk - sq)
@@ -114,11 +117,12 @@ def band_mask(lo: Optional[int], hi: Optional[int], q_range: tuple[int, int], k_
     return outside
 
 
-def alibi_bias(slopes: Tensor, q_range: tuple[int, int], k_range: tuple[int, int], sq: int, sk: int) -> Tensor:
+def alibi_bias(slopes: Tensor, q_range: Range, k_range: Range, sq: int, sk: int) -> Tensor:
     """Float32 ``[b|1, hq, q1 - q0, k1 - k0]``: ``-slope * |i + sk - sq - j|``."""
     (q0, q1), (k0, k1) = q_range, k_range
     device = slopes.device
-    distance = (torch.arange(q0, q1, device=device).unsqueeze(-1) + (sk - sq) - torch.arange(k0, k1, device=device)).abs()
+    rows, cols = torch.arange(q0, q1, device=device).unsqueeze(-1), torch.arange(k0, k1, device=device)
+    distance = (rows + (sk - sq) - cols).abs()
     slopes = slopes.float() if slopes.dim() == 2 else slopes.float().unsqueeze(0)
     return -slopes[..., None, None] * distance.float()
 

@@ -38,7 +38,9 @@ from .reference import ReferenceBackend
 _fused_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-def compute_dtype(dtype: torch.dtype, backward: bool, alibi: bool = False, native_bf16: Optional[bool] = None) -> torch.dtype:
+def compute_dtype(
+    dtype: torch.dtype, backward: bool, alibi: bool = False, native_bf16: Optional[bool] = None
+) -> torch.dtype:
     """The dtype the kernel computes in for inputs of ``dtype`` (see the module docstring).
 
     ``alibi``: the call adds ALiBi biases, which reach the kernel in its compute dtype and
@@ -56,7 +58,9 @@ class CpuBackend(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, fallback: Optional[AttentionBackend] = None, query_chunk: int = 256, native_bf16: Optional[bool] = None):
+    def __init__(
+        self, fallback: Optional[AttentionBackend] = None, query_chunk: int = 256, native_bf16: Optional[bool] = None
+    ):
         if query_chunk < 1:
             raise ValueError(f"query_chunk must be positive, got {query_chunk}")
         self.fallback = fallback or ReferenceBackend()
@@ -66,14 +70,16 @@ class CpuBackend(AttentionBackend):
     def forward(self, q, k, v, params):
         if self._needs_fallback(q, k, params):
             return self.fallback.forward(q, k, v, params)
-        qc, kc, vc = _kernel_inputs(compute_dtype(q.dtype, False, params.alibi_slopes is not None, self.native_bf16), q, k, v)
+        dtype = compute_dtype(q.dtype, False, params.alibi_slopes is not None, self.native_bf16)
+        qc, kc, vc = _kernel_inputs(dtype, q, k, v)
         if not _needs_bias(params, q.shape[1], k.shape[1]):
             out, lse = _fused_forward(qc, kc, vc, 0.0, params.causal, scale=params.softmax_scale)
             return _output(out, q.dtype), SoftmaxStats(lse), None
         b, hq, sq, _ = qc.shape
         out = qc.new_zeros(b, hq, sq, vc.shape[-1])
-        lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.promote_types(qc.dtype, torch.float32), device=q.device)
-        for rows, cols, bias in self._chunks(params, b, hq, sq, kc.shape[2], qc.dtype, q.device):
+        lse_dtype = torch.promote_types(qc.dtype, torch.float32)
+        lse = torch.full((b, hq, sq), float("-inf"), dtype=lse_dtype, device=q.device)
+        for rows, cols, bias in self._chunks(params, sq, kc.shape[2], qc.dtype, q.device):
             out_c, lse_c = _fused_forward(
                 qc[:, :, rows], kc[:, :, cols], vc[:, :, cols], 0.0, False, attn_mask=bias, scale=params.softmax_scale
             )
@@ -93,8 +99,8 @@ class CpuBackend(AttentionBackend):
             grads = _fused_backward(doc, qc, kc, vc, outc, lse, 0.0, params.causal, scale=params.softmax_scale)
             return tuple(_output(g, x.dtype) for g, x in zip(grads, (q, k, v)))
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
-        b, hq, sq, _ = qc.shape
-        for rows, cols, bias in self._chunks(params, b, hq, sq, kc.shape[2], qc.dtype, q.device):
+        sq = qc.shape[2]
+        for rows, cols, bias in self._chunks(params, sq, kc.shape[2], qc.dtype, q.device):
             dq_c, dk_c, dv_c = _fused_backward(
                 doc[:, :, rows], qc[:, :, rows], kc[:, :, cols], vc[:, :, cols], outc[:, :, rows],
                 lse[:, :, rows], 0.0, False, attn_mask=bias, scale=params.softmax_scale,
@@ -104,7 +110,7 @@ class CpuBackend(AttentionBackend):
             dv[:, :, cols] += dv_c
         return _output(dq, q.dtype), _output(dk, k.dtype), _output(dv, v.dtype)
 
-    def _chunks(self, params: AttentionParams, b: int, hq: int, sq: int, sk: int, dtype, device) -> Iterator[tuple[slice, slice, Tensor]]:
+    def _chunks(self, params: AttentionParams, sq: int, sk: int, dtype, device) -> Iterator[tuple[slice, slice, Tensor]]:
         """``(query rows, key columns, additive bias [b|1, hq|1, rows, cols])`` per chunk of
         query rows; chunks whose band holds no key are left out (their rows stay empty).
 
@@ -149,7 +155,8 @@ class CpuBackend(AttentionBackend):
 def _needs_bias(params: AttentionParams, sq: int, sk: int) -> bool:
     """Whether the call needs the chunked, biased path (see the module docstring)."""
     top_left_differs = params.causal and sq != sk
-    return params.window is not None or params.alibi_slopes is not None or params.attn_mask is not None or top_left_differs
+    biased = params.alibi_slopes is not None or params.attn_mask is not None
+    return params.window is not None or biased or top_left_differs
 
 
 def _kernel_inputs(dtype: torch.dtype, *tensors: Tensor) -> tuple[Tensor, ...]:

@@ -7,7 +7,10 @@ row sum ``l``), so no ``[sq, sk]`` matrix ever exists in full; it keeps ``out`` 
 a seed taken from the device's default generator, so backward replays them exactly and
 ``torch.manual_seed`` (or Megatron's RNG tracker) makes runs reproducible.
 
-Runs on any device; fp16/bf16 inputs are computed in fp32, fp64 in fp64.
+Causal attention and sliding windows are bands of visible keys (``AttentionParams.band``):
+key blocks outside the band of every row of a query block are never visited. ``softcap``
+and ALiBi are applied to each block's scores, and backward multiplies by the cap's slope
+``1 - tanh^2``. Runs on any device; fp16/bf16 inputs are computed in fp32, fp64 in fp64.
 """
 
 from __future__ import annotations
