@@ -661,3 +661,51 @@ def test_cpu_compute_dtype_is_decided_in_one_place():
     assert compute_dtype(bf16, backward=True, native_bf16=True) == fp32
     assert {compute_dtype(fp16, b, native_bf16=True) for b in (False, True)} == {fp32}
     assert compute_dtype(fp32, False) == fp32 and compute_dtype(fp64, True) == fp64
+
+
+def _visible_pairs(sq, sk, window, causal):
+    import oracle
+
+    return oracle.visible(sq, sk, causal, window=window)[0, 0]
+
+
+@pytest.mark.parametrize("window,causal", [((40, 0), True), ((25, 30), False), ((-1, 10), False)])
+def test_reference_visits_only_blocks_the_band_reaches(monkeypatch, window, causal):
+    """Every visited (query block, key block) holds a visible pair, and together they cover all."""
+    from mcore_flash.ops.backends import reference
+
+    visited = []
+    real = reference._masked_scores
+    monkeypatch.setattr(reference, "_masked_scores", lambda *a: visited.append((a[4], a[5])) or real(*a))
+    sq, sk = 200, 260
+    q, k, v = (torch.randn(1, s, 2, 16) for s in (sq, sk, sk))
+    flash_attn_func(q, k, v, 0.0, None, causal, window, backend=reference.ReferenceBackend(block_q=32, block_k=32))
+    visible = _visible_pairs(sq, sk, window, causal)
+    covered = torch.zeros_like(visible)
+    for (q0, q1), (k0, k1) in visited:
+        assert visible[q0:q1, k0:k1].any(), f"block {(q0, q1)} x {(k0, k1)} is outside the band"
+        covered[q0:q1, k0:k1] = True
+    assert bool((covered | ~visible).all())
+
+
+@pytest.mark.parametrize("window,causal", [((40, 0), True), ((25, 30), False)])
+def test_cpu_chunks_call_the_kernel_on_the_band_keys_only(monkeypatch, window, causal):
+    """Each query chunk reaches the kernel with exactly the key range its rows can see."""
+    from mcore_flash.ops.backends import cpu
+
+    calls = []
+    real = cpu._fused_forward
+    def recording(q, k, *args, **kwargs):
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(cpu, "_fused_forward", recording)
+    sq, sk = 300, 300
+    q, k, v = (torch.randn(1, s, 2, 16) for s in (sq, sk, sk))
+    flash_attn_func(q, k, v, 0.0, None, causal, window, backend=cpu.CpuBackend(query_chunk=64))
+    visible = _visible_pairs(sq, sk, window, causal)
+    expected = []
+    for q0 in range(0, sq, 64):
+        cols = visible[q0 : q0 + 64].any(dim=0).nonzero()
+        expected.append((min(64, sq - q0), int(cols.max() - cols.min() + 1)))
+    assert calls == expected
