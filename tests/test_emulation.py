@@ -280,3 +280,35 @@ def test_npu_swiglu_double_matches_formula_and_contract():
         torch_npu.npu_swiglu(torch.ones(3, 5))
     with pytest.raises(fusion_attention.NpuContractError, match="non-contiguous"):
         torch_npu.npu_swiglu(torch.ones(8, 4).t())
+
+
+def _w_windowed_ring_on_the_device(rank, world_size):
+    """Ring CP with a sliding window on npu tensors over HCCL-strict groups (the npu backend
+    through the emulated torch_npu); returns this rank's results on the CPU."""
+    import torch.distributed as dist
+
+    from mcore_flash.ops import last_used_backend
+    from mcore_flash.ops.context_parallel import context_parallel_attn_func, split_for_cp_rank
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(1, 32, h, 8, generator=g) for h in (4, 2, 2, 4))
+    local = [split_for_cp_rank(x, 1, world_size, rank).to("npu").requires_grad_() for x in (q, k, v)]
+    out = context_parallel_attn_func(*local, dist.group.WORLD, causal=True, window_size=(5, 0))
+    out.backward(split_for_cp_rank(dout, 1, world_size, rank).to("npu"))
+    return dict(backend=last_used_backend(), device=str(out.device),
+                results=[x.detach().cpu() for x in (out, *(t.grad for t in local))])  # fmt: skip
+
+
+def test_windowed_ring_attention_runs_on_the_emulated_npu():
+    import oracle
+
+    from mcore_flash.ops.context_parallel import gather_from_cp_ranks
+
+    ranks = run_distributed(_w_windowed_ring_on_the_device, 2, emulate_npu=True)
+    assert all(r["backend"] == "npu" and r["device"] == f"npu:{i}" for i, r in enumerate(ranks))
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(1, 32, h, 8, generator=g) for h in (4, 2, 2, 4))
+    exact = oracle.attention_with_grads(q, k, v, dout, causal=True, window=(5, 0))
+    for i, expected in enumerate((exact[0], *exact[2:])):
+        got = gather_from_cp_ranks([r["results"][i] for r in ranks], 1)
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
