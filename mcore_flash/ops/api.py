@@ -27,8 +27,8 @@ import torch
 
 from . import checks
 from .backends import AttentionBackend, AttentionParams, get_backend
-from .backends.base import LAYOUTS, SoftmaxStats, backward_kernel, forward_kernel
-from .backends.reference import attention_probs
+from .backends.base import LAYOUTS, SoftmaxStats, backward_kernel, forward_kernel, inf_where_no_key
+from .backends.reference import DropoutState, attention_probs
 
 Tensor = torch.Tensor
 
@@ -187,7 +187,7 @@ def flash_attn_func(
     if return_attn_probs:
         to_bshd = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(0, 1))
         probs = _probs(to_bshd(q), to_bshd(k), lse, record.rng_state, params, impl)
-        return out, _flash_attn_lse(lse), probs
+        return out, inf_where_no_key(lse), probs
     return (out, lse) if return_lse else out
 
 
@@ -241,7 +241,7 @@ def flash_attn_varlen_func(
     impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
     out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_q, cu_k, impl, params, None)
     if return_attn_probs:
-        return out, _flash_attn_lse(lse), None
+        return out, inf_where_no_key(lse), None
     return (out, lse) if return_lse else out
 
 
@@ -280,14 +280,9 @@ def _unpack(packed: Tensor, dim: int, parts: int, name: str, shape: str) -> tupl
     return packed.unbind(dim)
 
 
-def _flash_attn_lse(lse: Tensor) -> Tensor:
-    """flash-attn's convention: +inf where no key is visible."""
-    return torch.where(torch.isneginf(lse), float("inf"), lse)
-
-
 def _probs(q: Tensor, k: Tensor, lse: Tensor, rng_state, params: AttentionParams, backend: AttentionBackend) -> Tensor:
     """The ``[b, hq, sq, sk]`` float32 probabilities of a finished forward (testing only)."""
-    if params.dropout_p > 0 and not hasattr(rng_state, "seed"):
+    if params.dropout_p > 0 and not isinstance(rng_state, DropoutState):
         raise ValueError(
             f"return_attn_probs with dropout_p > 0: the {backend.name} backend's dropout masks are drawn inside "
             "its kernel and cannot be replayed outside it; use backend='reference' (or dropout_p=0)"

@@ -96,6 +96,18 @@ def band_rows(lo: Optional[int], hi: Optional[int], q0: int, q1: int, sq: int, s
 Range = tuple[int, int]  # [start, end) of query rows or key columns
 
 
+def band_offsets(q_range: Range, k_range: Range, sq: int, sk: int, device) -> Tensor:
+    """Int ``[q1 - q0, k1 - k0]``: ``j - i - (sk - sq)`` of each (query, key) pair of the block."""
+    (q0, q1), (k0, k1) = q_range, k_range
+    return torch.arange(k0, k1, device=device) - torch.arange(q0, q1, device=device).unsqueeze(-1) - (sk - sq)
+
+
+def inf_where_no_key(lse: Tensor) -> Tensor:
+    """The logsumexp with ``+inf`` on rows that see no key (``-inf``): what a backward kernel
+    recomputes ``exp(s - lse)`` from (exactly 0 there), and flash-attn's own convention."""
+    return torch.where(torch.isneginf(lse), float("inf"), lse)
+
+
 def band_crosses(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Range, sq: int, sk: int) -> bool:
     """Whether the block ``q_range x k_range`` holds a key outside the band (needs masking)."""
     (q0, q1), (k0, k1) = q_range, k_range
@@ -107,8 +119,7 @@ def band_crosses(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: 
 
 def band_mask(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Range, sq: int, sk: int, device) -> Tensor:
     """Bool ``[q1 - q0, k1 - k0]``: True where the key is OUTSIDE the band (masked out)."""
-    (q0, q1), (k0, k1) = q_range, k_range
-    offset = torch.arange(k0, k1, device=device) - torch.arange(q0, q1, device=device).unsqueeze(-1) - (sk - sq)
+    offset = band_offsets(q_range, k_range, sq, sk, device)
     outside = torch.zeros(offset.shape, dtype=torch.bool, device=device)
     if lo is not None:
         outside |= offset < lo
@@ -119,10 +130,7 @@ def band_mask(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Ran
 
 def alibi_bias(slopes: Tensor, q_range: Range, k_range: Range, sq: int, sk: int) -> Tensor:
     """Float32 ``[b|1, hq, q1 - q0, k1 - k0]``: ``-slope * |i + sk - sq - j|``."""
-    (q0, q1), (k0, k1) = q_range, k_range
-    device = slopes.device
-    rows, cols = torch.arange(q0, q1, device=device).unsqueeze(-1), torch.arange(k0, k1, device=device)
-    distance = (rows + (sk - sq) - cols).abs()
+    distance = band_offsets(q_range, k_range, sq, sk, slopes.device).abs()
     slopes = slopes.float() if slopes.dim() == 2 else slopes.float().unsqueeze(0)
     return -slopes[..., None, None] * distance.float()
 

@@ -32,7 +32,16 @@ from typing import Iterator, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor, alibi_bias, band_mask, band_rows
+from .base import (
+    AttentionBackend,
+    AttentionParams,
+    SoftmaxStats,
+    Tensor,
+    alibi_bias,
+    band_mask,
+    band_rows,
+    inf_where_no_key,
+)
 from .reference import ReferenceBackend
 
 _fused_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -92,9 +101,7 @@ class CpuBackend(AttentionBackend):
         if self._needs_fallback(q, k, params):
             return self.fallback.backward(dout, q, k, v, out, stats, rng_state, params)
         qc, kc, vc, doc, outc = _kernel_inputs(compute_dtype(q.dtype, True), q, k, v, dout, out)
-        # +inf on empty rows makes the kernel's exp(s - lse) exactly 0 there.
-        lse = stats.lse().to(qc.dtype)
-        lse = torch.where(torch.isneginf(lse), float("inf"), lse)
+        lse = inf_where_no_key(stats.lse().to(qc.dtype))
         if not _needs_bias(params, q.shape[1], k.shape[1]):
             grads = _fused_backward(doc, qc, kc, vc, outc, lse, 0.0, params.causal, scale=params.softmax_scale)
             return tuple(_output(g, x.dtype) for g, x in zip(grads, (q, k, v)))

@@ -20,7 +20,17 @@ from typing import Iterator, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor, alibi_bias, band_crosses, band_mask, band_rows
+from .base import (
+    AttentionBackend,
+    AttentionParams,
+    SoftmaxStats,
+    Tensor,
+    alibi_bias,
+    band_crosses,
+    band_mask,
+    band_rows,
+    inf_where_no_key,
+)
 
 
 @dataclass(frozen=True)
@@ -84,9 +94,7 @@ class ReferenceBackend(AttentionBackend):
         qg, kg, vg = _grouped(q, hkv, compute_dtype), _grouped(k, hkv, compute_dtype), _grouped(v, hkv, compute_dtype)
         doutg, outg = _grouped(dout, hkv, compute_dtype), _grouped(out, hkv, compute_dtype)
         mask = _grouped_mask(params.attn_mask, hkv, hq // hkv)
-        # +inf for empty rows makes exp(s - lse) exactly 0 there.
-        lse_g = stats.lse().reshape(qg.shape[:-1]).to(compute_dtype)
-        lse_g = torch.where(torch.isneginf(lse_g), float("inf"), lse_g)
+        lse_g = inf_where_no_key(stats.lse().reshape(qg.shape[:-1]).to(compute_dtype))
         delta = (doutg * outg).sum(dim=-1)
         block_q, block_k = (rng_state.block_q, rng_state.block_k) if rng_state else (self.block_q, self.block_k)
 
@@ -239,8 +247,7 @@ def attention_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Optional[Dropo
     compute_dtype = _compute_dtype(q.dtype)
     qg, kg = _grouped(q, hkv, compute_dtype), _grouped(k, hkv, compute_dtype)
     mask = _grouped_mask(params.attn_mask, hkv, hq // hkv)
-    lse_g = lse.reshape(qg.shape[:-1]).to(compute_dtype)
-    lse_g = torch.where(torch.isneginf(lse_g), float("inf"), lse_g)
+    lse_g = inf_where_no_key(lse.reshape(qg.shape[:-1]).to(compute_dtype))
     block_q, block_k = (rng_state.block_q, rng_state.block_k) if rng_state else (max(sq, 1), max(sk, 1))
     probs = torch.zeros(qg.shape[:-1] + (sk,), dtype=compute_dtype, device=q.device)
     for (q0, q1), kv_blocks in _block_plan(sq, sk, params, block_q, block_k):
