@@ -625,31 +625,6 @@ def test_valid_inputs_of_the_error_tables_run():
     assert out.shape == PQ.shape
 
 
-@pytest.mark.parametrize(
-    "kwargs,falls_back",
-    [
-        (dict(), False),
-        (dict(causal=True), False),
-        (dict(causal=True, window_size=(64, 0)), True),
-        (dict(softcap=30.0), True),
-        (dict(alibi_slopes="slopes"), True),
-        (dict(deterministic=True), True),
-    ],
-    ids=["plain", "causal", "window", "softcap", "alibi", "deterministic"],
-)
-def test_cuda_backend_sends_what_torchs_flash_kernel_lacks_to_the_reference_kernel(kwargs, falls_back):
-    """The decision alone (no GPU here): keywords torch's flash kernel cannot take run the
-    reference kernel instead of being dropped."""
-    from mcore_flash.ops.api import resolve_call
-    from mcore_flash.ops.backends.cuda import CudaBackend
-
-    q = torch.randn(1, 128, 4, 64, dtype=torch.bfloat16)
-    if kwargs.get("alibi_slopes") == "slopes":
-        kwargs = dict(alibi_slopes=torch.rand(4))
-    _, params = resolve_call(q, kwargs.pop("causal", False), None, 0.0, "reference", **kwargs)
-    assert CudaBackend()._needs_fallback(q, q, params) == falls_back
-
-
 def test_cpu_compute_dtype_is_decided_in_one_place():
     """Backward and fp16 always in float32; bf16 forward in bf16 only with bf16 units and no ALiBi."""
     from mcore_flash.ops.backends.cpu import compute_dtype

@@ -1,33 +1,254 @@
-"""CUDA backend: torch's FlashAttention-2 kernel (``aten._scaled_dot_product_flash_attention``).
+"""CUDA backend: torch's fused attention kernels, called directly (no SDPA dispatch).
 
-Covers fp16/bf16, no mask, and causal only with ``sq == sk`` (torch aligns causal
-top-left); everything else -- and sliding windows, ``softcap``, ALiBi and
-``deterministic=True`` (torch's flash backward accumulates dq with atomics), which torch's
-kernel does not take -- runs the reference kernel on the GPU (logged once per reason).
-torch's flash kernel has no native GQA: K/V heads are repeated for the kernel and the
-gradients summed back over each group.
+Two kernels, both with native GQA/MQA (K/V are never expanded):
 
-This path has NOT run on a GPU in this project's CI (no GPU there); see docs/benchmarks.md
-for any GPU measurements.
+* ``flash`` -- FlashAttention-2 as built into torch (``aten._flash_attention_forward`` /
+  ``_flash_attention_backward``): ``[b, s, h, d]`` as it is, packed ``[t, h, d]`` with
+  cumulative lengths, causal aligned bottom-right (our convention, also for sq != sk),
+  sliding windows whose two sides are >= 0, dropout. sm80-sm121, fp16/bf16, head_dim a
+  multiple of 8 up to 256.
+* ``cudnn`` -- cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and its
+  backward) on ``[b, h, s, d]`` views. Its causal mask is aligned top-left, so a causal call
+  uses it only when sq == sk; no windows; dropout in multiples of 1/16; head_dim a multiple
+  of 8 up to 128.
+
+Which kernel runs (:meth:`CudaBackend.choose_kernel`, each choice logged once): by default
+cuDNN where torch's own SDPA prefers it -- sm90/sm100/sm103 with a cuDNN newer than 9.15
+(``check_prefer_cudnn_attention`` in torch's ``aten/src/ATen/native/transformers/cuda/
+sdp_utils.cpp``) -- and the call fits it, otherwise flash. The measurement behind that
+order: on an H200 (bf16, causal, 32 heads, head_dim 128, fwd+bwd) torch's cuDNN attention
+ran at 541 / 555 TFLOP/s at 8K / 32K tokens against 315-322 for its flash kernel (issue 16);
+``mcore-flash bench-cuda`` measures both on the machine at hand.
+``MCORE_FLASH_CUDA_KERNEL=flash|cudnn`` puts one kernel first. What neither kernel takes --
+fp32, an explicit mask, a window that excludes the diagonal, softcap, ALiBi (torch's flash
+backward has no slopes), ``deterministic=True`` (both backward kernels accumulate with
+atomics), empty sequences -- runs the reference kernel on the GPU (logged once per reason).
+
+This path has NOT run on a GPU in this project's CI (no GPU there): on the CPU the calls are
+checked against a test double that validates each one with torch's own meta kernels and
+computes in float64 (``tests/cuda_double.py``).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor
+from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor, inf_where_no_key
 from .reference import ReferenceBackend
 
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+logger = logging.getLogger("mcore_flash")
+
+ENV_VAR = "MCORE_FLASH_CUDA_KERNEL"
+PREFERENCES = ("auto", "flash", "cudnn")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    """What the kernel choice needs to know of a GPU."""
+
+    capability: tuple[int, int]
+    cudnn_version: int  # as torch.backends.cudnn.version() reports it (91600 = 9.16.0); 0 = none
+
+    def prefers_cudnn(self) -> bool:
+        """torch's own rule (sdp_utils.cpp ``check_prefer_cudnn_attention``, CUDA < 13 wheels)."""
+        return self.capability in ((9, 0), (10, 0), (10, 3)) and self.cudnn_version > 91500
+
+    def __str__(self) -> str:
+        major, minor = self.capability
+        return f"sm{major}{minor}, cuDNN {self.cudnn_version or 'none'}"
+
+
+@functools.lru_cache(maxsize=None)
+def query_device(index: int) -> CudaDevice:
+    """The :class:`CudaDevice` of ``cuda:index`` (asked once per device)."""
+    return CudaDevice(tuple(torch.cuda.get_device_capability(index)), torch.backends.cudnn.version() or 0)
+
+
+def _device_of(x: Tensor) -> CudaDevice:
+    return query_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+class KernelState(NamedTuple):
+    """What a kernel's backward needs from its forward besides the saved tensors."""
+
+    kernel: str
+    values: tuple
+    lse_shape: tuple[int, ...]  # the kernel's own logsumexp shape
+
+
+class Packed(NamedTuple):
+    """Cumulative lengths of packed sequences, as the flash kernel takes them."""
+
+    cu_q: Tensor  # int32 [n + 1] on the device
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+
+def _shape_misfit(q: Tensor, k: Tensor, params: AttentionParams, max_head_dim: int, name: str) -> Optional[str]:
+    """The limits both kernels share (``None`` when the call fits)."""
+    d = q.shape[-1]
+    if q.dtype not in _HALF:
+        return f"{q.dtype} ({name} takes float16/bfloat16)"
+    if d % 8 or d > max_head_dim:
+        return f"head_dim {d} ({name} takes multiples of 8 up to {max_head_dim})"
+    if params.attn_mask is not None:
+        return f"an explicit attn_mask ({name} takes none)"
+    if params.softcap > 0 or params.alibi_slopes is not None:
+        return f"softcap / alibi_slopes ({name} takes neither in backward)"
+    if params.deterministic:
+        return f"deterministic=True ({name}'s backward accumulates with atomics)"
+    if 0 in (q.shape[-3], k.shape[-3]):
+        return f"an empty sequence ({name} needs at least one query and one key)"
+    return None
+
+
+class FlashKernel:
+    """FlashAttention-2 in torch: dense ``[b, s, h, d]`` or packed ``[t, h, d]``."""
+
+    name = "flash"
+
+    def __init__(self, aten):
+        self.aten = aten
+
+    def misfit(self, q: Tensor, k: Tensor, params: AttentionParams, device: CudaDevice) -> Optional[str]:
+        if not (8, 0) <= device.capability <= (12, 1):
+            return f"{device} (torch's flash kernel runs on sm80-sm121)"
+        lo, hi = params.window or (None, None)
+        if (lo is not None and lo > 0) or (hi is not None and hi < 0):
+            return "a window that excludes the diagonal (the flash kernel reads a negative side as unbounded)"
+        return _shape_misfit(q, k, params, 256, "torch's flash kernel")
+
+    def forward(self, q, k, v, params: AttentionParams, packed: Optional[Packed] = None):
+        """``(out like q, lse float32 [b, h, sq] or [h, t] with -inf on rows without keys, state)``."""
+        cu_q, cu_k, max_q, max_k = packed or (None, None, q.shape[1], k.shape[1])
+        out, lse, rng, unused, _ = self.aten._flash_attention_forward(
+            *(_last_dim_contiguous(x) for x in (q, k, v)),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            params.dropout_p,
+            params.causal,
+            False,
+            scale=params.softmax_scale,
+            **_window_sizes(params),
+        )
+        lse = torch.where(torch.isposinf(lse), float("-inf"), lse)  # the kernel's +inf: flash-attn's convention
+        return out, lse, KernelState(self.name, (rng, unused), tuple(lse.shape))
+
+    def backward(self, dout, q, k, v, out, lse: Tensor, state: KernelState, params, packed: Optional[Packed] = None):
+        cu_q, cu_k, max_q, max_k = packed or (None, None, q.shape[1], k.shape[1])
+        rng, unused = state.values
+        return self.aten._flash_attention_backward(
+            *(_last_dim_contiguous(x) for x in (dout, q, k, v, out)),
+            inf_where_no_key(lse.reshape(state.lse_shape)).contiguous(),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            params.dropout_p,
+            params.causal,
+            rng,
+            unused,
+            scale=params.softmax_scale,
+            **_window_sizes(params),
+        )
+
+
+class CudnnKernel:
+    """cuDNN's fused attention on ``[b, h, s, d]`` views of ``[b, s, h, d]``."""
+
+    name = "cudnn"
+
+    def __init__(self, aten):
+        self.aten = aten
+
+    def misfit(self, q: Tensor, k: Tensor, params: AttentionParams, device: CudaDevice) -> Optional[str]:
+        if device.cudnn_version < 90000 or not (8, 0) <= device.capability <= (12, 1):
+            return f"{device} (torch's cuDNN attention needs cuDNN 9 on sm80-sm121)"
+        if params.window is not None:
+            return "a sliding window (cuDNN attention in torch takes none)"
+        if params.causal and q.shape[1] != k.shape[1]:
+            return "causal with sq != sk (cuDNN aligns causal top-left)"
+        if params.dropout_p * 16 != int(params.dropout_p * 16):
+            return f"dropout_p={params.dropout_p} (cuDNN takes multiples of 1/16)"
+        if k.shape[1] == 1:
+            return "one key (cuDNN attention takes at least two)"
+        return _shape_misfit(q, k, params, 128, "cuDNN attention")
+
+    def forward(self, q, k, v, params: AttentionParams):
+        b, sq, h, _ = q.shape
+        out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = self.aten._scaled_dot_product_cudnn_attention(
+            *(_last_dim_contiguous(x).transpose(1, 2) for x in (q, k, v)),
+            None,
+            True,
+            params.dropout_p,
+            params.causal,
+            False,
+            scale=params.softmax_scale,
+        )
+        state = KernelState(self.name, (cu_q, cu_k, max_q, max_k, seed, offset), tuple(lse.shape))
+        return out.transpose(1, 2), lse.reshape(b, h, sq), state
+
+    def backward(self, dout, q, k, v, out, lse: Tensor, state: KernelState, params):
+        cu_q, cu_k, max_q, max_k, seed, offset = state.values
+        dout = _like(out, dout)  # cuDNN wants the gradient in the output's strides
+        dq, dk, dv = self.aten._scaled_dot_product_cudnn_attention_backward(
+            *(x.transpose(1, 2) for x in (dout, _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), out)),
+            lse.reshape(state.lse_shape),
+            seed,
+            offset,
+            None,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            params.dropout_p,
+            params.causal,
+            scale=params.softmax_scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _window_sizes(params: AttentionParams) -> dict:
+    """flash-attn's ``window_size_left/right`` for the band (None = unbounded)."""
+    lo, hi = params.window or (None, None)
+    return dict(window_size_left=None if lo is None else -lo, window_size_right=hi)
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    """The kernels need a unit stride on head_dim (any other strides are fine)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _like(reference: Tensor, x: Tensor) -> Tensor:
+    """``x`` in ``reference``'s strides (a copy only when they differ)."""
+    return x if x.stride() == reference.stride() else torch.empty_like(reference).copy_(x)
 
 
 class CudaBackend(AttentionBackend):
-    """torch SDPA's flash kernel on NVIDIA GPUs."""
+    """torch's cuDNN and FlashAttention-2 kernels on NVIDIA GPUs.
+
+    ``aten`` (default ``torch.ops.aten``) holds the four kernel ops and ``device_info``
+    (default :func:`query_device` of the tensors' device) describes the GPU: tests pass a
+    double of each.
+    """
 
     name = "cuda"
 
-    def __init__(self):
+    def __init__(self, aten=None, device_info: Optional[Callable[[Tensor], CudaDevice]] = None, preference=None):
+        aten = torch.ops.aten if aten is None else aten
+        self.kernels = {kernel.name: kernel for kernel in (CudnnKernel(aten), FlashKernel(aten))}
+        self.device_info = device_info or _device_of
+        self.preference = preference
         self.fallback = ReferenceBackend()
 
     def unavailable_reason(self) -> str:
@@ -35,71 +256,74 @@ class CudaBackend(AttentionBackend):
             return "no CUDA device is visible (torch.cuda.is_available() is False)"
         return ""
 
+    def kernel_order(self, device: CudaDevice) -> tuple[str, ...]:
+        """The kernels to try, best first, for ``preference`` (or ``$MCORE_FLASH_CUDA_KERNEL``)."""
+        preference = self.preference or os.environ.get(ENV_VAR) or "auto"
+        if preference not in PREFERENCES:
+            raise ValueError(f"{ENV_VAR}={preference!r} is not a kernel; choose one of {PREFERENCES}")
+        if preference == "flash" or (preference == "auto" and not device.prefers_cudnn()):
+            return ("flash",)
+        return ("cudnn", "flash")
+
+    def choose_kernel(self, q: Tensor, k: Tensor, params: AttentionParams) -> Optional[str]:
+        """The kernel that runs this call (None: the reference kernel), from the arguments alone."""
+        device = self.device_info(q)
+        misfits = []
+        for name in self.kernel_order(device):
+            misfit = self.kernels[name].misfit(q, k, params, device)
+            if misfit is None:
+                self._log_once(f"mcore_flash: cuda backend runs the {name} kernel ({device})" + _because(misfits))
+                return name
+            misfits.append(f"{name}: {misfit}")
+        self._falls_back("; ".join(misfits))
+        return None
+
+    def _log_once(self, message: str) -> None:
+        logged = self.__dict__.setdefault("_logged_choices", set())
+        if message not in logged:
+            logged.add(message)
+            logger.info(message)
+
     def forward(self, q, k, v, params):
-        if self._needs_fallback(q, k, params):
+        kernel = self.choose_kernel(q, k, params)
+        if kernel is None:
             return self.fallback.forward(q, k, v, params)
-        groups = q.shape[2] // k.shape[2]
-        out, lse, cum_q, cum_k, max_q, max_k, philox_seed, philox_offset, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(
-                q.transpose(1, 2),
-                _repeat_heads(k, groups).transpose(1, 2),
-                _repeat_heads(v, groups).transpose(1, 2),
-                params.dropout_p,
-                params.causal,
-                scale=params.softmax_scale,
-            )
-        )
-        return out.transpose(1, 2), SoftmaxStats(lse), (cum_q, cum_k, max_q, max_k, philox_seed, philox_offset)
+        out, lse, state = self.kernels[kernel].forward(q, k, v, params)
+        return out, SoftmaxStats(lse), state
 
     def backward(self, dout, q, k, v, out, stats, rng_state, params):
-        if self._needs_fallback(q, k, params):
+        if not isinstance(rng_state, KernelState):
             return self.fallback.backward(dout, q, k, v, out, stats, rng_state, params)
-        groups = q.shape[2] // k.shape[2]
-        cum_q, cum_k, max_q, max_k, philox_seed, philox_offset = rng_state
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.transpose(1, 2),
-            q.transpose(1, 2),
-            _repeat_heads(k, groups).transpose(1, 2),
-            _repeat_heads(v, groups).transpose(1, 2),
-            out.transpose(1, 2),
-            stats.lse(),
-            cum_q,
-            cum_k,
-            max_q,
-            max_k,
-            params.dropout_p,
-            params.causal,
-            philox_seed,
-            philox_offset,
-            scale=params.softmax_scale,
-        )
-        return dq.transpose(1, 2), _sum_heads(dk.transpose(1, 2), groups), _sum_heads(dv.transpose(1, 2), groups)
+        return self.kernels[rng_state.kernel].backward(dout, q, k, v, out, stats.lse(), rng_state, params)
 
-    def _needs_fallback(self, q: Tensor, k: Tensor, params: AttentionParams) -> bool:
-        reason = None
-        if q.dtype not in _FLASH_DTYPES:
-            reason = f"{q.dtype} (torch's flash kernel takes float16/bfloat16)"
-        elif params.attn_mask is not None:
-            reason = "an explicit attn_mask (torch's flash kernel takes none)"
-        elif params.causal and q.shape[1] != k.shape[1]:
-            reason = "causal with sq != sk (torch aligns causal top-left)"
-        elif params.window is not None:
-            reason = "a sliding window (torch's flash kernel takes none)"
-        elif params.softcap > 0 or params.alibi_slopes is not None:
-            reason = "softcap / alibi_slopes (torch's flash kernel takes neither)"
-        elif params.deterministic:
-            reason = "deterministic=True (torch's flash backward is not deterministic)"
-        return self._falls_back(reason)
+    # Packed sequences: the flash kernel takes them in one call; anything else loops over the
+    # sequences (the base class), each choosing its own kernel.
+
+    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, params):
+        flash = self.kernels["flash"]
+        lengths = [b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])] + [b - a for a, b in zip(cu_seqlens_k, cu_seqlens_k[1:])]
+        if 0 in lengths or flash.misfit(q, k, params, self.device_info(q)) is not None:
+            return super().varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
+        packed = _packed(cu_seqlens_q, cu_seqlens_k, q.device)
+        out, lse, state = flash.forward(q, k, v, params, packed)
+        return out, SoftmaxStats(lse.unsqueeze(0)), state
+
+    def varlen_backward(self, dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params):
+        if not isinstance(rng_state, KernelState):
+            return super().varlen_backward(dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params)
+        packed = _packed(cu_seqlens_q, cu_seqlens_k, q.device)
+        return self.kernels["flash"].backward(dout, q, k, v, out, stats.lse()[0], rng_state, params, packed)
 
 
-def _repeat_heads(x: Tensor, groups: int) -> Tensor:
-    """``[b, s, hkv, d]`` -> ``[b, s, hkv * groups, d]`` (head h uses kv head h // groups)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+def _packed(cu_seqlens_q: list[int], cu_seqlens_k: list[int], device) -> Packed:
+    def lengths(cu):
+        return max(b - a for a, b in zip(cu, cu[1:]))
+
+    def tensor(cu):
+        return torch.tensor(cu, dtype=torch.int32, device=device)
+
+    return Packed(tensor(cu_seqlens_q), tensor(cu_seqlens_k), lengths(cu_seqlens_q), lengths(cu_seqlens_k))
 
 
-def _sum_heads(grad: Tensor, groups: int) -> Tensor:
-    """Inverse of :func:`_repeat_heads` for gradients: sum each group's copies."""
-    if groups == 1:
-        return grad
-    b, s, h, d = grad.shape
-    return grad.view(b, s, h // groups, groups, d).sum(dim=3)
+def _because(misfits: list[str]) -> str:
+    return f", not {'; '.join(misfits)}" if misfits else ""
