@@ -20,6 +20,7 @@ COMMANDS = {
     "bench-cp": ("mcore_flash.benchmarks.context_parallel", "per-rank time and saved bytes of context parallelism"),
     "bench-packed": ("mcore_flash.benchmarks.packed", "attention time of packed documents vs one causal sequence"),
     "bench-window": ("mcore_flash.benchmarks.window", "a sliding-window layer vs full causal attention, next to the pairs ratio"),
+    "bench-cuda": ("mcore_flash.benchmarks.cuda_kernels", "the cuda backend's kernels against torch SDPA's on one GPU"),
 }
 
 

@@ -149,3 +149,38 @@ def test_bench_window_reports_pairs_predictions_and_both_levels():
     assert result["attention_ratio"] == result["attention_window_ms"] / result["attention_full_ms"]
     assert result["layer_ratio"] == result["layer_window_ms"] / result["layer_full_ms"]
     assert result["max_abs_diff_first_window"] < 1e-5  # fp32; 0 on our machine
+
+
+def test_bench_cuda_counts_flash_attn_flops_and_needs_a_gpu(capsys):
+    """The forward term equals torch's FLOP counter on attention's two matmuls (non-causal,
+    so nothing is skipped); the total is flash-attn's 3.5 forwards. Without a GPU the command
+    says so."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mcore_flash.benchmarks import cuda_kernels
+
+    q = torch.randn(2, 4, 96, 32)
+    with FlopCounterMode(display=False) as counter:
+        torch.softmax(q @ q.transpose(-1, -2), dim=-1) @ q
+    forward = counter.get_total_flops()
+    assert cuda_kernels.attention_flops(2, 96, 4, 32, causal=False) == 3.5 * forward
+    assert cuda_kernels.attention_flops(2, 96, 4, 32, causal=True) == 3.5 * forward / 2
+    if not torch.cuda.is_available():
+        assert cuda_kernels.main(["--seq-lengths", "1024"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_cuda_table_divides_the_fastest_sdpa_by_ours():
+    from mcore_flash.benchmarks.cuda_kernels import Row, table
+
+    rows = [
+        Row("ours", 8192, 10.0, 500.0, "cudnn"),
+        Row("sdpa-flash", 8192, 16.0, 300.0),
+        Row("sdpa-cudnn", 8192, 9.5, 520.0),
+        Row("sdpa-efficient", 8192, None, None, "refused: head_dim"),
+    ]
+    lines = table(rows)
+    assert "| 8192 | ours | 10.00 | 500 | cudnn |" in lines
+    assert "| 8192 | sdpa-efficient | — | — | refused: head_dim |" in lines
+    assert lines[-1] == "| 8192 | 0.95 |"

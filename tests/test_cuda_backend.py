@@ -226,3 +226,19 @@ def test_saved_for_backward_is_exactly_q_k_v_out_lse(device, hkv):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, lse = flash_attn_func(q, k, v, causal=True, backend=backend, return_lse=True)
     assert sum(storages.values()) == sum(x.numel() * x.element_size() for x in (q, k, v, out, lse))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by scripts/gpu_check.sh on one)")
+@pytest.mark.parametrize("preference", ["flash", "cudnn"])
+@pytest.mark.parametrize("shape,kwargs", CASES)
+def test_torchs_kernels_on_a_gpu_equal_the_oracle(preference, shape, kwargs):
+    """The same cases on a real GPU with torch's kernels, each kernel put first in turn."""
+    q, k, v = (x.cuda() for x in _qkv(**shape))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype).cuda()
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out, lse = flash_attn_func(*leaves, backend=CudaBackend(preference=preference), return_lse=True, **kwargs)
+    out.backward(dout)
+    want = oracle.attention_with_grads(*(x.cpu() for x in (q, k, v, dout)), **_oracle_kwargs(kwargs))
+    tol = TOLERANCE[q.dtype]
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *(x.grad for x in leaves)), want):
+        torch.testing.assert_close(g.cpu().double(), w, atol=tol, rtol=tol, msg=name)
