@@ -345,14 +345,6 @@ def test_op_windows_under_cp2_and_cp4_skip_the_pairs_outside(cp2_run, cp4_run):
     _check_windows([ops for ops, _ in cp4_run], 4)
 
 
-def test_packed_ring_refuses_a_window_naming_the_fix():
-    from mcore_flash.ops.context_parallel import context_parallel_varlen_attn_func
-
-    q = torch.randn(8, 2, 8)
-    with pytest.raises(ValueError, match="comm_type='a2a'"):
-        context_parallel_varlen_attn_func(q, q, q, torch.tensor([0, 16]), _fake_group(2), causal=True, window_size=(4, 0))
-
-
 def test_op_cp2_equals_cp1(cp2_run):
     ops = [ops for ops, _ in cp2_run]
     _check_op(ops)

@@ -7,8 +7,9 @@ must together reproduce it; for the op, the float64 naive oracle (tests/oracle.p
 document. The documents: lengths not multiples of 2*cp, documents of 1-3 tokens, one longer
 than a CP chunk of the dense split.
 
-Three spawns, batching many checks: 1 process (the one-by-one oracle and CP=1 packed), 2
-processes (CP=2 p2p and a2a; the op on the cpu and npu-double backends), 4 processes (CP=4
+Three spawns, batching many checks: 1 process (the one-by-one oracles, with and without a
+sliding window, and CP=1 packed), 2 processes (CP=2 p2p and a2a, with and without the window;
+the op on the cpu and npu-double backends, windows included), 4 processes (CP=4
 p2p, TP=2 x CP=2 p2p and a2a, TP=2 + SP x CP=2; the op at CP=4).
 """
 
@@ -28,8 +29,12 @@ EOD = VOCAB - 1
 # per sample, documents end after each EOD: lengths 1, 3, 21, 7 and 2, 9, 5, 16
 DOCS = [[1, 3, 21, 7], [2, 9, 5, 16]]
 REL = 1e-5  # fp32 relative tolerance against the fp32 one-by-one run
+WINDOW = (4, 0)  # the model's sliding window: each token sees itself and the 4 before it
 OP_DOCS = [5, 13, 1, 3, 30, 2]  # op-level document lengths (padded per CP size in the test)
-OP_CASES = [(backend, comm, causal) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for causal in (True, False)]
+# (causal, window_size): documents padded to 2*cp are 8, 16, 4, 4, 32, 4 tokens at cp 2 (chunks of
+# 2, 4, 1, 1, 8, 1) and 8, 16, 8, 8, 32, 8 at cp 4, so a window's shifted band differs between them
+MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (3, 6))]
+OP_CASES = [(backend, comm, causal, window) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for causal, window in MASKS]
 
 
 def _packed_batch():
@@ -53,9 +58,10 @@ def _packed_batch():
 # ---- workers -------------------------------------------------------------------------------
 
 
-def _one_by_one():
-    """Loss (token mean) and grads of every document run alone through the model."""
-    config = tiny_config()
+def _one_by_one(window_size=None):
+    """Loss (token mean) and grads of every document run alone through the model (with a
+    sliding ``window_size``, Megatron's ``config.window_size``, if given)."""
+    config = tiny_config(window_size=window_size)
     model = flash_gpt(config)
     batch = _packed_batch()
     total = torch.zeros(())
@@ -73,18 +79,19 @@ def _one_by_one():
     return dict(loss=total / count, grads=grads, weights=full_weights(model))
 
 
-def _packed_run(tp, cp, comm, sequence_parallel=False, weights=None, recompute_qkv=False):
+def _packed_run(tp, cp, comm, sequence_parallel=False, weights=None, recompute_qkv=False, window_size=None):
     """Loss (token mean) and full grads of the packed batch at this TP x CP (+ SP); at TP>1
     over ``weights`` (the TP=1 model's), copied into a model initialised from another seed;
-    ``recompute_qkv``: under the qkv recompute boundary."""
+    ``recompute_qkv``: under the qkv recompute boundary; ``window_size``: a sliding window."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from mcore_flash.transformer.packed_sequences import pack_documents
 
     config = tiny_config(
-        tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm, sequence_parallel=sequence_parallel
-    )
+        tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm, sequence_parallel=sequence_parallel,
+        window_size=window_size,
+    )  # fmt: skip
     model = flash_gpt(config, seed=0 if weights is None else 7, layer_recompute_modules=("qkv",) if recompute_qkv else ())
     if weights is not None:
         load_full_weights(model, weights)
@@ -115,15 +122,17 @@ def _op_checks(rank, world_size):
     q, k, v, dout = _op_inputs(cu[-1])
     rows = thd_positions_for_cp_rank(cu, world_size, rank)
     results, calls = {}, {}
-    for backend, comm, causal in OP_CASES:
+    for case in OP_CASES:
+        backend, comm, causal, window = case
         double.calls.clear()
         ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
         out, lse = context_parallel_varlen_attn_func(
-            ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=causal, comm_type=comm, backend=backend, return_lse=True
-        )
+            ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=causal, comm_type=comm, backend=backend,
+            return_lse=True, window_size=window,
+        )  # fmt: skip
         out.backward(dout[rows])
-        results[backend, comm, causal] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
-        calls[backend, comm, causal] = {(c["name"], c["layout"], c["sparse_mode"]) for c in double.calls}
+        results[case] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
+        calls[case] = {(c["name"], c["layout"], c["sparse_mode"]) for c in double.calls}
     ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
     _, saved = measure_saved_bytes(
         lambda: context_parallel_varlen_attn_func(ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=True, backend="cpu")
@@ -148,7 +157,7 @@ def _op_inputs(total):
 def _w_single(rank, world_size):
     init_megatron(tp=1, cp=1)
     try:
-        return dict(one_by_one=_one_by_one(), cp1=_packed_run(1, 1, None))
+        return dict(one_by_one=_one_by_one(), cp1=_packed_run(1, 1, None), window=_one_by_one(WINDOW))
     finally:
         teardown_megatron()
 
@@ -159,6 +168,8 @@ def _w_cp2(rank, world_size):
     try:
         runs = {comm: _packed_run(1, 2, comm) for comm in ("p2p", "a2a")}
         runs["p2p+qkv"] = _packed_run(1, 2, "p2p", recompute_qkv=True)
+        for comm in ("p2p", "a2a"):
+            runs[f"{comm}+window"] = _packed_run(1, 2, comm, window_size=WINDOW)
         return ops, runs
     finally:
         teardown_megatron()
@@ -219,6 +230,14 @@ def test_packed_cp2_equals_documents_one_by_one(cp2_run, single_run, comm):
         _check_equal(runs[comm], single_run["one_by_one"], f"CP=2 {comm} rank {rank}")
 
 
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_packed_cp2_with_a_window_equals_documents_one_by_one(cp2_run, single_run, comm):
+    """Megatron's config.window_size on packed documents under CP=2, ring and Ulysses."""
+    assert not torch.equal(single_run["window"]["loss"], single_run["one_by_one"]["loss"]), "the window changes nothing"
+    for rank, (_, runs) in enumerate(cp2_run):
+        _check_equal(runs[f"{comm}+window"], single_run["window"], f"CP=2 {comm} window rank {rank}")
+
+
 @pytest.mark.parametrize("what", ["cp4 p2p", "tp2 cp2 p2p", "tp2 cp2 a2a", "tp2 sp cp2 p2p"])
 def test_packed_cp4_and_tp2_cp2_equal_documents_one_by_one(cp4_run, single_run, what):
     for rank, (_, runs) in enumerate(cp4_run):
@@ -235,13 +254,13 @@ def test_padded_rows_per_rank(cp2_run, cp4_run):
 # ---- the op: against the float64 oracle per document -----------------------------------------
 
 
-def _op_references(cp, causal):
+def _op_references(cp, causal, window):
     cu = _op_cu(cp)
     q, k, v, dout = (x.double() for x in _op_inputs(cu[-1]))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     outs, lses = [], []
     for start, end in zip(cu[:-1], cu[1:]):
-        out, lse = oracle.attention(*(x[start:end].unsqueeze(0) for x in leaves), causal=causal)
+        out, lse = oracle.attention(*(x[start:end].unsqueeze(0) for x in leaves), causal=causal, window=window)
         outs.append(out[0])
         lses.append(lse[0])
     out = torch.cat(outs)
@@ -253,14 +272,13 @@ def _op_references(cp, causal):
 def test_packed_op_equals_oracle_per_document(spawn, request):
     per_rank = request.getfixturevalue(spawn)
     cp = len(per_rank)
-    references = {causal: _op_references(cp, causal) for causal in (True, False)}
+    references = {mask: _op_references(cp, *mask) for mask in MASKS}
     for rank, ((rows, results, _, _), _) in enumerate(per_rank):
-        for backend, comm, causal in OP_CASES:
-            expected = references[causal]
-            got = results[backend, comm, causal]
+        for case in OP_CASES:
+            expected = references[case[2:]]
             picks = (expected[0][rows], expected[1][:, rows], expected[2][rows], expected[3][rows], expected[4][rows])
-            for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, picks):
-                torch.testing.assert_close(g.double(), e, atol=2e-5, rtol=2e-5, msg=f"{name} {backend} {comm} causal={causal} rank {rank}")
+            for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), results[case], picks):
+                torch.testing.assert_close(g.double(), e, atol=2e-5, rtol=2e-5, msg=f"{name} {case} rank {rank}")
 
 
 # ---- the padding rule, memory, bad input (one process) --------------------------------------
@@ -380,7 +398,7 @@ def test_packed_op_on_npu_runs_tnd_calls(spawn, request):
     for (_, _, calls, _), _ in request.getfixturevalue(spawn):
         for comm in ("p2p", "a2a"):
             for causal, modes in ((True, {3} if comm == "a2a" else {0, 3}), (False, {0})):
-                got = calls["npu", comm, causal]
+                got = calls["npu", comm, causal, (-1, -1)]
                 assert {layout for _, layout, _ in got} == {"TND"}, (comm, causal, got)
                 assert {mode for _, _, mode in got} == modes, (comm, causal, got)
                 assert {name for name, _, _ in got} == {"npu_fusion_attention", "npu_fusion_attention_grad"}
@@ -395,3 +413,50 @@ def test_packed_ring_saves_only_its_rows(spawn, request):
         t = len(rows)
         assert t == _op_cu(len(per_rank))[-1] // len(per_rank)
         assert saved == t * (4 * 8 + 2 * 8 + 2 * 8 + 4 * 8) * 4 + 4 * t * 4
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("causal,window", MASKS[2:])
+def test_packed_ring_with_a_window_runs_exactly_the_pairs_it_reaches(cp, causal, window):
+    """Brute force over each document's own visibility: at every ring step, a document's
+    chunk pair is computed exactly when its window reaches the pair, once, with the band of
+    the visible block; documents whose pairs share a band share one kernel call."""
+    import bisect
+
+    from mcore_flash.ops.api import resolve_call
+    from mcore_flash.ops.backends.base import band_mask
+    from mcore_flash.ops.backends.reference import ReferenceBackend
+    from mcore_flash.ops.context_parallel import _PackedBlocks, cp_chunk_ids
+
+    cu = _op_cu(cp)
+    local_cu = [n // cp for n in cu]
+    _, params = resolve_call(torch.zeros(1, 1, 8), causal, None, 0.0, "reference", window_size=window)
+
+    def visible_pair(doc, a, b):  # the doc's visibility between its global chunks a and b
+        length, c = cu[doc + 1] - cu[doc], (local_cu[doc + 1] - local_cu[doc]) // 2
+        return oracle.visible(length, length, causal, window=window)[0, 0, a * c : (a + 1) * c, b * c : (b + 1) * c]
+
+    for rank in range(cp):
+        blocks = _PackedBlocks(ReferenceBackend(), params, local_cu, "cpu")
+        for step in range(cp):
+            q_chunks = dict(zip(("first", "second"), cp_chunk_ids(cp, rank)))
+            kv_chunks = dict(zip(("first", "second"), cp_chunk_ids(cp, (rank - step) % cp)))
+            computed, calls = [], set()
+            for q_key, kv_key, block_params in blocks._window_plan(step, rank, cp):
+                halves, band = (q_key.split(":")[0], kv_key.split(":")[0]), block_params.band()
+                assert (halves, band) not in calls, "two kernel calls for one band"
+                calls.add((halves, band))
+                docs = {bisect.bisect_right(local_cu, row) - 1 for row in blocks.rows[q_key].tolist()}
+                for doc in docs:
+                    expected = visible_pair(doc, q_chunks[halves[0]], kv_chunks[halves[1]])
+                    c = expected.shape[0]
+                    assert torch.equal(~band_mask(*band, (0, c), (0, c), c, c, "cpu"), expected), (rank, step, doc)
+                    computed.append((doc, *halves))
+            reached = [
+                (doc, qh, kh)
+                for doc in range(len(local_cu) - 1)
+                for qh in q_chunks
+                for kh in kv_chunks
+                if visible_pair(doc, q_chunks[qh], kv_chunks[kh]).any()
+            ]
+            assert sorted(computed) == sorted(reached), (rank, step)

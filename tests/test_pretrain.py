@@ -142,8 +142,6 @@ def test_nan_loss_stops_with_clear_message(tmp_path):
         (["--recompute-granularity", "full"], 1, "--recompute-method"),
         (["--tensor-model-parallel-size", "2"], 3, "world size"),
         (["--window-attn-skip-freq", "2"], 1, "--window-size"),
-        (["--window-size", "8,0", "--reset-attention-mask", "--reset-position-ids", "--context-parallel-size", "2"], 2,
-         "--cp-comm-type a2a"),
     ],
 )
 def test_bad_flags_fail_before_allocation(tmp_path, argv, world_size, flag):

@@ -65,7 +65,8 @@ Packed documents (THD, :func:`context_parallel_varlen_attn_func`): every documen
 into ``2*cp`` chunks and rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of EVERY document
 (:func:`thd_positions_for_cp_rank`, Transformer Engine's scheme), so the rule above holds per
 document: the ring's halves become index sets (each document's first / second half) and
-every block is ONE varlen kernel call over all documents with their cumulative lengths;
+every block is ONE varlen kernel call over all documents with their cumulative lengths
+(with a window: one per group of documents whose chunks share a shifted band);
 Ulysses gathers the rows and puts them in position order by one index map. Documents must be
 padded to multiples of ``2*cp``. Neither algorithm takes an explicit attention mask.
 """
@@ -270,15 +271,17 @@ def context_parallel_varlen_attn_func(
             :func:`thd_positions_for_cp_rank` (chunks ``r`` and ``2cp-1-r`` of every document).
         cu_seqlens: int ``[num_docs + 1]`` cumulative document lengths over the WHOLE pack
             (``cu_seqlens[-1] == cp * t_local``), each a multiple of ``2*cp``.
-        window_size: a sliding window within each document; Ulysses (``"a2a"``) only: the
-            ring's chunk pairs have one length per document, so their shifted bands differ.
+        window_size: a sliding window within each document.
         Other arguments as in :func:`context_parallel_attn_func`.
 
     Ring (p2p): every hop is one varlen kernel call over all documents -- at step 0 the
     diagonal (causal, each document's local rows against themselves), then every
     document's first halves as keys (``src < r``) or second halves as queries
-    (``src > r``), unmasked. Ulysses (a2a): the rows are gathered in position order and one
-    varlen call runs over the whole pack.
+    (``src > r``), unmasked. With a window every hop is split into its chunk pairs as for
+    one sequence, but a document's chunk is ``len / 2cp`` rows, so the shifted band differs
+    between documents: each pair runs one varlen call per group of documents that share a
+    band, and documents the band misses are skipped. Ulysses (a2a): the rows are gathered in
+    position order and one varlen call runs over the whole pack.
 
     Returns:
         ``out [t_local, hq, d]``, or ``(out, lse [hq, t_local])``.
@@ -298,11 +301,6 @@ def context_parallel_varlen_attn_func(
         )  # fmt: skip
     check_thd_cp_lengths(cu, cp_size)
     impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, window_size=window_size)
-    if params.window is not None and comm_type == "p2p":
-        raise ValueError(
-            "window_size with packed documents under ring context parallelism (comm_type='p2p') is not "
-            "supported: use comm_type='a2a' (--cp-comm-type a2a), or pack without a window"
-        )
     impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
     if comm_type == "a2a":
         out, lse = _ulysses(q, k, v, group, _PackedSequence(impl, params, cu, cp_size, q.device))
@@ -371,17 +369,19 @@ def _ring_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk
 def _window_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk_len: int) -> list[Block]:
     """The chunk pairs (``chunk_len`` rows each) of step ``step`` that some query's window
     reaches, each with its band shifted to the pair's positions."""
-    lo, hi = params.window
-    src = (rank - step) % size
-    q_chunks = dict(zip(("first", "second"), cp_chunk_ids(size, rank)))
-    kv_chunks = dict(zip(("first", "second"), cp_chunk_ids(size, src)))
     blocks = []
-    for q_rows, a in q_chunks.items():
-        for kv_rows, b in kv_chunks.items():
-            band = _shifted_band(lo, hi, a - b, chunk_len)
-            if band is not None:
-                blocks.append((q_rows, kv_rows, params.with_band(*band)))
+    for q_rows, kv_rows, chunk_delta in _chunk_pairs(step, rank, size):
+        band = _shifted_band(*params.window, chunk_delta, chunk_len)
+        if band is not None:
+            blocks.append((q_rows, kv_rows, params.with_band(*band)))
     return blocks
+
+
+def _chunk_pairs(step: int, rank: int, size: int) -> list[tuple[str, str, int]]:
+    """``(query half, kv half, query chunk - kv chunk)`` of the four chunk pairs of step ``step``."""
+    q_chunks = zip(("first", "second"), cp_chunk_ids(size, rank))
+    kv_chunks = list(zip(("first", "second"), cp_chunk_ids(size, (rank - step) % size)))
+    return [(q_half, kv_half, a - b) for q_half, a in q_chunks for kv_half, b in kv_chunks]
 
 
 def _shifted_band(lo, hi, chunk_delta: int, c: int):
@@ -423,19 +423,44 @@ class _PackedBlocks:
     kernels are the backend's varlen ones with the cumulative lengths of the rows taken."""
 
     def __init__(self, backend: AttentionBackend, params: AttentionParams, local_cu: list[int], device):
-        self.backend, self.params, self.seq = backend, params, 1
-        halves = [(end - start) // 2 for start, end in zip(local_cu[:-1], local_cu[1:])]
-        half_cu = [0]
-        for half in halves:
-            half_cu.append(half_cu[-1] + half)
+        self.backend, self.params, self.seq, self.device = backend, params, 1, device
+        self.starts = local_cu[:-1]
+        self.halves = [(end - start) // 2 for start, end in zip(local_cu[:-1], local_cu[1:])]
+        self.rows, self.cu = {"all": _ALL}, {"all": local_cu}
+        everything = tuple(range(len(self.halves)))
+        for half in ("first", "second"):
+            self._register(half, everything)
 
-        first = concat_ranges(local_cu[:-1], halves)
-        second = concat_ranges([start + half for start, half in zip(local_cu[:-1], halves)], halves)
-        self.rows = {"all": _ALL, "first": first.to(device), "second": second.to(device)}
-        self.cu = {"all": local_cu, "first": half_cu, "second": half_cu}
+    def _register(self, half: str, docs: tuple[int, ...]) -> str:
+        """The row key of ``half`` of documents ``docs`` (their rows and cumulative lengths)."""
+        key = half if len(docs) == len(self.halves) else f"{half}:{','.join(map(str, docs))}"
+        if key not in self.rows:
+            lengths = [self.halves[d] for d in docs]
+            offsets = [self.starts[d] + (self.halves[d] if half == "second" else 0) for d in docs]
+            self.rows[key] = concat_ranges(offsets, lengths).to(self.device)
+            self.cu[key] = [0]
+            for n in lengths:
+                self.cu[key].append(self.cu[key][-1] + n)
+        return key
 
     def plan(self, step: int, ring: "_Ring") -> list[Block]:
-        return _ring_blocks(step, ring.rank, ring.size, self.params, chunk_len=0)  # no windows here
+        if self.params.window is None:
+            return _ring_blocks(step, ring.rank, ring.size, self.params, chunk_len=0)
+        return self._window_plan(step, ring.rank, ring.size)
+
+    def _window_plan(self, step: int, rank: int, size: int) -> list[Block]:
+        """Each chunk pair of step ``step`` once per group of documents with the same shifted band."""
+        blocks = []
+        for q_half, kv_half, chunk_delta in _chunk_pairs(step, rank, size):
+            groups: dict[tuple, list[int]] = {}
+            for doc, chunk in enumerate(self.halves):
+                band = _shifted_band(*self.params.window, chunk_delta, chunk) if chunk else None
+                if band is not None:
+                    groups.setdefault(band, []).append(doc)
+            for band, docs in groups.items():
+                q_rows, kv_rows = self._register(q_half, tuple(docs)), self._register(kv_half, tuple(docs))
+                blocks.append((q_rows, kv_rows, self.params.with_band(*band)))
+        return blocks
 
     def forward(self, q, k, v, q_rows: str, kv_rows: str, params: AttentionParams):
         out, stats, rng_state = self.backend.varlen_forward(q[0], k[0], v[0], self.cu[q_rows], self.cu[kv_rows], params)

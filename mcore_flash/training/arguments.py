@@ -316,11 +316,6 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_document_flags(args)
     if args.window_attn_skip_freq is not None and (args.window_size is None or args.window_attn_skip_freq < 1):
         raise ValueError("--window-attn-skip-freq needs --window-size and a value >= 1")
-    if args.window_size is not None and args.reset_attention_mask and cp > 1 and args.cp_comm_type == "p2p":
-        raise ValueError(
-            "--window-size with packed documents (--reset-attention-mask) under --context-parallel-size > 1 "
-            "needs --cp-comm-type a2a (the ring cannot shift one window for documents of different lengths)"
-        )
     if args.data_path:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:

@@ -135,7 +135,8 @@ class NpuBackend(AttentionBackend):
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, params):
         if self._varlen_needs_fallback(cu_seqlens_q, cu_seqlens_k, params):
-            return self.fallback.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
+            out, stats, rng_state = self.fallback.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
+            return out, _kernel_stats(stats), rng_state
         mask, sparse_mode = self._mask_and_mode(params, q.device)
         outputs = _torch_npu().npu_fusion_attention(
             q, k, v, q.shape[1], "TND",
@@ -275,3 +276,13 @@ def _rng_state(outputs: tuple) -> tuple[Any, Any, Any]:
 def _replay_kwargs(rng_state: tuple[Any, Any, Any]) -> dict:
     seed, offset, numels = rng_state
     return {"seed": seed, "offset": offset, "numels": numels}
+
+
+def _kernel_stats(stats: SoftmaxStats) -> SoftmaxStats:
+    """A logsumexp ``[b, h, s]`` in the kernel's own form, ``softmax_max = lse`` and
+    ``softmax_sum = 1`` (0 on rows that see no key), ``[b, h, s, 8]``: so a block the
+    reference kernel ran merges with the kernel's blocks under context parallelism."""
+    lse = stats.lse()
+    row_sum = torch.where(torch.isneginf(lse), 0.0, 1.0)
+    return SoftmaxStats(*(x.unsqueeze(-1).expand(*x.shape, STATS_WIDTH).contiguous() for x in (lse, row_sum)))
+
