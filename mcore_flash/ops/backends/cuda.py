@@ -128,39 +128,39 @@ class FlashKernel:
 
     def forward(self, q, k, v, params: AttentionParams, packed: Optional[Packed] = None):
         """``(out like q, lse float32 [b, h, sq] or [h, t] with -inf on rows without keys, state)``."""
-        cu_q, cu_k, max_q, max_k = packed or (None, None, q.shape[1], k.shape[1])
         out, lse, rng, unused, _ = self.aten._flash_attention_forward(
             *(_last_dim_contiguous(x) for x in (q, k, v)),
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
+            *_lengths(q, k, packed),
             params.dropout_p,
             params.causal,
             False,
-            scale=params.softmax_scale,
-            **_window_sizes(params),
+            **_flash_keywords(params),
         )
         lse = torch.where(torch.isposinf(lse), float("-inf"), lse)  # the kernel's +inf: flash-attn's convention
         return out, lse, KernelState(self.name, (rng, unused), tuple(lse.shape))
 
     def backward(self, dout, q, k, v, out, lse: Tensor, state: KernelState, params, packed: Optional[Packed] = None):
-        cu_q, cu_k, max_q, max_k = packed or (None, None, q.shape[1], k.shape[1])
-        rng, unused = state.values
         return self.aten._flash_attention_backward(
             *(_last_dim_contiguous(x) for x in (dout, q, k, v, out)),
             inf_where_no_key(lse.reshape(state.lse_shape)).contiguous(),
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
+            *_lengths(q, k, packed),
             params.dropout_p,
             params.causal,
-            rng,
-            unused,
-            scale=params.softmax_scale,
-            **_window_sizes(params),
+            *state.values,
+            **_flash_keywords(params),
         )
+
+
+def _lengths(q: Tensor, k: Tensor, packed: Optional[Packed]) -> tuple:
+    """``(cum_seq_q, cum_seq_k, max_q, max_k)`` of the flash kernel: None and the dense lengths
+    for ``[b, s, h, d]``."""
+    return packed or (None, None, q.shape[1], k.shape[1])
+
+
+def _flash_keywords(params: AttentionParams) -> dict:
+    """The scale and flash-attn's ``window_size_left/right`` for the band (None = unbounded)."""
+    lo, hi = params.window or (None, None)
+    return dict(scale=params.softmax_scale, window_size_left=None if lo is None else -lo, window_size_right=hi)
 
 
 class CudnnKernel:
@@ -216,12 +216,6 @@ class CudnnKernel:
             scale=params.softmax_scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-def _window_sizes(params: AttentionParams) -> dict:
-    """flash-attn's ``window_size_left/right`` for the band (None = unbounded)."""
-    lo, hi = params.window or (None, None)
-    return dict(window_size_left=None if lo is None else -lo, window_size_right=hi)
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:
