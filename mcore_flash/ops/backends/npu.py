@@ -16,9 +16,12 @@ Follows the operator contract of torch_npu 2.13 (``shared/reference/npu-ops.md``
 * an explicit bool mask (True = masked out, the op's polarity too) -> ``sparse_mode=1``
   (full mask, tockens ignored), combined with the causal rule or the window when both are
   asked for; ``inner_precise=2`` when a row sees no key;
-* ``softcap``, ``alibi_slopes`` and ``deterministic=True`` raise: the op has no score cap,
-  ALiBi would go through its ``pse`` input, whose contract this backend does not follow
-  yet, and its docs name no deterministic switch;
+* ``softcap``, ``alibi_slopes`` and ``deterministic=True`` raise: the op has no score cap;
+  ALiBi would need its ``pse`` input, which ``npu_fusion_attention`` takes only as a
+  materialised ``[B|1, N, Sq, Skv]`` bias in the query's dtype (O(s^2) memory, again for the
+  grad op, and not in TND), while ``npu_fusion_attention_v2``'s ``pse_type=2`` generates the
+  bias from slopes by a formula the torch_npu 2.13 and CANN docs do not state (and only for
+  Sq == Skv); its docs name no deterministic switch;
 * backward gets the kernel's own ``softmax_max`` and ``softmax_sum`` ``[b, n, s, 8]`` back
   (what torch_npu's autograd passes; context parallelism passes them merged as
   (max, sum) pairs, as MindSpeed does); ``lse = max + log(sum)`` only for callers;
