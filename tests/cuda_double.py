@@ -46,16 +46,23 @@ def _check_with_meta(op, args, kwargs, results) -> None:
             assert got.shape == want.shape and got.dtype == want.dtype, (op, got.shape, want.shape, got.dtype, want.dtype)
 
 
-def _flash_allowed(sq: int, sk: int, causal: bool, left, right) -> Tensor:
-    offset = torch.arange(sk).view(1, sk) - torch.arange(sq).view(sq, 1) - (sk - sq)
+def _flash_allowed(sq: int, sk: int, causal: bool, left, right, max_k: int) -> Tensor:
+    """FlashAttention-2's mask as torch's ``mha_fwd``/``mha_bwd`` and ``set_params_fprop`` set it
+    up: causal makes the right side 0; a side >= max_k (the longest key sequence) is dropped;
+    with one side left, the other becomes max_k; then ``i + sk - sq - left <= j <= i + sk - sq +
+    right`` (bottom-right), unless both sides are unbounded."""
+    left = -1 if left is None else left
+    right = 0 if causal else (-1 if right is None else right)
+    left, right = (-1 if x >= max_k else x for x in (left, right))
+    if left < 0 and right >= 0:
+        left = max_k
+    if left >= 0 and right < 0:
+        right = max_k
     allowed = torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        allowed &= offset <= 0
-    if left is not None and left >= 0:
-        allowed &= offset >= -left
-    if right is not None and right >= 0:
-        allowed &= offset <= right
-    return allowed
+    if left < 0 and right < 0:
+        return allowed
+    offset = torch.arange(sk).view(1, sk) - torch.arange(sq).view(sq, 1) - (sk - sq)
+    return allowed & (offset >= -left) & (offset <= right)
 
 
 def _top_left_allowed(sq: int, sk: int, causal: bool) -> Tensor:
@@ -137,7 +144,7 @@ class AtenDouble:
             q4 = _take(q, qs)
             k4, v4 = (_take(x, ks) for x in (k, v))
             b, h, sq, sk = q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2]
-            allowed = _flash_allowed(sq, sk, is_causal, kw.get("window_size_left"), kw.get("window_size_right"))
+            allowed = _flash_allowed(sq, sk, is_causal, kw.get("window_size_left"), kw.get("window_size_right"), max_k)
             out, lse = _forward(q4, k4, v4, allowed, kw["scale"], self._draw(seed, (b, h, sq, sk), dropout_p))
             outs.append(out.transpose(1, 2))
             lses.append(lse)
@@ -158,7 +165,8 @@ class AtenDouble:
             do4, q4, o4 = (_take(x, qs) for x in (dout, q, out))
             k4, v4 = (_take(x, ks) for x in (k, v))
             lse4 = lse.double() if qs is None else lse[:, qs].double().unsqueeze(0)
-            allowed = _flash_allowed(q4.shape[2], k4.shape[2], is_causal, kw.get("window_size_left"), kw.get("window_size_right"))
+            left, right = kw.get("window_size_left"), kw.get("window_size_right")
+            allowed = _flash_allowed(q4.shape[2], k4.shape[2], is_causal, left, right, max_k)
             dq4, dk4, dv4 = _backward(do4, q4, k4, v4, o4, lse4, allowed, kw["scale"], keep)
             for acc, rows, grad in zip(grads, (qs, ks, ks), (dq4, dk4, dv4)):
                 _put(acc, rows, grad)
@@ -184,7 +192,7 @@ class AtenDouble:
         self, dout, q, k, v, out, lse, seed, offset, attn_bias, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, **kw
     ):
         self.calls.append(("cudnn_backward", tuple(k.shape)))
-        assert dout.stride() == out.stride(), "cuDNN wants the output gradient in the output's strides"
+        assert dout.stride() == out.stride() == torch.empty_like(q).stride(), "out / dout not in q's layout (graph cache)"
         assert lse.shape == (q.shape[0], q.shape[1], q.shape[2], 1), lse.shape
         allowed = _top_left_allowed(q.shape[2], k.shape[2], is_causal)
         keep = self.masks[int(seed)][0]

@@ -81,6 +81,17 @@ def _choice(device, preference=None, causal=True, band=None, shape=None, **kwarg
         (H200, None, dict(deterministic=True), None),
         (H200, None, dict(attn_mask=torch.zeros(1, 1, 128, 128, dtype=torch.bool)), None),
         (H200, None, dict(shape=dict(sk=1)), "flash"),
+        (H200, None, dict(causal=False, shape=dict(sq=1)), "flash"),  # cuDNN: no single query
+        (H200, None, dict(causal=False, window_size=(30, 20), shape=dict(sq=160, sk=96)), "flash"),
+        # sq > sk + 1 and no right side below sk: torch's flash caps that side at sk
+        (H200, None, dict(causal=False, window_size=(8, -1), shape=dict(sq=160, sk=96)), None),
+        (H200, None, dict(causal=False, window_size=(8, 100), shape=dict(sq=160, sk=96)), None),
+        (CudaDevice((8, 6), 91600), None, dict(shape=dict(d=192)), "flash"),
+        (CudaDevice((8, 6), 91600), None, dict(shape=dict(d=256)), None),  # its flash backward: d <= 192
+        (CudaDevice((9, 0), 91600, cudnn_deprioritized=True), None, {}, "flash"),
+        (CudaDevice((10, 1), 91600, cuda_major=12), None, {}, "flash"),
+        (CudaDevice((10, 1), 91600, cuda_major=13), None, {}, "cudnn"),
+        (CudaDevice((9, 0), 91200), "cudnn", dict(dropout_p=0.125), "flash"),  # cuDNN 9.11-9.13: no dropout
         (T4, None, {}, None),
     ],
 )
@@ -112,23 +123,26 @@ def test_kernel_choice_is_logged_once(caplog):
     ]
 
 
-CASES = [
-    pytest.param(dict(), dict(causal=True), id="mha-causal"),
-    pytest.param(dict(hq=8, hkv=2), dict(causal=True), id="gqa-causal"),
-    pytest.param(dict(hq=4, hkv=1), dict(), id="mqa"),
-    pytest.param(dict(sq=96, sk=160, hq=4, hkv=2), dict(), id="gqa-sq<sk"),
-    pytest.param(dict(sq=96, sk=160, hq=4, hkv=2), dict(causal=True), id="gqa-causal-sq<sk"),
-    pytest.param(dict(sq=160, sk=96), dict(causal=True), id="causal-sq>sk-empty-rows"),
-    pytest.param(dict(hq=8, hkv=2), dict(window_size=(24, 8)), id="gqa-window"),
-    pytest.param(dict(hq=8, hkv=2, dtype=torch.bfloat16), dict(causal=True, window_size=(40, 0)), id="bf16-causal-window"),
+CASES = [  # (q/k/v shapes, keywords, whether a torch kernel runs: False = the reference kernel)
+    pytest.param(dict(), dict(causal=True), True, id="mha-causal"),
+    pytest.param(dict(hq=8, hkv=2), dict(causal=True), True, id="gqa-causal"),
+    pytest.param(dict(hq=4, hkv=1), dict(), True, id="mqa"),
+    pytest.param(dict(sq=96, sk=160, hq=4, hkv=2), dict(), True, id="gqa-sq<sk"),
+    pytest.param(dict(sq=96, sk=160, hq=4, hkv=2), dict(causal=True), True, id="gqa-causal-sq<sk"),
+    pytest.param(dict(sq=160, sk=96), dict(causal=True), True, id="causal-sq>sk-empty-rows"),
+    pytest.param(dict(hq=8, hkv=2), dict(window_size=(24, 8)), True, id="gqa-window"),
+    pytest.param(dict(hq=8, hkv=2, dtype=torch.bfloat16), dict(causal=True, window_size=(40, 0)), True, id="bf16-causal-window"),
+    pytest.param(dict(sq=160, sk=96), dict(window_size=(30, 20)), True, id="window-sq>sk"),
+    pytest.param(dict(sq=96, sk=160), dict(window_size=(30, -1)), True, id="window-sq<sk-no-right"),
+    pytest.param(dict(sq=160, sk=96), dict(window_size=(8, -1)), False, id="window-sq>sk+1-no-right"),
 ]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("device", [pytest.param(H200, id="h200"), pytest.param(A100, id="a100")])
-@pytest.mark.parametrize("shape,kwargs", CASES)
+@pytest.mark.parametrize("shape,kwargs,on_a_kernel", CASES)
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
-def test_backend_equals_the_oracle_without_expanding_kv(device, shape, kwargs, layout):
+def test_backend_equals_the_oracle_without_expanding_kv(device, shape, kwargs, on_a_kernel, layout):
     """Output, lse (-inf on rows without keys) and gradients equal float64 math; the kernels
     see K/V with hkv heads."""
     q, k, v = _qkv(**shape)
@@ -145,6 +159,9 @@ def test_backend_equals_the_oracle_without_expanding_kv(device, shape, kwargs, l
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert g.dtype == (torch.float32 if name == "lse" else q.dtype), name
         torch.testing.assert_close(g.double(), w, atol=tol, rtol=tol, msg=name)
+    if not on_a_kernel:
+        assert not double.calls
+        return
     kernels = {name.split("_")[0] for name, _ in double.calls}
     assert len(kernels) == 1 and {name.split("_")[1] for name, _ in double.calls} == {"forward", "backward"}
     assert {shape[-2] if "flash" in kernels else shape[1] for _, shape in double.calls} == {k.shape[2]}
@@ -230,8 +247,8 @@ def test_saved_for_backward_is_exactly_q_k_v_out_lse(device, hkv):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by scripts/gpu_check.sh on one)")
 @pytest.mark.parametrize("preference", ["flash", "cudnn"])
-@pytest.mark.parametrize("shape,kwargs", CASES)
-def test_torchs_kernels_on_a_gpu_equal_the_oracle(preference, shape, kwargs):
+@pytest.mark.parametrize("shape,kwargs,on_a_kernel", CASES)
+def test_torchs_kernels_on_a_gpu_equal_the_oracle(preference, shape, kwargs, on_a_kernel):
     """The same cases on a real GPU with torch's kernels, each kernel put first in turn."""
     q, k, v = (x.cuda() for x in _qkv(**shape))
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype).cuda()
@@ -242,3 +259,19 @@ def test_torchs_kernels_on_a_gpu_equal_the_oracle(preference, shape, kwargs):
     tol = TOLERANCE[q.dtype]
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *(x.grad for x in leaves)), want):
         torch.testing.assert_close(g.cpu().double(), w, atol=tol, rtol=tol, msg=name)
+
+
+def test_cudnn_backward_takes_out_and_its_gradient_in_any_strides():
+    """A merged output (context parallelism) or a gradient in other strides reaches cuDNN in
+    q's layout, as forward gave it (older torch caches backward graphs by q/k/v strides)."""
+    q, k, v = _qkv(hq=4, hkv=2)
+    backend, double = _backend(H200)
+    _, params = resolve_call(q, True, None, 0.0, "reference")
+    out, stats, state = backend.forward(q, k, v, params)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    want = backend.backward(dout, q, k, v, out, stats, state, params)
+    other = lambda x: x.transpose(0, 1).contiguous().transpose(0, 1)  # noqa: E731  same values, sbhd memory
+    got = backend.backward(other(dout), q, k, v, other(out), stats, state, params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    assert [name for name, _ in double.calls] == ["cudnn_forward", "cudnn_backward", "cudnn_backward"]

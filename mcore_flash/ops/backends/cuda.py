@@ -5,15 +5,17 @@ Two kernels, both with native GQA/MQA (K/V are never expanded):
 * ``flash`` -- FlashAttention-2 as built into torch (``aten._flash_attention_forward`` /
   ``_flash_attention_backward``): ``[b, s, h, d]`` as it is, packed ``[t, h, d]`` with
   cumulative lengths, causal aligned bottom-right (our convention, also for sq != sk),
-  sliding windows whose two sides are >= 0, dropout. sm80-sm121, fp16/bf16, head_dim a
-  multiple of 8 up to 256.
+  sliding windows whose two sides are >= 0 (with sq > sk + 1 also a right side below sk:
+  torch caps a larger or missing one at sk), dropout. sm80-sm121, fp16/bf16, head_dim a
+  multiple of 8 up to 256 (192 on sm86-sm89 and sm12x, whose flash backward takes no more).
 * ``cudnn`` -- cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and its
   backward) on ``[b, h, s, d]`` views. Its causal mask is aligned top-left, so a causal call
-  uses it only when sq == sk; no windows; dropout in multiples of 1/16; head_dim a multiple
-  of 8 up to 128.
+  uses it only when sq == sk; no windows; at least two queries and two keys; dropout in
+  multiples of 1/16 (none on cuDNN 9.11-9.13); head_dim a multiple of 8 up to 128.
 
 Which kernel runs (:meth:`CudaBackend.choose_kernel`, each choice logged once): by default
-cuDNN where torch's own SDPA prefers it -- sm90/sm100/sm103 with a cuDNN newer than 9.15
+cuDNN where torch's own SDPA prefers it -- sm90/sm100/sm103 (any sm9x/sm10x on CUDA 13
+builds) with a cuDNN newer than 9.15, unless ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is set
 (``check_prefer_cudnn_attention`` in torch's ``aten/src/ATen/native/transformers/cuda/
 sdp_utils.cpp``) -- and the call fits it, otherwise flash. The measurement behind that
 order: on an H200 (bf16, causal, 32 heads, head_dim 128, fwd+bwd) torch's cuDNN attention
@@ -55,10 +57,15 @@ class CudaDevice:
 
     capability: tuple[int, int]
     cudnn_version: int  # as torch.backends.cudnn.version() reports it (91600 = 9.16.0); 0 = none
+    cuda_major: int = 12  # of the CUDA torch was built with
+    cudnn_deprioritized: bool = False  # TORCH_CUDNN_SDPA_DEPRIORITIZED=1
 
     def prefers_cudnn(self) -> bool:
-        """torch's own rule (sdp_utils.cpp ``check_prefer_cudnn_attention``, CUDA < 13 wheels)."""
-        return self.capability in ((9, 0), (10, 0), (10, 3)) and self.cudnn_version > 91500
+        """torch's own rule (sdp_utils.cpp ``check_prefer_cudnn_attention``): sm90 / sm10x
+        (CUDA < 13 builds: minor 0 or 3 only) with cuDNN newer than 9.15.0, unless deprioritized."""
+        major, minor = self.capability
+        minor_ok = self.cuda_major >= 13 or minor in (0, 3)
+        return not self.cudnn_deprioritized and major in (9, 10) and minor_ok and self.cudnn_version > 91500
 
     def __str__(self) -> str:
         major, minor = self.capability
@@ -68,7 +75,12 @@ class CudaDevice:
 @functools.lru_cache(maxsize=None)
 def query_device(index: int) -> CudaDevice:
     """The :class:`CudaDevice` of ``cuda:index`` (asked once per device)."""
-    return CudaDevice(tuple(torch.cuda.get_device_capability(index)), torch.backends.cudnn.version() or 0)
+    return CudaDevice(
+        tuple(torch.cuda.get_device_capability(index)),
+        torch.backends.cudnn.version() or 0,
+        int((torch.version.cuda or "0").split(".")[0]),
+        os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0").lower() in ("1", "true", "on", "yes"),
+    )
 
 
 def _device_of(x: Tensor) -> CudaDevice:
@@ -118,12 +130,20 @@ class FlashKernel:
     def __init__(self, aten):
         self.aten = aten
 
-    def misfit(self, q: Tensor, k: Tensor, params: AttentionParams, device: CudaDevice) -> Optional[str]:
+    def misfit(self, q: Tensor, k: Tensor, params: AttentionParams, device: CudaDevice, lengths=None) -> Optional[str]:
+        """Why the kernel cannot take the call (None: it can); ``lengths`` ``[(sq, sk), ...]``
+        of packed sequences."""
         if not (8, 0) <= device.capability <= (12, 1):
             return f"{device} (torch's flash kernel runs on sm80-sm121)"
+        if q.shape[-1] > 192 and ((8, 6) <= device.capability <= (8, 9) or device.capability >= (12, 0)):
+            return f"head_dim {q.shape[-1]} on {device} (its flash backward takes at most 192 there)"
         lo, hi = params.window or (None, None)
         if (lo is not None and lo > 0) or (hi is not None and hi < 0):
             return "a window that excludes the diagonal (the flash kernel reads a negative side as unbounded)"
+        lengths = lengths or [(q.shape[1], k.shape[1])]
+        max_k = max(sk for _, sk in lengths)
+        if params.window is not None and any(sq > max_k + 1 for sq, _ in lengths) and (hi is None or hi >= max_k):
+            return "a window without a right side below sk with sq > sk + 1 (the flash kernel caps that side at sk)"
         return _shape_misfit(q, k, params, 256, "torch's flash kernel")
 
     def forward(self, q, k, v, params: AttentionParams, packed: Optional[Packed] = None):
@@ -180,8 +200,12 @@ class CudnnKernel:
             return "causal with sq != sk (cuDNN aligns causal top-left)"
         if params.dropout_p * 16 != int(params.dropout_p * 16):
             return f"dropout_p={params.dropout_p} (cuDNN takes multiples of 1/16)"
-        if k.shape[1] == 1:
-            return "one key (cuDNN attention takes at least two)"
+        if 1 in (q.shape[1], k.shape[1]):
+            return "one query or one key (cuDNN attention takes at least two of each)"
+        if max(q.shape[0], q.shape[2]) > 65535:
+            return "a batch or head count above 65535 (cuDNN's limit)"
+        if params.dropout_p > 0 and 91100 < device.cudnn_version < 91400:
+            return f"dropout on cuDNN {device.cudnn_version} (cuDNN 9.11-9.13 attention has none)"
         return _shape_misfit(q, k, params, 128, "cuDNN attention")
 
     def forward(self, q, k, v, params: AttentionParams):
@@ -200,10 +224,13 @@ class CudnnKernel:
 
     def backward(self, dout, q, k, v, out, lse: Tensor, state: KernelState, params):
         cu_q, cu_k, max_q, max_k, seed, offset = state.values
-        dout = _like(out, dout)  # cuDNN wants the gradient in the output's strides
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        # out and its gradient in the layout forward gave out (q's): older torch caches the
+        # backward graph by q/k/v strides alone, so other strides for them would reuse a stale one
+        out, dout = _in_layout_of(q, out), _in_layout_of(q, dout)
         dq, dk, dv = self.aten._scaled_dot_product_cudnn_attention_backward(
-            *(x.transpose(1, 2) for x in (dout, _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), out)),
-            lse.reshape(state.lse_shape),
+            *(x.transpose(1, 2) for x in (dout, q, k, v, out)),
+            lse.contiguous().reshape(state.lse_shape),
             seed,
             offset,
             None,
@@ -223,9 +250,14 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _like(reference: Tensor, x: Tensor) -> Tensor:
-    """``x`` in ``reference``'s strides (a copy only when they differ)."""
-    return x if x.stride() == reference.stride() else torch.empty_like(reference).copy_(x)
+def _in_layout_of(reference: Tensor, x: Tensor) -> Tensor:
+    """``x`` with its dims in memory in ``reference``'s order (a copy only when they are not)."""
+    order = sorted(range(x.dim()), key=lambda dim: -reference.stride(dim))
+    permuted = x.permute(order)
+    if permuted.is_contiguous():
+        return x
+    inverse = sorted(range(x.dim()), key=order.__getitem__)
+    return permuted.contiguous().permute(inverse)
 
 
 class CudaBackend(AttentionBackend):
@@ -295,8 +327,8 @@ class CudaBackend(AttentionBackend):
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, params):
         flash = self.kernels["flash"]
-        lengths = [b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])] + [b - a for a, b in zip(cu_seqlens_k, cu_seqlens_k[1:])]
-        if 0 in lengths or flash.misfit(q, k, params, self.device_info(q)) is not None:
+        lengths = list(zip(_lengths_of(cu_seqlens_q), _lengths_of(cu_seqlens_k)))
+        if 0 in sum(lengths, ()) or flash.misfit(q, k, params, self.device_info(q), lengths) is not None:
             return super().varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
         packed = _packed(cu_seqlens_q, cu_seqlens_k, q.device)
         out, lse, state = flash.forward(q, k, v, params, packed)
@@ -309,14 +341,15 @@ class CudaBackend(AttentionBackend):
         return self.kernels["flash"].backward(dout, q, k, v, out, stats.lse()[0], rng_state, params, packed)
 
 
-def _packed(cu_seqlens_q: list[int], cu_seqlens_k: list[int], device) -> Packed:
-    def lengths(cu):
-        return max(b - a for a, b in zip(cu, cu[1:]))
+def _lengths_of(cu_seqlens: list[int]) -> list[int]:
+    return [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
 
+
+def _packed(cu_seqlens_q: list[int], cu_seqlens_k: list[int], device) -> Packed:
     def tensor(cu):
         return torch.tensor(cu, dtype=torch.int32, device=device)
 
-    return Packed(tensor(cu_seqlens_q), tensor(cu_seqlens_k), lengths(cu_seqlens_q), lengths(cu_seqlens_k))
+    return Packed(tensor(cu_seqlens_q), tensor(cu_seqlens_k), max(_lengths_of(cu_seqlens_q)), max(_lengths_of(cu_seqlens_k)))
 
 
 def _because(misfits: list[str]) -> str:
