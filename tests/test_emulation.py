@@ -282,24 +282,40 @@ def test_npu_swiglu_double_matches_formula_and_contract():
         torch_npu.npu_swiglu(torch.ones(8, 4).t())
 
 
+PACKED_DOCS = [0, 8, 24, 28, 32]  # cumulative lengths of packed documents (multiples of 2 * cp)
+
+
 def _w_windowed_ring_on_the_device(rank, world_size):
     """Ring CP with a sliding window on npu tensors over HCCL-strict groups (the npu backend
-    through the emulated torch_npu); returns this rank's results on the CPU."""
+    through the emulated torch_npu), one sequence and packed documents; returns this rank's
+    results on the CPU."""
     import torch.distributed as dist
 
     from mcore_flash.ops import last_used_backend
-    from mcore_flash.ops.context_parallel import context_parallel_attn_func, split_for_cp_rank
+    from mcore_flash.ops.context_parallel import (
+        context_parallel_attn_func,
+        context_parallel_varlen_attn_func,
+        split_for_cp_rank,
+        thd_positions_for_cp_rank,
+    )
 
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(1, 32, h, 8, generator=g) for h in (4, 2, 2, 4))
     local = [split_for_cp_rank(x, 1, world_size, rank).to("npu").requires_grad_() for x in (q, k, v)]
     out = context_parallel_attn_func(*local, dist.group.WORLD, causal=True, window_size=(5, 0))
     out.backward(split_for_cp_rank(dout, 1, world_size, rank).to("npu"))
-    return dict(backend=last_used_backend(), device=str(out.device),
-                results=[x.detach().cpu() for x in (out, *(t.grad for t in local))])  # fmt: skip
+    rows = thd_positions_for_cp_rank(PACKED_DOCS, world_size, rank)
+    packed = [x[0, rows].to("npu").requires_grad_() for x in (q, k, v)]
+    cu = torch.tensor(PACKED_DOCS)
+    packed_out = context_parallel_varlen_attn_func(*packed, cu, dist.group.WORLD, causal=True, window_size=(5, 0))
+    packed_out.backward(dout[0, rows].to("npu"))
+    return dict(backend=last_used_backend(), device=str(out.device), rows=rows,
+                results=[x.detach().cpu() for x in (out, *(t.grad for t in local))],
+                packed=[x.detach().cpu() for x in (packed_out, *(t.grad for t in packed))])  # fmt: skip
 
 
 def test_windowed_ring_attention_runs_on_the_emulated_npu():
+    """One sequence and packed documents, against the float64 oracle (per document)."""
     import oracle
 
     from mcore_flash.ops.context_parallel import gather_from_cp_ranks
@@ -312,3 +328,7 @@ def test_windowed_ring_attention_runs_on_the_emulated_npu():
     for i, expected in enumerate((exact[0], *exact[2:])):
         got = gather_from_cp_ranks([r["results"][i] for r in ranks], 1)
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    packed = oracle.varlen_attention_with_grads(q[0], k[0], v[0], dout[0], PACKED_DOCS, PACKED_DOCS, causal=True, window=(5, 0))
+    for r in ranks:
+        for got, expected in zip(r["packed"], (packed[0], *packed[2:])):
+            torch.testing.assert_close(got.double(), expected[r["rows"]], atol=1e-5, rtol=1e-5)
