@@ -38,8 +38,8 @@ builds such batches).
 Sliding windows: ``config.window_size = (left, right)`` (-1 = unbounded; the layers
 ``window_attn_skip_freq`` picks, as megatron's ``is_layer_window_attention`` decides) runs
 flash-attn's bottom-right window in the kernel -- dense, packed and under context
-parallelism (ring: chunk pairs outside every window are skipped; packed documents under
-CP need ``cp_comm_type="a2a"``). With a causal mask type the right side is 0, as in
+parallelism (ring: chunk pairs outside every window are skipped, for packed documents per
+document). With a causal mask type the right side is 0, as in
 flash-attn (Megatron's own mask would take ``right`` as given).
 
 Differences from the stock module: causal is aligned bottom-right when ``sq != sk``
@@ -60,7 +60,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from mcore_flash.ops import backend_names, flash_attn_func
+from mcore_flash.ops import backend_names, checks, flash_attn_func
 from mcore_flash.ops.context_parallel import (
     COMM_TYPES,
     context_parallel_attn_func,
@@ -235,9 +235,10 @@ def _layer_window_size(config, layer_number: int) -> tuple[int, int]:
     window = getattr(config, "window_size", None)
     if window is None or not is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
         return (-1, -1)
-    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) and w >= -1 for w in window)):
-        raise ValueError(f"window_size (--window-size) must be (left, right) with -1 for unbounded, got {window!r}")
-    return int(window[0]), int(window[1])
+    try:
+        return checks.check_window_size(window)
+    except ValueError as error:
+        raise ValueError(f"config.window_size (--window-size): {error}") from None
 
 
 def _packed_layout(params, attention_mask: Optional[Tensor], causal: bool) -> Tensor:
