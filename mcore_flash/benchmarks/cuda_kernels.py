@@ -31,7 +31,6 @@ from typing import Callable, Optional
 import torch
 
 from mcore_flash.ops import flash_attn_func
-from mcore_flash.ops.backends import get_backend
 from mcore_flash.ops.backends.cuda import CudaBackend
 
 from .common import int_list
@@ -178,7 +177,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("mcore-flash bench-cuda needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    get_backend("cuda")
     impls = implementations()
     print(f"# bench-cuda on {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     if args.check:

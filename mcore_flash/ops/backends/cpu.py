@@ -47,6 +47,7 @@ from .reference import ReferenceBackend
 _fused_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
+
 def compute_dtype(
     dtype: torch.dtype, backward: bool, alibi: bool = False, native_bf16: Optional[bool] = None
 ) -> torch.dtype:
