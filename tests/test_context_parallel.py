@@ -29,6 +29,10 @@ GPT_COMMS = ("p2p", "a2a")
 # sliding windows over the whole sequence: (window_size, causal); chunks are 8 (cp2) or 4 (cp4) rows
 WINDOWS = [((5, 0), True), ((3, 6), False), ((13, -1), False)]
 WINDOW_CASES = [(backend, comm, window, causal) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for window, causal in WINDOWS]
+# softcap and ALiBi over the whole sequence on cpu and reference (npu refuses both, by name):
+# (causal, window_size, softcap, slopes: None, "heads" [hq] or "batch" [b, hq])
+SCORE_MODS = [(True, (-1, -1), 0.0, "heads"), (False, (3, 6), 0.0, "batch"), (True, (5, 0), 2.0, None), (True, (-1, -1), 1.5, "heads")]
+SCORE_CASES = [(backend, comm, *mod) for backend in ("cpu", "reference") for comm in ("p2p", "a2a") for mod in SCORE_MODS]
 
 
 def _inputs(dtype=torch.float32, seed=0):
@@ -38,6 +42,14 @@ def _inputs(dtype=torch.float32, seed=0):
     v = torch.randn(B, S, HKV, D, generator=generator, dtype=dtype)
     dout = torch.randn(B, S, HQ, D, generator=generator, dtype=dtype)
     return q, k, v, dout
+
+
+def _slopes(kind):
+    """Float32 ALiBi slopes, distinct per head (and per sample for "batch"), or None."""
+    if kind is None:
+        return None
+    generator = torch.Generator().manual_seed(9)
+    return torch.rand((HQ,) if kind == "heads" else (B, HQ), generator=generator) * 0.5 + 0.1
 
 
 # ---- workers -------------------------------------------------------------------------------
@@ -84,6 +96,15 @@ def _op_checks(rank, world_size, with_extras):
             (c["name"], c["sparse_mode"], c["mask_shape"], c["q_shape"][1], c["k_shape"][1], c["pre_tockens"], c["next_tockens"])
             for c in double.calls
         ]
+    for case in SCORE_CASES:
+        backend, comm, causal, window, softcap, slopes = case
+        ql, kl, vl = local(q), local(k), local(v)
+        out, lse = context_parallel_attn_func(
+            ql, kl, vl, group, causal=causal, comm_type=comm, backend=backend, return_lse=True, window_size=window,
+            softcap=softcap, alibi_slopes=_slopes(slopes),
+        )  # fmt: skip
+        out.backward(split_for_cp_rank(dout, 1, world_size, rank))
+        results[case] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
     extras = _op_extras(rank, world_size, group, local, measure_saved_bytes) if with_extras else None
     return results, calls, extras
 
@@ -154,7 +175,25 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
 
     ql, kl, vl = local(q), local(k), local(v)
     _, saved = measure_saved_bytes(lambda: cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, backend="cpu"))
+
+    deterministic = {}  # what every kernel call was asked, per comm type
+
+    class Asked(CpuBackend):
+        def forward(self, q, k, v, params):
+            deterministic[comm].append(params.deterministic)
+            return super().forward(q, k, v, params)
+
+        def backward(self, *args):
+            deterministic[comm].append(args[-1].deterministic)
+            return super().backward(*args)
+
+    for comm in ("p2p", "a2a"):
+        deterministic[comm] = []
+        ql, kl, vl = local(q), local(k), local(v)
+        out = cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, comm_type=comm, backend=Asked(), deterministic=True)
+        out.backward(split(dout, world_size, rank))
     return dict(
+        deterministic=deterministic,
         forward_events=forward_events,
         backward_events=backward_events,
         dropout=(analytic.item(), numeric.item(), (out_drop - out_plain).abs().max().item()),
@@ -340,6 +379,28 @@ def _check_windows(per_rank_results, cp):
             assert all(call[1] in (3, 4) for call in forward if call[2] is not None)
 
 
+def _check_score_mods(per_rank_results):
+    """softcap and ALiBi (with and without windows) under CP equal the float64 oracle on the
+    whole sequence: ALiBi's distances are global positions, not local ones."""
+    from mcore_flash.ops.context_parallel import gather_from_cp_ranks
+
+    q, k, v, dout = _inputs()
+    for case in SCORE_CASES:
+        _, _, causal, window, softcap, slopes = case
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        out, lse = oracle.attention(*leaves, causal=causal, window=window, softcap=softcap, alibi_slopes=_slopes(slopes))
+        out.backward(dout.double())
+        exact = (out.detach(), lse.detach(), *(x.grad for x in leaves))
+        for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+            got = gather_from_cp_ranks([results[case][i] for results, _, _ in per_rank_results], 2 if name == "lse" else 1)
+            torch.testing.assert_close(got.double(), exact[i], **TOL, msg=f"{case} {name} vs float64")
+
+
+def test_op_softcap_and_alibi_under_cp2_and_cp4_equal_the_oracle(cp2_run, cp4_run):
+    _check_score_mods([ops for ops, _ in cp2_run])
+    _check_score_mods([ops for ops, _ in cp4_run])
+
+
 def test_op_windows_under_cp2_and_cp4_skip_the_pairs_outside(cp2_run, cp4_run):
     _check_windows([ops for ops, _ in cp2_run], 2)
     _check_windows([ops for ops, _ in cp4_run], 4)
@@ -372,6 +433,12 @@ def test_ring_replays_dropout_in_backward(cp2_run):
         assert dropped > 0.1  # dropout is on
         # a backward that replays another block's mask is off by tens of percent
         assert analytic == pytest.approx(numeric, rel=1e-3)
+
+
+def test_deterministic_reaches_every_kernel_call_under_cp(cp2_run):
+    for (_, _, extras), _ in cp2_run:
+        for comm, asked in extras["deterministic"].items():
+            assert len(asked) >= 2 and all(asked), (comm, asked)  # forward and backward kernels, each told
 
 
 def test_op_saved_bytes_per_rank_are_half_at_cp2(cp2_run):
@@ -517,6 +584,18 @@ def test_a2a_op_heads_not_divisible():
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match="divisible by the context-parallel size"):
         context_parallel_attn_func(q, k, v, _fake_group(3), comm_type="a2a", backend="cpu")
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("keyword,value", [("softcap", 1.0), ("alibi_slopes", torch.ones(HQ))])
+def test_npu_refuses_softcap_and_alibi_under_cp_by_name(monkeypatch, comm, keyword, value):
+    from mcore_flash.emulation import op_double
+    from mcore_flash.ops.context_parallel import context_parallel_attn_func
+
+    monkeypatch.setitem(sys.modules, "torch_npu", op_double())
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=f"npu.*{keyword}"):
+        context_parallel_attn_func(q, k, v, _fake_group(2), comm_type=comm, backend="npu", **{keyword: value})
 
 
 def test_cp_group_size_must_match_config():

@@ -35,6 +35,10 @@ OP_DOCS = [5, 13, 1, 3, 30, 2]  # op-level document lengths (padded per CP size 
 # 2, 4, 1, 1, 8, 1) and 8, 16, 8, 8, 32, 8 at cp 4, so a window's shifted band differs between them
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (3, 6))]
 OP_CASES = [(backend, comm, causal, window) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for causal, window in MASKS]
+# softcap and ALiBi within each document on cpu and reference (npu refuses both):
+# (causal, window_size, softcap, slopes: None, "heads" [hq] or "docs" [num_docs, hq])
+SCORE_MODS = [(True, (-1, -1), 0.0, "docs"), (False, (3, 6), 0.0, "heads"), (True, (5, 0), 2.0, None), (True, (-1, -1), 1.5, "heads")]
+SCORE_CASES = [(backend, comm, *mod) for backend in ("cpu", "reference") for comm in ("p2p", "a2a") for mod in SCORE_MODS]
 
 
 def _packed_batch():
@@ -133,6 +137,15 @@ def _op_checks(rank, world_size):
         out.backward(dout[rows])
         results[case] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
         calls[case] = {(c["name"], c["layout"], c["sparse_mode"]) for c in double.calls}
+    for case in SCORE_CASES:
+        backend, comm, causal, window, softcap, slopes = case
+        ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
+        out, lse = context_parallel_varlen_attn_func(
+            ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=causal, comm_type=comm, backend=backend,
+            return_lse=True, window_size=window, softcap=softcap, alibi_slopes=_op_slopes(slopes),
+        )  # fmt: skip
+        out.backward(dout[rows])
+        results[case] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
     ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
     _, saved = measure_saved_bytes(
         lambda: context_parallel_varlen_attn_func(ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=True, backend="cpu")
@@ -152,6 +165,14 @@ def _op_inputs(total):
     generator = torch.Generator().manual_seed(0)
     shapes = [(total, 4, 8), (total, 2, 8), (total, 2, 8), (total, 4, 8)]
     return [torch.randn(*shape, generator=generator) for shape in shapes]
+
+
+def _op_slopes(kind):
+    """Float32 ALiBi slopes for the op's 4 heads (and per document for "docs"), or None."""
+    if kind is None:
+        return None
+    generator = torch.Generator().manual_seed(9)
+    return torch.rand((4,) if kind == "heads" else (len(OP_DOCS), 4), generator=generator) * 0.5 + 0.1
 
 
 def _w_single(rank, world_size):
@@ -254,13 +275,18 @@ def test_padded_rows_per_rank(cp2_run, cp4_run):
 # ---- the op: against the float64 oracle per document -----------------------------------------
 
 
-def _op_references(cp, causal, window):
+def _op_references(cp, causal, window, softcap=0.0, slopes=None):
     cu = _op_cu(cp)
     q, k, v, dout = (x.double() for x in _op_inputs(cu[-1]))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     outs, lses = [], []
-    for start, end in zip(cu[:-1], cu[1:]):
-        out, lse = oracle.attention(*(x[start:end].unsqueeze(0) for x in leaves), causal=causal, window=window)
+    all_slopes = _op_slopes(slopes)
+    for doc, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        doc_slopes = None if all_slopes is None else all_slopes if all_slopes.dim() == 1 else all_slopes[doc]
+        out, lse = oracle.attention(
+            *(x[start:end].unsqueeze(0) for x in leaves), causal=causal, window=window, softcap=softcap,
+            alibi_slopes=doc_slopes,
+        )  # fmt: skip
         outs.append(out[0])
         lses.append(lse[0])
     out = torch.cat(outs)
@@ -270,11 +296,13 @@ def _op_references(cp, causal, window):
 
 @pytest.mark.parametrize("spawn", ["cp2_run", "cp4_run"])
 def test_packed_op_equals_oracle_per_document(spawn, request):
+    """Causal, windows, softcap and ALiBi (per head and per document: a document's ring
+    pairs carry its own distance shift) under CP, each document against the float64 oracle."""
     per_rank = request.getfixturevalue(spawn)
     cp = len(per_rank)
-    references = {mask: _op_references(cp, *mask) for mask in MASKS}
+    references = {mods: _op_references(cp, *mods) for mods in MASKS + [case[2:] for case in SCORE_CASES]}
     for rank, ((rows, results, _, _), _) in enumerate(per_rank):
-        for case in OP_CASES:
+        for case in OP_CASES + SCORE_CASES:
             expected = references[case[2:]]
             picks = (expected[0][rows], expected[1][:, rows], expected[2][rows], expected[3][rows], expected[4][rows])
             for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), results[case], picks):
@@ -442,7 +470,7 @@ def test_packed_ring_with_a_window_runs_exactly_the_pairs_it_reaches(cp, causal,
             q_chunks = dict(zip(("first", "second"), cp_chunk_ids(cp, rank)))
             kv_chunks = dict(zip(("first", "second"), cp_chunk_ids(cp, (rank - step) % cp)))
             computed, calls = [], set()
-            for q_key, kv_key, block_params in blocks._window_plan(step, rank, cp):
+            for q_key, kv_key, block_params in blocks._pair_plan(step, rank, cp):
                 halves, band = (q_key.split(":")[0], kv_key.split(":")[0]), block_params.band()
                 assert (halves, band) not in calls, "two kernel calls for one band"
                 calls.add((halves, band))

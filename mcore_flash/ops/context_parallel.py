@@ -36,7 +36,11 @@ With a sliding window (``window_size``) every step is split into its four chunk 
 becomes the local band ``(lo + delta, hi + delta)`` with ``delta = (a - b) * c``; a pair the
 band misses entirely is skipped (neither computed nor masked, no kernel call), a pair it
 covers entirely runs unmasked. With window 4096 at 128K over cp 8 most pairs are skipped.
-Each block returns
+ALiBi (``alibi_slopes``) splits every step the same way, windowed or not: its distance
+``|j - i|`` is global too, so each pair's kernel gets the shift ``alibi_shift = delta``
+(:class:`~mcore_flash.ops.backends.AttentionParams`). ``softcap`` and ``deterministic`` need
+nothing from the ring: the cap acts on each score before the softmax, so block statistics
+merge as they are, and the ring's order of accumulation is fixed. Each block returns
 ``(out_i, stats_i)``; partial results merge as (row max, row sum) pairs, MindSpeed's rule
 (fp32 accumulators)::
 
@@ -59,7 +63,8 @@ the per-block dropout replay states): saved bytes per rank are ``1/cp`` of the u
 ``[b, s_total, h/cp, d]`` (every rank gets the whole sequence for ``1/cp`` of the heads),
 the chunks are put back in position order, one fused kernel call runs, and the inverse
 all-to-all returns ``[b, s_local, h, d]``. Needs ``hq % cp == 0``; key/value heads are
-replicated when ``hkv < cp`` and ``cp % hkv == 0``.
+replicated when ``hkv < cp`` and ``cp % hkv == 0``; each rank takes the ALiBi slopes of its
+own heads.
 
 Packed documents (THD, :func:`context_parallel_varlen_attn_func`): every document is split
 into ``2*cp`` chunks and rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of EVERY document
@@ -202,6 +207,9 @@ def context_parallel_attn_func(
     return_lse: bool = False,
     layout: str = "bshd",
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention over a sequence split across ``group`` (see the module docstring).
 
@@ -213,8 +221,11 @@ def context_parallel_attn_func(
         causal: causal over the WHOLE sequence (positions from the chunk layout).
         window_size: flash-attn's ``(left, right)`` sliding window over the whole sequence;
             the ring skips the chunk pairs it misses.
+        alibi_slopes: ``[hq]`` or ``[b, hq]``; distances are global positions (the ring
+            gives each chunk pair its shift, Ulysses each rank its heads' slopes).
         comm_type: ``"p2p"`` (ring) or ``"a2a"`` (Ulysses all-to-all over heads).
-        Other arguments as in :func:`mcore_flash.ops.flash_attn_func`.
+        Other arguments (``softcap``, ``deterministic``, ...) as in
+        :func:`mcore_flash.ops.flash_attn_func`.
 
     Returns:
         ``out`` (q's layout), or ``(out, lse [b, hq, s_local])``.
@@ -224,7 +235,7 @@ def context_parallel_attn_func(
     cp_size = 1 if group is None else group.size()
     if cp_size == 1:
         return flash_attn_func(
-            q, k, v, dropout_p, softmax_scale, causal, window_size,
+            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             backend=backend, return_lse=return_lse, layout=layout,
         )  # fmt: skip
     checks.check_layout(layout, LAYOUTS)
@@ -240,10 +251,13 @@ def context_parallel_attn_func(
             f"local sequence length {q.shape[seq]} is odd: each context-parallel rank holds two equal "
             f"chunks, so the total length must be divisible by 2 * cp = {2 * cp_size}"
         )
-    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, layout=layout, window_size=window_size)
+    impl, params = resolve_call(
+        q, causal, softmax_scale, dropout_p, backend, layout=layout, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, batch=q.shape[layout.index("b")],
+    )  # fmt: skip
     impl.check_inputs(q, k, v, params)
     if comm_type == "a2a":
-        out, lse = _ulysses(q, k, v, group, _DenseSequence(impl, params, cp_size))
+        out, lse = _ulysses(q, k, v, group, _DenseSequence(impl, _heads_of_rank(params, group), cp_size))
     else:
         out, lse = _RingAttention.apply(q, k, v, group, _DenseBlocks(impl, params, q.shape[seq]))
     return (out, lse) if return_lse else out
@@ -263,6 +277,9 @@ def context_parallel_varlen_attn_func(
     backend: Union[str, AttentionBackend, None] = None,
     return_lse: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention over packed documents split across ``group``; no token sees another document.
 
@@ -272,6 +289,7 @@ def context_parallel_varlen_attn_func(
         cu_seqlens: int ``[num_docs + 1]`` cumulative document lengths over the WHOLE pack
             (``cu_seqlens[-1] == cp * t_local``), each a multiple of ``2*cp``.
         window_size: a sliding window within each document.
+        alibi_slopes: ``[hq]`` or ``[num_docs, hq]``; distances within each document.
         Other arguments as in :func:`context_parallel_attn_func`.
 
     Ring (p2p): every hop is one varlen kernel call over all documents -- at step 0 the
@@ -280,8 +298,10 @@ def context_parallel_varlen_attn_func(
     (``src > r``), unmasked. With a window every hop is split into its chunk pairs as for
     one sequence, but a document's chunk is ``len / 2cp`` rows, so the shifted band differs
     between documents: each pair runs one varlen call per group of documents that share a
-    band, and documents the band misses are skipped. Ulysses (a2a): the rows are gathered in
-    position order and one varlen call runs over the whole pack.
+    band, and documents the band misses are skipped. With ALiBi every hop is split the same
+    way, windowed or not, and documents are grouped by band and distance shift (a document's
+    pair is ``(a - b) * len / 2cp`` rows off the diagonal). Ulysses (a2a): the rows are
+    gathered in position order and one varlen call runs over the whole pack.
 
     Returns:
         ``out [t_local, hq, d]``, or ``(out, lse [hq, t_local])``.
@@ -297,13 +317,16 @@ def context_parallel_varlen_attn_func(
         longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
         return flash_attn_varlen_func(
             q, k, v, cu_seqlens, cu_seqlens, longest, longest, dropout_p, softmax_scale, causal, window_size,
-            backend=backend, return_lse=return_lse,
+            softcap, alibi_slopes, deterministic, backend=backend, return_lse=return_lse,
         )  # fmt: skip
     check_thd_cp_lengths(cu, cp_size)
-    impl, params = resolve_call(q, causal, softmax_scale, dropout_p, backend, window_size=window_size)
+    impl, params = resolve_call(
+        q, causal, softmax_scale, dropout_p, backend, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, batch=len(cu) - 1,
+    )  # fmt: skip
     impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
     if comm_type == "a2a":
-        out, lse = _ulysses(q, k, v, group, _PackedSequence(impl, params, cu, cp_size, q.device))
+        out, lse = _ulysses(q, k, v, group, _PackedSequence(impl, _heads_of_rank(params, group), cu, cp_size, q.device))
     else:
         local_cu = [n // cp_size for n in cu]
         blocks = _PackedBlocks(impl, params, local_cu, q.device)
@@ -355,8 +378,8 @@ def _ring_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk
     """The kernel calls of ring step ``step``: ``(query rows, kv rows, params)`` with rows
     ``"all"``, ``"first"`` (the rows of chunk ``r``) or ``"second"`` (those of chunk
     ``2cp-1-r``); see the module docstring."""
-    if params.window is not None:
-        return _window_blocks(step, rank, size, params, chunk_len)
+    if _by_chunk_pairs(params):
+        return _pair_blocks(step, rank, size, params, chunk_len)
     if not params.causal or step == 0:
         return [("all", "all", params)]  # step 0 is the diagonal block
     src = (rank - step) % size
@@ -366,15 +389,28 @@ def _ring_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk
     return [("second", "all", unmasked)]  # both kv chunks precede chunk 2cp-1-r only
 
 
-def _window_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk_len: int) -> list[Block]:
-    """The chunk pairs (``chunk_len`` rows each) of step ``step`` that some query's window
-    reaches, each with its band shifted to the pair's positions."""
+def _by_chunk_pairs(params: AttentionParams) -> bool:
+    """Whether a ring step must be split into its chunk pairs: a window's band, or ALiBi's
+    distances, depend on where each chunk lies, not only on the causal order of chunks."""
+    return params.window is not None or params.alibi_slopes is not None
+
+
+def _pair_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk_len: int) -> list[Block]:
+    """The chunk pairs (``chunk_len`` rows each) of step ``step`` that some query's band
+    reaches, each with its band and ALiBi distances shifted to the pair's positions."""
     blocks = []
     for q_rows, kv_rows, chunk_delta in _chunk_pairs(step, rank, size):
-        band = _shifted_band(*params.window, chunk_delta, chunk_len)
-        if band is not None:
-            blocks.append((q_rows, kv_rows, params.with_band(*band)))
+        block_params = _shifted_params(params, chunk_delta * chunk_len, chunk_len)
+        if block_params is not None:
+            blocks.append((q_rows, kv_rows, block_params))
     return blocks
+
+
+def _shifted_params(params: AttentionParams, delta: int, c: int) -> Optional[AttentionParams]:
+    """The params of a ``c x c`` chunk pair ``delta`` rows below the global diagonal, or None
+    when its band holds no pair."""
+    band = _shifted_band(*params.band(), delta, c)
+    return None if band is None else replace(params.with_band(*band), alibi_shift=delta)
 
 
 def _chunk_pairs(step: int, rank: int, size: int) -> list[tuple[str, str, int]]:
@@ -384,10 +420,9 @@ def _chunk_pairs(step: int, rank: int, size: int) -> list[tuple[str, str, int]]:
     return [(q_half, kv_half, a - b) for q_half, a in q_chunks for kv_half, b in kv_chunks]
 
 
-def _shifted_band(lo, hi, chunk_delta: int, c: int):
-    """The local band of a ``c x c`` chunk pair ``chunk_delta`` chunks below the diagonal, or
-    None when no pair ``(i, j)`` of it is inside; sides it does not cut become None."""
-    delta = chunk_delta * c
+def _shifted_band(lo, hi, delta: int, c: int):
+    """The local band of a ``c x c`` chunk pair ``delta`` rows below the diagonal, or None
+    when no pair ``(i, j)`` of it is inside; sides it does not cut become None."""
     lo = None if lo is None else lo + delta
     hi = None if hi is None else hi + delta
     if (lo is not None and lo > c - 1) or (hi is not None and hi < -(c - 1)):
@@ -444,22 +479,25 @@ class _PackedBlocks:
         return key
 
     def plan(self, step: int, ring: "_Ring") -> list[Block]:
-        if self.params.window is None:
+        if not _by_chunk_pairs(self.params):
             return _ring_blocks(step, ring.rank, ring.size, self.params, chunk_len=0)
-        return self._window_plan(step, ring.rank, ring.size)
+        return self._pair_plan(step, ring.rank, ring.size)
 
-    def _window_plan(self, step: int, rank: int, size: int) -> list[Block]:
-        """Each chunk pair of step ``step`` once per group of documents with the same shifted band."""
+    def _pair_plan(self, step: int, rank: int, size: int) -> list[Block]:
+        """Each chunk pair of step ``step`` once per group of documents whose chunks get the
+        same shifted band (and, with ALiBi, the same distance shift)."""
+        alibi = self.params.alibi_slopes is not None
         blocks = []
         for q_half, kv_half, chunk_delta in _chunk_pairs(step, rank, size):
             groups: dict[tuple, list[int]] = {}
             for doc, chunk in enumerate(self.halves):
-                band = _shifted_band(*self.params.window, chunk_delta, chunk) if chunk else None
+                band = _shifted_band(*self.params.band(), chunk_delta * chunk, chunk) if chunk else None
                 if band is not None:
-                    groups.setdefault(band, []).append(doc)
-            for band, docs in groups.items():
+                    groups.setdefault((band, chunk_delta * chunk if alibi else 0), []).append(doc)
+            for (band, shift), docs in groups.items():
                 q_rows, kv_rows = self._register(q_half, tuple(docs)), self._register(kv_half, tuple(docs))
-                blocks.append((q_rows, kv_rows, self.params.with_band(*band)))
+                block_params = replace(self.params.with_band(*band), alibi_shift=shift)
+                blocks.append((q_rows, kv_rows, _documents_slopes(block_params, docs)))
         return blocks
 
     def forward(self, q, k, v, q_rows: str, kv_rows: str, params: AttentionParams):
@@ -471,6 +509,15 @@ class _PackedBlocks:
             dout[0], q[0], k[0], v[0], out[0], stats, rng_state, self.cu[q_rows], self.cu[kv_rows], params
         )
         return tuple(g.unsqueeze(0) for g in grads)
+
+
+def _documents_slopes(params: AttentionParams, docs: list[int]) -> AttentionParams:
+    """``params`` for a varlen call over documents ``docs`` only: their rows of per-document
+    ``[num_docs, hq]`` ALiBi slopes."""
+    slopes = params.alibi_slopes
+    if slopes is None or slopes.dim() == 1 or len(docs) == slopes.shape[0]:
+        return params
+    return replace(params, alibi_slopes=slopes[torch.tensor(docs, device=slopes.device)])
 
 
 def _at(rows: slice, seq_dim: int) -> tuple:
@@ -726,6 +773,20 @@ class _PackedSequence:
 
     def lse_from_tokens(self, lse: Tensor) -> Tensor:
         return lse.squeeze(-1).t().contiguous()  # [t_local, h, 1] -> [h, t_local]
+
+
+def _heads_of_rank(params: AttentionParams, group) -> AttentionParams:
+    """``params`` for this rank's share of the heads after Ulysses' all-to-all (the
+    ``rank``-th of ``cp`` equal head chunks): its columns of the ALiBi slopes."""
+    slopes = params.alibi_slopes
+    if slopes is None:
+        return params
+    cp_size, rank = group.size(), group.rank()
+    hq = slopes.shape[-1]
+    if hq % cp_size:
+        return params  # _ulysses refuses these heads, naming the rule
+    share = hq // cp_size
+    return replace(params, alibi_slopes=slopes[..., rank * share : (rank + 1) * share].contiguous())
 
 
 def _ulysses(q, k, v, group, sequence) -> tuple[Tensor, Tensor]:

@@ -28,7 +28,9 @@ Conventions shared by all backends:
   parallelism shifts them for blocks away from the diagonal).
 * ``softcap > 0`` replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``;
   ``alibi_slopes`` (float32 ``[hq]`` or ``[b, hq]``) then adds
-  ``-slope * |i + sk - sq - j|`` (flash-attn's definition, for causal attention too).
+  ``-slope * |i + sk - sq - j + alibi_shift|`` (flash-attn's definition, for causal attention
+  too, when ``alibi_shift`` is 0; context parallelism sets it to a block's distance below the
+  global diagonal, ``(query chunk - kv chunk) * chunk rows``, as it shifts a window's band).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class AttentionParams:
     window: Optional[tuple[Optional[int], Optional[int]]] = None
     softcap: float = 0.0
     alibi_slopes: Optional[Tensor] = None
+    alibi_shift: int = 0
     deterministic: bool = False
 
     def band(self) -> tuple[Optional[int], Optional[int]]:
@@ -128,9 +131,11 @@ def band_mask(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Ran
     return outside
 
 
-def alibi_bias(slopes: Tensor, q_range: Range, k_range: Range, sq: int, sk: int) -> Tensor:
-    """Float32 ``[b|1, hq, q1 - q0, k1 - k0]``: ``-slope * |i + sk - sq - j|``."""
-    distance = band_offsets(q_range, k_range, sq, sk, slopes.device).abs()
+def alibi_bias(params: AttentionParams, q_range: Range, k_range: Range, sq: int, sk: int) -> Tensor:
+    """Float32 ``[b|1, hq, q1 - q0, k1 - k0]``: ``-slope * |i + sk - sq - j + alibi_shift|``
+    for ``params.alibi_slopes``."""
+    slopes = params.alibi_slopes
+    distance = (band_offsets(q_range, k_range, sq, sk, slopes.device) - params.alibi_shift).abs()
     slopes = slopes.float() if slopes.dim() == 2 else slopes.float().unsqueeze(0)
     return -slopes[..., None, None] * distance.float()
 

@@ -141,7 +141,7 @@ class CpuBackend(AttentionBackend):
                 hidden = hidden | params.attn_mask[..., q0:q1, k0:k1]
             bias = torch.zeros(hidden.shape, dtype=dtype, device=device)
             if params.alibi_slopes is not None:
-                bias = bias + alibi_bias(params.alibi_slopes, (q0, q1), (k0, k1), sq, sk).to(dtype)
+                bias = bias + alibi_bias(params, (q0, q1), (k0, k1), sq, sk).to(dtype)
             bias = bias.masked_fill(hidden, float("-inf"))
             while bias.dim() < 4:
                 bias = bias.unsqueeze(0)

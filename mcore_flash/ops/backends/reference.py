@@ -198,7 +198,7 @@ def _masked_scores(
         softcap_slope = 1.0 - capped * capped
         scores = capped * params.softcap
     if params.alibi_slopes is not None:
-        bias = alibi_bias(params.alibi_slopes, q_range, k_range, sq, sk)  # [b|1, hq, bq, bk]
+        bias = alibi_bias(params, q_range, k_range, sq, sk)  # [b|1, hq, bq, bk]
         b, hkv, groups = bias.shape[0], scores.shape[1], scores.shape[2]
         scores = scores + bias.view(b, hkv, groups, *bias.shape[2:]).to(scores.dtype)
     lo, hi = params.band()
