@@ -351,8 +351,9 @@ def _check_npu_calls(per_rank_results, cp):
 
 def _check_windows(per_rank_results, cp):
     """Windowed CP equals the float64 oracle; the ring calls the kernel once per chunk pair the
-    window reaches (found here by brute force over the global visibility), unmasked where it
-    covers the pair, and never for the others."""
+    window reaches (found here by brute force over the global visibility), on just the rows
+    of the pair that see a key and the keys they see, unmasked where those rows see all of
+    them, and never for the others."""
     from mcore_flash.ops.context_parallel import cp_chunk_ids, gather_from_cp_ranks
 
     q, k, v, dout = _inputs()
@@ -371,10 +372,15 @@ def _check_windows(per_rank_results, cp):
         visible = oracle.visible(S, S, causal, window=window)[0, 0]
         for rank, (_, calls, _) in enumerate(per_rank_results):
             pairs = [visible[a * c : (a + 1) * c, b * c : (b + 1) * c] for a in cp_chunk_ids(cp, rank) for b in range(2 * cp)]
+            reached = [p for p in pairs if p.any()]
             forward = [call for call in calls[case] if call[0] == "npu_fusion_attention"]
-            assert len(forward) == sum(bool(p.any()) for p in pairs), (case, rank)
-            assert all(call[3:5] == (c, c) for call in forward)  # chunk x chunk, no [s, s] block
-            assert sum(call[2] is None for call in forward) == sum(bool(p.all()) for p in pairs)
+            assert len(forward) == len(reached), (case, rank)
+            # each call is the square of the pair's rows that see a key and keys that are seen
+            seen = sorted((int(p.any(1).sum()), int(p.any(0).sum())) for p in reached)
+            assert sorted(call[3:5] for call in forward) == seen, (case, rank)
+            # unmasked where those rows see all those keys
+            filled = sum(bool(p[p.any(1)][:, p.any(0)].all()) for p in reached)
+            assert sum(call[2] is None for call in forward) == filled, (case, rank)
             # a cut pair is a band (4), or causal (3) where its shifted band is exactly the causal one
             assert all(call[1] in (3, 4) for call in forward if call[2] is not None)
 
@@ -439,6 +445,52 @@ def test_deterministic_reaches_every_kernel_call_under_cp(cp2_run):
     for (_, _, extras), _ in cp2_run:
         for comm, asked in extras["deterministic"].items():
             assert len(asked) >= 2 and all(asked), (comm, asked)  # forward and backward kernels, each told
+
+
+def test_pair_cut_is_the_tight_square_of_what_the_band_sees():
+    """Brute force over bands, chunk sizes and chunk distances: the cut of a chunk pair holds
+    every visible (query, key) pair, no row without a key and no key nobody sees; its band
+    gives the same visibility and its ALiBi shift the same global distances; and the band
+    holds its own diagonal, which is what torch's flash kernel needs to take a window."""
+    from mcore_flash.ops.backends import AttentionParams
+    from mcore_flash.ops.backends.cuda import CudaDevice, FlashKernel
+    from mcore_flash.ops.context_parallel import _pair_cut
+
+    plain = AttentionParams(causal=False, softmax_scale=1.0)
+    for lo in (None, -7, -3, 0):
+        for hi in (None, 0, 2, 6):
+            params = plain.with_band(lo, hi)
+            for c in (1, 2, 3, 5, 8):
+                i, j = torch.arange(c).unsqueeze(1), torch.arange(c).unsqueeze(0)
+                for chunk_delta in range(-3, 4):
+                    delta = chunk_delta * c
+                    distance = j - i - delta  # global key position - query position
+                    visible = torch.ones(c, c, dtype=torch.bool)
+                    if lo is not None:
+                        visible &= distance >= lo
+                    if hi is not None:
+                        visible &= distance <= hi
+                    cut = _pair_cut(params, delta, c)
+                    where = (lo, hi, c, chunk_delta)
+                    if not visible.any():
+                        assert cut is None, where
+                        continue
+                    rows, keys = slice(cut.first_row, cut.first_row + cut.n), slice(cut.first_key, cut.first_key + cut.n)
+                    block = visible[rows, keys]
+                    assert block.sum() == visible.sum(), where  # nothing visible left out
+                    assert block.any(1).all() and block.any(0).all(), where  # nothing computed for nothing
+                    offset = j[:, : cut.n] - i[: cut.n]
+                    band_lo, band_hi = cut.band
+                    inside = torch.ones_like(block)
+                    if band_lo is not None:
+                        inside &= offset >= band_lo
+                    if band_hi is not None:
+                        inside &= offset <= band_hi
+                    assert torch.equal(inside, block), where
+                    assert torch.equal((offset - cut.alibi_shift).abs(), distance[rows, keys].abs()), where
+                    block_params = params.with_band(*cut.band)
+                    q = torch.zeros(1, cut.n, 1, 8, dtype=torch.bfloat16)
+                    assert FlashKernel(None).misfit(q, q, block_params, CudaDevice((9, 0), 91600)) is None, where
 
 
 def test_op_saved_bytes_per_rank_are_half_at_cp2(cp2_run):

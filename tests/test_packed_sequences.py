@@ -118,10 +118,12 @@ def _op_checks(rank, world_size):
 
     from mcore_flash.emulation import op_double
     from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.ops.backends import get_backend
     from mcore_flash.ops.context_parallel import context_parallel_varlen_attn_func, thd_positions_for_cp_rank
 
     double = op_double()
     sys.modules["torch_npu"] = double
+    npu = get_backend("npu")
     cu = _op_cu(world_size)
     q, k, v, dout = _op_inputs(cu[-1])
     rows = thd_positions_for_cp_rank(cu, world_size, rank)
@@ -129,6 +131,7 @@ def _op_checks(rank, world_size):
     for case in OP_CASES:
         backend, comm, causal, window = case
         double.calls.clear()
+        npu.__dict__.pop("_logged_reasons", None)  # each fallback reason is logged once per instance
         ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
         out, lse = context_parallel_varlen_attn_func(
             ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=causal, comm_type=comm, backend=backend,
@@ -137,6 +140,7 @@ def _op_checks(rank, world_size):
         out.backward(dout[rows])
         results[case] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
         calls[case] = {(c["name"], c["layout"], c["sparse_mode"]) for c in double.calls}
+        calls[case, "fallbacks"] = sorted(npu.__dict__.get("_logged_reasons", ()))
     for case in SCORE_CASES:
         backend, comm, causal, window, softcap, slopes = case
         ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
@@ -422,14 +426,20 @@ def test_reset_attention_mask_needs_an_eod_token():
 @pytest.mark.parametrize("spawn", ["cp2_run", "cp4_run"])
 def test_packed_op_on_npu_runs_tnd_calls(spawn, request):
     """The npu backend runs every block as a "TND" call: causal blocks sparse_mode 3, the
-    others (and non-causal attention) sparse_mode 0; no fallback to the reference kernel."""
+    others (and non-causal attention) sparse_mode 0, windows' cut pairs the band (4) or
+    causal (3); no block falls back to the reference kernel, windowed ring pairs included
+    (each pair is cut to the rows that see a key)."""
+    window_modes = {"p2p": {0, 3, 4}, "a2a": {4}}
     for (_, _, calls, _), _ in request.getfixturevalue(spawn):
         for comm in ("p2p", "a2a"):
-            for causal, modes in ((True, {3} if comm == "a2a" else {0, 3}), (False, {0})):
-                got = calls["npu", comm, causal, (-1, -1)]
+            cases = [(True, (-1, -1), {3} if comm == "a2a" else {0, 3}), (False, (-1, -1), {0})]
+            cases += [(causal, window, window_modes[comm]) for causal, window in MASKS[2:]]
+            for causal, window, modes in cases:
+                got = calls["npu", comm, causal, window]
                 assert {layout for _, layout, _ in got} == {"TND"}, (comm, causal, got)
-                assert {mode for _, _, mode in got} == modes, (comm, causal, got)
+                assert {mode for _, _, mode in got} <= modes, (comm, causal, window, got)
                 assert {name for name, _, _ in got} == {"npu_fusion_attention", "npu_fusion_attention_grad"}
+                assert calls[("npu", comm, causal, window), "fallbacks"] == [], (comm, causal, window)
 
 
 @pytest.mark.parametrize("spawn", ["cp2_run", "cp4_run"])
@@ -446,45 +456,42 @@ def test_packed_ring_saves_only_its_rows(spawn, request):
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("causal,window", MASKS[2:])
 def test_packed_ring_with_a_window_runs_exactly_the_pairs_it_reaches(cp, causal, window):
-    """Brute force over each document's own visibility: at every ring step, a document's
-    chunk pair is computed exactly when its window reaches the pair, once, with the band of
-    the visible block; documents whose pairs share a band share one kernel call."""
+    """Brute force over each document's own visibility: at every ring step the blocks compute
+    exactly the (query, key) pairs the window lets a query see, each once; no block holds a
+    row without a key or a key no row sees (a TND call cannot compute the first); documents
+    whose cuts share a band share one kernel call."""
     import bisect
 
     from mcore_flash.ops.api import resolve_call
     from mcore_flash.ops.backends.base import band_mask
     from mcore_flash.ops.backends.reference import ReferenceBackend
-    from mcore_flash.ops.context_parallel import _PackedBlocks, cp_chunk_ids
+    from mcore_flash.ops.context_parallel import _PackedBlocks, thd_positions_for_cp_rank
 
     cu = _op_cu(cp)
     local_cu = [n // cp for n in cu]
     _, params = resolve_call(torch.zeros(1, 1, 8), causal, None, 0.0, "reference", window_size=window)
+    visible = [oracle.visible(b - a, b - a, causal, window=window)[0, 0] for a, b in zip(cu[:-1], cu[1:])]
 
-    def visible_pair(doc, a, b):  # the doc's visibility between its global chunks a and b
-        length, c = cu[doc + 1] - cu[doc], (local_cu[doc + 1] - local_cu[doc]) // 2
-        return oracle.visible(length, length, causal, window=window)[0, 0, a * c : (a + 1) * c, b * c : (b + 1) * c]
+    def sees(query, key):  # global positions in the pack
+        doc = bisect.bisect_right(cu, query) - 1
+        return cu[doc] <= key < cu[doc + 1] and bool(visible[doc][query - cu[doc], key - cu[doc]])
 
     for rank in range(cp):
         blocks = _PackedBlocks(ReferenceBackend(), params, local_cu, "cpu")
+        q_positions = thd_positions_for_cp_rank(cu, cp, rank).tolist()
         for step in range(cp):
-            q_chunks = dict(zip(("first", "second"), cp_chunk_ids(cp, rank)))
-            kv_chunks = dict(zip(("first", "second"), cp_chunk_ids(cp, (rank - step) % cp)))
+            kv_positions = thd_positions_for_cp_rank(cu, cp, (rank - step) % cp).tolist()
             computed, calls = [], set()
             for q_key, kv_key, block_params in blocks._pair_plan(step, rank, cp):
-                halves, band = (q_key.split(":")[0], kv_key.split(":")[0]), block_params.band()
-                assert (halves, band) not in calls, "two kernel calls for one band"
-                calls.add((halves, band))
-                docs = {bisect.bisect_right(local_cu, row) - 1 for row in blocks.rows[q_key].tolist()}
-                for doc in docs:
-                    expected = visible_pair(doc, q_chunks[halves[0]], kv_chunks[halves[1]])
-                    c = expected.shape[0]
-                    assert torch.equal(~band_mask(*band, (0, c), (0, c), c, c, "cpu"), expected), (rank, step, doc)
-                    computed.append((doc, *halves))
-            reached = [
-                (doc, qh, kh)
-                for doc in range(len(local_cu) - 1)
-                for qh in q_chunks
-                for kh in kv_chunks
-                if visible_pair(doc, q_chunks[qh], kv_chunks[kh]).any()
-            ]
-            assert sorted(computed) == sorted(reached), (rank, step)
+                call = (q_key[0], kv_key[0], block_params.band())
+                assert call not in calls, "two kernel calls for one band"
+                calls.add(call)
+                rows, cols = blocks.rows[q_key].tolist(), blocks.rows[kv_key].tolist()
+                cu_q, cu_k = blocks.cu[q_key], blocks.cu[kv_key]
+                for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+                    inside = ~band_mask(*block_params.band(), (0, q1 - q0), (0, k1 - k0), q1 - q0, k1 - k0, "cpu")
+                    assert inside.any(1).all() and inside.any(0).all(), (rank, step, "a row or key with nothing to do")
+                    for i, j in inside.nonzero().tolist():
+                        computed.append((q_positions[rows[q0 + i]], kv_positions[cols[k0 + j]]))
+            expected = [(query, key) for query in q_positions for key in kv_positions if sees(query, key)]
+            assert sorted(computed) == sorted(expected), (rank, step)

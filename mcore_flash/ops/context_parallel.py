@@ -35,7 +35,9 @@ With a sliding window (``window_size``) every step is split into its four chunk 
 (query chunk ``a``, kv chunk ``b``, each ``[c]``): the global band ``lo <= j - i <= hi``
 becomes the local band ``(lo + delta, hi + delta)`` with ``delta = (a - b) * c``; a pair the
 band misses entirely is skipped (neither computed nor masked, no kernel call), a pair it
-covers entirely runs unmasked. With window 4096 at 128K over cp 8 most pairs are skipped.
+covers entirely runs unmasked, and a pair it cuts runs only the square of its rows that see
+a key against the keys they see (:func:`_pair_cut`: no kernel meets a row without keys,
+which TND calls and flash-attn's windows cannot compute). With window 4096 at 128K over cp 8 most pairs are skipped.
 ALiBi (``alibi_slopes``) splits every step the same way, windowed or not: its distance
 ``|j - i|`` is global too, so each pair's kernel gets the shift ``alibi_shift = delta``
 (:class:`~mcore_flash.ops.backends.AttentionParams`). ``softcap`` and ``deterministic`` need
@@ -79,7 +81,7 @@ padded to multiples of ``2*cp``. Neither algorithm takes an explicit attention m
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Union
+from typing import Any, Hashable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -371,15 +373,14 @@ _ALL = slice(None)
 Rows = Union[slice, Tensor]  # a slice of the local sequence, or the indices of its rows
 
 
-Block = tuple[str, str, AttentionParams]  # (query rows, kv rows, the params of that block's kernel)
+RowsKey = Hashable  # names a set of local rows: "all", "first", "second", or a cut of a half
+Block = tuple[RowsKey, RowsKey, AttentionParams]  # (query rows, kv rows, the params of that block's kernel)
 
 
-def _ring_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk_len: int) -> list[Block]:
-    """The kernel calls of ring step ``step``: ``(query rows, kv rows, params)`` with rows
-    ``"all"``, ``"first"`` (the rows of chunk ``r``) or ``"second"`` (those of chunk
-    ``2cp-1-r``); see the module docstring."""
-    if _by_chunk_pairs(params):
-        return _pair_blocks(step, rank, size, params, chunk_len)
+def _ring_blocks(step: int, rank: int, size: int, params: AttentionParams) -> list[Block]:
+    """The kernel calls of ring step ``step`` without chunk pairs: ``(query rows, kv rows,
+    params)`` with rows ``"all"``, ``"first"`` (the rows of chunk ``r``) or ``"second"``
+    (those of chunk ``2cp-1-r``); see the module docstring."""
     if not params.causal or step == 0:
         return [("all", "all", params)]  # step 0 is the diagonal block
     src = (rank - step) % size
@@ -395,24 +396,6 @@ def _by_chunk_pairs(params: AttentionParams) -> bool:
     return params.window is not None or params.alibi_slopes is not None
 
 
-def _pair_blocks(step: int, rank: int, size: int, params: AttentionParams, chunk_len: int) -> list[Block]:
-    """The chunk pairs (``chunk_len`` rows each) of step ``step`` that some query's band
-    reaches, each with its band and ALiBi distances shifted to the pair's positions."""
-    blocks = []
-    for q_rows, kv_rows, chunk_delta in _chunk_pairs(step, rank, size):
-        block_params = _shifted_params(params, chunk_delta * chunk_len, chunk_len)
-        if block_params is not None:
-            blocks.append((q_rows, kv_rows, block_params))
-    return blocks
-
-
-def _shifted_params(params: AttentionParams, delta: int, c: int) -> Optional[AttentionParams]:
-    """The params of a ``c x c`` chunk pair ``delta`` rows below the global diagonal, or None
-    when its band holds no pair."""
-    band = _shifted_band(*params.band(), delta, c)
-    return None if band is None else replace(params.with_band(*band), alibi_shift=delta)
-
-
 def _chunk_pairs(step: int, rank: int, size: int) -> list[tuple[str, str, int]]:
     """``(query half, kv half, query chunk - kv chunk)`` of the four chunk pairs of step ``step``."""
     q_chunks = zip(("first", "second"), cp_chunk_ids(size, rank))
@@ -421,8 +404,8 @@ def _chunk_pairs(step: int, rank: int, size: int) -> list[tuple[str, str, int]]:
 
 
 def _shifted_band(lo, hi, delta: int, c: int):
-    """The local band of a ``c x c`` chunk pair ``delta`` rows below the diagonal, or None
-    when no pair ``(i, j)`` of it is inside; sides it does not cut become None."""
+    """The local band of a ``c x c`` block ``delta`` rows below the diagonal, or None when no
+    pair ``(i, j)`` of it is inside; sides it does not cut become None."""
     lo = None if lo is None else lo + delta
     hi = None if hi is None else hi + delta
     if (lo is not None and lo > c - 1) or (hi is not None and hi < -(c - 1)):
@@ -432,9 +415,42 @@ def _shifted_band(lo, hi, delta: int, c: int):
     return lo, hi
 
 
+class _PairCut(NamedTuple):
+    """The part of a chunk pair a band reaches: rows ``[first_row, first_row + n)`` of its
+    query chunk against keys ``[first_key, first_key + n)`` of its kv chunk."""
+
+    first_row: int
+    first_key: int
+    n: int
+    band: tuple[Optional[int], Optional[int]]  # the band of that n x n block
+    alibi_shift: int  # its ALiBi distance shift
+
+
+def _pair_cut(params: AttentionParams, delta: int, c: int) -> Optional[_PairCut]:
+    """The block of a ``c x c`` chunk pair ``delta`` rows below the global diagonal that holds
+    every (query, key) pair inside ``params``' band, and no row without a key; None when the
+    band misses the pair.
+
+    Row ``i`` sees keys ``[i + lo, i + hi]``: a band below the diagonal (``hi < 0``) leaves
+    the first ``-hi`` rows and the last ``-hi`` keys out, one above it (``lo > 0``) the first
+    ``lo`` keys and the last ``lo`` rows. What is left is a square whose band holds its own
+    diagonal: no kernel meets a row without keys (which TND calls and flash-attn's windows
+    cannot compute) and no row is computed for nothing."""
+    band = _shifted_band(*params.band(), delta, c)
+    if band is None:
+        return None
+    lo, hi = band
+    first_row = 0 if hi is None else max(0, -hi)
+    first_key = 0 if lo is None else max(0, lo)
+    n = c - first_row - first_key
+    trim = first_row - first_key
+    return _PairCut(first_row, first_key, n, _shifted_band(lo, hi, trim, n), delta + trim)
+
+
 class _DenseBlocks:
     """Ring blocks of one dense sequence: this rank's ``s_local`` rows are chunk ``r`` then
-    chunk ``2cp-1-r``, so the halves are slices; kernels are the backend's dense ones."""
+    chunk ``2cp-1-r``, so the halves (and their cuts) are slices; kernels are the backend's
+    dense ones."""
 
     def __init__(self, backend: AttentionBackend, params: AttentionParams, local_len: int):
         self.backend, self.params = backend, params
@@ -442,13 +458,29 @@ class _DenseBlocks:
         self.half = local_len // 2
         self.rows = {"all": _ALL, "first": slice(0, self.half), "second": slice(self.half, None)}
 
-    def plan(self, step: int, ring: "_Ring") -> list[Block]:
-        return _ring_blocks(step, ring.rank, ring.size, self.params, self.half)
+    def _register(self, half: str, start: int, n: int) -> RowsKey:
+        """The key of rows ``[start, start + n)`` of ``half``."""
+        key = (half, start, n)
+        if key not in self.rows:
+            base = 0 if half == "first" else self.half
+            self.rows[key] = slice(base + start, base + start + n)
+        return key
 
-    def forward(self, q, k, v, q_rows: str, kv_rows: str, params: AttentionParams):
+    def plan(self, step: int, ring: "_Ring") -> list[Block]:
+        if not _by_chunk_pairs(self.params):
+            return _ring_blocks(step, ring.rank, ring.size, self.params)
+        blocks = []  # the cut of each chunk pair the band reaches
+        for q_half, kv_half, chunk_delta in _chunk_pairs(step, ring.rank, ring.size):
+            cut = _pair_cut(self.params, chunk_delta * self.half, self.half)
+            if cut is not None:
+                q_rows, kv_rows = self._register(q_half, cut.first_row, cut.n), self._register(kv_half, cut.first_key, cut.n)
+                blocks.append((q_rows, kv_rows, replace(self.params.with_band(*cut.band), alibi_shift=cut.alibi_shift)))
+        return blocks
+
+    def forward(self, q, k, v, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
         return forward_kernel(self.backend, q, k, v, params)
 
-    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: str, kv_rows: str, params: AttentionParams):
+    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
         return backward_kernel(self.backend, dout, q, k, v, out, stats, rng_state, params)
 
 
@@ -462,16 +494,16 @@ class _PackedBlocks:
         self.starts = local_cu[:-1]
         self.halves = [(end - start) // 2 for start, end in zip(local_cu[:-1], local_cu[1:])]
         self.rows, self.cu = {"all": _ALL}, {"all": local_cu}
-        everything = tuple(range(len(self.halves)))
         for half in ("first", "second"):
-            self._register(half, everything)
+            self._register(half, tuple((doc, 0, n) for doc, n in enumerate(self.halves)), key=half)
 
-    def _register(self, half: str, docs: tuple[int, ...]) -> str:
-        """The row key of ``half`` of documents ``docs`` (their rows and cumulative lengths)."""
-        key = half if len(docs) == len(self.halves) else f"{half}:{','.join(map(str, docs))}"
+    def _register(self, half: str, spans: tuple[tuple[int, int, int], ...], key: Optional[RowsKey] = None) -> RowsKey:
+        """The key of rows ``[start, start + n)`` of ``half`` of each document, for ``spans``
+        of ``(document, start, n)`` (their row indices and cumulative lengths)."""
+        key = (half, spans) if key is None else key
         if key not in self.rows:
-            lengths = [self.halves[d] for d in docs]
-            offsets = [self.starts[d] + (self.halves[d] if half == "second" else 0) for d in docs]
+            offsets = [self.starts[d] + (self.halves[d] if half == "second" else 0) + start for d, start, _ in spans]
+            lengths = [n for _, _, n in spans]
             self.rows[key] = concat_ranges(offsets, lengths).to(self.device)
             self.cu[key] = [0]
             for n in lengths:
@@ -480,31 +512,32 @@ class _PackedBlocks:
 
     def plan(self, step: int, ring: "_Ring") -> list[Block]:
         if not _by_chunk_pairs(self.params):
-            return _ring_blocks(step, ring.rank, ring.size, self.params, chunk_len=0)
+            return _ring_blocks(step, ring.rank, ring.size, self.params)
         return self._pair_plan(step, ring.rank, ring.size)
 
     def _pair_plan(self, step: int, rank: int, size: int) -> list[Block]:
-        """Each chunk pair of step ``step`` once per group of documents whose chunks get the
-        same shifted band (and, with ALiBi, the same distance shift)."""
+        """Each chunk pair of step ``step`` once per group of documents whose cuts
+        (:func:`_pair_cut`) get the same band (and, with ALiBi, the same distance shift)."""
         alibi = self.params.alibi_slopes is not None
         blocks = []
         for q_half, kv_half, chunk_delta in _chunk_pairs(step, rank, size):
-            groups: dict[tuple, list[int]] = {}
+            groups: dict[tuple, list[tuple[int, _PairCut]]] = {}
             for doc, chunk in enumerate(self.halves):
-                band = _shifted_band(*self.params.band(), chunk_delta * chunk, chunk) if chunk else None
-                if band is not None:
-                    groups.setdefault((band, chunk_delta * chunk if alibi else 0), []).append(doc)
-            for (band, shift), docs in groups.items():
-                q_rows, kv_rows = self._register(q_half, tuple(docs)), self._register(kv_half, tuple(docs))
+                cut = _pair_cut(self.params, chunk_delta * chunk, chunk) if chunk else None
+                if cut is not None:
+                    groups.setdefault((cut.band, cut.alibi_shift if alibi else 0), []).append((doc, cut))
+            for (band, shift), cuts in groups.items():
+                q_rows = self._register(q_half, tuple((doc, cut.first_row, cut.n) for doc, cut in cuts))
+                kv_rows = self._register(kv_half, tuple((doc, cut.first_key, cut.n) for doc, cut in cuts))
                 block_params = replace(self.params.with_band(*band), alibi_shift=shift)
-                blocks.append((q_rows, kv_rows, _documents_slopes(block_params, docs)))
+                blocks.append((q_rows, kv_rows, _documents_slopes(block_params, [doc for doc, _ in cuts])))
         return blocks
 
-    def forward(self, q, k, v, q_rows: str, kv_rows: str, params: AttentionParams):
+    def forward(self, q, k, v, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
         out, stats, rng_state = self.backend.varlen_forward(q[0], k[0], v[0], self.cu[q_rows], self.cu[kv_rows], params)
         return out.unsqueeze(0), stats, rng_state
 
-    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: str, kv_rows: str, params: AttentionParams):
+    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
         grads = self.backend.varlen_backward(
             dout[0], q[0], k[0], v[0], out[0], stats, rng_state, self.cu[q_rows], self.cu[kv_rows], params
         )
