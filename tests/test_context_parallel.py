@@ -176,22 +176,30 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
     ql, kl, vl = local(q), local(k), local(v)
     _, saved = measure_saved_bytes(lambda: cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, backend="cpu"))
 
-    deterministic = {}  # what every kernel call was asked, per comm type
+    deterministic = {}  # what every kernel call was asked, per call
 
     class Asked(CpuBackend):
         def forward(self, q, k, v, params):
-            deterministic[comm].append(params.deterministic)
+            asked.append(params.deterministic)
             return super().forward(q, k, v, params)
 
         def backward(self, *args):
-            deterministic[comm].append(args[-1].deterministic)
+            asked.append(args[-1].deterministic)
             return super().backward(*args)
 
+    cu = [0, 4 * world_size, 8 * world_size]  # two packed documents
+    rows = cpmod.thd_positions_for_cp_rank(cu, world_size, rank)
     for comm in ("p2p", "a2a"):
-        deterministic[comm] = []
+        asked = deterministic[comm] = []
         ql, kl, vl = local(q), local(k), local(v)
         out = cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, comm_type=comm, backend=Asked(), deterministic=True)
         out.backward(split(dout, world_size, rank))
+        asked = deterministic[f"packed {comm}"] = []
+        ql, kl, vl = (x[0, : cu[-1]][rows].detach().requires_grad_() for x in (q, k, v))
+        out = cpmod.context_parallel_varlen_attn_func(
+            ql, kl, vl, torch.tensor(cu), group, causal=True, comm_type=comm, backend=Asked(), deterministic=True
+        )
+        out.sum().backward()
     return dict(
         deterministic=deterministic,
         forward_events=forward_events,
@@ -443,8 +451,9 @@ def test_ring_replays_dropout_in_backward(cp2_run):
 
 def test_deterministic_reaches_every_kernel_call_under_cp(cp2_run):
     for (_, _, extras), _ in cp2_run:
-        for comm, asked in extras["deterministic"].items():
-            assert len(asked) >= 2 and all(asked), (comm, asked)  # forward and backward kernels, each told
+        assert sorted(extras["deterministic"]) == ["a2a", "p2p", "packed a2a", "packed p2p"]
+        for call, asked in extras["deterministic"].items():
+            assert len(asked) >= 2 and all(asked), (call, asked)  # forward and backward kernels, each told
 
 
 def test_pair_cut_is_the_tight_square_of_what_the_band_sees():

@@ -437,7 +437,8 @@ def test_packed_op_on_npu_runs_tnd_calls(spawn, request):
             for causal, window, modes in cases:
                 got = calls["npu", comm, causal, window]
                 assert {layout for _, layout, _ in got} == {"TND"}, (comm, causal, got)
-                assert {mode for _, _, mode in got} <= modes, (comm, causal, window, got)
+                modes_used = {mode for _, _, mode in got}  # a window's pairs need not use every mode
+                assert modes_used <= modes if window != (-1, -1) else modes_used == modes, (comm, causal, window, got)
                 assert {name for name, _, _ in got} == {"npu_fusion_attention", "npu_fusion_attention_grad"}
                 assert calls[("npu", comm, causal, window), "fallbacks"] == [], (comm, causal, window)
 

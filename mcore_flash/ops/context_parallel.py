@@ -37,10 +37,11 @@ becomes the local band ``(lo + delta, hi + delta)`` with ``delta = (a - b) * c``
 band misses entirely is skipped (neither computed nor masked, no kernel call), a pair it
 covers entirely runs unmasked, and a pair it cuts runs only the square of its rows that see
 a key against the keys they see (:func:`_pair_cut`: no kernel meets a row without keys,
-which TND calls and flash-attn's windows cannot compute). With window 4096 at 128K over cp 8 most pairs are skipped.
-ALiBi (``alibi_slopes``) splits every step the same way, windowed or not: its distance
-``|j - i|`` is global too, so each pair's kernel gets the shift ``alibi_shift = delta``
-(:class:`~mcore_flash.ops.backends.AttentionParams`). ``softcap`` and ``deterministic`` need
+which TND calls and flash-attn's windows cannot compute). With window 4096 at 128K over cp 8
+most pairs are skipped. ALiBi (``alibi_slopes``) splits every step the same way, windowed or
+not: its distance ``|j - i|`` is global too, so each block's kernel gets its distance below
+the global diagonal as ``alibi_shift`` (:class:`~mcore_flash.ops.backends.AttentionParams`):
+``delta``, plus ``first_row - first_key`` for a cut pair. ``softcap`` and ``deterministic`` need
 nothing from the ring: the cap acts on each score before the softmax, so block statistics
 merge as they are, and the ring's order of accumulation is fixed. Each block returns
 ``(out_i, stats_i)``; partial results merge as (row max, row sum) pairs, MindSpeed's rule
@@ -73,7 +74,8 @@ into ``2*cp`` chunks and rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of EVERY 
 (:func:`thd_positions_for_cp_rank`, Transformer Engine's scheme), so the rule above holds per
 document: the ring's halves become index sets (each document's first / second half) and
 every block is ONE varlen kernel call over all documents with their cumulative lengths
-(with a window: one per group of documents whose chunks share a shifted band);
+(with a window or ALiBi: one per group of documents whose cut pairs share a band, and an
+ALiBi shift);
 Ulysses gathers the rows and puts them in position order by one index map. Documents must be
 padded to multiples of ``2*cp``. Neither algorithm takes an explicit attention mask.
 """
@@ -299,10 +301,11 @@ def context_parallel_varlen_attn_func(
     document's first halves as keys (``src < r``) or second halves as queries
     (``src > r``), unmasked. With a window every hop is split into its chunk pairs as for
     one sequence, but a document's chunk is ``len / 2cp`` rows, so the shifted band differs
-    between documents: each pair runs one varlen call per group of documents that share a
-    band, and documents the band misses are skipped. With ALiBi every hop is split the same
-    way, windowed or not, and documents are grouped by band and distance shift (a document's
-    pair is ``(a - b) * len / 2cp`` rows off the diagonal). Ulysses (a2a): the rows are
+    between documents: each document's pair is cut (:func:`_pair_cut`), each pair runs one
+    varlen call per group of documents whose cuts share a band, and documents the band
+    misses are skipped. With ALiBi every hop is split the same way, windowed or not, and
+    documents are grouped by band and distance shift (which depends on the document's
+    length: its pair is ``(a - b) * len / 2cp`` rows off the diagonal before the cut). Ulysses (a2a): the rows are
     gathered in position order and one varlen call runs over the whole pack.
 
     Returns:
@@ -494,6 +497,7 @@ class _PackedBlocks:
         self.starts = local_cu[:-1]
         self.halves = [(end - start) // 2 for start, end in zip(local_cu[:-1], local_cu[1:])]
         self.rows, self.cu = {"all": _ALL}, {"all": local_cu}
+        self.slopes: dict[tuple[int, ...], Tensor] = {}  # per-document ALiBi slopes of a group of documents
         for half in ("first", "second"):
             self._register(half, tuple((doc, 0, n) for doc, n in enumerate(self.halves)), key=half)
 
@@ -530,7 +534,7 @@ class _PackedBlocks:
                 q_rows = self._register(q_half, tuple((doc, cut.first_row, cut.n) for doc, cut in cuts))
                 kv_rows = self._register(kv_half, tuple((doc, cut.first_key, cut.n) for doc, cut in cuts))
                 block_params = replace(self.params.with_band(*band), alibi_shift=shift)
-                blocks.append((q_rows, kv_rows, _documents_slopes(block_params, [doc for doc, _ in cuts])))
+                blocks.append((q_rows, kv_rows, self._with_slopes_of(block_params, tuple(doc for doc, _ in cuts))))
         return blocks
 
     def forward(self, q, k, v, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
@@ -543,14 +547,15 @@ class _PackedBlocks:
         )
         return tuple(g.unsqueeze(0) for g in grads)
 
-
-def _documents_slopes(params: AttentionParams, docs: list[int]) -> AttentionParams:
-    """``params`` for a varlen call over documents ``docs`` only: their rows of per-document
-    ``[num_docs, hq]`` ALiBi slopes."""
-    slopes = params.alibi_slopes
-    if slopes is None or slopes.dim() == 1 or len(docs) == slopes.shape[0]:
-        return params
-    return replace(params, alibi_slopes=slopes[torch.tensor(docs, device=slopes.device)])
+    def _with_slopes_of(self, params: AttentionParams, docs: tuple[int, ...]) -> AttentionParams:
+        """``params`` for a varlen call over documents ``docs`` only: their rows of per-document
+        ``[num_docs, hq]`` ALiBi slopes (taken once per group, then reused every step)."""
+        slopes = params.alibi_slopes
+        if slopes is None or slopes.dim() == 1 or len(docs) == slopes.shape[0]:
+            return params
+        if docs not in self.slopes:
+            self.slopes[docs] = slopes[torch.tensor(docs, device=slopes.device)]
+        return replace(params, alibi_slopes=self.slopes[docs])
 
 
 def _at(rows: slice, seq_dim: int) -> tuple:

@@ -30,7 +30,7 @@ Conventions shared by all backends:
   ``alibi_slopes`` (float32 ``[hq]`` or ``[b, hq]``) then adds
   ``-slope * |i + sk - sq - j + alibi_shift|`` (flash-attn's definition, for causal attention
   too, when ``alibi_shift`` is 0; context parallelism sets it to a block's distance below the
-  global diagonal, ``(query chunk - kv chunk) * chunk rows``, as it shifts a window's band).
+  global diagonal, as it shifts a window's band).
 """
 
 from __future__ import annotations
