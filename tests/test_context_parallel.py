@@ -362,19 +362,12 @@ def _check_windows(per_rank_results, cp):
     window reaches (found here by brute force over the global visibility), on just the rows
     of the pair that see a key and the keys they see, unmasked where those rows see all of
     them, and never for the others."""
-    from mcore_flash.ops.context_parallel import cp_chunk_ids, gather_from_cp_ranks
+    from mcore_flash.ops.context_parallel import cp_chunk_ids
 
-    q, k, v, dout = _inputs()
     c = S // (2 * cp)
     for backend, comm, window, causal in WINDOW_CASES:
         case = (backend, comm, window, causal)
-        leaves = [x.double().requires_grad_() for x in (q, k, v)]
-        out, lse = oracle.attention(*leaves, causal=causal, window=window)
-        out.backward(dout.double())
-        exact = (out.detach(), lse.detach(), *(x.grad for x in leaves))
-        for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-            got = gather_from_cp_ranks([results[case][i] for results, _, _ in per_rank_results], 2 if name == "lse" else 1)
-            torch.testing.assert_close(got.double(), exact[i], **TOL, msg=f"{case} {name} vs float64")
+        _assert_equals_oracle(per_rank_results, case, causal=causal, window=window)
         if (backend, comm) != ("npu", "p2p"):
             continue
         visible = oracle.visible(S, S, causal, window=window)[0, 0]
@@ -396,18 +389,24 @@ def _check_windows(per_rank_results, cp):
 def _check_score_mods(per_rank_results):
     """softcap and ALiBi (with and without windows) under CP equal the float64 oracle on the
     whole sequence: ALiBi's distances are global positions, not local ones."""
+    for case in SCORE_CASES:
+        _, _, causal, window, softcap, slopes = case
+        _assert_equals_oracle(per_rank_results, case, causal=causal, window=window, softcap=softcap, alibi_slopes=_slopes(slopes))
+
+
+def _assert_equals_oracle(per_rank_results, case, **oracle_kwargs):
+    """The ranks' ``(out, lse, dq, dk, dv)`` of ``case``, gathered, equal the float64 oracle
+    (:func:`oracle.attention` with ``oracle_kwargs``) on the whole sequence."""
     from mcore_flash.ops.context_parallel import gather_from_cp_ranks
 
     q, k, v, dout = _inputs()
-    for case in SCORE_CASES:
-        _, _, causal, window, softcap, slopes = case
-        leaves = [x.double().requires_grad_() for x in (q, k, v)]
-        out, lse = oracle.attention(*leaves, causal=causal, window=window, softcap=softcap, alibi_slopes=_slopes(slopes))
-        out.backward(dout.double())
-        exact = (out.detach(), lse.detach(), *(x.grad for x in leaves))
-        for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-            got = gather_from_cp_ranks([results[case][i] for results, _, _ in per_rank_results], 2 if name == "lse" else 1)
-            torch.testing.assert_close(got.double(), exact[i], **TOL, msg=f"{case} {name} vs float64")
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    out, lse = oracle.attention(*leaves, **oracle_kwargs)
+    out.backward(dout.double())
+    exact = (out.detach(), lse.detach(), *(x.grad for x in leaves))
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        got = gather_from_cp_ranks([results[case][i] for results, _, _ in per_rank_results], 2 if name == "lse" else 1)
+        torch.testing.assert_close(got.double(), exact[i], **TOL, msg=f"{case} {name} vs float64")
 
 
 def test_op_softcap_and_alibi_under_cp2_and_cp4_equal_the_oracle(cp2_run, cp4_run):

@@ -305,8 +305,9 @@ def context_parallel_varlen_attn_func(
     varlen call per group of documents whose cuts share a band, and documents the band
     misses are skipped. With ALiBi every hop is split the same way, windowed or not, and
     documents are grouped by band and distance shift (which depends on the document's
-    length: its pair is ``(a - b) * len / 2cp`` rows off the diagonal before the cut). Ulysses (a2a): the rows are
-    gathered in position order and one varlen call runs over the whole pack.
+    length: its pair is ``(a - b) * len / 2cp`` rows off the diagonal before the cut).
+    Ulysses (a2a): the rows are gathered in position order and one varlen call runs over the
+    whole pack.
 
     Returns:
         ``out [t_local, hq, d]``, or ``(out, lse [hq, t_local])``.
@@ -476,7 +477,8 @@ class _DenseBlocks:
         for q_half, kv_half, chunk_delta in _chunk_pairs(step, ring.rank, ring.size):
             cut = _pair_cut(self.params, chunk_delta * self.half, self.half)
             if cut is not None:
-                q_rows, kv_rows = self._register(q_half, cut.first_row, cut.n), self._register(kv_half, cut.first_key, cut.n)
+                q_rows = self._register(q_half, cut.first_row, cut.n)
+                kv_rows = self._register(kv_half, cut.first_key, cut.n)
                 blocks.append((q_rows, kv_rows, replace(self.params.with_band(*cut.band), alibi_shift=cut.alibi_shift)))
         return blocks
 
@@ -819,11 +821,8 @@ def _heads_of_rank(params: AttentionParams, group) -> AttentionParams:
     slopes = params.alibi_slopes
     if slopes is None:
         return params
-    cp_size, rank = group.size(), group.rank()
-    hq = slopes.shape[-1]
-    if hq % cp_size:
-        return params  # _ulysses refuses these heads, naming the rule
-    share = hq // cp_size
+    share = slopes.shape[-1] // group.size()  # _ulysses refuses heads that do not divide
+    rank = group.rank()
     return replace(params, alibi_slopes=slopes[..., rank * share : (rank + 1) * share].contiguous())
 
 
