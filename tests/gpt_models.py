@@ -93,6 +93,14 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
+def assert_same_bits(loss, grads, ref_loss, ref_grads, what: str) -> None:
+    """Loss and every gradient equal the reference's bit for bit (recompute must change nothing)."""
+    torch.testing.assert_close(loss, ref_loss, atol=0, rtol=0, msg=what)
+    assert grads.keys() == ref_grads.keys(), what
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=0, rtol=0, msg=f"{what}: {name}")
+
+
 def full_weights(model) -> dict[str, torch.Tensor]:
     """A TP=1 model's parameters by name (DDP's ``module.`` prefix dropped)."""
     from megatron.core import parallel_state

@@ -20,7 +20,7 @@ import torch
 
 import oracle
 from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import SEQ, batch, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
+from gpt_models import SEQ, assert_same_bits, batch, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
 
 B, S, HQ, HKV, D = 2, 32, 4, 2, 8
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 against fp32 CP=1 / float64
@@ -535,6 +535,17 @@ def test_qkv_recompute_under_cp_saves_less(cp2_run):
         for comm in GPT_COMMS:
             assert gpt[f"{comm}+qkv"]["saved_bytes"] < gpt[comm]["saved_bytes"], comm
         assert gpt["p2p+qkv"]["saved_bytes"] < gpt["a2a+qkv"]["saved_bytes"]
+
+
+def test_qkv_recompute_under_cp_gives_the_same_bits_as_no_recompute(cp2_run, cp4_run):
+    """Oracle: the same CP layout without recompute (tests/test_recompute.py does TP/SP, dropout)."""
+    for _, gpt in cp2_run:
+        for comm in GPT_COMMS:
+            qkv, none = gpt[f"{comm}+qkv"], gpt[comm]
+            assert_same_bits(qkv["loss"], qkv["grads"], none["loss"], none["grads"], f"cp2 {comm}")
+    for _, gpt in cp4_run:
+        qkv, none = gpt["p2p+qkv"], gpt["p2p"]
+        assert_same_bits(qkv["loss"], qkv["grads"], none["loss"], none["grads"], "tp2 x cp2 p2p")
 
 
 @pytest.mark.parametrize("comm", GPT_COMMS + ("p2p+qkv",))

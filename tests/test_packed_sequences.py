@@ -22,7 +22,7 @@ import torch
 
 import oracle
 from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import VOCAB, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
+from gpt_models import VOCAB, assert_same_bits, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
 
 SEQ = 32
 EOD = VOCAB - 1
@@ -192,8 +192,8 @@ def _w_cp2(rank, world_size):
     init_megatron(tp=1, cp=2)
     try:
         runs = {comm: _packed_run(1, 2, comm) for comm in ("p2p", "a2a")}
-        runs["p2p+qkv"] = _packed_run(1, 2, "p2p", recompute_qkv=True)
         for comm in ("p2p", "a2a"):
+            runs[f"{comm}+qkv"] = _packed_run(1, 2, comm, recompute_qkv=True)
             runs[f"{comm}+window"] = _packed_run(1, 2, comm, window_size=WINDOW)
         return ops, runs
     finally:
@@ -249,10 +249,17 @@ def test_packed_cp1_equals_documents_one_by_one(single_run):
     _check_equal(single_run["cp1"], single_run["one_by_one"], "CP=1 packed")
 
 
-@pytest.mark.parametrize("comm", ["p2p", "a2a", "p2p+qkv"])
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "p2p+qkv", "a2a+qkv"])
 def test_packed_cp2_equals_documents_one_by_one(cp2_run, single_run, comm):
     for rank, (_, runs) in enumerate(cp2_run):
         _check_equal(runs[comm], single_run["one_by_one"], f"CP=2 {comm} rank {rank}")
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_packed_qkv_recompute_under_cp2_gives_the_same_bits_as_no_recompute(cp2_run, comm):
+    for rank, (_, runs) in enumerate(cp2_run):
+        qkv, none = runs[f"{comm}+qkv"], runs[comm]
+        assert_same_bits(qkv["loss"], qkv["grads"], none["loss"], none["grads"], f"rank {rank}")
 
 
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])

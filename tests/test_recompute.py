@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import batch, flash_gpt, full_grads, tiny_config
+from gpt_models import assert_same_bits, batch, flash_gpt, full_grads, tiny_config
 
 MODES = ("none", "qkv", "attention", "full", "attention+mlp", "qkv+mlp", "partial")
 
@@ -58,9 +58,7 @@ def _w_recompute(rank, world_size, modes, sequence_parallel):
 def _assert_same(results, reference="none"):
     ref_loss, ref_grads, _ = results[reference]
     for mode, (loss, grads, _) in results.items():
-        torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6, msg=mode)
-        for name in ref_grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=f"{mode}: {name}")
+        assert_same_bits(loss, grads, ref_loss, ref_grads, mode)
 
 
 def test_recompute_modes_give_identical_gradients_with_dropout():
