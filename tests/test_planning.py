@@ -41,7 +41,6 @@ from mcore_flash.planning import (
 from mcore_flash.planning.cli import main as plan_main
 from mcore_flash.planning.flops import FUSED_ATTENTION_BACKWARD
 
-TOL = 0.02
 RECOMPUTE = ("none", "qkv", "attention", "full")
 # the tiny model (tests/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
 TINY = ModelShape("tiny", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
@@ -167,9 +166,9 @@ def _predict(case, tp, cp=1, device="cpu"):
     return layer, outside
 
 
-def _close(predicted, measured, what):
-    assert measured > 0 or predicted == 0, what
-    assert abs(float(predicted) - measured) <= TOL * max(measured, 1), f"{what}: predicted {float(predicted)}, measured {measured}"
+def _exact(predicted, measured, what):
+    """The planner's bytes equal the measured saved bytes exactly."""
+    assert float(predicted) == measured, f"{what}: predicted {float(predicted)}, measured {measured}"
 
 
 def _check_case(case, measured, tp, table):
@@ -179,21 +178,21 @@ def _check_case(case, measured, tp, table):
     layer, outside = _predict(case, tp)
     layers = case["shape"].num_layers
     predicted_total = layers * sum_terms(layer) + sum_terms(outside)
-    _close(predicted_total, total, f"{case['name']} tp{tp}: whole model")
+    _exact(predicted_total, total, f"{case['name']} tp{tp}: whole model")
     table.append((f"tp{tp} {case['name']} (whole model)", float(predicted_total), total))
     if case["recompute"] == "full":
         # each layer's input is kept by the block's checkpoints ("decoder"), with the
         # RoPE frequencies they share
         decoder = layers * sum_terms(layer) + sum(t.bytes for t in outside if t.module == "decoder")
-        _close(decoder, modules["decoder"], f"{case['name']} tp{tp}: decoder")
+        _exact(decoder, modules["decoder"], f"{case['name']} tp{tp}: decoder")
         assert per_layer == {}
         rope = float(decoder - layers * sum_terms(layer))
         table.append((f"tp{tp} {case['name']}", float(sum_terms(layer)), (modules["decoder"] - rope) / layers))
         return
     predicted = by_module(layer)
     for module in set(predicted) | set(per_layer):
-        _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']} tp{tp}: {module}")
-    _close(sum_terms(layer), sum(per_layer.values()), f"{case['name']} tp{tp}: layer total")
+        _exact(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']} tp{tp}: {module}")
+    _exact(sum_terms(layer), sum(per_layer.values()), f"{case['name']} tp{tp}: layer total")
     table.append((f"tp{tp} {case['name']}", float(sum_terms(layer)), sum(per_layer.values())))
 
 
@@ -204,7 +203,7 @@ def _check_partial(case, total, tp, table):
     selective, _ = _predict(case, tp)
     full, outside = _predict(dict(case, recompute="full"), tp)
     predicted = whole * sum_terms(full) + (layers - whole) * sum_terms(selective) + sum_terms(outside)
-    _close(predicted, total, f"{case['name']} tp{tp}: whole model")
+    _exact(predicted, total, f"{case['name']} tp{tp}: whole model")
     table.append((f"tp{tp} {case['name']} (whole model)", float(predicted), total))
     plan = plan_memory(
         case["shape"],
@@ -254,7 +253,7 @@ def test_predicted_activation_bytes_match_measured_under_context_parallel():
                 continue
             predicted = by_module(layer)
             for module in set(predicted) | set(per_layer):
-                _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}")
+                _exact(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}")
 
 
 NPU_CASES = [
@@ -298,7 +297,7 @@ def test_predicted_activation_bytes_match_measured_on_the_emulated_npu():
         per_layer, _, _ = measured[case["name"]]
         predicted = by_module(_predict(case, 1, device="npu")[0])
         for module in set(predicted) | set(per_layer):
-            _close(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}")
+            _exact(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}")
 
 
 @pytest.fixture(scope="module")
