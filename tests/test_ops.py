@@ -17,6 +17,7 @@ plus, for bf16, nerr = ||actual - expected||_F / ||expected||_F.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
@@ -512,6 +513,19 @@ def test_last_used_backend_reports_each_call():
     assert last_used_backend() == "reference"
     flash_attn_varlen_func(q[0], k[0], v[0], _cu([8]), _cu([8]), 8, 8, backend="cpu")
     assert last_used_backend() == "cpu"
+
+
+def test_backend_choice_is_logged_once_per_backend(caplog, monkeypatch):
+    from mcore_flash.ops import backends
+
+    monkeypatch.setattr(backends, "_logged", set())  # as in a fresh process
+    q, k, v, _ = _inputs(1, 8, 8, 2, 2, 8, torch.float32)
+    with caplog.at_level(logging.INFO, logger="mcore_flash"):
+        for _ in range(3):
+            flash_attn_func(q, k, v, backend="reference")
+            flash_attn_func(q, k, v)
+    lines = [r.getMessage() for r in caplog.records if "using attention backend" in r.getMessage()]
+    assert lines == ["mcore_flash: using attention backend 'reference'", "mcore_flash: using attention backend 'cpu'"]
 
 
 def test_last_used_backend_with_instance():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -473,6 +474,22 @@ def test_recipe_70b_128k_is_the_searchs_best_layout():
     the step-time ranking puts first for 256 x 64 GB."""
     best = search_layouts("llama2-70b", 131072, 256, "64GB", global_batch_size=32)[0].plan.layout
     assert best == plan_for_recipe().layout
+
+
+def test_search_recomputes_just_enough_layers_when_a_selective_mode_does_not_fit():
+    """Oracle: every recompute_num_layers tried one by one with plan_memory. With a capacity
+    between the needs of k - 1 and k layers recomputed whole, the search offers qkv with
+    exactly k (the least that fits), and without partial recompute it offers no qkv at all."""
+    layout = Layout(tp=8, pp=2, cp=16, dp=1, recompute="qkv", global_batch_size=32)
+    need = [plan_memory("llama2-70b", 131072, replace(layout, recompute_num_layers=k)).total for k in range(40)]
+    k = 3
+    assert need[0] > need[k - 1] > need[k]  # each layer recomputed whole frees memory
+    capacity = (need[k - 1] + need[k]) // 2
+    search = dict(tp_choices=[8], pp_choices=[2], cp_choices=[16], recompute_choices=["qkv"], global_batch_size=32)
+    (found,) = search_layouts("llama2-70b", 131072, 256, capacity, **search)
+    assert found.plan.fits and found.plan.layout == replace(layout, recompute_num_layers=k)
+    assert found.plan.total == need[k]
+    assert search_layouts("llama2-70b", 131072, 256, capacity, partial_recompute=False, **search) == []
 
 
 def test_cli_plan_json(capsys):

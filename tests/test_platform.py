@@ -269,6 +269,47 @@ def _w_npu_setup(rank, world_size):
     )
 
 
+def _draws(tracker_states):
+    import random
+
+    import numpy
+
+    return random.random(), float(numpy.random.rand()), torch.rand(3), {k: v.clone() for k, v in tracker_states().items()}
+
+
+def _w_seeding_per_pipeline_rank(rank, world_size):
+    """Draws after set_random_seed(7) at PP 2, then after seeding by hand as Megatron-LM's
+    _set_random_seed does (python, numpy, torch, megatron's tracker: seed + 100 x PP rank)."""
+    import random
+
+    import numpy
+    from megatron.core import parallel_state, tensor_parallel
+
+    init_megatron(pp=world_size, seed=7)
+    try:
+        tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states
+        ours = _draws(tracker_states)
+        by_hand = 7 + 100 * parallel_state.get_pipeline_model_parallel_rank()
+        random.seed(by_hand)
+        numpy.random.seed(by_hand)
+        torch.manual_seed(by_hand)
+        tensor_parallel.model_parallel_cuda_manual_seed(by_hand)
+        return ours, _draws(tracker_states)
+    finally:
+        teardown_megatron()
+
+
+def test_seeding_is_megatron_lms_seed_plus_100_per_pipeline_rank():
+    runs = run_distributed(_w_seeding_per_pipeline_rank, 2)
+    for ours, by_hand in runs:
+        assert ours[:2] == by_hand[:2]
+        assert torch.equal(ours[2], by_hand[2])
+        assert ours[3].keys() == by_hand[3].keys() and ours[3]
+        assert all(torch.equal(ours[3][name], by_hand[3][name]) for name in ours[3])
+    (first, _), (second, _) = runs
+    assert first[:2] != second[:2] and not torch.equal(first[2], second[2])  # the stages differ
+
+
 def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
     out = run_distributed(_w_npu_setup, 1, emulate_npu=True, bind_device=False)[0]
     assert out["device"] == "npu"
