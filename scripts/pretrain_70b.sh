@@ -13,9 +13,9 @@
 # Why the planner: it keeps only layouts whose predicted memory fits 64 GB with >= 5% free and
 # ranks them by the step-time model (docs/step-time.md: compute with recompute, exposed TP /
 # CP-ring / PP / DP communication, the pipeline bubble), which reproduces published 70B
-# figures within 15%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (52.6 GiB,
+# figures within 8%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (52.6 GiB,
 # 11.4 GiB free, ~95 s per 32 x 128K-token step); next: recompute qkv (49.1 GiB, +2% time),
-# attention (47.5 GiB, +20%), full (31.3 GiB, +26%). TP=, PP=, CP=, RECOMPUTE= override it.
+# attention (47.5 GiB, +20%), full (31.3 GiB, +32%). TP=, PP=, CP=, RECOMPUTE= override it.
 #   TP 8 + sequence parallel   one node's 8 NPUs share each layer (HCCS inside the node)
 #   CP                         ring attention over 2*CP chunks: 131072 / CP tokens per rank
 #   PP                         80 layers -> 80/PP per stage, 1F1B

@@ -285,20 +285,28 @@ def _edit_config(path, **changes):
         json.dump(config, f)
 
 
+CONFIG_EDITS = {  # config.json changes the converter must refuse, and what its error names
+    "unknown architecture": (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+    "vocab mismatch": (dict(vocab_size=300), "vocab_size"),
+    "yarn rope": (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None), "'yarn'"),
+    "dynamic rope": (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, rope_parameters=None), "'dynamic'"),
+    "longrope": (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}, rope_parameters=None), "'longrope'"),
+    "unsupported field": (dict(sliding_window=4096), "sliding_window"),
+    "lm_head with tied config": (dict(tie_word_embeddings=True), "tie_word_embeddings=true"),
+    "attention bias": (dict(attention_bias=True), "attention_bias=True"),
+    "mlp bias": (dict(mlp_bias=True), "mlp_bias=True"),
+    "gelu": (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    "head_dim": (dict(head_dim=32), "head_dim=32"),
+}
+
+
 @pytest.mark.parametrize(
     "case,expected",
     [
         ("missing shard", "model-00002-of-"),
         ("tp does not divide heads", "--tensor-model-parallel-size 3"),
-        ("unknown architecture", "MistralForCausalLM"),
-        ("vocab mismatch", "vocab_size"),
-        ("unsupported rope", "'yarn'"),
-        ("unsupported field", "sliding_window"),
-        ("lm_head with tied config", "tie_word_embeddings=true"),
         ("no config", "no config.json"),
-        ("attention bias", "attention_bias=True"),
-        ("gelu", "hidden_act='gelu'"),
-        ("head_dim", "head_dim=32"),
+        *((case, expected) for case, (_, expected) in CONFIG_EDITS.items()),
     ],
 )
 def test_bad_hf_inputs_are_clear_errors_and_write_nothing(tmp_path, capsys, case, expected):
@@ -308,24 +316,10 @@ def test_bad_hf_inputs_are_clear_errors_and_write_nothing(tmp_path, capsys, case
         os.remove(os.path.join(src, next(f for f in sorted(os.listdir(src)) if f.startswith("model-00002-of-"))))
     elif case == "tp does not divide heads":
         argv += ["--tensor-model-parallel-size", 3]
-    elif case == "unknown architecture":
-        _edit_config(src, architectures=["MistralForCausalLM"], model_type="mistral")
-    elif case == "vocab mismatch":
-        _edit_config(src, vocab_size=300)
-    elif case == "unsupported rope":
-        _edit_config(src, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
-    elif case == "unsupported field":
-        _edit_config(src, sliding_window=4096)
-    elif case == "lm_head with tied config":
-        _edit_config(src, tie_word_embeddings=True)
     elif case == "no config":
         os.remove(os.path.join(src, "config.json"))
-    elif case == "attention bias":
-        _edit_config(src, attention_bias=True)
-    elif case == "gelu":
-        _edit_config(src, hidden_act="gelu")
-    elif case == "head_dim":
-        _edit_config(src, head_dim=32)
+    else:
+        _edit_config(src, **CONFIG_EDITS[case][0])
     code, err = _convert_in_process(capsys, *argv)
     assert code == 2 and expected in err and err.startswith("mcore-flash convert: error:"), err
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # no --save, no .tmp
@@ -340,6 +334,24 @@ def test_existing_target_is_refused_and_untouched(tmp_path, capsys):
     code, err = _convert_in_process(capsys, "mcore-to-hf", "--load", tmp_path / "nothing", "--save-hf", tmp_path / "out")
     assert code == 2 and "--load" in err
     assert os.listdir(tmp_path / "mc") == ["keep.txt"] and not os.path.exists(tmp_path / "out")
+
+
+def test_mcore_to_hf_names_a_changed_checkpoint_file_and_writes_nothing(tmp_path, capsys):
+    """One flipped bit inside a tensor shard would load silently as a wrong weight: the
+    manifest check of every file (before megatron reads any) stops it, naming the file."""
+    import glob
+
+    src = make_hf_llama(tmp_path / "hf")
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    shard = max(glob.glob(str(tmp_path / "mc" / "iter_*" / "*.distcp")), key=os.path.getsize)
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    code, err = _convert_in_process(capsys, "mcore-to-hf", "--load", tmp_path / "mc", "--save-hf", tmp_path / "out")
+    assert code == 2 and shard in err and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "out")
 
 
 _FAIL_MID_WRITE = """

@@ -31,6 +31,23 @@ def reference(tmp_path_factory) -> str:
     return fault_drill.run_uninterrupted(str(tmp_path_factory.mktemp("drill") / "uninterrupted"))
 
 
+@pytest.mark.parametrize("free,full", [(1000, True), (2 << 30, False)])
+def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(tmp_path, monkeypatch, free, full):
+    """torch's C++ writer reports a full disk as "unexpected pos" without an errno: under 1 MiB
+    free that is said to be a full disk, with more free space the error is passed on as is;
+    either way the message names the checkpoint that is intact and how to resume."""
+    from mcore_flash.training import checkpointing
+
+    (tmp_path / MARKER).write_text("2")
+    os.makedirs(checkpoint_dir(str(tmp_path), 2))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: usage._replace(free=free))
+    message = checkpointing._save_failure(str(tmp_path), 4, RuntimeError("unexpected pos 512 vs 256"))
+    assert ("No space left on device" in message) == full
+    assert ("RuntimeError: unexpected pos 512 vs 256" in message) != full
+    assert "the checkpoint of iteration 2 is intact" in message and f"--load {tmp_path}" in message
+
+
 @pytest.mark.slow  # the chain's 13 launches: CI's Python 3.12 job runs the tests below (tests/conftest.py)
 def test_fault_drill_table(reference, tmp_path):
     """Every fault point and the full disk: killed there, the tracker names a complete

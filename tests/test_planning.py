@@ -476,6 +476,16 @@ def test_recipe_70b_128k_is_the_searchs_best_layout():
     assert best == plan_for_recipe().layout
 
 
+def test_the_recipe_figures_the_readme_and_docs_quote():
+    """README "The 70B / 128K recipe" and docs/step-time.md quote the planner's output for the
+    recipe layout: 52.6 GiB (11.4 free), and with qkv 49.1 GiB, 84.3% of a layer's bytes, +1.3%."""
+    none = plan_for_recipe()
+    qkv = plan_memory("llama2-70b", 131072, replace(none.layout, recompute="qkv"), device_memory="64GB")
+    gib = 2**30
+    assert (round(none.total / gib, 1), round(none.headroom / gib, 1), round(qkv.total / gib, 1)) == (52.6, 11.4, 49.1)
+    assert round(qkv.layer_bytes / none.layer_bytes, 3) == 0.843 and round(qkv.recompute_overhead, 3) == 0.013
+
+
 def test_search_recomputes_just_enough_layers_when_a_selective_mode_does_not_fit():
     """Oracle: every recompute_num_layers tried one by one with plan_memory. With a capacity
     between the needs of k - 1 and k layers recomputed whole, the search offers qkv with

@@ -236,12 +236,15 @@ def test_document_masking_same_losses_at_cp1_cp2_and_pp2(tmp_path):
     assert abs(plain[1] - one[1]) > 1e-3  # document masking changes the loss: the flags act
 
 
-def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
+@pytest.mark.parametrize("hardware", [None, "h100-80g"])
+def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path, hardware):
     """--tensorboard-dir: TensorBoard's own reader finds Megatron-LM's tags, one point per
-    logged iteration, with the values metrics.jsonl holds."""
+    logged iteration, with the values metrics.jsonl holds; ``mfu`` only with --hardware,
+    TFLOP/s per device over the profile's BF16 peak (989 for the H100)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _pretrain(tmp_path / "run", "--train-iters", "2", "--tensorboard-dir", str(tmp_path / "tb"))
+    extra = ["--hardware", hardware] if hardware else []
+    _pretrain(tmp_path / "run", "--train-iters", "2", "--tensorboard-dir", str(tmp_path / "tb"), *extra)
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     events = EventAccumulator(str(tmp_path / "tb"))
@@ -249,7 +252,10 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
     tags = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "iteration_time_s": "iteration-time",
             "tokens_per_s": "tokens-per-second", "tokens_per_s_per_device": "tokens-per-second-per-device",
             "tflops_per_device": "throughput", "peak_memory_bytes": "mem-max-allocated-bytes"}  # fmt: skip
-    assert set(events.Tags()["scalars"]) == set(tags.values())  # no "mfu" without --hardware
+    if hardware:
+        tags["mfu"] = "mfu"
+        assert [r["mfu"] for r in records] == pytest.approx([r["tflops_per_device"] / 989 for r in records], rel=1e-3)
+    assert set(events.Tags()["scalars"]) == set(tags.values())
     for key, tag in tags.items():
         points = events.Scalars(tag)
         assert [p.step for p in points] == [r["iteration"] for r in records] == [1, 2]

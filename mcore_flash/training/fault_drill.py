@@ -153,7 +153,9 @@ def same_files(one: str, other: str) -> bool:
 
 def _disk_full(work_dir: str, reference: str) -> Row:
     """Train with ``--save-interval 2`` on a tmpfs that holds one checkpoint: the save of
-    iteration 4 fails with ENOSPC; enlarge the tmpfs and resume."""
+    iteration 4 fails with ENOSPC (killed there: exit code 1, the message names the full
+    disk and the intact checkpoint, and no partial ``.tmp`` directory is left); enlarge the
+    tmpfs and resume."""
     out = os.path.join(work_dir, "disk_full")
     os.makedirs(out)
     data = _bytes(os.path.join(reference, "data"))
@@ -167,6 +169,7 @@ def _disk_full(work_dir: str, reference: str) -> Row:
         f"mount -t tmpfs -o size={size_kib}k tmpfs {mount_point}",
         f"{shlex.join(_torchrun_command(mount_point, False, extra))} > {out}/first.log 2>&1; echo $? > {out}/first.code",
         f"cat {mount_point}/{MARKER} > {out}/tracker 2>/dev/null",
+        f"ls -a {mount_point} > {out}/after_failure.ls",
         f"mount -o remount,size=1g {mount_point}",
         f"{shlex.join(_torchrun_command(mount_point, True, extra))} > {out}/second.log 2>&1; echo $? > {out}/second.code",
         f"cp -a {mount_point}/. {out}/after/",
@@ -178,9 +181,15 @@ def _disk_full(work_dir: str, reference: str) -> Row:
     finally:
         _kill_leftovers(env[_TOKEN])
     first, second = (_read(os.path.join(out, name)) for name in ("first.log", "second.log"))
-    killed = _read(os.path.join(out, "first.code")).strip() == "1" and "No space left on device" in first
     tracker_text = _read(os.path.join(out, "tracker")).strip()
     tracker = int(tracker_text) if tracker_text.isdigit() else None
+    partial_left = any(name.endswith(".tmp") for name in _read(os.path.join(out, "after_failure.ls")).split())
+    killed = (
+        _read(os.path.join(out, "first.code")).strip() == "1"
+        and "No space left on device" in first
+        and f"the checkpoint of iteration {tracker} is intact" in first
+        and not partial_left
+    )
     after = os.path.join(out, "after")
     complete = tracker is not None and same_files(checkpoint_dir(after, tracker), checkpoint_dir(reference, tracker))
     resumed = _resumed_from(second)
