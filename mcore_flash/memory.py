@@ -4,9 +4,9 @@ Measured, not modelled: ``torch.autograd.graph.saved_tensors_hooks`` sees every 
 autograd keeps for backward (including those saved by custom ``autograd.Function``s such
 as the fused attention and Megatron's checkpointing). Each storage is counted once, at
 its size when the forward pass ends (so storages freed early, e.g. by Megatron's
-``CheckpointWithoutOutput``, count 0, and a later storage the allocator puts at a freed
-one's address counts on its own), and parameters are not counted. A saved tensor is
-charged to the innermost module running when it was saved.
+``CheckpointWithoutOutput``, count 0, and a later storage at a freed one's address counts
+on its own), and parameters are not counted. A saved tensor is charged to the innermost
+module running when it was saved.
 """
 
 from __future__ import annotations
@@ -55,21 +55,16 @@ def measure_saved_bytes(fn: Callable[[], Any], model: Optional[torch.nn.Module] 
     model everything is charged to ``""``.
     """
     stack: list[str] = [""]
-    storages: dict[int, tuple[str, torch.UntypedStorage]] = {}  # by address, while the storage lives there
-    freed: list[tuple[str, torch.UntypedStorage]] = []  # storages freed in forward (their address reused)
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+    # Keyed by the storage object, held here, so that no two storages share a key: addresses
+    # would not do, the allocator reuses a storage's memory once it is freed (``resize_(0)``).
+    storages: dict[int, tuple[str, torch.UntypedStorage]] = {}
+    params = {id(s): s for s in (p.untyped_storage() for p in model.parameters())} if model is not None else {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in param_storages or isinstance(tensor, torch.nn.Parameter):
-            return tensor
-        seen = storages.get(ptr)
-        if seen is not None and seen[1].data_ptr() != ptr:  # freed (resized to 0) and its memory reused
-            freed.append(seen)
-            seen = None
-        if seen is None:
-            storages[ptr] = (stack[-1], storage)
+        key = id(storage)
+        if key not in params and key not in storages and not isinstance(tensor, torch.nn.Parameter):
+            storages[key] = (stack[-1], storage)
         return tensor
 
     def enter(name: str) -> Callable:
@@ -95,7 +90,7 @@ def measure_saved_bytes(fn: Callable[[], Any], model: Optional[torch.nn.Module] 
 
     saved = SavedBytes()
     by_module: dict[str, int] = defaultdict(int)
-    for path, storage in [*storages.values(), *freed]:
+    for path, storage in storages.values():
         by_module[path] += storage.nbytes()
     saved.by_module = dict(by_module)
     saved.total = sum(by_module.values())
