@@ -172,8 +172,9 @@ if [[ " $* " == *" --rehearse "* ]]; then
   REHEARSAL+=(--save "$SAVE" "${LOAD_ARGS[@]}")
   args=()
   for a in "$@"; do [[ "$a" == --rehearse ]] || args+=("$a"); done
-  OMP_NUM_THREADS=1 exec "${PYTHON:-python}" -m torch.distributed.run --nnodes 1 --nproc-per-node 8 \
-    --master-addr 127.0.0.1 --master-port "${MASTER_PORT}" -m mcore_flash.pretrain "${REHEARSAL[@]}" "${args[@]}"
+  # one node: torchrun's --standalone store binds a free port itself
+  OMP_NUM_THREADS=1 exec "${PYTHON:-python}" -m torch.distributed.run --standalone --local-addr 127.0.0.1 \
+    --nproc-per-node 8 -m mcore_flash.pretrain "${REHEARSAL[@]}" "${args[@]}"
 fi
 
 if [[ " $* " == *" --dry-run "* ]]; then

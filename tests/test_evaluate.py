@@ -63,7 +63,9 @@ def main_job(main_job_run) -> str:
 def test_main_job_learns_the_long_range_copy_as_the_readme_says(main_job_run):
     """Oracle: the task's analytic floors (tests/test_data.py): below 2.386 nats/token only a
     model that copies the key 238 tokens back, 2.182 for perfect copying. Also the README's
-    figures of this deterministic run: 467,584 parameters, 5.92 -> 2.18, and the curve."""
+    figures: 467,584 parameters, 5.92 -> 2.18, on the local floor's plateau at step 100 and
+    copying by step 300. The steps between are not asserted: the run is deterministic on one
+    machine, but CPUs whose kernels differ move them (2.24 and 2.27 at step 200 on two of ours)."""
     from mcore_flash.data.synthetic import make_task
 
     save, log = main_job_run
@@ -73,9 +75,9 @@ def test_main_job_learns_the_long_range_copy_as_the_readme_says(main_job_run):
     assert (round(first, 2), round(last, 2)) == (5.92, 2.18)
     with open(f"{save}/metrics.jsonl") as f:
         loss = {r["iteration"]: r["loss"] for r in map(json.loads, f)}
+    assert task.local_floor < loss[100] < task.local_floor + 0.05  # not yet attending 238 tokens back
+    assert loss[300] < task.local_floor  # copying
     assert task.perfect_floor < loss[1000] < task.perfect_floor + 0.01 < task.local_floor
-    assert [round(loss[i], 2) for i in (100, 200)] == [2.41, 2.27]
-    assert loss[300] < task.local_floor and round(loss[300], 3) == 2.189 and round(loss[1000], 3) == 2.183
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,10 @@ def test_fault_drill_table(reference, tmp_path):
     docs/fault-tolerance.md holds exactly this table."""
     rows = fault_drill.run_drill(str(tmp_path), reference)
     assert [row.fault.split("@")[0] for row in rows] == [*faults.POINTS, "disk full"]
-    for row in rows:
-        assert row.ok, row
+    logs = sorted((tmp_path / "launches").iterdir())  # the chain's launches, in order
+    for index, row in enumerate(rows[:-1]):  # the launch killed at the row's point, and the next one
+        assert row.ok, (row, *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in logs[index : index + 2]))
+    assert rows[-1].ok, (rows[-1], (tmp_path / "disk_full" / "first.log").read_text()[-2000:])
     assert [row.resumed_from for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 2]
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "fault-tolerance.md")).read()
     table = docs.split(fault_drill.BEGIN)[1].split(fault_drill.END)[0].strip()

@@ -22,7 +22,6 @@ import sys
 
 import pytest
 
-from dist_utils import free_port
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
@@ -48,11 +47,12 @@ LAYOUTS = {
 
 
 def torchrun(nproc: int, argv: list[str], script: str | None = None, timeout: int = 420) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run`` on 127.0.0.1: ``mcore_flash.pretrain`` or ``script``."""
+    """``python -m torch.distributed.run --standalone`` on 127.0.0.1 (its store binds a free port
+    itself): ``mcore_flash.pretrain`` or ``script``."""
     target = [script] if script else ["-m", "mcore_flash.pretrain"]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target, *argv,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+        "--nproc-per-node", str(nproc), *target, *argv,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
@@ -145,8 +145,8 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
     hf_dir = make_hf_llama(tmp_path / "hf", vocab=258, hidden=64, ffn=176, layers=4)
     save = tmp_path / "run"
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_70b.sh")
-    env = {**os.environ, "PYTHON": sys.executable, "REHEARSAL_SAVE": str(save), "MASTER_PORT": str(free_port()),
-           "PYTHONWARNINGS": "ignore", "HF_CHECKPOINT": hf_dir, "RECOMPUTE": "qkv"}  # fmt: skip
+    env = {**os.environ, "PYTHON": sys.executable, "REHEARSAL_SAVE": str(save), "PYTHONWARNINGS": "ignore",
+           "HF_CHECKPOINT": hf_dir, "RECOMPUTE": "qkv"}  # fmt: skip
     result = subprocess.run(["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     output = result.stdout + result.stderr  # progress on stdout, the [mcore-flash] notes on stderr
@@ -158,7 +158,6 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
         assert report["device"] == f"npu:{rank}" and report["inputs_the_kernels_would_copy"] == {}
         assert report["op_calls"]["npu_fusion_attention_grad[TND]"] > 0  # DOCUMENT_MASKING=1: packed
 
-    env["MASTER_PORT"] = str(free_port())
     again = subprocess.run(["bash", script, "--rehearse", "--train-iters", "3"], capture_output=True, text=True,
                            timeout=600, env=env)  # fmt: skip
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]

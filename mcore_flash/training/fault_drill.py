@@ -36,7 +36,6 @@ from typing import NamedTuple, Optional
 
 from mcore_flash.training import faults
 from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
-from mcore_flash.training.distributed import _free_port
 
 ITERATIONS = 12
 # (point, iteration, rank): each kill lands after the previous resume has made progress
@@ -90,8 +89,11 @@ def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = 
     :func:`run_uninterrupted`; made under ``work_dir`` when not given)."""
     reference = reference or run_uninterrupted(os.path.join(work_dir, "uninterrupted"))
     chain = os.path.join(work_dir, "chain")
+    logs = os.path.join(work_dir, "launches")  # each launch's output, kept: a failed row names its two
+    os.makedirs(logs, exist_ok=True)
     rows = []
-    code, output = launch(chain, fault=_spec(*CHAIN[0]), load=True)
+    killed_log = os.path.join(logs, f"00-{_spec(*CHAIN[0])}.log")
+    code, output = launch(chain, fault=_spec(*CHAIN[0]), load=True, log=killed_log)
     if "starting from scratch" not in output:  # --load of an empty directory
         raise RuntimeError(f"the first launch did not start from scratch:\n{output[-3000:]}")
     for index, (point, iteration, rank) in enumerate(CHAIN):
@@ -99,14 +101,16 @@ def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = 
         tracker = _tracker(chain)
         complete = tracker is None or same_files(checkpoint_dir(chain, tracker), checkpoint_dir(reference, tracker))
         following = _spec(*CHAIN[index + 1]) if index + 1 < len(CHAIN) else None
-        code, output = launch(chain, fault=following, load=True)
+        next_log = os.path.join(logs, f"{index + 1:02d}-{following or 'no-fault'}.log")
+        code, output = launch(chain, fault=following, load=True, log=next_log)
         resumed = _resumed_from(output)
         written = [i for i in _checkpoints(chain) if i > (resumed or 0)]  # renamed into place, tracked or not
         equal = len(written) > 0 and all(
             same_files(checkpoint_dir(chain, i), checkpoint_dir(reference, i)) for i in written
         )  # fmt: skip
         rows.append(Row(_spec(point, iteration, rank), faults.POINTS[point], killed, tracker, complete, resumed, equal))
-        log(f"fault drill: {rows[-1].fault}: {'ok' if rows[-1].ok else 'FAILED'}")
+        log(f"fault drill: {rows[-1].fault}: " + ("ok" if rows[-1].ok else f"FAILED (see {killed_log}, {next_log})"))
+        killed_log = next_log
     if code != 0 or _tracker(chain) != ITERATIONS:
         raise RuntimeError(f"the last launch of the chain did not finish:\n{output[-3000:]}")
     if disk_full:
@@ -115,10 +119,13 @@ def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = 
     return rows
 
 
-def launch(save: str, fault: Optional[str] = None, load: bool = False, extra: tuple = ()) -> tuple[int, str]:
-    """``torchrun`` 2 CPU ranks of ``mcore_flash.pretrain``; returns (exit code, stdout + stderr)."""
+def launch(
+    save: str, fault: Optional[str] = None, load: bool = False, extra: tuple = (), log: Optional[str] = None
+) -> tuple[int, str]:
+    """``torchrun`` 2 CPU ranks of ``mcore_flash.pretrain``; returns (exit code, stdout + stderr),
+    which ``log`` (a file path) keeps."""
     env = _environment(fault)
-    with tempfile.TemporaryFile("w+") as output:
+    with open(log, "w+") if log else tempfile.TemporaryFile("w+") as output:
         try:
             code = subprocess.run(_torchrun_command(save, load, extra), stdout=output, stderr=subprocess.STDOUT,
                                   env=env, timeout=600).returncode  # fmt: skip
@@ -201,10 +208,11 @@ def _disk_full(work_dir: str, reference: str) -> Row:
 
 
 def _torchrun_command(save: str, load: bool, extra: tuple) -> list[str]:
+    """torchrun's ``--standalone``: its store binds a free port itself (a port picked here and
+    bound by torchrun seconds later could be taken in between, and the launch fail)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "mcore_flash.pretrain",
-        *FLAGS, *extra, "--save", save,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+        "--nproc-per-node", "2", "-m", "mcore_flash.pretrain", *FLAGS, *extra, "--save", save,
     ]  # fmt: skip
     return command + (["--load", save] if load else [])
 
