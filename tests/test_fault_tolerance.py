@@ -65,6 +65,20 @@ def test_fault_drill_table(reference, tmp_path):
     assert table == fault_drill.markdown(rows)  # regenerate: python -m mcore_flash.training.fault_drill --write
 
 
+@pytest.mark.parametrize("ok", [True, False])
+def test_the_drill_cli_keeps_its_work_dir_only_when_a_row_failed(tmp_path, monkeypatch, capsys, ok):
+    work_dir = tmp_path / "drill"
+
+    def drill(path, disk_full, log):
+        os.makedirs(os.path.join(path, "launches"))
+        return [fault_drill.Row("forward@2:0", "somewhere", ok, 1, True, 1, True)]
+
+    monkeypatch.setattr(fault_drill, "run_drill", drill)
+    assert fault_drill.main(["--work-dir", str(work_dir)]) == (0 if ok else 1)
+    assert work_dir.exists() != ok
+    assert (f"kept {work_dir} (each launch's output: launches/)" in capsys.readouterr().err) != ok
+
+
 def test_fault_spec_errors_name_the_variable():
     assert faults.parse("save-rng@4:1") == faults.Fault("save-rng", 4, 1)
     for bad in ("explode@3", "backward", "backward@x", "backward@3:r"):

@@ -313,8 +313,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         head, rest = text.split(BEGIN, 1)
         with open(args.write, "w") as f:
             f.write(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
+    if not all(row.ok for row in rows):
+        print(f"fault drill: kept {args.work_dir} (each launch's output: launches/)", file=sys.stderr)
+        return 1
     shutil.rmtree(args.work_dir, ignore_errors=True)
-    return 0 if all(row.ok for row in rows) else 1
+    return 0
 
 
 if __name__ == "__main__":
