@@ -4,7 +4,8 @@ Oracles: the main job's checkpoint (trained here with the README's command) must
 the key at the trained length and gap, a model that has not trained must score at chance;
 `mcore-flash generate`'s greedy decoding decides, sample by sample, what one teacher-forced
 pass scores; megatron's own cross-entropy (`GPTModel(..., labels=...)`) gives the per-token
-losses; TP2 and CP2 must reproduce TP1's numbers; the PNGs are read back by matplotlib.
+losses; TP2, CP2 and PP2 must reproduce TP1's numbers (but near-tie argmaxes); the PNGs are
+read back by matplotlib.
 """
 
 from __future__ import annotations
@@ -183,8 +184,19 @@ def test_loss_by_position_table_and_plot(main_job, tmp_path, capsys):
     assert len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 50
 
 
+def _same_cells_but_near_ties(ours: list[dict], theirs: list[dict], samples: int, key_length: int) -> None:
+    """The layouts sum in other orders (the losses agree to 1e-5): an argmax between two
+    letters within rounding may flip, one key token of the grid, no more."""
+    assert [{k: c[k] for k in ("length", "depth", "samples")} for c in ours] == [
+        {k: c[k] for k in ("length", "depth", "samples")} for c in theirs
+    ]
+    flipped = sum(abs(a["token_accuracy"] - b["token_accuracy"]) * samples * key_length for a, b in zip(ours, theirs))
+    assert round(flipped, 6) <= 1 and all(abs(a["exact"] - b["exact"]) * samples <= 1 for a, b in zip(ours, theirs))
+
+
 def test_tp2_cp2_and_pp2_give_tp1s_numbers(main_job):
-    needle = ["--task", "needle", "--depths", "0,1", "--num-samples", "20", "--eval-batch-size", "10"]
+    needle = ["--task", "needle", "--depths", "0,1", "--num-samples", "20", "--eval-batch-size", "10",
+              "--needle-length", "16"]  # fmt: skip
     losses = ["--task", "loss-by-position", "--num-samples", "10"]
     reference = _evaluate(main_job, *needle), _evaluate(main_job, *losses)
     assert 0 < reference[0]["cells"][1]["token_accuracy"] < 1  # a cell where the numbers are not trivial
@@ -192,7 +204,7 @@ def test_tp2_cp2_and_pp2_give_tp1s_numbers(main_job):
     for layout in (["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
                    ["--context-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):  # fmt: skip
         cells = _evaluate(main_job, *needle, *layout, world_size=2)["cells"]
-        assert cells == reference[0]["cells"], layout
+        _same_cells_but_near_ties(cells, reference[0]["cells"], samples=20, key_length=16)
         buckets = _evaluate(main_job, *losses, *layout, world_size=2)["buckets"]
         for ours, theirs in zip(buckets, reference[1]["buckets"]):
             assert ours["tokens"] == theirs["tokens"]
