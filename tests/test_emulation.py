@@ -98,6 +98,15 @@ def _w_device(rank, world_size):
     with_views = torch.npu.memory_allocated() - before
     del big, _
     out["memory"] = (grown, with_views, torch.npu.memory_allocated() - before, torch.npu.max_memory_allocated() >= grown)
+    # two live storages are two, whatever addresses the allocator gives them (it reuses a freed one's)
+    data_ptr = torch.UntypedStorage.data_ptr
+    torch.UntypedStorage.data_ptr = lambda storage: 0x1000 if storage.nbytes() else 0
+    try:
+        pair = torch.empty(1024, device="npu"), torch.empty(1024, device="npu")
+        out["same_address"] = torch.npu.memory_allocated() - before
+        del pair
+    finally:
+        torch.UntypedStorage.data_ptr = data_ptr
     # training: bitwise the CPU's numbers
     out["train"] = (_train("cpu"), _train("npu"))
     return out
@@ -133,6 +142,7 @@ def test_views_alias_and_module_to_keeps_parameter_attributes(device):
 
 def test_memory_statistics_are_exact(device):
     assert device["memory"] == (1024 * 256 * 4, 1024 * 256 * 4, 0, True)
+    assert device["same_address"] == 2 * 1024 * 4
 
 
 def test_training_on_the_device_is_bitwise_the_cpu(device):

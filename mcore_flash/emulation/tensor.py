@@ -337,22 +337,25 @@ class _OpInfo:
 
 
 class _Memory:
-    """Bytes of the CPU storages behind live npu tensors (views count once)."""
+    """Bytes of the CPU storages behind live npu tensors (views count once), each at its size
+    when its first npu tensor was made. Keyed by the storage object, held, not by its address:
+    the allocator reuses the address of a storage freed by ``untyped_storage().resize_(0)``
+    (megatron's ``CheckpointWithoutOutput``) while that storage's tensors still live."""
 
     def __init__(self):
-        self._live: dict[int, list[int]] = {}  # storage data_ptr -> [wrappers, nbytes]
+        self._live: dict[int, list] = {}  # id(storage) -> [wrappers, nbytes, storage]
 
     def track(self, tensor: NpuTensor, elem: torch.Tensor) -> None:
         storage = elem.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr == 0:
+        if storage.nbytes() == 0:
             return
-        entry = self._live.get(ptr)
+        key = id(storage)
+        entry = self._live.get(key)
         if entry is None:
-            entry = self._live[ptr] = [0, storage.nbytes()]
+            entry = self._live[key] = [0, storage.nbytes(), storage]
             runtime()._record_allocation(entry[1])
         entry[0] += 1
-        tensor._finalizer = weakref.finalize(tensor, self._release, ptr)
+        tensor._finalizer = weakref.finalize(tensor, self._release, key)
 
     def retrack(self, tensor: NpuTensor, elem: torch.Tensor) -> None:
         """``tensor`` now holds ``elem`` (``.data =``, ``resize_``, ``set_``)."""
@@ -361,13 +364,13 @@ class _Memory:
             finalizer()  # releases the old storage once
         self.track(tensor, elem)
 
-    def _release(self, ptr: int) -> None:
-        entry = self._live.get(ptr)
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
         if entry is None:
             return
         entry[0] -= 1
         if entry[0] == 0:
-            del self._live[ptr]
+            del self._live[key]
             runtime()._record_free(entry[1])
 
 
