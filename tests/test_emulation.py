@@ -107,6 +107,12 @@ def _w_device(rank, world_size):
         del pair
     finally:
         torch.UntypedStorage.data_ptr = data_ptr
+    # a storage grown by resize_ while a view shares it counts at its new size
+    small = torch.empty(16, device="npu")
+    view = small[:4]
+    small.resize_(1024)
+    out["grown_shared"] = torch.npu.memory_allocated() - before
+    del small, view
     # training: bitwise the CPU's numbers
     out["train"] = (_train("cpu"), _train("npu"))
     return out
@@ -143,6 +149,7 @@ def test_views_alias_and_module_to_keeps_parameter_attributes(device):
 def test_memory_statistics_are_exact(device):
     assert device["memory"] == (1024 * 256 * 4, 1024 * 256 * 4, 0, True)
     assert device["same_address"] == 2 * 1024 * 4
+    assert device["grown_shared"] == 1024 * 4
 
 
 def test_training_on_the_device_is_bitwise_the_cpu(device):

@@ -354,6 +354,9 @@ class _Memory:
         if entry is None:
             entry = self._live[key] = [0, storage.nbytes(), storage]
             runtime()._record_allocation(entry[1])
+        elif entry[1] != storage.nbytes():  # grown by ``resize_`` while another tensor shares it
+            runtime()._record_allocation(storage.nbytes() - entry[1])
+            entry[1] = storage.nbytes()
         entry[0] += 1
         tensor._finalizer = weakref.finalize(tensor, self._release, key)
 
