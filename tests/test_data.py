@@ -7,13 +7,13 @@ import gzip
 import json
 import math
 import os
-import socket
 import sys
 
 import numpy
 import pytest
 import torch
 
+from dist_utils import free_port
 from mcore_flash.data import DataError
 from mcore_flash.data.indexed import check_indexed_dataset
 from mcore_flash.data.preprocess import main as preprocess_main
@@ -239,12 +239,6 @@ def test_synthetic_deterministic_and_cached(tmp_path):
 # --------------------------------------------------------------------------- build_datasets
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gloo_group():
     """A single-process gloo group (megatron's dataset builder is collective when one exists)."""
@@ -253,7 +247,7 @@ def gloo_group():
         return
     torch.distributed.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         world_size=1,
         rank=0,
         timeout=datetime.timedelta(seconds=60),

@@ -92,7 +92,7 @@ def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = 
     logs = os.path.join(work_dir, "launches")  # each launch's output, kept: a failed row names its two
     os.makedirs(logs, exist_ok=True)
     rows = []
-    killed_log = os.path.join(logs, f"00-{_spec(*CHAIN[0])}.log")
+    killed_log = _launch_log(logs, 0, _spec(*CHAIN[0]))
     code, output = launch(chain, fault=_spec(*CHAIN[0]), load=True, log=killed_log)
     if "starting from scratch" not in output:  # --load of an empty directory
         raise RuntimeError(f"the first launch did not start from scratch:\n{output[-3000:]}")
@@ -101,7 +101,7 @@ def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = 
         tracker = _tracker(chain)
         complete = tracker is None or same_files(checkpoint_dir(chain, tracker), checkpoint_dir(reference, tracker))
         following = _spec(*CHAIN[index + 1]) if index + 1 < len(CHAIN) else None
-        next_log = os.path.join(logs, f"{index + 1:02d}-{following or 'no-fault'}.log")
+        next_log = _launch_log(logs, index + 1, following)
         code, output = launch(chain, fault=following, load=True, log=next_log)
         resumed = _resumed_from(output)
         written = [i for i in _checkpoints(chain) if i > (resumed or 0)]  # renamed into place, tracked or not
@@ -223,6 +223,11 @@ def _environment(fault: Optional[str]) -> dict:
     if fault:
         env[faults.ENV] = fault
     return env
+
+
+def _launch_log(logs: str, number: int, fault: Optional[str]) -> str:
+    """``logs/NN-POINT@ITERATION:RANK.log`` (``NN-no-fault.log`` for the launch that finishes)."""
+    return os.path.join(logs, f"{number:02d}-{fault or 'no-fault'}.log")
 
 
 def _spec(point: str, iteration: int, rank: int) -> str:
