@@ -63,9 +63,9 @@ def main_job(main_job_run) -> str:
 
 def test_main_job_learns_the_long_range_copy_as_the_readme_says(main_job_run):
     """Oracle: the task's analytic floors (tests/test_data.py): below 2.386 nats/token only a
-    model that copies the key 238 tokens back, 2.182 for perfect copying. Also the README's
-    figures: 467,584 parameters, 5.92 -> 2.18, on the local floor's plateau at step 100 and
-    copying by step 300. The steps between are not asserted: the run is deterministic on one
+    model that copies the key 238 tokens back, 2.182 for perfect copying. Also the figures of
+    the README and docs/pretrain.md: 467,584 parameters, 5.92 -> 2.18, on the local floor's
+    plateau at step 100 and copying by step 300. The steps between are not asserted: the run is deterministic on one
     machine, but CPUs whose kernels differ move them (2.24 and 2.27 at step 200 on two of ours)."""
     from mcore_flash.data.synthetic import make_task
 
@@ -262,7 +262,7 @@ def test_bad_input_errors_name_the_flag(main_job, tmp_path, monkeypatch):
 def test_lengths_beyond_positions_run_when_positions_are_raised(main_job):
     """The error's own advice works: unscaled extrapolation to 512 runs. It fails to retrieve
     at depth 0 (a 494-token gap, twice the trained one) and mostly retrieves at depth 0.5378,
-    where the gap is the trained 238 tokens (0.87 in the README's run)."""
+    where the gap is the trained 238 tokens (0.87 in docs/evaluate.md's run)."""
     result = _evaluate(main_job, "--task", "needle", "--lengths", "512", "--depths", "0,0.5378",
                        "--max-position-embeddings", "512", "--num-samples", "100")  # fmt: skip
     far, trained_gap = result["cells"]
