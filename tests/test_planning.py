@@ -41,6 +41,7 @@ from mcore_flash.planning import (
 )
 from mcore_flash.planning.cli import main as plan_main
 from mcore_flash.planning.flops import FUSED_ATTENTION_BACKWARD
+from mcore_flash.planning.report import format_plan
 
 RECOMPUTE = ("none", "qkv", "attention", "full")
 # the tiny model (tests/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
@@ -459,7 +460,7 @@ def test_in_flight_microbatches_1f1b_and_interleaved():
 def test_recipe_70b_128k_fits_64gb():
     plan = plan_for_recipe()
     assert plan.layout.tp == 8 and plan.layout.sp and plan.layout.distributed_optimizer
-    assert plan.fits and plan.headroom > 4 * 2**30, plan.format_text()
+    assert plan.fits and plan.headroom > 4 * 2**30, format_plan(plan)
     # exact parts, by hand: 40 layers x 2 micro-batches in flight x (input norm input 16 MiB +
     # QKV input 16 + RoPE cos/sin 8 + q 16 + k 2 + v 2 + out 16 + pre-MLP norm input 16 + fc1
     # input 16 + fused-SwiGLU input 112 + fc2 input 56 MiB + 2 x 4 KiB rstd) and 4 MiB of NPU

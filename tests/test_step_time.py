@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import pytest
 
-from mcore_flash.planning import Layout, stage_parameters
+from mcore_flash.planning import Layout, predict_step_time, stage_parameters
 from mcore_flash.planning.cli import main as plan_main
 from mcore_flash.planning.hardware import HARDWARE_PROFILES, REQUIRED_FIELDS, HardwareProfile, load_hardware
-from mcore_flash.planning.step_time import BREAKDOWN_KEYS, predict_step_time
+from mcore_flash.planning.step_time import BREAKDOWN_KEYS
 
 # ---- hardware profiles ------------------------------------------------------------------
 
