@@ -443,6 +443,21 @@ def test_planner_tiny_is_the_model_pretrain_trains():
     assert {f.name for f in fields(ModelShape)} - set(trained) == {"name", "kv_channels", "rope_scaling_factor"}
 
 
+def test_public_functions_resolve_names_and_sizes_once():
+    """``mcore_flash.planning``'s functions take preset names and sizes such as "1GiB" (also
+    among the keywords search_layouts passes on); the stack below takes the typed values."""
+    from mcore_flash.planning import memory, search
+
+    layout = Layout(tp=8, pp=2, cp=16, global_batch_size=32)
+    named = plan_memory("llama2-70b", 131072, layout, device_memory="64GB", runtime_reserve="1GiB")
+    typed = memory.plan_memory(MODELS["llama2-70b"], 131072, layout, device_memory=64 * 2**30, runtime_reserve=2**30)
+    assert named.per_device["runtime_reserve"] == 2**30 and named.device_memory == 64 * 2**30
+    assert named.to_dict() == typed.to_dict()
+    options = dict(tp_choices=[8], pp_choices=[2], cp_choices=[16], recompute_choices=["none"], global_batch_size=32)
+    (found,) = search_layouts("llama2-70b", 131072, 256, "64GB", hardware="h100-80g", runtime_reserve="1GiB", **options)
+    assert found.step.hardware.name == "h100-80g" and found.plan.per_device["runtime_reserve"] == 2**30
+
+
 def test_llama2_70b_parameter_count():
     assert total_parameters("llama2-70b") == 68_976_648_192
     assert total_parameters("llama3-70b") == 70_553_706_496
