@@ -196,7 +196,7 @@ def _ceil(x: Fraction | float) -> int:
 
 
 @dataclass(frozen=True)
-class _Micro:
+class _MicroBatch:
     """One micro-batch on one device, the sizes the buffer estimates use.
 
     ``local_tokens``: ``s / cp`` (the CP rank's share); ``rank_tokens``: ``s / (cp * tp)``
@@ -211,12 +211,14 @@ class _Micro:
     element_bytes: int
 
     @classmethod
-    def of(cls, seq_length: int, layout: Layout, dtype_bytes: int) -> "_Micro":
+    def of(cls, seq_length: int, layout: Layout, dtype_bytes: int) -> "_MicroBatch":
         local = Fraction(seq_length, layout.cp)
         return cls(local, local / layout.tp if layout.sp else local, layout.micro_batch_size, dtype_bytes)
 
 
 def _check_divisible(model: ModelShape, seq_length: int, layout: Layout) -> None:
+    """Raise ValueError unless the layers split into ``pp * vp`` chunks, the sequence into
+    ``2 * cp`` ring chunks and each CP rank's tokens over ``tp`` (sequence parallel)."""
     if model.num_layers % (layout.pp * layout.vp):
         raise ValueError(f"num_layers ({model.num_layers}) must be divisible by pp x vp = {layout.pp * layout.vp}")
     if seq_length % (2 * layout.cp) and layout.cp > 1:
@@ -240,7 +242,7 @@ def _mean_layer_bytes(
 
 
 def _recompute_workspace(
-    terms: list[act.Term], none_terms: list[act.Term], model: ModelShape, layout: Layout, micro: _Micro
+    terms: list[act.Term], none_terms: list[act.Term], model: ModelShape, layout: Layout, micro: _MicroBatch
 ) -> Fraction:
     """Estimated bytes alive while one layer runs its backward: what its recompute rebuilds
     (``none_terms`` less the kept ``terms``) plus the largest gradients inside a layer's
@@ -261,7 +263,7 @@ def _recompute_workspace(
     return rebuilt + gradients
 
 
-def _communication_buffers(model: ModelShape, layout: Layout, micro: _Micro) -> Fraction:
+def _communication_buffers(model: ModelShape, layout: Layout, micro: _MicroBatch) -> Fraction:
     """Estimated bytes of the receive/gather buffers: the all-gathered sequence-parallel
     input, the pipeline's forward activation and backward gradient, the context-parallel
     ring's K/V (dtype) and dK/dV (fp32), double-buffered."""
@@ -302,6 +304,7 @@ def _outside_layers_bytes(
 
 
 def _notes(seq_length: int, layout: Layout, profile: act.Profile) -> list[str]:
+    """Warnings the numbers do not show: short CP ranks, an unfilled pipeline, unfused attention."""
     notes = []
     if layout.cp > 1 and seq_length // layout.cp < 8192:
         notes.append(
@@ -342,7 +345,7 @@ def plan_memory(
     """
     activation_profile = activation_profile or act.PROFILES[profile]
     _check_divisible(model, seq_length, layout)
-    micro = _Micro.of(seq_length, layout, dtype_bytes)
+    micro = _MicroBatch.of(seq_length, layout, dtype_bytes)
     term_options = dict(
         tp=layout.tp,
         cp=layout.cp,
