@@ -27,13 +27,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from mcore_flash.training.dry_run import dry_run
 
         from mcore_flash.planning.recipes import plan_for_pretrain_args
+        from mcore_flash.planning.report import format_plan
 
         result = dry_run(args)
         for stage, count in enumerate(result["per_stage"]):
             print(f"pipeline stage {stage}: {count:,} parameters per rank")
         print(f"total parameters: {result['total']:,}")
         plan = plan_for_pretrain_args(args, device_memory=args.device_memory)
-        print(plan.format_text())
+        print(format_plan(plan))
         return 0 if plan.fits else 1
 
     if args.emulate_npu:

@@ -86,12 +86,13 @@ def test_bench_cp_halves_saved_bytes_at_cp2():
 
 def test_bench_convert_round_trips_and_reports_peak_rss():
     """bench-convert on the trainer's tiny preset: parameter count from the shape (2 layers,
-    h 128, FFN 352, 4 heads / 2 KV heads, vocabulary 128, untied), a bit-exact round trip,
-    and a peak RSS per conversion that is at least the import-only baseline."""
+    h 128, FFN 352, 4 heads / 2 KV heads, vocabulary 384 = the byte tokenizer's 258 padded,
+    untied), a bit-exact round trip, and a peak RSS per conversion that is at least the
+    import-only baseline."""
     import json
 
     result = json.loads(_bench("bench-convert", "--model", "tiny", "--json").strip().splitlines()[-1])
-    h, ffn, kv, vocab = 128, 352, 64, 128
+    h, ffn, kv, vocab = 128, 352, 64, 384
     per_layer = 2 * h + h * h + 2 * kv * h + h * h + 3 * ffn * h
     assert result["parameters"] == 2 * vocab * h + 2 * per_layer + h
     assert result["bytes"] == 2 * result["parameters"]  # bf16

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from fractions import Fraction
 
 import pytest
@@ -20,6 +20,7 @@ from dist_utils import init_megatron, run_distributed, teardown_megatron
 from gpt_models import VOCAB, build_gpt, tiny_config
 
 from mcore_flash.planning import (
+    MODELS,
     PROFILES,
     Layout,
     ModelShape,
@@ -41,10 +42,11 @@ from mcore_flash.planning import (
 )
 from mcore_flash.planning.cli import main as plan_main
 from mcore_flash.planning.flops import FUSED_ATTENTION_BACKWARD
+from mcore_flash.planning.report import format_plan
 
 RECOMPUTE = ("none", "qkv", "attention", "full")
-# the tiny model (tests/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
-TINY = ModelShape("tiny", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
+# the tests' tiny model (tests/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
+TINY = ModelShape("tiny-test", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
 ODD = ModelShape("odd", 3, 96, 160, 6, 3, VOCAB, max_position_embeddings=128)
 
 
@@ -124,9 +126,25 @@ def _w_measure(rank, world_size, cases, meta_models):
             if case["recompute"] == "none" and case["dtype"] == "fp32" and case["attention"] == "fused":
                 out.setdefault("flops", {})[case["name"]] = _count_gemm_flops(model, tokens, positions)
         out["meta"] = {name: meta_parameter_count(name, tp=world_size) for name in meta_models}
+        if world_size == 1:
+            out["trainer_tiny"] = _trainer_parameter_count("tiny")
         return out
     finally:
         teardown_megatron()
+
+
+def _trainer_parameter_count(preset):
+    """Parameters of the GPTModel ``mcore-flash pretrain --model <preset>`` builds: the
+    trainer's own flag parsing, tokenizer (padded vocabulary) and model builder, on meta."""
+    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.data import tokenizer_and_vocab
+    from mcore_flash.training.model import build_model, transformer_config
+
+    args = parse_args(["--model", preset, "--save", "/tmp/unused"])
+    _, vocab = tokenizer_and_vocab(args)
+    with torch.device("meta"):
+        model = build_model(args, transformer_config(args), vocab)
+    return sum(p.numel() for p in model.parameters())
 
 
 def _count_gemm_flops(model, tokens, positions):
@@ -303,7 +321,7 @@ def test_predicted_activation_bytes_match_measured_on_the_emulated_npu():
 
 @pytest.fixture(scope="module")
 def measured():
-    tp1 = run_distributed(_w_measure, 1, TP1_CASES, ("llama2-70b", "llama3-70b", "tiny"), timeout=300)[0]
+    tp1 = run_distributed(_w_measure, 1, TP1_CASES, ("llama2-70b", "llama3-70b", "tiny-test"), timeout=300)[0]
     tp2 = run_distributed(_w_measure, 2, TP2_CASES, ("llama2-70b",), timeout=300)
     return tp1, tp2
 
@@ -373,11 +391,71 @@ def test_parameter_counts_match_megatron(measured):
     tp1, tp2 = measured
     assert tp1["meta"]["llama2-70b"] == total_parameters("llama2-70b") == 68_976_648_192
     assert tp1["meta"]["llama3-70b"] == total_parameters("llama3-70b")
-    assert tp1["meta"]["tiny"] == tp1["params"]["tiny"] == total_parameters(TINY)
+    assert tp1["meta"]["tiny-test"] == tp1["params"]["tiny-test"] == total_parameters(TINY)
+    assert tp1["trainer_tiny"] == total_parameters("tiny")  # the model `pretrain --model tiny` trains
     assert tp1["params"]["odd"] == total_parameters(ODD)
     for rank_result in tp2:  # per TP rank: split weights, replicated norms
-        assert rank_result["params"]["tiny"] == sum(stage_parameters(TINY, tp=2).values())
+        assert rank_result["params"]["tiny-test"] == sum(stage_parameters(TINY, tp=2).values())
         assert rank_result["meta"]["llama2-70b"] == sum(stage_parameters("llama2-70b", tp=2).values())
+
+
+def test_planner_tiny_is_the_model_pretrain_trains():
+    """``plan --model tiny`` plans what ``pretrain --model tiny`` trains: every field of
+    ``MODELS["tiny"]`` equals the trainer's TransformerConfig and GPTModel settings after its
+    own flag parsing, the vocabulary its built-in tokenizer padded (byte-level, 258 -> 384)."""
+    import inspect
+
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+
+    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.data import tokenizer_and_vocab
+    from mcore_flash.training.model import transformer_config
+
+    args = parse_args(["--model", "tiny", "--save", "/tmp/unused"])
+    config = transformer_config(args)
+    _, vocab = tokenizer_and_vocab(args)
+    gpt_defaults = {name: p.default for name, p in inspect.signature(GPTModel.__init__).parameters.items()}
+    trained = {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_query_groups,
+        "vocab_size": vocab,
+        "head_dim": config.kv_channels,
+        "normalization": config.normalization,
+        "activation": "swiglu" if config.gated_linear_unit and config.activation_func is F.silu else "gelu",
+        "add_bias_linear": config.add_bias_linear,
+        "qk_layernorm": config.qk_layernorm,
+        "norm_epsilon": config.layernorm_epsilon,
+        "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights,
+        "position_embedding_type": args.position_embedding_type,
+        "max_position_embeddings": max(args.max_position_embeddings, args.seq_length),  # build_model's rule
+        "rotary_percent": gpt_defaults["rotary_percent"],  # build_model leaves GPTModel's default
+        "rotary_base": args.rotary_base,
+        "rope_scaling": bool(args.use_rope_scaling),
+    }
+    shape = MODELS["tiny"]
+    assert {name: getattr(shape, name) for name in trained} == trained
+    assert (vocab, config.hidden_size, config.ffn_hidden_size) == (384, 128, 352)
+    # every field is compared (kv_channels as head_dim); the factor means nothing without scaling
+    assert {f.name for f in fields(ModelShape)} - set(trained) == {"name", "kv_channels", "rope_scaling_factor"}
+
+
+def test_public_functions_resolve_names_and_sizes_once():
+    """``mcore_flash.planning``'s functions take preset names and sizes such as "1GiB" (also
+    among the keywords search_layouts passes on); the stack below takes the typed values."""
+    from mcore_flash.planning import memory, search
+
+    layout = Layout(tp=8, pp=2, cp=16, global_batch_size=32)
+    named = plan_memory("llama2-70b", 131072, layout, device_memory="64GB", runtime_reserve="1GiB")
+    typed = memory.plan_memory(MODELS["llama2-70b"], 131072, layout, device_memory=64 * 2**30, runtime_reserve=2**30)
+    assert named.per_device["runtime_reserve"] == 2**30 and named.device_memory == 64 * 2**30
+    assert named.to_dict() == typed.to_dict()
+    options = dict(tp_choices=[8], pp_choices=[2], cp_choices=[16], recompute_choices=["none"], global_batch_size=32)
+    (found,) = search_layouts("llama2-70b", 131072, 256, "64GB", hardware="h100-80g", runtime_reserve="1GiB", **options)
+    assert found.step.hardware.name == "h100-80g" and found.plan.per_device["runtime_reserve"] == 2**30
 
 
 def test_llama2_70b_parameter_count():
@@ -459,7 +537,7 @@ def test_in_flight_microbatches_1f1b_and_interleaved():
 def test_recipe_70b_128k_fits_64gb():
     plan = plan_for_recipe()
     assert plan.layout.tp == 8 and plan.layout.sp and plan.layout.distributed_optimizer
-    assert plan.fits and plan.headroom > 4 * 2**30, plan.format_text()
+    assert plan.fits and plan.headroom > 4 * 2**30, format_plan(plan)
     # exact parts, by hand: 40 layers x 2 micro-batches in flight x (input norm input 16 MiB +
     # QKV input 16 + RoPE cos/sin 8 + q 16 + k 2 + v 2 + out 16 + pre-MLP norm input 16 + fc1
     # input 16 + fused-SwiGLU input 112 + fc2 input 56 MiB + 2 x 4 KiB rstd) and 4 MiB of NPU

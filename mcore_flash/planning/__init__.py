@@ -1,10 +1,21 @@
 """Memory planner: per-device bytes of a Megatron-Core layout with the fused attention.
 
     from mcore_flash.planning import Layout, plan_memory, search_layouts, plan_for_recipe
+    from mcore_flash.planning.report import format_plan
 
     plan = plan_memory("llama2-70b", 131072, Layout(tp=8, pp=2, cp=16, recompute="attention"),
                        device_memory="64GB")
-    plan.fits, plan.per_device, plan.to_dict(), print(plan.format_text())
+    plan.fits, plan.per_device, plan.to_dict(), print(format_plan(plan))
+
+The modules form a one-way stack, lowest first (tests/test_planning_layers.py holds it):
+``units``, ``models``, ``hardware`` (byte sizes, model shapes, device profiles) ->
+``activations``, ``flops``, ``parameters`` (the per-layer terms) -> ``layout`` (the
+:class:`Layout` and its launch flags) -> ``memory``, ``step_time``, ``compare`` (a plan, a
+step time, standard vs fused) -> ``search`` -> ``recipes`` -> ``report`` (text) -> ``cli``.
+Inside the stack a model is a :class:`ModelShape`, a device a :class:`HardwareProfile`
+and a size an int of bytes. This package's functions also take preset names (``"tiny"``,
+``"llama2-70b"``), profile names or JSON paths (``"h100-80g"``) and sizes (``"64GB"``):
+they resolve them once and call the stack (:func:`_resolving`).
 
 Pure Python: only :func:`build_flash_gpt` and :func:`meta_parameter_count` (which uses it)
 import torch and megatron-core. The per-layer activation terms (:mod:`.activations`) are
@@ -12,6 +23,16 @@ checked against the bytes measured by :func:`mcore_flash.memory.measure_activati
 (tests/test_planning.py).
 """
 
+import functools
+import inspect
+
+from . import activations as _activations
+from . import compare as _compare
+from . import flops as _flops
+from . import memory as _memory
+from . import parameters as _parameters
+from . import search as _search
+from . import step_time as _step_time
 from .activations import (
     PROFILES,
     RECOMPUTE_MODES,
@@ -20,27 +41,57 @@ from .activations import (
     by_module,
     korthikanti_model,
     korthikanti_table2,
-    layer_terms,
-    non_layer_terms,
     sum_terms,
 )
-from .compare import compare_standard
-from .flops import forward_flops, pipeline_bubble, recompute_overhead, step_flops
+from .flops import pipeline_bubble
 from .hardware import HARDWARE_PROFILES, HardwareProfile, load_hardware
+from .layout import Layout
+from .memory import CATEGORIES, ESTIMATED_CATEGORIES, MemoryPlan, launch_command
 from .models import MODELS, ModelShape, get_model
-from .parameters import (
-    build_flash_gpt,
-    layer_parameters,
-    meta_parameter_count,
-    optimizer_bytes_per_parameter,
-    stage_parameters,
-    total_parameters,
-)
-from .planner import CATEGORIES, ESTIMATED_CATEGORIES, Layout, MemoryPlan, plan_memory
+from .parameters import optimizer_bytes_per_parameter
 from .recipes import RECIPE_70B_128K, plan_for_recipe
-from .search import Candidate, launch_command, search_layouts
-from .step_time import StepTime, predict_step_time
+from .search import Candidate
+from .step_time import StepTime
 from .units import format_bytes, parse_bytes
+
+# argument name -> how a name or text becomes the typed value the stack takes
+_RESOLVERS = {"model": get_model, "hardware": load_hardware, "device_memory": parse_bytes, "runtime_reserve": parse_bytes}
+
+
+def _resolving(function):
+    """``function`` taking a preset name for ``model``, a profile name or JSON path for
+    ``hardware`` and sizes such as ``"64GB"`` for ``device_memory`` / ``runtime_reserve``
+    (typed values pass as they are; None stays None)."""
+    signature = inspect.signature(function)
+    # the **keywords a function passes on (search_layouts' plan_kwargs) are resolved too
+    passed_on = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    @functools.wraps(function)
+    def resolved(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        for arguments in (bound.arguments, bound.arguments.get(passed_on, {})):
+            for name, resolve in _RESOLVERS.items():
+                if arguments.get(name) is not None:
+                    arguments[name] = resolve(arguments[name])
+        return function(*bound.args, **bound.kwargs)
+
+    return resolved
+
+
+layer_terms = _resolving(_activations.layer_terms)
+non_layer_terms = _resolving(_activations.non_layer_terms)
+compare_standard = _resolving(_compare.compare_standard)
+forward_flops = _resolving(_flops.forward_flops)
+step_flops = _resolving(_flops.step_flops)
+recompute_overhead = _resolving(_flops.recompute_overhead)
+layer_parameters = _resolving(_parameters.layer_parameters)
+stage_parameters = _resolving(_parameters.stage_parameters)
+total_parameters = _resolving(_parameters.total_parameters)
+build_flash_gpt = _resolving(_parameters.build_flash_gpt)
+meta_parameter_count = _resolving(_parameters.meta_parameter_count)
+plan_memory = _resolving(_memory.plan_memory)
+search_layouts = _resolving(_search.search_layouts)
+predict_step_time = _resolving(_step_time.predict_step_time)
 
 __all__ = [
     "CATEGORIES",

@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Optional
 
-from .models import ModelShape, get_model
+from .models import ModelShape
 
 __all__ = [
     "Profile",
@@ -171,25 +171,25 @@ def _profile(profile) -> Profile:
     return PROFILES[profile]
 
 
-def _dims(m: ModelShape, p: Profile, seq: int, micro_batch: int, tp: int, cp: int, sp: bool, dtype_bytes):
+def _dims(model: ModelShape, p: Profile, seq: int, micro_batch: int, tp: int, cp: int, sp: bool, dtype_bytes):
     if sp and tp == 1:
         sp = False
     if seq % cp:
         raise ValueError(f"seq_length {seq} is not divisible by the context-parallel size {cp}")
     s_c = F(seq, cp)
     s_t = s_c / tp if sp else s_c
-    if m.num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads ({m.num_attention_heads}) not divisible by TP size {tp}")
+    if model.num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads ({model.num_attention_heads}) not divisible by TP size {tp}")
     dtype = p.dtype_bytes if p.dtype_bytes is not None else dtype_bytes
     if dtype is None:
         raise ValueError(f"profile {p.name!r} needs dtype_bytes (2 for bf16/fp16, 4 for fp32)")
     mask = F(dtype) if p.dropout_mask_bytes is None else F(p.dropout_mask_bytes)
-    g_local = F(m.num_query_groups, tp) if m.num_query_groups >= tp else F(1)
-    return s_c, s_t, F(micro_batch), F(dtype), mask, F(m.num_attention_heads, tp), g_local
+    g_local = F(model.num_query_groups, tp) if model.num_query_groups >= tp else F(1)
+    return s_c, s_t, F(micro_batch), F(dtype), mask, F(model.num_attention_heads, tp), g_local
 
 
 def layer_terms(
-    model,
+    model: ModelShape,
     seq_length: int,
     micro_batch_size: int = 1,
     *,
@@ -201,12 +201,12 @@ def layer_terms(
     dtype_bytes: Optional[int] = 2,
 ) -> list[Term]:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one device."""
-    m, p = get_model(model), _profile(profile)
+    p = _profile(profile)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute {recompute!r}: choose one of {RECOMPUTE_MODES}")
-    s_c, s_t, b, B, M, a_t, g_t = _dims(m, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
-    h, d, f, t = F(m.hidden_size), F(m.head_dim), F(m.ffn_hidden_size), F(tp)
-    stat = F(8 if m.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
+    s_c, s_t, b, B, M, a_t, g_t = _dims(model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
+    h, d, f, t = F(model.hidden_size), F(model.head_dim), F(model.ffn_hidden_size), F(tp)
+    stat = F(8 if model.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
 
     layer_input = Term("<layer>", "layer input (recompute checkpoint)", s_t * b * h * B, scope="layer")
     if recompute == "full":
@@ -217,8 +217,8 @@ def layer_terms(
         Term("input_layernorm", "statistics (fp32)", s_t * b * stat),
         Term("self_attention.linear_qkv", "input", s_t * b * h * B),
     ]
-    if p.rope == "megatron" and m.position_embedding_type == "rope":
-        rot = F(int(m.head_dim * m.rotary_percent))
+    if p.rope == "megatron" and model.position_embedding_type == "rope":
+        rot = F(int(model.head_dim * model.rotary_percent))
         attn.append(Term("self_attention", "RoPE cos/sin for q and k", 4 * s_c * rot * B))
     kv_heads = a_t if (p.attention == "standard" and p.gqa_expanded) else g_t
     q = Term("self_attention.core_attention", "q", s_c * b * a_t * d * B)
@@ -262,7 +262,7 @@ def layer_terms(
         Term("pre_mlp_layernorm", "statistics (fp32)", s_t * b * stat, scope="mlp"),
         Term("mlp.linear_fc1", "input", s_t * b * h * B, scope="mlp"),
     ]
-    if m.gated:
+    if model.gated:
         swiglu_module = "mlp.activation_func" if p.swiglu_fused else "mlp"
         mlp_terms.append(Term(swiglu_module, "fc1 output (SwiGLU input)", s_c * b * 2 * f / t * B, scope="mlp"))
         if not p.swiglu_fused:
@@ -286,7 +286,7 @@ def layer_terms(
 
 
 def non_layer_terms(
-    model,
+    model: ModelShape,
     seq_length: int,
     micro_batch_size: int = 1,
     *,
@@ -304,10 +304,10 @@ def non_layer_terms(
     ``module`` is the model-level path (``embedding.word_embeddings``, ``output_layer``,
     ``""`` for the loss, ``decoder`` for tensors the block's checkpoints keep).
     """
-    m, p = get_model(model), _profile(profile)
-    s_c, s_t, b, B, M, a_t, g_t = _dims(m, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
-    h, V, t = F(m.hidden_size), F(m.vocab_size), F(tp)
-    stat = F(8 if m.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
+    p = _profile(profile)
+    s_c, s_t, b, B, M, a_t, g_t = _dims(model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
+    h, V, t = F(model.hidden_size), F(model.vocab_size), F(tp)
+    stat = F(8 if model.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
     terms: list[Term] = []
 
     def add(module, name, nbytes, category="embeddings_logits"):
@@ -318,12 +318,12 @@ def non_layer_terms(
         add("embedding.word_embeddings", "token ids (int64)", b * s_c * 8)
         if tp > 1:
             add("embedding.word_embeddings", "vocab-range mask (bool)", b * s_c)
-        if m.position_embedding_type == "learned_absolute":
+        if model.position_embedding_type == "learned_absolute":
             add("embedding.position_embeddings", "position ids (int64)", b * s_c * 8)
         if p.hidden_dropout > 0:
             add("embedding.embedding_dropout", "dropout mask", s_t * b * h * M)
-    if recompute == "full" and m.position_embedding_type == "rope" and p.rope == "megatron":
-        rot = F(int(m.head_dim * m.rotary_percent))
+    if recompute == "full" and model.position_embedding_type == "rope" and p.rope == "megatron":
+        rot = F(int(model.head_dim * model.rotary_percent))
         add("decoder", "RoPE frequencies (fp32, shared by the layer checkpoints)", s_c * rot * 4, "activations")
     if last_stage:
         add("decoder.final_layernorm", "input", s_t * b * h * B)

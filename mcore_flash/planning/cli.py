@@ -23,11 +23,13 @@ import sys
 from typing import Optional
 
 from .activations import PROFILES
-from .compare import DEFAULT_SEQ_LENGTHS, compare_standard, format_compare
+from .compare import DEFAULT_SEQ_LENGTHS, compare_standard
 from .flops import check_mean_document_length
-from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, load_hardware
-from .models import MODELS, get_model
-from .planner import Layout, plan_memory
+from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile, load_hardware
+from .layout import Layout
+from .memory import plan_memory
+from .models import MODELS, ModelShape, get_model
+from .report import format_candidate, format_compare, format_plan, format_step_time
 from .search import SEARCH_RECOMPUTE_MODES, default_global_batch_size, search_layouts
 from .step_time import predict_step_time
 from .units import format_bytes, parse_bytes
@@ -119,7 +121,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        get_model(args.model)
+        model = get_model(args.model)
         dtype_bytes = DTYPE_BYTES[args.dtype]
         if args.compare_standard and args.mean_document_length is not None:
             raise ValueError(
@@ -127,21 +129,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             )
         check_mean_document_length(args.seq_length, args.mean_document_length)
         if args.compare_standard:
-            return _compare(args, dtype_bytes)
+            return _compare(args, model, dtype_bytes)
         hardware = load_hardware(args.hardware)
+        device_memory = None if args.device_memory is None else parse_bytes(args.device_memory)
         if args.search:
-            return _search(args, parser, dtype_bytes, hardware)
-        return _plan(args, dtype_bytes, hardware)
+            if args.num_devices is None or device_memory is None:
+                parser.error("--search needs --num-devices and --device-memory")
+            return _search(args, model, device_memory, dtype_bytes, hardware)
+        return _plan(args, model, device_memory, dtype_bytes, hardware)
     except ValueError as error:
         print(f"mcore-flash plan: {error}", file=sys.stderr)
         return 2
 
 
-def _plan_kwargs(args, dtype_bytes):
+def _plan_kwargs(args, dtype_bytes: int) -> dict:
     return dict(
         profile=args.profile,
         dtype_bytes=dtype_bytes,
-        runtime_reserve=args.runtime_reserve,
+        runtime_reserve=parse_bytes(args.runtime_reserve),
         fragmentation=args.fragmentation,
         mean_document_length=args.mean_document_length,
     )
@@ -155,7 +160,7 @@ def _step_options(args) -> dict:
     )
 
 
-def _plan(args, dtype_bytes, hardware) -> int:
+def _plan(args, model: ModelShape, device_memory: Optional[int], dtype_bytes: int, hardware: HardwareProfile) -> int:
     dp = _dp(args)
     gbs = args.global_batch_size or default_global_batch_size(args.seq_length, args.micro_batch_size, dp)
     layout = Layout(
@@ -171,26 +176,24 @@ def _plan(args, dtype_bytes, hardware) -> int:
         global_batch_size=gbs,
         distributed_optimizer=args.distributed_optimizer,
     )
-    plan = plan_memory(args.model, args.seq_length, layout, device_memory=args.device_memory, **_plan_kwargs(args, dtype_bytes))
+    plan = plan_memory(model, args.seq_length, layout, device_memory=device_memory, **_plan_kwargs(args, dtype_bytes))
     step = predict_step_time(
-        args.model, args.seq_length, layout, hardware, mean_document_length=args.mean_document_length,
+        model, args.seq_length, layout, hardware, mean_document_length=args.mean_document_length,
         dtype_bytes=dtype_bytes, **_step_options(args),
     )  # fmt: skip
     if args.json:
         print(json.dumps({**plan.to_dict(), "step_time": step.to_dict()}, indent=2))
     else:
-        print(plan.format_text() + "\n\n" + step.format_text())
+        print(format_plan(plan) + "\n\n" + format_step_time(step))
     return 0 if plan.fits is not False else 1
 
 
-def _search(args, parser, dtype_bytes, hardware) -> int:
-    if args.num_devices is None or args.device_memory is None:
-        parser.error("--search needs --num-devices and --device-memory")
+def _search(args, model: ModelShape, device_memory: int, dtype_bytes: int, hardware: HardwareProfile) -> int:
     found = search_layouts(
-        args.model,
+        model,
         args.seq_length,
         args.num_devices,
-        args.device_memory,
+        device_memory,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         vp_choices=[int(v) for v in args.interleave.split(",")],
@@ -206,36 +209,24 @@ def _search(args, parser, dtype_bytes, hardware) -> int:
         print(json.dumps({"num_fitting": len(found), "hardware": hardware.to_dict(),
                           "layouts": [c.to_dict() for c in shown]}, indent=2))  # fmt: skip
         return 0 if found else 1
-    capacity = parse_bytes(args.device_memory)
     tokens = f"{args.seq_length:,} tokens"
     if args.mean_document_length is not None:
         tokens += f" (documents of mean {args.mean_document_length:,})"
     print(
-        f"{args.model} at {tokens} on {args.num_devices} x {hardware.name} with {format_bytes(capacity)}: "
+        f"{args.model} at {tokens} on {args.num_devices} x {hardware.name} with {format_bytes(device_memory)}: "
         f"{len(found)} layouts fit; best {len(shown)} by predicted step time:"
     )
     for rank, candidate in enumerate(shown, 1):
-        plan, step, lay = candidate.plan, candidate.step, candidate.plan.layout
-        print(
-            f"\n{rank}. TP{lay.tp}{' SP' if lay.sp else ''} PP{lay.pp}{f' v{lay.vp}' if lay.vp > 1 else ''} "
-            f"CP{lay.cp} DP{lay.dp}, recompute {plan.recompute_text()}: {step.step_time_s:.2f} s per step, "
-            f"{step.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {step.mfu:.1%}; "
-            f"{format_bytes(plan.total)} per device ({format_bytes(plan.headroom)} free); recompute "
-            f"+{plan.recompute_overhead:.1%}, bubble +{plan.pipeline_bubble:.1%} ({lay.num_microbatches} micro-batches)"
-        )
-        print("\n".join("  " + line for line in step.format_text().splitlines()[1:]))
-        for note in plan.notes:
-            print(f"   note: {note}")
-        print(f"   {plan.launch_command()}")
+        print(format_candidate(rank, candidate))
     if not found:
         print("nothing fits: add devices, a longer pipeline or context parallelism, or recompute")
     return 0 if found else 1
 
 
-def _compare(args, dtype_bytes) -> int:
+def _compare(args, model: ModelShape, dtype_bytes: int) -> int:
     lengths = [_seq(x) for x in args.seq_lengths.split(",")] if args.seq_lengths else list(DEFAULT_SEQ_LENGTHS)
     rows = compare_standard(
-        args.model,
+        model,
         lengths,
         micro_batch_size=args.micro_batch_size,
         tp=args.tp,
@@ -248,7 +239,7 @@ def _compare(args, dtype_bytes) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "tp": args.tp, "cp": args.cp, "rows": rows}, indent=2))
     else:
-        print(format_compare(rows, args.model, args.micro_batch_size, args.tp))
+        print(format_compare(rows, model, args.micro_batch_size, args.tp))
     return 0
 
 

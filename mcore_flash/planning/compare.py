@@ -14,16 +14,15 @@ import math
 from typing import Iterable, Optional
 
 from . import activations as act
-from .models import get_model
-from .units import format_bytes
+from .models import ModelShape
 
-__all__ = ["compare_standard", "format_compare", "DEFAULT_SEQ_LENGTHS"]
+__all__ = ["compare_standard", "DEFAULT_SEQ_LENGTHS"]
 
 DEFAULT_SEQ_LENGTHS = tuple(1024 * 2**k for k in range(8))  # 1K .. 128K
 
 
 def compare_standard(
-    model,
+    model: ModelShape,
     seq_lengths: Iterable[int] = DEFAULT_SEQ_LENGTHS,
     *,
     micro_batch_size: int = 1,
@@ -43,16 +42,15 @@ def compare_standard(
     layer), ``standard_all_layers_bytes`` / ``fused_all_layers_bytes`` (``num_layers``
     layers, one micro-batch), ``ratio``.
     """
-    m = get_model(model)
-    layers = m.num_layers if num_layers is None else num_layers
+    layers = model.num_layers if num_layers is None else num_layers
     fused = act.PROFILES[profile]
     standard = fused.with_(attention="standard", attention_dropout=attention_dropout)
     fused = fused.with_(attention_dropout=attention_dropout)
     rows = []
     for seq in seq_lengths:
         common = dict(tp=tp, cp=cp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes)
-        std_terms = act.layer_terms(m, seq, micro_batch_size, profile=standard, **common)
-        fus_terms = act.layer_terms(m, seq, micro_batch_size, profile=fused, **common)
+        std_terms = act.layer_terms(model, seq, micro_batch_size, profile=standard, **common)
+        fus_terms = act.layer_terms(model, seq, micro_batch_size, profile=fused, **common)
         s_c = seq // cp
 
         def core(terms):
@@ -62,7 +60,7 @@ def compare_standard(
         rows.append(
             {
                 "seq_length": seq,
-                "scores_bytes": micro_batch_size * (m.num_attention_heads // tp) * s_c * s_c * dtype_bytes,
+                "scores_bytes": micro_batch_size * (model.num_attention_heads // tp) * s_c * s_c * dtype_bytes,
                 "standard_core_attention_bytes": math.ceil(core(std_terms)),
                 "fused_core_attention_bytes": math.ceil(core(fus_terms)),
                 "standard_layer_bytes": math.ceil(std_layer),
@@ -73,24 +71,3 @@ def compare_standard(
             }
         )
     return rows
-
-
-def format_compare(rows: list[dict], model, micro_batch_size: int, tp: int, heads: Optional[int] = None) -> str:
-    m = get_model(model)
-    heads = heads or m.num_attention_heads // tp
-    lines = [
-        f"{m.name}: standard vs fused attention, saved for backward per device "
-        f"(b={micro_batch_size}, {heads} heads per device, {m.num_layers} layers)",
-        f"{'seq':>7} {'[b,h,s,s] tensor':>17} {'core attn std':>14} {'core attn fused':>16} "
-        f"{'layer std':>11} {'layer fused':>12} {'all layers std':>15} {'all fused':>11} {'ratio':>7}",
-    ]
-    for r in rows:
-        seq = r["seq_length"]
-        label = f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
-        lines.append(
-            f"{label:>7} {format_bytes(r['scores_bytes']):>17} {format_bytes(r['standard_core_attention_bytes']):>14} "
-            f"{format_bytes(r['fused_core_attention_bytes']):>16} {format_bytes(r['standard_layer_bytes']):>11} "
-            f"{format_bytes(r['fused_layer_bytes']):>12} {format_bytes(r['standard_all_layers_bytes']):>15} "
-            f"{format_bytes(r['fused_all_layers_bytes']):>11} {r['ratio']:>6.1f}x"
-        )
-    return "\n".join(lines)

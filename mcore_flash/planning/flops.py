@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .models import get_model
+from .models import ModelShape
 
 __all__ = [
     "attention_block_length",
@@ -71,45 +71,43 @@ def attention_block_length(seq_length: int, mean_document_length: Optional[float
 
 
 def forward_flops(
-    model, seq_length: int, micro_batch_size: int = 1, mean_document_length: Optional[float] = None
+    model: ModelShape, seq_length: int, micro_batch_size: int = 1, mean_document_length: Optional[float] = None
 ) -> dict[str, float]:
     """Forward FLOPs of one micro-batch of ``micro_batch_size`` sequences of ``seq_length``
     tokens: per layer ``attention_projections`` (QKV and output projection),
     ``attention_kernel`` (QK^T, PV; over documents of ``mean_document_length`` tokens when
     given) and ``mlp``; once ``logits``."""
-    m = get_model(model)
     block = attention_block_length(seq_length, mean_document_length)
     s, b, h, a, g, d, f = (
         float(seq_length),
         float(micro_batch_size),
-        m.hidden_size,
-        m.num_attention_heads,
-        m.num_query_groups,
-        m.head_dim,
-        m.ffn_hidden_size,
+        model.hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.head_dim,
+        model.ffn_hidden_size,
     )
     return {
         "attention_projections": 2 * b * s * (h * (a + 2 * g) * d + a * d * h),
         "attention_kernel": 2 * b * s * block * a * d,
-        "mlp": 2 * b * s * h * f * (3 if m.gated else 2),
-        "logits": 2 * b * s * h * m.vocab_size,
+        "mlp": 2 * b * s * h * f * (3 if model.gated else 2),
+        "logits": 2 * b * s * h * model.vocab_size,
     }
 
 
 def step_flops(
-    model, seq_length: int, fused_attention: bool = True, mean_document_length: Optional[float] = None
+    model: ModelShape, seq_length: int, fused_attention: bool = True, mean_document_length: Optional[float] = None
 ) -> float:
     """Forward + backward FLOPs of one sequence of ``seq_length`` tokens without recompute
     (documents of ``mean_document_length`` tokens when given)."""
-    m = get_model(model)
-    fl = forward_flops(m, seq_length, mean_document_length=mean_document_length)
+    fl = forward_flops(model, seq_length, mean_document_length=mean_document_length)
     kernel_backward = FUSED_ATTENTION_BACKWARD if fused_attention else GEMM_BACKWARD
-    gemms = m.num_layers * (fl["attention_projections"] + fl["mlp"]) + fl["logits"]
-    return (1 + GEMM_BACKWARD) * gemms + (1 + kernel_backward) * m.num_layers * fl["attention_kernel"]
+    gemms = model.num_layers * (fl["attention_projections"] + fl["mlp"]) + fl["logits"]
+    return (1 + GEMM_BACKWARD) * gemms + (1 + kernel_backward) * model.num_layers * fl["attention_kernel"]
 
 
 def recompute_overhead(
-    model,
+    model: ModelShape,
     seq_length: int,
     recompute: str,
     fused_attention: bool = True,
@@ -118,10 +116,9 @@ def recompute_overhead(
     """Extra FLOPs of ``recompute`` (none, qkv, attention, full, core_attention) as a fraction of
     the step's FLOPs without recompute, for sequences of ``seq_length`` tokens (packing
     documents of ``mean_document_length`` tokens when given)."""
-    m = get_model(model)
-    fl = forward_flops(m, seq_length, mean_document_length=mean_document_length)
+    fl = forward_flops(model, seq_length, mean_document_length=mean_document_length)
     kernel, projections = fl["attention_kernel"], fl["attention_projections"]
-    qkv_columns, output_columns = m.num_attention_heads + 2 * m.num_query_groups, m.num_attention_heads
+    qkv_columns, output_columns = model.num_attention_heads + 2 * model.num_query_groups, model.num_attention_heads
     per_layer = {
         "none": 0.0,
         "qkv": projections * qkv_columns / (qkv_columns + output_columns),
@@ -131,7 +128,7 @@ def recompute_overhead(
     }
     if recompute not in per_layer:
         raise ValueError(f"recompute {recompute!r}: choose one of {tuple(per_layer)}")
-    return m.num_layers * per_layer[recompute] / step_flops(m, seq_length, fused_attention, mean_document_length)
+    return model.num_layers * per_layer[recompute] / step_flops(model, seq_length, fused_attention, mean_document_length)
 
 
 def pipeline_bubble(pp: int, num_microbatches: Optional[int], vp: int = 1) -> float:

@@ -88,14 +88,19 @@ MODELS: dict[str, ModelShape] = {
         # Llama-3.2-1B: tied embeddings, the llama3 RoPE scaling with factor 32.
         ModelShape("llama3.2-1b", 16, 2048, 8192, 32, 8, 128256, untie_embeddings_and_output_weights=False,
                    max_position_embeddings=131072, rotary_base=500000, rope_scaling=True, rope_scaling_factor=32.0),
+        # The model `mcore-flash pretrain --model tiny` trains (its default CPU job): 2 layers,
+        # h 128, ffn 352, 4 heads, 2 groups, 256 positions; the byte-level tokenizer's 258 ids
+        # padded to 384 rows (--make-vocab-size-divisible-by 128 at TP 1).
+        ModelShape("tiny", 2, 128, 352, 4, 2, 384, max_position_embeddings=256),
         # The tests' tiny Llama (tests/gpt_models.py): 2 layers, h 64, 4 heads, 2 groups, ffn 128.
-        ModelShape("tiny", 2, 64, 128, 4, 2, 128, max_position_embeddings=128),
+        ModelShape("tiny-test", 2, 64, 128, 4, 2, 128, max_position_embeddings=128),
     )
 }
 
 
 def get_model(name_or_shape) -> ModelShape:
-    """A preset by name (``llama2-70b``, ``llama3-70b``, ``tiny`` ...) or a ModelShape as is."""
+    """A preset by name (``llama2-70b``, ``llama3-70b``, ``tiny`` ...) or a ModelShape as is:
+    resolve a ``--model`` once, at the edge, and pass the shape down."""
     if isinstance(name_or_shape, ModelShape):
         return name_or_shape
     key = str(name_or_shape).lower()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .models import ModelShape, get_model
+from .models import ModelShape
 
 __all__ = [
     "layer_parameters",
@@ -33,14 +33,13 @@ def _div(n: int, t: int, what: str) -> int:
     return n // t
 
 
-def layer_parameters(model, tp: int = 1) -> dict[str, int]:
+def layer_parameters(model: ModelShape, tp: int = 1) -> dict[str, int]:
     """Parameters of one transformer layer on one TP rank, by submodule."""
-    m = get_model(model)
-    h, d, a, g, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
-    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    h, d, a, g, f = model.hidden_size, model.head_dim, model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
     qkv_out = _div((a + 2 * g) * d, tp, "query/key/value projection width")
-    fc1_out = _div((2 if m.gated else 1) * f, tp, "linear_fc1 width")
-    bias = m.add_bias_linear
+    fc1_out = _div((2 if model.gated else 1) * f, tp, "linear_fc1 width")
+    bias = model.add_bias_linear
     parts = {
         "input_layernorm": norm,
         "self_attention.linear_qkv": h * qkv_out + (qkv_out if bias else 0),
@@ -49,43 +48,42 @@ def layer_parameters(model, tp: int = 1) -> dict[str, int]:
         "mlp.linear_fc1": h * fc1_out + (fc1_out if bias else 0),
         "mlp.linear_fc2": _div(f, tp, "ffn_hidden_size") * h + (h if bias else 0),
     }
-    if m.qk_layernorm:
-        qk_norm = d * (2 if m.normalization == "LayerNorm" else 1)
+    if model.qk_layernorm:
+        qk_norm = d * (2 if model.normalization == "LayerNorm" else 1)
         parts["self_attention.q_layernorm"] = qk_norm
         parts["self_attention.k_layernorm"] = qk_norm
     return parts
 
 
-def _embedding_parameters(m: ModelShape, tp: int) -> int:
-    count = _div(m.vocab_size, tp, "vocab_size") * m.hidden_size
-    if m.position_embedding_type == "learned_absolute":
-        count += m.max_position_embeddings * m.hidden_size
+def _embedding_parameters(model: ModelShape, tp: int) -> int:
+    count = _div(model.vocab_size, tp, "vocab_size") * model.hidden_size
+    if model.position_embedding_type == "learned_absolute":
+        count += model.max_position_embeddings * model.hidden_size
     return count
 
 
-def stage_parameters(model, tp: int = 1, pp: int = 1, stage: int = 0) -> dict[str, int]:
+def stage_parameters(model: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0) -> dict[str, int]:
     """Parameters held by one device of pipeline stage ``stage`` (0-based), by part.
 
     Keys: ``layers`` (all of the stage's layers), ``embedding`` (first stage),
     ``final_layernorm`` and ``output_layer`` (last stage; with tied embeddings and
     ``pp > 1`` the last stage holds a copy of the word embeddings, as Megatron does).
     """
-    m = get_model(model)
-    if m.num_layers % pp:
-        raise ValueError(f"num_layers ({m.num_layers}) must be divisible by the pipeline-parallel size {pp}")
+    if model.num_layers % pp:
+        raise ValueError(f"num_layers ({model.num_layers}) must be divisible by the pipeline-parallel size {pp}")
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
-    parts = {"layers": sum(layer_parameters(m, tp).values()) * (m.num_layers // pp)}
+    parts = {"layers": sum(layer_parameters(model, tp).values()) * (model.num_layers // pp)}
     if stage == 0:
-        parts["embedding"] = _embedding_parameters(m, tp)
+        parts["embedding"] = _embedding_parameters(model, tp)
     if stage == pp - 1:
-        parts["final_layernorm"] = m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
-        if m.untie_embeddings_and_output_weights or pp > 1:
-            parts["output_layer"] = _div(m.vocab_size, tp, "vocab_size") * m.hidden_size
+        parts["final_layernorm"] = model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
+        if model.untie_embeddings_and_output_weights or pp > 1:
+            parts["output_layer"] = _div(model.vocab_size, tp, "vocab_size") * model.hidden_size
     return parts
 
 
-def total_parameters(model) -> int:
+def total_parameters(model: ModelShape) -> int:
     """Parameters of the whole (unsharded) model; tied embeddings count once."""
     return sum(stage_parameters(model, 1, 1, 0).values())
 
@@ -96,7 +94,7 @@ def optimizer_bytes_per_parameter(distributed: bool, dp: int, cp: int = 1) -> fl
 
 
 def build_flash_gpt(
-    model,
+    model: ModelShape,
     tp: int = 1,
     vp_stage: Optional[int] = None,
     layer_recompute_modules: Sequence[str] = (),
@@ -115,20 +113,19 @@ def build_flash_gpt(
 
     from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
 
-    m = get_model(model)
     settings = dict(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        kv_channels=m.head_dim,
-        normalization=m.normalization,
-        layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.gated,
-        activation_func=torch.nn.functional.silu if m.gated else torch.nn.functional.gelu,
-        add_bias_linear=m.add_bias_linear,
-        qk_layernorm=m.qk_layernorm,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.gated,
+        activation_func=torch.nn.functional.silu if model.gated else torch.nn.functional.gelu,
+        add_bias_linear=model.add_bias_linear,
+        qk_layernorm=model.qk_layernorm,
         tensor_model_parallel_size=tp,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
@@ -140,18 +137,18 @@ def build_flash_gpt(
         get_gpt_decoder_block_flash_spec(
             config, vp_stage=vp_stage, layer_recompute_modules=layer_recompute_modules
         ),
-        vocab_size=m.vocab_size,
-        max_sequence_length=m.max_position_embeddings,
-        position_embedding_type=m.position_embedding_type,
-        rotary_percent=m.rotary_percent,
-        rotary_base=m.rotary_base,
-        rope_scaling=m.rope_scaling,
-        rope_scaling_factor=m.rope_scaling_factor,
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        position_embedding_type=model.position_embedding_type,
+        rotary_percent=model.rotary_percent,
+        rotary_base=model.rotary_base,
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
     )
 
 
-def meta_parameter_count(model, tp: int = 1, vp_stage: Optional[int] = None) -> int:
+def meta_parameter_count(model: ModelShape, tp: int = 1, vp_stage: Optional[int] = None) -> int:
     """Build ``GPTModel`` with the flash spec on the meta device and count its parameters.
 
     Needs torch and megatron-core; megatron's parallel state must be initialised (one

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .layout import Layout
+from .memory import MemoryPlan, plan_memory
 from .models import ModelShape, get_model
-from .planner import Layout, MemoryPlan, plan_memory
+from .units import parse_bytes
 
 __all__ = ["RECIPE_70B_128K", "plan_for_recipe", "plan_for_pretrain_args", "model_shape_for_pretrain_args"]
 
@@ -51,7 +53,9 @@ def plan_for_recipe(
     Keywords: ``tp, pp, cp, dp, vp, sequence_parallel, recompute, micro_batch_size,
     global_batch_size, distributed_optimizer, device_memory`` (as in :data:`RECIPE_70B_128K`)
     and ``num_devices`` (sets ``dp = num_devices / (tp*pp*cp)``); other keywords go to
-    :func:`~mcore_flash.planning.planner.plan_memory` (``runtime_reserve``, ...).
+    :func:`~mcore_flash.planning.memory.plan_memory` (``runtime_reserve``, ...). ``model``
+    is a preset name or a :class:`ModelShape`; ``device_memory`` and ``runtime_reserve`` are
+    bytes or sizes such as ``"64GB"``.
     """
     settings = dict(RECIPE_70B_128K)
     if model is not None:
@@ -67,18 +71,22 @@ def plan_for_recipe(
             raise ValueError(f"num_devices {num_devices} is not divisible by tp*pp*cp = {unit}")
         settings["dp"] = num_devices // unit
     layout = Layout(**{k: settings[k] for k in layout_keys if k in settings})
+    if "runtime_reserve" in plan_kwargs:
+        plan_kwargs["runtime_reserve"] = parse_bytes(plan_kwargs["runtime_reserve"])
+    capacity = None if settings["device_memory"] is None else parse_bytes(settings["device_memory"])
     return plan_memory(
-        settings["model"],
+        get_model(settings["model"]),
         settings["seq_length"],
         layout,
-        device_memory=settings["device_memory"],
+        device_memory=capacity,
         profile=profile,
         **plan_kwargs,
     )
 
 
 def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> MemoryPlan:
-    """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included).
+    """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included)
+    against ``device_memory`` (bytes or a size such as ``"64GB"``).
 
     Megatron's selective recompute counts as ``attention`` when it includes ``core_attn``
     (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``
@@ -102,7 +110,8 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
         global_batch_size=args.global_batch_size,
         distributed_optimizer=args.use_distributed_optimizer,
     )
-    return plan_memory(shape, args.seq_length, layout, device_memory=device_memory, profile=profile)
+    capacity = None if device_memory is None else parse_bytes(device_memory)
+    return plan_memory(shape, args.seq_length, layout, device_memory=capacity, profile=profile)
 
 
 def model_shape_for_pretrain_args(args, vocab_size: Optional[int] = None) -> ModelShape:

@@ -11,18 +11,17 @@ tokens per rank.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
 from .activations import RECOMPUTE_MODES
-from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
-from .models import get_model
-from .planner import Layout, MemoryPlan, plan_memory, recompute_flags
+from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
+from .layout import Layout
+from .memory import MemoryPlan, plan_memory
+from .models import ModelShape
 from .step_time import StepTime, predict_step_time
-from .units import parse_bytes
 
-__all__ = ["Candidate", "search_layouts", "launch_command", "default_global_batch_size", "SEARCH_RECOMPUTE_MODES"]
+__all__ = ["Candidate", "search_layouts", "default_global_batch_size", "SEARCH_RECOMPUTE_MODES"]
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # Llama-2's 4M-token batches
 # what --search tries (and --recompute accepts): our modes; Megatron's stock core_attention
@@ -48,40 +47,6 @@ def default_global_batch_size(seq_length: int, micro_batch_size: int = 1, dp: in
     return -(-sequences // unit) * unit
 
 
-def launch_command(plan: MemoryPlan, program: str = "mcore-flash pretrain") -> str:
-    """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) for ``plan``'s layout."""
-    lay = plan.layout
-    args = [
-        "--model",
-        plan.model.name,
-        "--seq-length",
-        str(plan.seq_length),
-        "--micro-batch-size",
-        str(lay.micro_batch_size),
-    ]
-    if lay.global_batch_size is not None:
-        args += ["--global-batch-size", str(lay.global_batch_size)]
-    args += [
-        "--tensor-model-parallel-size",
-        str(lay.tp),
-        "--pipeline-model-parallel-size",
-        str(lay.pp),
-        "--context-parallel-size",
-        str(lay.cp),
-    ]
-    if lay.vp > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", str(plan.model.num_layers // (lay.pp * lay.vp))]
-    if lay.sp:
-        args.append("--sequence-parallel")
-    if lay.distributed_optimizer:
-        args.append("--use-distributed-optimizer")
-    if plan.mean_document_length is not None:  # the plan assumes document masking
-        args += ["--reset-attention-mask", "--reset-position-ids"]
-    args += recompute_flags(lay)
-    args.append("--bf16" if plan.dtype_bytes == 2 else "--fp32")
-    return " ".join([program] + [shlex.quote(a) for a in args])
-
-
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -95,10 +60,10 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def search_layouts(
-    model,
+    model: ModelShape,
     seq_length: int,
     num_devices: int,
-    device_memory,
+    device_memory: int,
     *,
     micro_batch_size: int = 1,
     global_batch_size: Optional[int] = None,
@@ -113,11 +78,11 @@ def search_layouts(
     include_non_fitting: bool = False,
     partial_recompute: bool = True,
     safety_margin: float = 0.05,
-    hardware=DEFAULT_HARDWARE,
+    hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
     step_options: Optional[dict] = None,
     **plan_kwargs,
 ) -> list[Candidate]:
-    """All layouts of ``num_devices`` devices that fit ``device_memory``, best first.
+    """All layouts of ``num_devices`` devices that fit ``device_memory`` (bytes), best first.
 
     TP defaults to the divisors of the query-group count up to ``max_tp`` (one node),
     PP to the divisors of the layer count, CP to powers of two; DP takes the remaining
@@ -125,17 +90,14 @@ def search_layouts(
     Layouts leaving less than ``safety_margin`` of the memory free are ranked after the
     others. With ``partial_recompute`` a selective mode that does not fit is retried with
     the fewest layers per pipeline chunk recomputed whole that make it fit
-    (``Layout.recompute_num_layers``: recompute just enough). ``hardware`` (a :class:`HardwareProfile`, name or JSON path) and ``step_options``
+    (``Layout.recompute_num_layers``: recompute just enough). ``hardware`` and ``step_options``
     (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
     ``mean_document_length`` ...).
     """
-    m = get_model(model)
-    hw: HardwareProfile = load_hardware(hardware)
     step_kwargs = {"mean_document_length": plan_kwargs.get("mean_document_length"), **(step_options or {})}
-    capacity = parse_bytes(device_memory)
-    tps = list(tp_choices) if tp_choices else [t for t in _divisors(m.num_query_groups) if t <= max_tp and m.num_attention_heads % t == 0]
-    pps = list(pp_choices) if pp_choices else [p for p in _divisors(m.num_layers) if p <= num_devices]
+    tps = list(tp_choices) if tp_choices else [t for t in _divisors(model.num_query_groups) if t <= max_tp and model.num_attention_heads % t == 0]
+    pps = list(pp_choices) if pp_choices else [p for p in _divisors(model.num_layers) if p <= num_devices]
     cps = list(cp_choices) if cp_choices else [c for c in _powers_of_two(num_devices) if seq_length % (2 * c) == 0 or c == 1]
     found = []
     for tp in tps:
@@ -152,7 +114,7 @@ def search_layouts(
                 if gbs % (micro_batch_size * dp):
                     continue
                 for vp in vp_choices:
-                    if vp > 1 and (pp == 1 or m.num_layers % (pp * vp) or (gbs // (micro_batch_size * dp)) % pp):
+                    if vp > 1 and (pp == 1 or model.num_layers % (pp * vp) or (gbs // (micro_batch_size * dp)) % pp):
                         continue
                     for recompute in recompute_choices:
                         layout = Layout(
@@ -167,16 +129,16 @@ def search_layouts(
                             global_batch_size=gbs,
                             distributed_optimizer=distributed_optimizer,
                         )
-                        plan = plan_memory(m, seq_length, layout, device_memory=capacity, **plan_kwargs)
+                        plan = plan_memory(model, seq_length, layout, device_memory=device_memory, **plan_kwargs)
                         if not plan.fits and partial_recompute and recompute != "full":
                             plan = _least_partial_recompute(plan, plan_kwargs) or plan
                         layout = plan.layout
-                        if plan.fits and plan.headroom < safety_margin * capacity:
+                        if plan.fits and plan.headroom < safety_margin * device_memory:
                             plan.notes.append(
                                 f"tight: less than {safety_margin:.0%} of the device memory left free"
                             )
                         if plan.fits or include_non_fitting:
-                            step = predict_step_time(m, seq_length, layout, hw, dtype_bytes=plan.dtype_bytes, **step_kwargs)
+                            step = predict_step_time(model, seq_length, layout, hardware, dtype_bytes=plan.dtype_bytes, **step_kwargs)
                             found.append(Candidate(plan, step))
     found.sort(key=lambda candidate: rank_key(candidate, safety_margin))
     return found
@@ -185,13 +147,12 @@ def search_layouts(
 def _least_partial_recompute(plan: MemoryPlan, plan_kwargs: dict) -> Optional[MemoryPlan]:
     """The fitting plan with the fewest layers per chunk recomputed whole (bytes fall as
     that number grows: bisection), or None if even all but one do not fit."""
-    lay, m = plan.layout, plan.model
-    chunk_layers = m.num_layers // (lay.pp * lay.vp)
-    best, low, high = None, 1, chunk_layers - 1
+    lay = plan.layout
+    best, low, high = None, 1, lay.chunk_layers(plan.model.num_layers) - 1
     while low <= high:
         mid = (low + high) // 2
         candidate = plan_memory(
-            m, plan.seq_length, replace(lay, recompute_num_layers=mid), device_memory=plan.device_memory, **plan_kwargs
+            plan.model, plan.seq_length, replace(lay, recompute_num_layers=mid), device_memory=plan.device_memory, **plan_kwargs
         )
         if candidate.fits:
             best, high = candidate, mid - 1

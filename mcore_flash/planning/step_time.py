@@ -8,7 +8,7 @@ fraction; FLOPs from :func:`.flops.forward_flops`, causal attention halved):
   MLP's forward FLOPs, ``K`` the attention kernel's (the fused backward is 2.5x its
   forward), ``R`` the recompute FLOPs of ``layout.recompute`` per layer
   (:func:`.flops.recompute_overhead` by mode name; under partial recompute the layers'
-  shares of ``full`` and of the mode, :meth:`.planner.Layout.recompute_shares`). Load-balanced ring CP gives every rank
+  shares of ``full`` and of the mode, :meth:`.layout.Layout.recompute_shares`). Load-balanced ring CP gives every rank
   chunks ``r`` and ``2cp-1-r`` and so ``1/cp`` of the causal work. The last pipeline stage
   also runs the logits, ``3·2·b·s·h·V / (tp·cp) / X``; it is the stage that sets the pace.
 * TP (sequence parallel): every all-gather / reduce-scatter moves the ``[s_c, b, h]``
@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .flops import FUSED_ATTENTION_BACKWARD, GEMM_BACKWARD, forward_flops, pipeline_bubble, recompute_overhead, step_flops
-from .hardware import HardwareProfile, load_hardware
-from .models import ModelShape, get_model
+from .hardware import HardwareProfile
+from .layout import Layout
+from .models import ModelShape
 from .parameters import stage_parameters
-from .planner import Layout
 
 __all__ = ["StepTime", "predict_step_time", "RECOMPUTE_COMMUNICATION", "BREAKDOWN_KEYS"]
 
@@ -75,7 +75,8 @@ BREAKDOWN_KEYS = (
 
 @dataclass
 class StepTime:
-    """The result of :func:`predict_step_time`; times in seconds per step, per device."""
+    """The result of :func:`predict_step_time`; times in seconds per step, per device (text
+    form: :func:`mcore_flash.planning.report.format_step_time`)."""
 
     model: ModelShape
     seq_length: int
@@ -129,26 +130,6 @@ class StepTime:
             "details": dict(self.details),
         }
 
-    def format_text(self) -> str:
-        total = self.step_time_s
-        lines = [
-            f"step time on {self._devices_text()}: {total:.3f} s; {self.tokens_per_s_per_device:,.0f} tokens/s per "
-            f"device; MFU {self.mfu:.1%} (Megatron convention {self.mfu_megatron:.1%})",
-        ]
-        for key in BREAKDOWN_KEYS:
-            seconds = self.breakdown[key]
-            if seconds:
-                lines.append(f"  {key:<26} {seconds:>10.3f} s  {seconds / total:>6.1%}")
-        return "\n".join(lines)
-
-    def _devices_text(self) -> str:
-        hw = self.hardware
-        return (
-            f"{self.layout.num_devices} x {hw.name} ({hw.peak_bf16_tflops:g} TFLOP/s peak x "
-            f"{hw.achievable_fraction:g} achievable)"
-        )
-
-
 def _bandwidth(hw: HardwareProfile, ranks_spanned: int) -> float:
     """Bytes/s per device for a group whose ranks span ``ranks_spanned`` consecutive ranks."""
     return hw.intra_node_bandwidth if ranks_spanned <= hw.devices_per_node else hw.inter_node_bandwidth
@@ -160,10 +141,10 @@ def _ring(n: int, nbytes: float, bandwidth: float) -> float:
 
 
 def predict_step_time(
-    model,
+    model: ModelShape,
     seq_length: int,
     layout: Layout,
-    hardware,
+    hardware: HardwareProfile,
     *,
     mean_document_length: Optional[float] = None,
     dtype_bytes: int = 2,
@@ -172,13 +153,13 @@ def predict_step_time(
     overlap_param_gather: bool = False,
 ) -> StepTime:
     """Predicted seconds per step of ``model`` at ``seq_length`` tokens under ``layout`` on
-    ``hardware`` (a :class:`HardwareProfile`, a profile name or a JSON path).
+    ``hardware``.
 
     ``mean_document_length`` (tokens; None = one document per sequence) scales the attention
     kernel's FLOPs as in :mod:`.flops`. ``layout.global_batch_size`` None means ``pp``
     micro-batches per step.
     """
-    m, hw, lay = get_model(model), load_hardware(hardware), layout
+    m, hw, lay = model, hardware, layout
     if lay.recompute not in RECOMPUTE_COMMUNICATION:
         raise ValueError(f"recompute {lay.recompute!r}: the step-time model knows {tuple(RECOMPUTE_COMMUNICATION)}")
     if m.num_layers % (lay.pp * lay.vp):

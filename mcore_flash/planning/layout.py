@@ -1,0 +1,173 @@
+"""A parallel layout (TP x PP x CP x DP, interleaving, recompute, batch) and its launch flags.
+
+Pure helpers of :class:`Layout` that the memory plan, the step-time model, the search and
+the CLI share: which micro-batches a pipeline stage holds, which share of the layers each
+recompute mode covers, and the ``mcore-flash pretrain`` flags (Megatron-LM's names) that
+train the layout.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .activations import RECOMPUTE_MODES
+from .models import ModelShape
+
+__all__ = ["Layout", "RECOMPUTE_FLAGS", "recompute_flags", "recompute_text", "pretrain_command"]
+
+# what the user-facing recompute names mean in Megatron-LM flags
+RECOMPUTE_FLAGS = {
+    "none": [],
+    "qkv": ["--recompute-granularity", "selective", "--recompute-modules", "qkv"],
+    "attention": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
+    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "core_attention": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: TP x PP x CP x DP devices, and how each trains.
+
+    ``vp`` is the number of interleaved (virtual) pipeline chunks per rank (1 = plain 1F1B).
+    ``recompute_num_layers`` > 0 is partial recompute: the first that many layers of each
+    pipeline chunk are recomputed whole (Megatron's ``block`` method), the others use
+    ``recompute``. ``global_batch_size`` (sequences) fixes the number of micro-batches per step
+    ``m = global_batch_size / (micro_batch_size * dp)``; None = enough to fill the pipeline.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    vp: int = 1
+    sequence_parallel: bool = True
+    recompute: str = "none"
+    recompute_num_layers: int = 0
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None
+    distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "dp", "vp", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute {self.recompute!r}: choose one of {RECOMPUTE_MODES}")
+        if self.recompute_num_layers < 0 or (self.recompute_num_layers and self.recompute == "full"):
+            raise ValueError(
+                f"recompute_num_layers {self.recompute_num_layers}: the layers recomputed whole per pipeline chunk "
+                "(>= 0), with a selective recompute mode for the others (not 'full', which recomputes every layer)"
+            )
+        if self.vp > 1 and self.pp == 1:
+            raise ValueError("an interleaved schedule (vp > 1) needs pp > 1")
+        if self.global_batch_size is not None and self.global_batch_size % (self.micro_batch_size * self.dp):
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size x dp "
+                f"= {self.micro_batch_size * self.dp}"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def chunk_layers(self, num_layers: int) -> int:
+        """Layers of one pipeline chunk: ``num_layers / (pp * vp)``."""
+        return num_layers // (self.pp * self.vp)
+
+    def recompute_shares(self, num_layers: int) -> list[tuple[float, str]]:
+        """``(fraction of the layers, recompute mode)``: with partial recompute the first
+        ``recompute_num_layers`` of each of the ``num_layers / (pp * vp)``-layer chunks are
+        ``full``, the rest ``recompute``."""
+        chunk_layers = self.chunk_layers(num_layers)
+        if self.recompute_num_layers > chunk_layers:
+            raise ValueError(
+                f"recompute_num_layers {self.recompute_num_layers} exceeds the {chunk_layers} layers per pipeline "
+                f"chunk ({num_layers} layers / (pp {self.pp} x vp {self.vp}))"
+            )
+        whole = self.recompute_num_layers / chunk_layers
+        return [(whole, "full"), (1 - whole, self.recompute)] if whole else [(1.0, self.recompute)]
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect: asked for and TP > 1."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def num_microbatches(self) -> Optional[int]:
+        """Micro-batches per step, ``global_batch_size / (micro_batch_size * dp)``; None without a global batch."""
+        if self.global_batch_size is None:
+            return None
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def in_flight(self, stage: int) -> int:
+        """Model chunks x micro-batches whose activations stage ``stage`` holds at its peak."""
+        if self.vp == 1:
+            n = self.pp - stage
+            return min(n, self.num_microbatches) if self.num_microbatches else n
+        n = 2 * (self.pp - stage - 1) + (self.vp - 1) * self.pp + 1
+        return min(n, self.num_microbatches * self.vp) if self.num_microbatches else n
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["num_devices"] = self.num_devices
+        out["num_microbatches"] = self.num_microbatches
+        return out
+
+
+def recompute_flags(layout: Layout) -> list[str]:
+    """The ``mcore-flash pretrain`` flags (Megatron-LM's names) of ``layout``'s recompute."""
+    if not layout.recompute_num_layers:
+        return list(RECOMPUTE_FLAGS[layout.recompute])
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block"]
+    flags += ["--recompute-num-layers", str(layout.recompute_num_layers)]
+    modules = RECOMPUTE_FLAGS[layout.recompute][3:]  # after "--recompute-modules"
+    return flags + (["--recompute-modules", *modules] if modules else [])
+
+
+def recompute_text(layout: Layout, num_layers: int) -> str:
+    """``layout``'s recompute in words: the mode, or how partial recompute splits each chunk."""
+    if not layout.recompute_num_layers:
+        return layout.recompute
+    return (
+        f"full for {layout.recompute_num_layers} of {layout.chunk_layers(num_layers)} layers per chunk, "
+        f"{layout.recompute} for the others"
+    )
+
+
+def pretrain_command(
+    model: ModelShape,
+    seq_length: int,
+    layout: Layout,
+    *,
+    dtype_bytes: int = 2,
+    mean_document_length: Optional[float] = None,
+    program: str = "mcore-flash pretrain",
+) -> str:
+    """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) that trains ``model``
+    at ``seq_length`` tokens under ``layout``: bf16 when ``dtype_bytes`` is 2 (else fp32),
+    with document masking when ``mean_document_length`` (tokens) is given."""
+    args = ["--model", model.name, "--seq-length", str(seq_length), "--micro-batch-size", str(layout.micro_batch_size)]
+    if layout.global_batch_size is not None:
+        args += ["--global-batch-size", str(layout.global_batch_size)]
+    args += [
+        "--tensor-model-parallel-size",
+        str(layout.tp),
+        "--pipeline-model-parallel-size",
+        str(layout.pp),
+        "--context-parallel-size",
+        str(layout.cp),
+    ]
+    if layout.vp > 1:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(layout.chunk_layers(model.num_layers))]
+    if layout.sp:
+        args.append("--sequence-parallel")
+    if layout.distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    if mean_document_length is not None:  # the plan assumes document masking
+        args += ["--reset-attention-mask", "--reset-position-ids"]
+    args += recompute_flags(layout)
+    args.append("--bf16" if dtype_bytes == 2 else "--fp32")
+    return " ".join([program] + [shlex.quote(a) for a in args])

@@ -1,0 +1,420 @@
+"""Per-device memory plan for one parallel layout: the breakdown and a fits / does-not-fit verdict.
+
+For every pipeline stage (the worst one decides) the plan adds up, in bytes per device:
+
+* ``weights`` (bf16, 2 B/param), ``gradients`` (fp32 main grads, 4 B/param) and
+  ``optimizer_state`` (fp32 master + Adam m, v: 12 B/param, divided by ``dp * cp`` with the
+  distributed optimizer) of the stage's parameters on one TP rank;
+* ``activations``: the per-layer terms of :mod:`.activations` (exact, validated against
+  measured saved bytes) x layers per stage x micro-batches in flight (1F1B: ``pp - i`` on
+  stage ``i``; interleaved with ``v`` chunks: ``2(pp-i-1) + (v-1)pp + 1`` chunks of
+  ``L/(pp*v)`` layers), without the attention statistics, which are
+  ``attention_statistics``;
+* ``embeddings_and_loss``: saved outside the layers (token ids, final norm, output-layer
+  input, the fp32 cross-entropy softmax), x micro-batches in flight on that stage;
+* estimates of transient buffers (not measured, marked so in the breakdown):
+  ``logits_buffers`` (last stage: the logits and their fp32 gradient),
+  ``recompute_workspace`` (the activations of the layer being recomputed plus the
+  largest gradients of a layer's backward), ``communication_buffers`` (sequence-parallel
+  all-gather output, pipeline send/receive, context-parallel ring K/V and dK/dV;
+  gradient reduce-scatter and the distributed optimizer's all-gather work in place in
+  Megatron's contiguous buffers), ``runtime_reserve`` (fixed, for the runtime, collective
+  library workspaces) and ``allocator_fragmentation`` (a fraction of the dynamic memory).
+
+The plan's compute estimates (recompute overhead, pipeline bubble) come from :mod:`.flops`;
+a ``mean_document_length`` (packed documents) changes only the attention-kernel FLOPs
+there, never the bytes: whatever the mask, the fused attention keeps per-token tensors only
+(q, k, v, out and the softmax statistics).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Optional
+
+from . import activations as act
+from .flops import pipeline_bubble, recompute_overhead
+from .layout import Layout, pretrain_command, recompute_flags
+from .models import ModelShape
+from .parameters import optimizer_bytes_per_parameter, stage_parameters, total_parameters
+from .units import GiB
+
+__all__ = ["MemoryPlan", "StagePlan", "plan_memory", "launch_command", "CATEGORIES", "ESTIMATED_CATEGORIES"]
+
+CATEGORIES = (
+    "weights",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "attention_statistics",
+    "embeddings_and_loss",
+    "logits_buffers",
+    "recompute_workspace",
+    "communication_buffers",
+    "runtime_reserve",
+    "allocator_fragmentation",
+)
+ESTIMATED_CATEGORIES = (
+    "logits_buffers",
+    "recompute_workspace",
+    "communication_buffers",
+    "runtime_reserve",
+    "allocator_fragmentation",
+)
+FP32_BYTES = 4  # fp32 gradients of the logits, dK/dV of the context-parallel ring
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage's device: its ``parameters`` (one TP rank), its ``layers``, the
+    model chunks x micro-batches ``in_flight`` at its peak and ``bytes`` by category
+    (:data:`CATEGORIES`)."""
+
+    stage: int
+    parameters: int
+    layers: int
+    in_flight: int
+    bytes: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclass
+class MemoryPlan:
+    """The result of :func:`plan_memory`; ``per_device`` is the worst stage's breakdown (bytes).
+
+    Text forms are :func:`mcore_flash.planning.report.format_plan` (and its helpers);
+    :meth:`to_dict` is the JSON form.
+    """
+
+    model: ModelShape
+    seq_length: int
+    layout: Layout
+    profile: str
+    dtype_bytes: int
+    total_parameters: int
+    stages: list[StagePlan]
+    layer_terms: list  # activations.Term, one layer, one micro-batch, this layout
+    device_memory: Optional[int]
+    recompute_overhead: float
+    pipeline_bubble: float
+    mean_document_length: Optional[float] = None  # tokens per packed document; None = one per sequence
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst_stage(self) -> StagePlan:
+        return max(self.stages, key=lambda stage: stage.total)
+
+    @property
+    def per_device(self) -> dict[str, int]:
+        return dict(self.worst_stage.bytes)
+
+    @property
+    def total(self) -> int:
+        return self.worst_stage.total
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.device_memory is None else self.total <= self.device_memory
+
+    @property
+    def headroom(self) -> Optional[int]:
+        return None if self.device_memory is None else self.device_memory - self.total
+
+    @property
+    def layer_bytes(self) -> int:
+        """Saved bytes of one layer for one micro-batch (statistics included)."""
+        return int(math.ceil(act.sum_terms(self.layer_terms)))
+
+    @property
+    def relative_step_time(self) -> float:
+        return (1 + self.recompute_overhead) * (1 + self.pipeline_bubble)
+
+    def to_dict(self) -> dict:
+        layer_by_module = {k: int(math.ceil(v)) for k, v in act.by_module(self.layer_terms).items()}
+        return {
+            "model": self.model.name,
+            "model_shape": self.model.to_dict(),
+            "seq_length": self.seq_length,
+            "mean_document_length": self.mean_document_length,
+            "layout": self.layout.to_dict(),
+            "profile": self.profile,
+            "activation_dtype_bytes": self.dtype_bytes,
+            "total_parameters": self.total_parameters,
+            "parameters_per_device": self.worst_stage.parameters,
+            "per_device_bytes": self.per_device,
+            "estimated_categories": list(ESTIMATED_CATEGORIES),
+            "total_bytes_per_device": self.total,
+            "device_memory_bytes": self.device_memory,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom,
+            "worst_stage": self.worst_stage.stage,
+            "stages": [
+                {
+                    "stage": st.stage,
+                    "parameters": st.parameters,
+                    "layers": st.layers,
+                    "in_flight": st.in_flight,
+                    "bytes": st.bytes,
+                    "total_bytes": st.total,
+                }
+                for st in self.stages
+            ],
+            "activation_bytes_per_layer": self.layer_bytes,
+            "activation_bytes_per_layer_by_module": layer_by_module,
+            "activation_terms_per_layer": [
+                {"module": t.module, "name": t.name, "bytes": int(math.ceil(t.bytes)), "category": t.category}
+                for t in self.layer_terms
+            ],
+            "recompute_overhead": self.recompute_overhead,
+            "pipeline_bubble": self.pipeline_bubble,
+            "relative_step_time": self.relative_step_time,
+            "recompute_flags": recompute_flags(self.layout),
+            "launch_command": launch_command(self),
+            "notes": self.notes,
+        }
+
+
+def launch_command(plan: MemoryPlan, program: str = "mcore-flash pretrain") -> str:
+    """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) for ``plan``'s layout."""
+    return pretrain_command(
+        plan.model,
+        plan.seq_length,
+        plan.layout,
+        dtype_bytes=plan.dtype_bytes,
+        mean_document_length=plan.mean_document_length,
+        program=program,
+    )
+
+
+def _ceil(x: Fraction | float) -> int:
+    return int(math.ceil(x))
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """One micro-batch on one device, the sizes the buffer estimates use.
+
+    ``local_tokens``: ``s / cp`` (the CP rank's share); ``rank_tokens``: ``s / (cp * tp)``
+    under sequence parallelism (the tokens of a [s, b, h] tensor a TP rank holds), else
+    ``local_tokens``; ``batch``: micro-batch size ``b``; ``element_bytes``: the activation
+    dtype's bytes ``B``.
+    """
+
+    local_tokens: Fraction
+    rank_tokens: Fraction
+    batch: int
+    element_bytes: int
+
+    @classmethod
+    def of(cls, seq_length: int, layout: Layout, dtype_bytes: int) -> "_MicroBatch":
+        local = Fraction(seq_length, layout.cp)
+        return cls(local, local / layout.tp if layout.sp else local, layout.micro_batch_size, dtype_bytes)
+
+
+def _check_divisible(model: ModelShape, seq_length: int, layout: Layout) -> None:
+    """Raise ValueError unless the layers split into ``pp * vp`` chunks, the sequence into
+    ``2 * cp`` ring chunks and each CP rank's tokens over ``tp`` (sequence parallel)."""
+    if model.num_layers % (layout.pp * layout.vp):
+        raise ValueError(f"num_layers ({model.num_layers}) must be divisible by pp x vp = {layout.pp * layout.vp}")
+    if seq_length % (2 * layout.cp) and layout.cp > 1:
+        raise ValueError(f"seq_length {seq_length} must be divisible by 2 x cp = {2 * layout.cp} (load-balanced ring CP)")
+    if layout.sp and seq_length // layout.cp % layout.tp:
+        raise ValueError(
+            f"the local sequence {seq_length // layout.cp} must be divisible by tp {layout.tp} (sequence parallel)"
+        )
+
+
+def _mean_layer_bytes(
+    terms: list[act.Term], full_terms: list[act.Term], model: ModelShape, layout: Layout
+) -> tuple[Fraction, Fraction]:
+    """``(activations, attention statistics)`` of the mean layer of a pipeline chunk, one
+    micro-batch: under partial recompute the ``recompute_num_layers`` layers recomputed whole
+    keep ``full_terms`` (their input), the others ``terms`` (``layout.recompute``)."""
+    whole_share = Fraction(layout.recompute_num_layers, layout.chunk_layers(model.num_layers))
+    activations = whole_share * act.sum_terms(full_terms) + (1 - whole_share) * act.sum_terms(terms, "activations")
+    statistics = (1 - whole_share) * act.sum_terms(terms, "attention_stats")
+    return activations, statistics
+
+
+def _recompute_workspace(
+    terms: list[act.Term], none_terms: list[act.Term], model: ModelShape, layout: Layout, micro: _MicroBatch
+) -> Fraction:
+    """Estimated bytes alive while one layer runs its backward: what its recompute rebuilds
+    (``none_terms`` less the kept ``terms``) plus the largest gradients inside a layer's
+    backward, ``s_c * b * (fc1 width / tp + 2h) * B``."""
+    if layout.recompute == "full" or layout.recompute_num_layers:
+        rebuilt = act.sum_terms(none_terms)
+    elif layout.recompute == "attention":
+        rebuilt = sum((t.bytes for t in none_terms if t.scope == "attention"), Fraction(0))
+    elif layout.recompute == "qkv":  # the replayed prelude and q, k, v: the attention terms not kept
+        kept = {(t.module, t.name) for t in terms}
+        rebuilt = sum(
+            (t.bytes for t in none_terms if t.scope == "attention" and (t.module, t.name) not in kept), Fraction(0)
+        )
+    else:
+        rebuilt = Fraction(0)
+    fc1_width_per_rank = Fraction(model.ffn_hidden_size * (2 if model.gated else 1), layout.tp)
+    gradients = micro.local_tokens * micro.batch * (fc1_width_per_rank + 2 * model.hidden_size) * micro.element_bytes
+    return rebuilt + gradients
+
+
+def _communication_buffers(model: ModelShape, layout: Layout, micro: _MicroBatch) -> Fraction:
+    """Estimated bytes of the receive/gather buffers: the all-gathered sequence-parallel
+    input, the pipeline's forward activation and backward gradient, the context-parallel
+    ring's K/V (dtype) and dK/dV (fp32), double-buffered."""
+    b, element = micro.batch, micro.element_bytes
+    kv_heads_per_rank = Fraction(model.num_query_groups, layout.tp) if model.num_query_groups >= layout.tp else Fraction(1)
+    buffers = Fraction(0)
+    if layout.sp:
+        buffers += micro.local_tokens * b * model.hidden_size * element
+    if layout.pp > 1:
+        buffers += 2 * micro.rank_tokens * b * model.hidden_size * element
+    if layout.cp > 1:
+        buffers += 2 * 2 * micro.local_tokens * b * kv_heads_per_rank * model.head_dim * (element + FP32_BYTES)
+    return buffers
+
+
+def _outside_layers_bytes(
+    model: ModelShape, seq_length: int, layout: Layout, stage: int, term_options: dict
+) -> tuple[Fraction, Fraction]:
+    """``(embeddings_and_loss, decoder)`` bytes of stage ``stage`` outside its layers: the
+    embedding's saved tensors x the micro-batches in flight through the first chunk, the
+    final norm, output layer and loss for the one micro-batch whose backward follows its
+    forward, and what the decoder block's checkpoints share (x chunks in flight)."""
+    chunks_in_flight = layout.in_flight(stage)
+    micro_batches_in_flight = min(chunks_in_flight, layout.num_microbatches or chunks_in_flight)
+    outside = act.non_layer_terms(
+        model,
+        seq_length,
+        layout.micro_batch_size,
+        first_stage=stage == 0,
+        last_stage=stage == layout.pp - 1,
+        **{**term_options, "recompute": "full" if layout.recompute_num_layers else layout.recompute},
+    )
+    embedding = [t for t in outside if t.module.startswith("embedding")]
+    loss = [t for t in outside if not t.module.startswith(("embedding", "decoder")) or t.module == "decoder.final_layernorm"]
+    decoder = [t for t in outside if t.module.startswith("decoder") and t.module != "decoder.final_layernorm"]
+    embeddings_and_loss = act.sum_terms(embedding) * micro_batches_in_flight + act.sum_terms(loss)
+    return embeddings_and_loss, act.sum_terms(decoder) * chunks_in_flight
+
+
+def _notes(seq_length: int, layout: Layout, profile: act.Profile) -> list[str]:
+    """Warnings the numbers do not show: short CP ranks, an unfilled pipeline, unfused attention."""
+    notes = []
+    if layout.cp > 1 and seq_length // layout.cp < 8192:
+        notes.append(
+            f"{seq_length // layout.cp} tokens per CP rank: ring context parallelism hides its communication only "
+            "above about 8K tokens per rank"
+        )
+    if layout.pp > 1 and layout.num_microbatches is not None and layout.num_microbatches < layout.pp:
+        notes.append(f"{layout.num_microbatches} micro-batches per step cannot fill {layout.pp} pipeline stages")
+    if profile.attention == "standard":
+        notes.append("standard (unfused) attention: keeps the [b, heads, s, s] softmax per layer")
+    return notes
+
+
+def plan_memory(
+    model: ModelShape,
+    seq_length: int,
+    layout: Layout,
+    *,
+    device_memory: Optional[int] = None,
+    profile: str = "npu",
+    dtype_bytes: int = 2,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+    runtime_reserve: int = 2 * GiB,
+    fragmentation: float = 0.05,
+    activation_profile: Optional[act.Profile] = None,
+    mean_document_length: Optional[float] = None,
+) -> MemoryPlan:
+    """The per-device memory plan of ``model`` at ``seq_length`` (tokens) under ``layout``.
+
+    ``profile`` names the device behaviour (:data:`activations.PROFILES`; ``npu`` for the
+    Ascend recipes) unless ``activation_profile`` gives one. ``device_memory`` (bytes) makes
+    the verdict; ``runtime_reserve`` (bytes) is set aside for the runtime and collectives;
+    ``fragmentation`` is the fraction of the dynamic bytes the allocator loses.
+    ``dtype_bytes``: activations, ``param_bytes``: weights, ``grad_bytes``: main gradients.
+    ``mean_document_length`` (tokens; None = one document per sequence) scales the attention
+    FLOPs of the recompute overhead, not the bytes.
+    """
+    activation_profile = activation_profile or act.PROFILES[profile]
+    _check_divisible(model, seq_length, layout)
+    micro = _MicroBatch.of(seq_length, layout, dtype_bytes)
+    term_options = dict(
+        tp=layout.tp,
+        cp=layout.cp,
+        sequence_parallel=layout.sp,
+        recompute=layout.recompute,
+        profile=activation_profile,
+        dtype_bytes=dtype_bytes,
+    )
+
+    def layer_terms_with(recompute: str) -> list[act.Term]:
+        return act.layer_terms(model, seq_length, layout.micro_batch_size, **{**term_options, "recompute": recompute})
+
+    terms, none_terms, full_terms = (layer_terms_with(mode) for mode in (layout.recompute, "none", "full"))
+    recompute_shares = layout.recompute_shares(model.num_layers)
+    layer_activations, layer_statistics = _mean_layer_bytes(terms, full_terms, model, layout)
+    workspace = _recompute_workspace(terms, none_terms, model, layout, micro)
+    communication = _communication_buffers(model, layout, micro)
+    optimizer_per_parameter = optimizer_bytes_per_parameter(layout.distributed_optimizer, layout.dp, layout.cp)
+
+    stages = []
+    layers_per_stage = model.num_layers // layout.pp
+    for stage in range(layout.pp):
+        parameters = sum(stage_parameters(model, layout.tp, layout.pp, stage).values())
+        chunks_in_flight = layout.in_flight(stage)
+        layers_in_flight = Fraction(layers_per_stage, layout.vp) * chunks_in_flight
+        embeddings_and_loss, decoder = _outside_layers_bytes(model, seq_length, layout, stage, term_options)
+        logits = Fraction(0)
+        if stage == layout.pp - 1:  # the logits and their fp32 gradient
+            vocab_per_rank = Fraction(model.vocab_size, layout.tp)
+            logits = micro.local_tokens * micro.batch * vocab_per_rank * (dtype_bytes + FP32_BYTES)
+        dynamic = (
+            layers_in_flight * (layer_activations + layer_statistics)
+            + embeddings_and_loss
+            + decoder
+            + logits
+            + workspace
+            + communication
+        )
+        nbytes = {
+            "weights": parameters * param_bytes,
+            "gradients": parameters * grad_bytes,
+            "optimizer_state": _ceil(parameters * optimizer_per_parameter),
+            "activations": _ceil(layers_in_flight * layer_activations + decoder),
+            "attention_statistics": _ceil(layers_in_flight * layer_statistics),
+            "embeddings_and_loss": _ceil(embeddings_and_loss),
+            "logits_buffers": _ceil(logits),
+            "recompute_workspace": _ceil(workspace),
+            "communication_buffers": _ceil(communication),
+            "runtime_reserve": runtime_reserve,
+            "allocator_fragmentation": _ceil(fragmentation * dynamic),
+        }
+        stages.append(StagePlan(stage, parameters, layers_per_stage, chunks_in_flight, nbytes))
+
+    fused = activation_profile.attention != "standard"
+    return MemoryPlan(
+        model=model,
+        seq_length=seq_length,
+        layout=layout,
+        profile=activation_profile.name,
+        dtype_bytes=dtype_bytes,
+        total_parameters=total_parameters(model),
+        stages=stages,
+        layer_terms=terms,
+        device_memory=device_memory,
+        recompute_overhead=sum(
+            weight * recompute_overhead(model, seq_length, mode, fused, mean_document_length)
+            for weight, mode in recompute_shares
+        ),
+        pipeline_bubble=pipeline_bubble(layout.pp, layout.num_microbatches, layout.vp),
+        mean_document_length=mean_document_length,
+        notes=_notes(seq_length, layout, activation_profile),
+    )

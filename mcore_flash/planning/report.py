@@ -1,0 +1,144 @@
+"""Plans as text: what ``mcore-flash plan`` (and ``pretrain --dry-run``) prints.
+
+The data classes (:class:`.memory.MemoryPlan`, :class:`.step_time.StepTime`,
+:class:`.search.Candidate`) hold numbers and their JSON form (``to_dict``); the words and
+tables are made here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from . import activations as act
+from .layout import recompute_text
+from .memory import CATEGORIES, ESTIMATED_CATEGORIES, MemoryPlan, launch_command
+from .models import ModelShape
+from .search import Candidate
+from .step_time import BREAKDOWN_KEYS, StepTime
+from .units import format_bytes
+
+__all__ = ["verdict", "documents_line", "format_plan", "format_step_time", "format_candidate", "format_compare"]
+
+
+def verdict(plan: MemoryPlan) -> str:
+    """``FITS`` / ``DOES NOT FIT`` with the bytes needed, available and left (or over)."""
+    if plan.device_memory is None:
+        return f"needs {format_bytes(plan.total)} per device (no --device-memory given)"
+    word = "FITS" if plan.fits else "DOES NOT FIT"
+    sign = "free" if plan.fits else "over"
+    return (
+        f"{word}: {format_bytes(plan.total)} of {format_bytes(plan.device_memory)} per device "
+        f"({format_bytes(abs(plan.headroom))} {sign})"
+    )
+
+
+def documents_line(plan: MemoryPlan) -> str:
+    """The packed documents (mean tokens each) and their attention-kernel FLOPs relative
+    to one document per sequence (``mean_document_length / seq_length``)."""
+    return (
+        f"documents: packed, mean {plan.mean_document_length:,} tokens (document masking): attention-kernel "
+        f"FLOPs x {plan.mean_document_length / plan.seq_length:.4g} of one document per sequence"
+    )
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan's breakdown: model and layout, per-layer activations by module, the worst
+    stage's bytes by category, overheads, the verdict, notes and the launch command."""
+    lay, model = plan.layout, plan.model
+    lines = [
+        f"{model.name}: {plan.total_parameters:,} parameters; seq {plan.seq_length:,}, micro-batch "
+        f"{lay.micro_batch_size}, activations {plan.dtype_bytes} B ({plan.profile} profile)",
+        f"layout: TP{lay.tp}{' SP' if lay.sp else ''} x PP{lay.pp}"
+        f"{f' (v={lay.vp})' if lay.vp > 1 else ''} x CP{lay.cp} x DP{lay.dp} = {lay.num_devices} devices; "
+        f"recompute {recompute_text(lay, model.num_layers)}; "
+        f"{'distributed' if lay.distributed_optimizer else 'replicated'} optimizer; "
+        f"micro-batches/step {lay.num_microbatches or 'n/a'}",
+        "",
+        f"per-layer activations (one micro-batch, this device{', layers not recomputed whole' if lay.recompute_num_layers else ''}): "
+        f"{format_bytes(plan.layer_bytes)}",
+    ]
+    if plan.mean_document_length is not None:
+        lines.insert(1, documents_line(plan))
+    for module, nbytes in act.by_module(plan.layer_terms).items():
+        lines.append(f"  {module:<36} {format_bytes(nbytes):>12}")
+    worst = plan.worst_stage
+    lines += [
+        "",
+        f"per device (stage {worst.stage} of {lay.pp}: {worst.layers} layers, {worst.in_flight} in flight, "
+        f"{worst.parameters:,} parameters):",
+    ]
+    for name in CATEGORIES:
+        mark = "  (estimate)" if name in ESTIMATED_CATEGORIES else ""
+        lines.append(f"  {name:<26} {format_bytes(worst.bytes[name]):>12}{mark}")
+    lines.append(f"  {'total':<26} {format_bytes(worst.total):>12}")
+    if lay.pp > 1:
+        lines.append("stages: " + ", ".join(f"{st.stage}: {format_bytes(st.total)}" for st in plan.stages))
+    lines += [
+        "",
+        f"compute overhead: recompute +{plan.recompute_overhead:.1%}, pipeline bubble +{plan.pipeline_bubble:.1%}",
+        verdict(plan),
+    ]
+    lines += [f"note: {note}" for note in plan.notes]
+    lines += ["", "launch: " + launch_command(plan)]
+    return "\n".join(lines)
+
+
+def format_step_time(step: StepTime) -> str:
+    """A headline (step time, tokens/s per device, MFU on which devices), then one line per
+    non-zero part of the breakdown (seconds and share of the step)."""
+    total, hw = step.step_time_s, step.hardware
+    devices = (
+        f"{step.layout.num_devices} x {hw.name} ({hw.peak_bf16_tflops:g} TFLOP/s peak x "
+        f"{hw.achievable_fraction:g} achievable)"
+    )
+    lines = [
+        f"step time on {devices}: {total:.3f} s; {step.tokens_per_s_per_device:,.0f} tokens/s per "
+        f"device; MFU {step.mfu:.1%} (Megatron convention {step.mfu_megatron:.1%})",
+    ]
+    for key in BREAKDOWN_KEYS:
+        seconds = step.breakdown[key]
+        if seconds:
+            lines.append(f"  {key:<26} {seconds:>10.3f} s  {seconds / total:>6.1%}")
+    return "\n".join(lines)
+
+
+def format_candidate(rank: int, candidate: Candidate) -> str:
+    """One ranked layout of ``mcore-flash plan --search``: its summary line, its step-time
+    breakdown, its notes and its launch command."""
+    plan, step, lay = candidate.plan, candidate.step, candidate.plan.layout
+    lines = [
+        f"\n{rank}. TP{lay.tp}{' SP' if lay.sp else ''} PP{lay.pp}{f' v{lay.vp}' if lay.vp > 1 else ''} "
+        f"CP{lay.cp} DP{lay.dp}, recompute {recompute_text(lay, plan.model.num_layers)}: "
+        f"{step.step_time_s:.2f} s per step, "
+        f"{step.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {step.mfu:.1%}; "
+        f"{format_bytes(plan.total)} per device ({format_bytes(plan.headroom)} free); recompute "
+        f"+{plan.recompute_overhead:.1%}, bubble +{plan.pipeline_bubble:.1%} ({lay.num_microbatches} micro-batches)"
+    ]
+    lines += ["  " + line for line in format_step_time(step).splitlines()[1:]]
+    lines += [f"   note: {note}" for note in plan.notes]
+    lines.append(f"   {launch_command(plan)}")
+    return "\n".join(lines)
+
+
+def format_compare(
+    rows: list[dict], model: ModelShape, micro_batch_size: int, tp: int, heads: Optional[int] = None
+) -> str:
+    """The table of :func:`.compare.compare_standard`'s ``rows`` (bytes per device by
+    sequence length); ``heads`` per device defaults to ``num_attention_heads / tp``."""
+    heads = heads or model.num_attention_heads // tp
+    lines = [
+        f"{model.name}: standard vs fused attention, saved for backward per device "
+        f"(b={micro_batch_size}, {heads} heads per device, {model.num_layers} layers)",
+        f"{'seq':>7} {'[b,h,s,s] tensor':>17} {'core attn std':>14} {'core attn fused':>16} "
+        f"{'layer std':>11} {'layer fused':>12} {'all layers std':>15} {'all fused':>11} {'ratio':>7}",
+    ]
+    for r in rows:
+        seq = r["seq_length"]
+        label = f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
+        lines.append(
+            f"{label:>7} {format_bytes(r['scores_bytes']):>17} {format_bytes(r['standard_core_attention_bytes']):>14} "
+            f"{format_bytes(r['fused_core_attention_bytes']):>16} {format_bytes(r['standard_layer_bytes']):>11} "
+            f"{format_bytes(r['fused_layer_bytes']):>12} {format_bytes(r['standard_all_layers_bytes']):>15} "
+            f"{format_bytes(r['fused_all_layers_bytes']):>11} {r['ratio']:>6.1f}x"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""mcore_flash.planning is a one-way stack: every module imports only from the layers below it.
+
+The layers are declared here, lowest first; modules of one layer do not import each other.
+Every import counts, at module level and inside functions (a lazy import that hides a
+cycle is still a cycle). A new module must be given its layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import mcore_flash.planning
+
+PACKAGE = "mcore_flash.planning"
+LAYERS = [
+    ["units", "models", "hardware"],  # byte sizes, model shapes, device profiles
+    ["activations", "flops", "parameters"],  # per-layer saved bytes, FLOPs, parameter counts
+    ["layout"],  # the parallel layout and its launch flags
+    ["memory", "step_time", "compare"],  # a memory plan, a step time, standard vs fused attention
+    ["search"],  # the layouts that fit, ranked
+    ["recipes"],  # the launch scripts' layouts and the trainer's flags as plans
+    ["report"],  # plans as text
+    ["cli"],  # mcore-flash plan
+    ["__init__"],  # the package's public names
+]
+
+
+def planning_imports(directory: str) -> dict[str, set[str]]:
+    """Per module of ``directory`` (the package ``mcore_flash.planning``), the planning
+    modules it imports anywhere in its source: ``from .x import``, ``from . import x``,
+    ``import mcore_flash.planning.x``, ``from mcore_flash.planning import x`` (the package
+    itself counts as ``__init__``, a name that is no module as ``__init__`` too)."""
+    modules = {name[:-3] for name in os.listdir(directory) if name.endswith(".py")}
+    imports = {}
+    for module in modules:
+        with open(os.path.join(directory, module + ".py")) as f:
+            tree = ast.parse(f.read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level > 1:
+                    raise AssertionError(f"{module}: relative import above the package ({'.' * node.level})")
+                if node.level:
+                    base = PACKAGE + (f".{node.module}" if node.module else "")
+                else:
+                    base = node.module or ""
+                # `from package import x` imports module x when x is one, else the package
+                targets = [f"{base}.{a.name}" if base == PACKAGE and a.name in modules else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target == PACKAGE:
+                    found.add("__init__")
+                elif target.startswith(PACKAGE + "."):
+                    found.add(target[len(PACKAGE) + 1 :].split(".")[0])
+        imports[module] = found
+    return imports
+
+
+def layer_violations(imports: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
+    """Each import that does not point to a lower layer, and each module with no layer."""
+    level = {module: i for i, layer in enumerate(layers) for module in layer}
+    problems = [f"{module} has no layer in LAYERS" for module in sorted(set(imports) - set(level))]
+    for module in sorted(set(imports) & set(level)):
+        for target in sorted(imports[module]):
+            if target not in level:
+                problems.append(f"{module} imports {target}, which has no layer in LAYERS")
+            elif level[target] >= level[module]:
+                problems.append(f"{module} (layer {level[module]}) imports {target} (layer {level[target]})")
+    return problems
+
+
+def test_planning_imports_point_down_only():
+    directory = os.path.dirname(mcore_flash.planning.__file__)
+    assert layer_violations(planning_imports(directory), LAYERS) == []
+
+
+def test_the_check_sees_lazy_and_same_layer_imports(tmp_path):
+    """A function-level import of a higher layer, a same-layer import and an undeclared
+    module are reported; imports of the layers below and from outside the package are not."""
+    sources = {
+        "low.py": "import json\nfrom mcore_flash.ops import flash_attention\n",
+        "twin.py": "from . import low\n",
+        "mid.py": "from .low import x\nfrom . import twin\n",
+        "high.py": "import mcore_flash.planning.mid\n\ndef f():\n    from mcore_flash.planning import low\n",
+        "stray.py": "",
+        "lazy.py": "def f():\n    from .high import g\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    imports = planning_imports(str(tmp_path))
+    assert imports["high"] == {"mid", "low"} and imports["low"] == set()
+    layers = [["low"], ["twin", "mid", "lazy"], ["high"]]
+    assert layer_violations(imports, layers) == [
+        "stray has no layer in LAYERS",
+        "lazy (layer 1) imports high (layer 2)",
+        "mid (layer 1) imports twin (layer 1)",
+    ]
