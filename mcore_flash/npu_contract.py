@@ -31,7 +31,7 @@ class SparseMode(enum.IntEnum):
     BAND = 4
     """-pre_tockens <= j - i - (Skv - Sq) <= next_tockens, origin bottom-right (compressed mask)."""
     PREFIX = 5
-    """Prefix: each batch's first ``prefix[b]`` keys visible to every query, uncompressed mask; not in TND."""
+    """Prefix: causal, plus the first ``prefix[b]`` keys of batch b; uncompressed mask; not in TND."""
     PREFIX_COMPRESSED = 6
     """Prefix with a compressed 3072 x 2048 mask."""
     VARLEN_SPLIT_RIGHT_DOWN_CAUSAL = 7

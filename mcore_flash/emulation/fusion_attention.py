@@ -6,7 +6,7 @@ float64 and casts back, and it RAISES (:class:`NpuContractError`) on calls the c
 says are wrong or give silently wrong results on hardware, so a wrong call from our backend
 fails a test instead of passing. Where the contract is silent, or the double does not
 support an argument (``NotImplementedError``), its choices are listed in that page's
-section "The double's choices" and asserted by tests/test_npu_backend.py. The emulated
+section "The doubles' choices" and asserted by tests/test_npu_backend.py. The emulated
 ``torch_npu`` (:mod:`mcore_flash.emulation`) serves it; tests also use it directly on CPU
 tensors::
 
@@ -33,15 +33,9 @@ COMPRESSED = 2048
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_DTYPES = (torch.bool, torch.uint8)
-MODES_IN_THE_DOUBLE = (
-    SparseMode.DEFAULT_MASK,
-    SparseMode.ALL_MASK,
-    SparseMode.LEFT_UP_CAUSAL,
-    SparseMode.RIGHT_DOWN_CAUSAL,
-    SparseMode.BAND,
-)
 FULL_MASK_MODES = (SparseMode.DEFAULT_MASK, SparseMode.ALL_MASK)  # the mask as given, SS..BNSS
 COMPRESSED_MASK_MODES = (SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL, SparseMode.BAND)
+MODES_IN_THE_DOUBLE = FULL_MASK_MODES + COMPRESSED_MASK_MODES  # modes 5-8 raise NotImplementedError
 
 
 class NpuContractError(RuntimeError):
@@ -78,9 +72,11 @@ class FusionAttentionArgs:
     """What one ``npu_fusion_attention`` call passed (the arguments the double reads), as
     given: nothing here is validated or converted (``sparse_mode`` stays the caller's int).
 
-    ``layout`` is the op's ``input_layout``; ``scale`` is the grad op's ``scale_value``.
-    ``pse``, ``padding_mask``, ``prefix`` and ``sink`` are unsupported by the double (must be
-    None); ``gen_mask_parallel`` and ``sync`` (scheduling hints) are not kept.
+    ``query``/``key``/``value`` are in ``layout`` (the op's ``input_layout``, e.g. BSND
+    ``[B, S, N, D]``); ``atten_mask`` is True where masked out; ``scale`` is the forward's
+    ``scale``, the grad op's ``scale_value``; ``actual_seq_*len`` are the TND cumulative
+    sequence ends. ``pse``, ``padding_mask``, ``prefix`` and ``sink`` are unsupported by the
+    double (must be None); ``gen_mask_parallel`` and ``sync`` (scheduling hints) are not kept.
     """
 
     query: torch.Tensor
@@ -117,9 +113,11 @@ class FusionAttentionArgs:
 
 @dataclass(frozen=True, eq=False)
 class FusionAttentionGradArgs(FusionAttentionArgs):
-    """What one ``npu_fusion_attention_grad`` call passed: the forward's arguments, plus the
-    output gradient ``dy`` and the forward's outputs it replays (``softmax_in``, reserved
-    and empty, is not kept)."""
+    """What one ``npu_fusion_attention_grad`` call passed: the forward's arguments, plus
+    ``dy`` (the gradient of the forward's output) and what the forward returned:
+    ``attention_in`` (its output; both shaped and typed like ``query``), ``softmax_max`` and
+    ``softmax_sum`` (float32 ``[B, N, Sq, 8]``, TND ``[T, N, 8]``; or merged over several
+    calls) and its dropout draw. ``softmax_in`` (reserved, empty) is not kept."""
 
     dy: torch.Tensor
     attention_in: torch.Tensor
