@@ -278,6 +278,9 @@ def _visible(args: FusionAttentionArgs, q, k, seq_q, seq_k) -> torch.Tensor:
     sk = k.shape[2]
     dev = q.device
     mode, atten_mask = args.sparse_mode, args.atten_mask
+    default_mode_band = mode == SparseMode.DEFAULT_MASK and (
+        args.pre_tockens != MAX_TOCKENS or args.next_tockens != MAX_TOCKENS
+    )  # mode 0 with tockens: a band the mask must agree with
     if mode == SparseMode.BAND:
         _check_band_tockens(args, seq_q, seq_k, sq, sk)
     if mode not in MODES_IN_THE_DOUBLE:
@@ -307,7 +310,7 @@ def _visible(args: FusionAttentionArgs, q, k, seq_q, seq_k) -> torch.Tensor:
         return same.view(1, 1, sq, sk)
 
     if atten_mask is None:
-        if mode == SparseMode.DEFAULT_MASK and (args.pre_tockens != MAX_TOCKENS or args.next_tockens != MAX_TOCKENS):
+        if default_mode_band:
             raise NotImplementedError("npu_double: tockens band without atten_mask is unsupported in the double")
         return torch.ones(1, 1, sq, sk, dtype=torch.bool, device=dev)  # FULL attention, any sparse_mode
 
@@ -326,7 +329,7 @@ def _visible(args: FusionAttentionArgs, q, k, seq_q, seq_k) -> torch.Tensor:
             f"use SS, 11SS, B1SS or BNSS = [{b}, {nq}, {sq}, {sk}]"
         )
     m4 = m.view(1, 1, sq, sk) if m.dim() == 2 else m
-    if mode == SparseMode.DEFAULT_MASK and (args.pre_tockens != MAX_TOCKENS or args.next_tockens != MAX_TOCKENS):
+    if default_mode_band:
         rows = torch.arange(sq, device=dev).unsqueeze(-1)
         cols = torch.arange(sk, device=dev)
         outside = (cols < rows - args.pre_tockens) | (cols > rows + args.next_tockens)
