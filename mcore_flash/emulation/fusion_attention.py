@@ -1,73 +1,41 @@
 """``npu_fusion_attention`` and its grad op as a contract double (pure PyTorch).
 
-Written from the documented operator contract (``shared/reference/npu-ops.md``, torch_npu
-2.13's op docs and meta registrations), not from our backend: it computes the math naively
-in float64 and casts back, and it RAISES (:class:`NpuContractError`) on calls the contract
+Written from the documented operator contract (``docs/npu-contract.md``: torch_npu 2.13's
+op docs and meta registrations), not from our backend: it computes the math naively in
+float64 and casts back, and it RAISES (:class:`NpuContractError`) on calls the contract
 says are wrong or give silently wrong results on hardware, so a wrong call from our backend
-fails a test instead of passing. The emulated ``torch_npu`` (:mod:`mcore_flash.emulation`)
-serves it; tests also use it directly on CPU tensors::
+fails a test instead of passing. Where the contract is silent, or the double does not
+support an argument (``NotImplementedError``), its choices are listed in that page's
+section "The doubles' choices" and asserted by tests/test_npu_backend.py. The emulated
+``torch_npu`` (:mod:`mcore_flash.emulation`) serves it; tests also use it directly on CPU
+tensors::
 
     forward, grad = make_ops(calls := [])         # calls: one dict per op call
     out, smax, ssum, _, seed, offset, numels = forward(q, k, v, head_num, "BSND", scale=...)
 
-What it checks beyond shapes and dtypes:
-
-* TND statistics are written as torch_npu 2.13 writes them by default
-  (``softmax_layout=""``): shaped ``[T, N, 8]`` but with the data in ``[N, T, 8]`` order
-  (``softmax_layout="TND"`` gives true ``[T, N, 8]`` order). In TND ``inner_precise`` does
-  nothing: a fully masked row, or ``sparse_mode=3`` with ``Sq > Skv`` for a sequence, is an
-  error whatever it says.
-* The grad op takes the forward's own statistics or statistics merged from several calls
-  (context parallelism): the 8 trailing copies must be identical, and ``softmax_max`` must
-  be a row maximum - equal to the largest visible score of this call, or larger with
-  ``softmax_sum`` then counting at least one more unit (the maximum's own ``exp(0)``) than
-  this call's keys contribute. A logsumexp passed as ``softmax_max`` with ``softmax_sum=1``
-  fails that check.
-* Every call records which tensor inputs are not contiguous in their declared layout
-  (``call["noncontiguous"]``): the kernel would copy them.
-
-Choices where the contract is silent (documented here, asserted by tests/test_npu_backend.py):
-
-* Dropout: the forward draws ``seed`` and ``offset`` from the default generator of the
-  query's device, as the kernel does from the NPU's (so ``torch.manual_seed`` or megatron's
-  RNG tracker make it reproducible; offset is deliberately nonzero so a caller that drops
-  it is caught). The keep mask is ``torch.rand(shape, generator=
-  Generator().manual_seed(seed + offset)) < keep_prob`` over the canonical score shape
-  ``[B, N, Sq, Skv]`` (TND: ``[1, N, T, Tkv]``); ``numels`` is its element count. The grad
-  op replays it from the (seed, offset, numels) it is given and raises if numels does
-  not match. With keep_prob == 1, seed = offset = numels = 0 and no RNG is consumed.
-* Fully masked rows (no visible key), dense layouts: allowed only with ``inner_precise=2``,
-  or with ``sparse_mode=3`` (where the op switches it on itself; empty rows there come from
-  Sq > Skv). Otherwise NpuContractError (hardware gives silently wrong rows). Such rows
-  give ``attention_out = 0``, ``softmax_sum = 0``, ``softmax_max = -inf``; the grad op
-  gives them probability 0 (zero gradients) whatever statistics it is handed.
-* sparse_mode 0 with non-default tockens: the band (top-left aligned, key j visible to
-  query i iff i - pre <= j <= i + next) must be implied by the mask, else NpuContractError;
-  tockens without a mask, and sparse modes 5..8, raise NotImplementedError (unsupported
-  in the double; our backend must never use them). TND takes no mask in modes 0/1 here.
-* sparse_mode 4 (band, dense and TND per sequence): the compressed mask is required, origin
-  bottom-right: key j visible to query i iff ``-pre <= j - i - (Skv - Sq) <= next``. The
-  two tockens must overlap (``pre + next >= 0``), and a negative one must stay inside the
-  block (``|next| < Skv``, ``|pre| < Sq``), else NpuContractError.
-* Arguments past ``input_layout`` are keyword-only in both ops (torch_npu's forward also
-  takes them positionally, but positions differ across CANN releases): a positional call
-  raises TypeError. ``pse``, ``padding_mask``, ``prefix``, ``sink`` and ``dropout_mask``
-  are unsupported here.
-* ``softmax_out`` is ``torch.empty(0)``; the grad op returns ``(dq, dk, dv, dpse, dsink)``
-  with ``dpse = None`` and ``dsink`` an empty tensor, as torch_npu 2.13 does.
+Each op gathers its keyword arguments once, at entry, into a frozen
+:class:`FusionAttentionArgs` (the grad op: :class:`FusionAttentionGradArgs`); the checks,
+the visibility (mask and rows) logic and the recorded call (:func:`_call_record`) read
+that. Internally q, k, v are canonical float64 ``[B, N, S, D]`` (TND: ``[1, N, T, D]``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence
 
 import torch
+
+from mcore_flash.npu_contract import SparseMode
 
 MAX_TOCKENS = 2147483647
 COMPRESSED = 2048
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_DTYPES = (torch.bool, torch.uint8)
+FULL_MASK_MODES = (SparseMode.DEFAULT_MASK, SparseMode.ALL_MASK)  # the mask as given, SS..BNSS
+COMPRESSED_MASK_MODES = (SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL, SparseMode.BAND)
+MODES_IN_THE_DOUBLE = FULL_MASK_MODES + COMPRESSED_MASK_MODES  # modes 5-8 raise NotImplementedError
 
 
 class NpuContractError(RuntimeError):
@@ -84,6 +52,122 @@ def compressed_causal_mask(device=None) -> torch.Tensor:
 
 
 _COMPRESSED_CPU = compressed_causal_mask()
+
+
+# ---- one call's arguments -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DropoutDraw:
+    """A call's dropout draw: ``seed + offset`` seeds its keep mask (:func:`dropout_keep`),
+    ``numels`` is the mask's element count. All 0 without dropout (``keep_prob == 1``)."""
+
+    seed: int = 0
+    offset: int = 0
+    numels: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class FusionAttentionArgs:
+    """What one ``npu_fusion_attention`` call passed (the arguments the double reads), as
+    given: nothing here is validated or converted (``sparse_mode`` stays the caller's int).
+
+    ``query``/``key``/``value`` are in ``layout`` (the op's ``input_layout``, e.g. BSND
+    ``[B, S, N, D]``); ``atten_mask`` is True where masked out; ``scale`` is the forward's
+    ``scale``, the grad op's ``scale_value``; ``actual_seq_*len`` are the TND cumulative
+    sequence ends. ``pse``, ``padding_mask``, ``prefix`` and ``sink`` are unsupported by the
+    double (must be None); ``gen_mask_parallel`` and ``sync`` (scheduling hints) are not kept.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    head_num: int
+    layout: str
+    atten_mask: Optional[torch.Tensor]
+    scale: float
+    keep_prob: float
+    pre_tockens: int
+    next_tockens: int
+    inner_precise: int
+    actual_seq_qlen: Optional[Sequence[int]]
+    actual_seq_kvlen: Optional[Sequence[int]]
+    sparse_mode: int
+    softmax_layout: str
+    pse: Optional[torch.Tensor]
+    padding_mask: Optional[torch.Tensor]
+    prefix: Optional[Sequence[int]]
+    sink: Optional[torch.Tensor]
+
+    tensor_inputs: ClassVar[tuple[str, ...]] = ("query", "key", "value", "atten_mask")
+    """The inputs a kernel reads in its layout, in the order a call record names them."""
+
+    def noncontiguous(self) -> list[str]:
+        """Names of the tensor inputs the kernel would have to copy into its layout first."""
+        return [
+            name
+            for name in self.tensor_inputs
+            if isinstance(getattr(self, name), torch.Tensor) and not getattr(self, name).is_contiguous()
+        ]
+
+
+@dataclass(frozen=True, eq=False)
+class FusionAttentionGradArgs(FusionAttentionArgs):
+    """What one ``npu_fusion_attention_grad`` call passed: the forward's arguments, plus
+    ``dy`` (the gradient of the forward's output) and what the forward returned:
+    ``attention_in`` (its output; both shaped and typed like ``query``), ``softmax_max`` and
+    ``softmax_sum`` (float32 ``[B, N, Sq, 8]``, TND ``[T, N, 8]``; or merged over several
+    calls) and its dropout draw. ``softmax_in`` (reserved, empty) is not kept."""
+
+    dy: torch.Tensor
+    attention_in: torch.Tensor
+    softmax_max: torch.Tensor
+    softmax_sum: torch.Tensor
+    dropout: DropoutDraw
+
+    tensor_inputs: ClassVar[tuple[str, ...]] = (
+        "query",
+        "key",
+        "value",
+        "dy",
+        "attention_in",
+        "atten_mask",
+        "softmax_max",
+        "softmax_sum",
+    )
+
+
+def _call_record(name: str, args: FusionAttentionArgs, dropout: DropoutDraw, score_shape) -> dict:
+    """What one call passed, for tests and reports (``npu_double.calls``): the arguments as
+    given, the input shapes and dtype, the mask's shape, the call's dropout draw (the
+    forward's own, or the one the grad op replays), the canonical score shape
+    ``[B, N, Sq, Skv]`` and the inputs the kernel would copy."""
+    mask = args.atten_mask
+    return {
+        "name": name,
+        "layout": args.layout,
+        "head_num": args.head_num,
+        "q_shape": tuple(args.query.shape),
+        "k_shape": tuple(args.key.shape),
+        "v_shape": tuple(args.value.shape),
+        "dtype": args.query.dtype,
+        "atten_mask": mask,
+        "mask_shape": None if mask is None else tuple(mask.shape),
+        "sparse_mode": args.sparse_mode,
+        "scale": args.scale,
+        "keep_prob": args.keep_prob,
+        "pre_tockens": args.pre_tockens,
+        "next_tockens": args.next_tockens,
+        "inner_precise": args.inner_precise,
+        "actual_seq_qlen": args.actual_seq_qlen,
+        "actual_seq_kvlen": args.actual_seq_kvlen,
+        "softmax_layout": args.softmax_layout,
+        "seed": dropout.seed,
+        "offset": dropout.offset,
+        "numels": dropout.numels,
+        "score_shape": tuple(score_shape),
+        "noncontiguous": args.noncontiguous(),
+    }
 
 
 # ---- layouts ------------------------------------------------------------------------------
@@ -126,8 +210,10 @@ def _from_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.permute(2, 0, 1, 3).reshape(s, b, n * d).contiguous()  # SBH
 
 
-def _canonical_qkv(query, key, value, head_num, layout):
+
+def _canonical_qkv(args: FusionAttentionArgs):
     """Validate and return float64 [B, N, S, D] q, k, v plus (nq, nkv)."""
+    query, key, value, head_num, layout = args.query, args.key, args.value, args.head_num, args.layout
     if layout not in LAYOUTS:
         _fail(f"input_layout must be one of {LAYOUTS}, got {layout!r}")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -166,6 +252,7 @@ def _canonical_qkv(query, key, value, head_num, layout):
     return q.double(), k.double(), v.double(), nq, nkv
 
 
+
 def _cum_list(x, name: str, total: int) -> list[int]:
     if not isinstance(x, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in x):
         _fail(f"{name} must be a Python list/tuple of ints for TND, got {type(x).__name__}: {x!r}")
@@ -182,15 +269,22 @@ def _cum_list(x, name: str, total: int) -> list[int]:
 # ---- visibility -----------------------------------------------------------------------------
 
 
-def _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, seq_q, seq_k):
-    """Bool [B|1, N|1, Sq, Skv]: True where the key is visible to the query."""
+def _visible(args: FusionAttentionArgs, q, k, seq_q, seq_k) -> torch.Tensor:
+    """Bool [B|1, N|1, Sq, Skv]: True where the key is visible to the query.
+
+    ``q``/``k`` canonical ``[B, N, S, D]``; ``seq_q``/``seq_k`` the validated cumulative
+    sequence ends (TND) or None."""
     b, nq, sq, _ = q.shape
     sk = k.shape[2]
     dev = q.device
-    if sparse_mode == 4:
-        _check_band_tockens(pre_tockens, next_tockens, seq_q, seq_k, sq, sk, layout)
-    if sparse_mode not in (0, 1, 2, 3, 4):
-        raise NotImplementedError(f"npu_double: sparse_mode={sparse_mode} is unsupported in the double")
+    mode, atten_mask = args.sparse_mode, args.atten_mask
+    default_mode_band = mode == SparseMode.DEFAULT_MASK and (
+        args.pre_tockens != MAX_TOCKENS or args.next_tockens != MAX_TOCKENS
+    )  # mode 0 with tockens: a band the mask must agree with
+    if mode == SparseMode.BAND:
+        _check_band_tockens(args, seq_q, seq_k, sq, sk)
+    if mode not in MODES_IN_THE_DOUBLE:
+        raise NotImplementedError(f"npu_double: sparse_mode={mode} is unsupported in the double")
     if atten_mask is not None:
         if not isinstance(atten_mask, torch.Tensor) or atten_mask.dtype not in MASK_DTYPES:
             _fail(f"atten_mask must be a bool/uint8 tensor, got {getattr(atten_mask, 'dtype', type(atten_mask))}")
@@ -198,57 +292,62 @@ def _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, s
             _fail("uint8 atten_mask must hold only 0/1")
         atten_mask = atten_mask.bool()
 
-    if layout == "TND":
+    if args.layout == "TND":  # each sequence sees its own keys only, by the mode's rule
+        if atten_mask is not None:
+            if mode in FULL_MASK_MODES:
+                raise NotImplementedError(
+                    "npu_double: TND with an atten_mask in sparse_mode 0/1 is unsupported in the double"
+                )
+            _check_compressed(atten_mask, mode)
         same = torch.zeros(sq, sk, dtype=torch.bool, device=dev)
-        rows = torch.arange(sq, device=dev).unsqueeze(-1)
-        cols = torch.arange(sk, device=dev)
         q0 = k0 = 0
         for q1, k1 in zip(seq_q, seq_k):
-            block = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=dev)
-            if atten_mask is not None and sparse_mode in (2, 3, 4):
-                li, lj = rows[q0:q1] - q0, cols[k0:k1] - k0
-                shift = 0 if sparse_mode == 2 else (k1 - k0) - (q1 - q0)
-                block = _band(li, lj, shift, pre_tockens, next_tockens) if sparse_mode == 4 else lj <= li + shift
-            same[q0:q1, k0:k1] = block
+            if atten_mask is None:
+                same[q0:q1, k0:k1] = True
+            else:
+                same[q0:q1, k0:k1] = _compressed_mode_visible(args, q1 - q0, k1 - k0, dev)
             q0, k0 = q1, k1
-        if atten_mask is None:
-            return same.view(1, 1, sq, sk)
-        if sparse_mode in (0, 1):
-            raise NotImplementedError("npu_double: TND with an atten_mask in sparse_mode 0/1 is unsupported in the double")
-        _check_compressed(atten_mask, sparse_mode)
         return same.view(1, 1, sq, sk)
 
     if atten_mask is None:
-        if sparse_mode == 0 and (pre_tockens != MAX_TOCKENS or next_tockens != MAX_TOCKENS):
+        if default_mode_band:
             raise NotImplementedError("npu_double: tockens band without atten_mask is unsupported in the double")
         return torch.ones(1, 1, sq, sk, dtype=torch.bool, device=dev)  # FULL attention, any sparse_mode
 
-    rows = torch.arange(sq, device=dev).unsqueeze(-1)
-    cols = torch.arange(sk, device=dev)
-    if sparse_mode in (2, 3):
-        _check_compressed(atten_mask, sparse_mode)
-        shift = 0 if sparse_mode == 2 else sk - sq
-        return (cols <= rows + shift).view(1, 1, sq, sk)
-    if sparse_mode == 4:
-        _check_compressed(atten_mask, sparse_mode)
-        return _band(rows, cols, sk - sq, pre_tockens, next_tockens).view(1, 1, sq, sk)
+    if mode in COMPRESSED_MASK_MODES:
+        _check_compressed(atten_mask, mode)
+        return _compressed_mode_visible(args, sq, sk, dev).view(1, 1, sq, sk)
 
-    # modes 0 / 1: a full mask, SS / 11SS / B1SS / BNSS (N = head_num)
+    # FULL_MASK_MODES: the mask as given, SS / 11SS / B1SS / BNSS (N = head_num)
     m = atten_mask
     ok = m.dim() == 2 and tuple(m.shape) == (sq, sk)
     if m.dim() == 4 and tuple(m.shape[2:]) == (sq, sk):
         ok = tuple(m.shape[:2]) in ((1, 1), (b, 1), (b, nq))
     if not ok:
         _fail(
-            f"atten_mask shape {tuple(m.shape)} not accepted for sparse_mode={sparse_mode}: "
+            f"atten_mask shape {tuple(m.shape)} not accepted for sparse_mode={mode}: "
             f"use SS, 11SS, B1SS or BNSS = [{b}, {nq}, {sq}, {sk}]"
         )
     m4 = m.view(1, 1, sq, sk) if m.dim() == 2 else m
-    if sparse_mode == 0 and (pre_tockens != MAX_TOCKENS or next_tockens != MAX_TOCKENS):
-        outside = (cols < rows - pre_tockens) | (cols > rows + next_tockens)
+    if default_mode_band:
+        rows = torch.arange(sq, device=dev).unsqueeze(-1)
+        cols = torch.arange(sk, device=dev)
+        outside = (cols < rows - args.pre_tockens) | (cols > rows + args.next_tockens)
         if bool((outside & ~m4).any()):
             _fail("sparse_mode=0: atten_mask does not agree with pre_tockens/next_tockens")
     return ~m4
+
+
+def _compressed_mode_visible(args: FusionAttentionArgs, n_q: int, n_k: int, device) -> torch.Tensor:
+    """Bool [n_q, n_k] of one block (a dense call, or one TND sequence) under the rule of a
+    COMPRESSED_MASK_MODES mode: key j visible to query i iff ``j <= i`` (left-up causal),
+    ``j <= i + n_k - n_q`` (right-down causal) or inside the band (:func:`_band`)."""
+    rows = torch.arange(n_q, device=device).unsqueeze(-1)
+    cols = torch.arange(n_k, device=device)
+    if args.sparse_mode == SparseMode.BAND:
+        return _band(rows, cols, n_k - n_q, args.pre_tockens, args.next_tockens)
+    shift = 0 if args.sparse_mode == SparseMode.LEFT_UP_CAUSAL else n_k - n_q
+    return cols <= rows + shift
 
 
 def _band(rows, cols, shift: int, pre_tockens: int, next_tockens: int) -> torch.Tensor:
@@ -257,14 +356,17 @@ def _band(rows, cols, shift: int, pre_tockens: int, next_tockens: int) -> torch.
     return (offset >= -pre_tockens) & (offset <= next_tockens)
 
 
-def _check_band_tockens(pre_tockens, next_tockens, seq_q, seq_k, sq, sk, layout) -> None:
+def _sequence_blocks(seq_q: list[int], seq_k: list[int]) -> list[tuple[int, int]]:
+    """(queries, keys) of each TND sequence, from the cumulative sequence ends."""
+    return [(b - a, d - c) for a, b, c, d in zip([0] + seq_q[:-1], seq_q, [0] + seq_k[:-1], seq_k)]
+
+
+def _check_band_tockens(args: FusionAttentionArgs, seq_q, seq_k, sq: int, sk: int) -> None:
     """sparse_mode 4's rules on pre/next_tockens, for every (sequence's) block."""
+    pre_tockens, next_tockens = args.pre_tockens, args.next_tockens
     if pre_tockens + next_tockens < 0:
         _fail(f"sparse_mode=4: pre_tockens={pre_tockens} and next_tockens={next_tockens} do not overlap")
-    if layout == "TND":
-        blocks = [(b - a, d - c) for a, b, c, d in zip([0] + seq_q[:-1], seq_q, [0] + seq_k[:-1], seq_k)]
-    else:
-        blocks = [(sq, sk)]
+    blocks = _sequence_blocks(seq_q, seq_k) if args.layout == "TND" else [(sq, sk)]
     for n_q, n_k in blocks:
         if next_tockens < 0 and -next_tockens >= n_k:
             _fail(f"sparse_mode=4: |next_tockens|={-next_tockens} must be < Skv={n_k}")
@@ -282,24 +384,23 @@ def _check_compressed(mask: torch.Tensor, sparse_mode: int) -> None:
         _fail(f"sparse_mode={sparse_mode}: the {COMPRESSED}x{COMPRESSED} mask is not triu(ones, diagonal=1)")
 
 
-def _check_empty_rows(visible, layout, inner_precise, sparse_mode, seq_q, seq_k) -> torch.Tensor:
+def _check_empty_rows(args: FusionAttentionArgs, visible, seq_q, seq_k) -> torch.Tensor:
     """[B|1, N|1, Sq] bool of rows with no visible key; raise where the contract forbids them."""
     empty = ~visible.any(dim=-1)
-    if layout == "TND":
-        starts_q, starts_k = [0] + seq_q[:-1], [0] + seq_k[:-1]
-        for i, (q0, q1, k0, k1) in enumerate(zip(starts_q, seq_q, starts_k, seq_k)):
-            if sparse_mode == 3 and q1 - q0 > k1 - k0:
+    if args.layout == "TND":
+        for i, (n_q, n_k) in enumerate(_sequence_blocks(seq_q, seq_k)):
+            if args.sparse_mode == SparseMode.RIGHT_DOWN_CAUSAL and n_q > n_k:
                 _fail(
-                    f"TND sequence {i} has Sq={q1 - q0} > Skv={k1 - k0} with sparse_mode=3: varlen causal needs "
+                    f"TND sequence {i} has Sq={n_q} > Skv={n_k} with sparse_mode=3: varlen causal needs "
                     "Sq <= Skv for every sequence (inner_precise does not apply in TND)"
                 )
         if bool(empty.any()):
             _fail(f"{int(empty.sum())} query rows see no key in TND; inner_precise does not apply in varlen")
         return empty
-    if bool(empty.any()) and inner_precise != 2 and sparse_mode != 3:
+    if bool(empty.any()) and args.inner_precise != 2 and args.sparse_mode != SparseMode.RIGHT_DOWN_CAUSAL:
         _fail(
-            f"{int(empty.sum())} query rows are entirely masked with sparse_mode={sparse_mode} and "
-            f"inner_precise={inner_precise}; the contract needs inner_precise=2 for such rows"
+            f"{int(empty.sum())} query rows are entirely masked with sparse_mode={args.sparse_mode} and "
+            f"inner_precise={args.inner_precise}; the contract needs inner_precise=2 for such rows"
         )
     return empty
 
@@ -313,30 +414,43 @@ def dropout_keep(seed: int, offset: int, shape, keep_prob: float, device=None) -
     return (torch.rand(tuple(shape), generator=gen, dtype=torch.float64) < keep_prob).to(device)
 
 
-def _common_checks(scale, keep_prob, inner_precise, pse, padding_mask, prefix, layout, qlen, kvlen, softmax_layout, sink):
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        _fail(f"scale must be a Python float, got {type(scale).__name__}")
-    if not isinstance(keep_prob, (int, float)) or not 0.0 < keep_prob <= 1.0:
-        _fail(f"keep_prob must be in (0, 1], got {keep_prob!r}")
-    if inner_precise not in (0, 1, 2, 3):
-        _fail(f"inner_precise must be 0..3, got {inner_precise!r}")
-    if pse is not None or padding_mask is not None or prefix is not None or sink is not None:
+def _draw_dropout(device, numels: int) -> DropoutDraw:
+    """A forward's (seed, offset) from the default generator of ``device``, as the kernel
+    draws them from the NPU's; offset is never 0, so a caller that drops it is caught."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,), device=device).item())
+    offset = int(torch.randint(1, 2**20, (1,), device=device).item()) * 16
+    return DropoutDraw(seed, offset, numels)
+
+
+# ---- argument checks ------------------------------------------------------------------------
+
+
+def _common_checks(args: FusionAttentionArgs) -> None:
+    """The checks of the non-tensor arguments that forward and grad share."""
+    if not isinstance(args.scale, (int, float)) or isinstance(args.scale, bool):
+        _fail(f"scale must be a Python float, got {type(args.scale).__name__}")
+    if not isinstance(args.keep_prob, (int, float)) or not 0.0 < args.keep_prob <= 1.0:
+        _fail(f"keep_prob must be in (0, 1], got {args.keep_prob!r}")
+    if args.inner_precise not in (0, 1, 2, 3):
+        _fail(f"inner_precise must be 0..3, got {args.inner_precise!r}")
+    if any(x is not None for x in (args.pse, args.padding_mask, args.prefix, args.sink)):
         raise NotImplementedError("npu_double: pse / padding_mask / prefix / sink are unsupported in the double")
-    if softmax_layout not in ("", "TND"):
-        _fail(f"only supported softmax_layout=TND (or the default \"\"), got {softmax_layout!r}")
-    if softmax_layout == "TND" and layout != "TND":
+    if args.softmax_layout not in ("", "TND"):
+        _fail(f"only supported softmax_layout=TND (or the default \"\"), got {args.softmax_layout!r}")
+    if args.softmax_layout == "TND" and args.layout != "TND":
         _fail("softmax_layout=TND only supported when input_layout_str=TND")
-    if layout != "TND" and (qlen is not None or kvlen is not None):
-        _fail(f"actual_seq_qlen/actual_seq_kvlen are only for TND, got layout {layout}")
+    if args.layout != "TND" and (args.actual_seq_qlen is not None or args.actual_seq_kvlen is not None):
+        _fail(f"actual_seq_qlen/actual_seq_kvlen are only for TND, got layout {args.layout}")
 
 
-def _seqs(layout, q, k, actual_seq_qlen, actual_seq_kvlen):
-    if layout != "TND":
+def _sequence_ends(args: FusionAttentionArgs, q, k) -> tuple[Optional[list[int]], Optional[list[int]]]:
+    """TND: the validated cumulative ends of the query and key sequences; (None, None) otherwise."""
+    if args.layout != "TND":
         return None, None
-    if actual_seq_qlen is None or actual_seq_kvlen is None:
+    if args.actual_seq_qlen is None or args.actual_seq_kvlen is None:
         _fail("TND requires actual_seq_qlen and actual_seq_kvlen")
-    sq_ = _cum_list(actual_seq_qlen, "actual_seq_qlen", q.shape[2])
-    sk_ = _cum_list(actual_seq_kvlen, "actual_seq_kvlen", k.shape[2])
+    sq_ = _cum_list(args.actual_seq_qlen, "actual_seq_qlen", q.shape[2])
+    sk_ = _cum_list(args.actual_seq_kvlen, "actual_seq_kvlen", k.shape[2])
     if len(sq_) != len(sk_):
         _fail(f"actual_seq_qlen has {len(sq_)} sequences, actual_seq_kvlen {len(sk_)}")
     if sq_[0] == 0 and sk_[0] == 0:
@@ -344,18 +458,22 @@ def _seqs(layout, q, k, actual_seq_qlen, actual_seq_kvlen):
     return sq_, sk_
 
 
-def _mask_summary(atten_mask) -> Any:
-    if atten_mask is None:
-        return None
-    return tuple(atten_mask.shape)
+def _check_grad_inputs(args: FusionAttentionGradArgs, q) -> None:
+    """The grad op's ``dy`` and ``attention_in`` are shaped and typed like ``query``; its
+    statistics are float32 ``[B, N, Sq, 8]`` (TND ``[T, N, 8]``), with ``q`` canonical
+    ``[B, N, Sq, D]``."""
+    query = args.query
+    for name, x in (("dy", args.dy), ("attention_in", args.attention_in)):
+        if not isinstance(x, torch.Tensor) or x.shape != query.shape or x.dtype != query.dtype:
+            _fail(f"{name} must be a tensor shaped and typed like query {tuple(query.shape)} {query.dtype}")
+    b, nq, sq, _ = q.shape
+    stat_shape = (sq, nq, 8) if args.layout == "TND" else (b, nq, sq, 8)
+    for name, x in (("softmax_max", args.softmax_max), ("softmax_sum", args.softmax_sum)):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != stat_shape or x.dtype != torch.float32:
+            _fail(f"{name} must be float32 {stat_shape}, got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
 
 
-# ---- the operators ----------------------------------------------------------------------------
-
-
-def _noncontiguous(**tensors) -> list[str]:
-    """Names of the tensor inputs the kernel would have to copy into its layout first."""
-    return [name for name, x in tensors.items() if isinstance(x, torch.Tensor) and not x.is_contiguous()]
+# ---- statistics and scores ------------------------------------------------------------------
 
 
 def _stats_out(row_stat: torch.Tensor, layout: str, softmax_layout: str) -> torch.Tensor:
@@ -418,18 +536,7 @@ def _scores(q, k, v, scale: float, visible):
     return ke, ve, s.masked_fill(~visible, float("-inf"))
 
 
-def _call_record(name: str, args: dict, scale: float, score_shape, noncontiguous: list[str]) -> dict:
-    """What one call passed (``args``: the op's local variables), for tests and reports."""
-    query, key, value, atten_mask = args["query"], args["key"], args["value"], args["atten_mask"]
-    record = dict(
-        name=name, q_shape=tuple(query.shape), k_shape=tuple(key.shape), v_shape=tuple(value.shape),
-        dtype=query.dtype, mask_shape=_mask_summary(atten_mask), scale=scale, score_shape=tuple(score_shape),
-        noncontiguous=noncontiguous,
-    )  # fmt: skip
-    for field in ("layout", "head_num", "atten_mask", "sparse_mode", "keep_prob", "pre_tockens", "next_tockens",
-                  "inner_precise", "actual_seq_qlen", "actual_seq_kvlen", "seed", "offset", "numels", "softmax_layout"):
-        record[field] = args[field]  # fmt: skip
-    return record
+# ---- the operators ----------------------------------------------------------------------------
 
 
 def make_ops(record: list):
@@ -441,15 +548,35 @@ def make_ops(record: list):
         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
         gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0,
     ):  # fmt: skip
-        layout = input_layout
-        q, k, v, nq, nkv = _canonical_qkv(query, key, value, head_num, layout)
-        _common_checks(scale, keep_prob, inner_precise, pse, padding_mask, prefix, layout, actual_seq_qlen,
-                       actual_seq_kvlen, softmax_layout, sink)  # fmt: skip
+        """``-> (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``."""
+        args = FusionAttentionArgs(
+            query=query,
+            key=key,
+            value=value,
+            head_num=head_num,
+            layout=input_layout,
+            atten_mask=atten_mask,
+            scale=scale,
+            keep_prob=keep_prob,
+            pre_tockens=pre_tockens,
+            next_tockens=next_tockens,
+            inner_precise=inner_precise,
+            actual_seq_qlen=actual_seq_qlen,
+            actual_seq_kvlen=actual_seq_kvlen,
+            sparse_mode=sparse_mode,
+            softmax_layout=softmax_layout,
+            pse=pse,
+            padding_mask=padding_mask,
+            prefix=prefix,
+            sink=sink,
+        )
+        q, k, v, _, _ = _canonical_qkv(args)
+        _common_checks(args)
         if dropout_mask is not None or seed or offset:
             raise NotImplementedError("npu_double: dropout_mask / seed / offset inputs are unsupported in the double")
-        seq_q, seq_k = _seqs(layout, q, k, actual_seq_qlen, actual_seq_kvlen)
-        visible = _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, seq_q, seq_k)
-        empty = _check_empty_rows(visible, layout, inner_precise, sparse_mode, seq_q, seq_k)
+        seq_q, seq_k = _sequence_ends(args, q, k)
+        visible = _visible(args, q, k, seq_q, seq_k)
+        empty = _check_empty_rows(args, visible, seq_q, seq_k)
         ke, ve, s = _scores(q, k, v, scale, visible)
         row_max = s.amax(dim=-1)
         empty = empty.expand(row_max.shape)
@@ -458,22 +585,17 @@ def make_ops(record: list):
         row_sum = e.sum(dim=-1)
         p = e / torch.where(empty, 1.0, row_sum).unsqueeze(-1)
 
-        seed = offset = numels = 0
+        dropout = DropoutDraw()
         if keep_prob < 1.0:
-            seed = int(torch.randint(0, 2**31 - 1, (1,), device=query.device).item())
-            offset = int(torch.randint(1, 2**20, (1,), device=query.device).item()) * 16
-            numels = p.numel()
-            p = p * dropout_keep(seed, offset, p.shape, keep_prob, p.device) / keep_prob
+            dropout = _draw_dropout(query.device, p.numel())
+            p = p * dropout_keep(dropout.seed, dropout.offset, p.shape, keep_prob, p.device) / keep_prob
         out = (p @ ve).to(query.dtype)
 
         max_out = torch.where(empty, float("-inf"), row_max)
-        record.append(_call_record(
-            "npu_fusion_attention", locals(), scale, p.shape,
-            _noncontiguous(query=query, key=key, value=value, atten_mask=atten_mask),
-        ))  # fmt: skip
-        stats = [_stats_out(x, layout, softmax_layout) for x in (max_out, row_sum)]
+        record.append(_call_record("npu_fusion_attention", args, dropout, p.shape))
+        stats = [_stats_out(x, input_layout, softmax_layout) for x in (max_out, row_sum)]
         softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
-        return (_from_bnsd(out, layout), stats[0], stats[1], softmax_out, seed, offset, numels)
+        return (_from_bnsd(out, input_layout), stats[0], stats[1], softmax_out, dropout.seed, dropout.offset, dropout.numels)
 
     def npu_fusion_attention_grad(
         query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None,
@@ -482,28 +604,46 @@ def make_ops(record: list):
         offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
         gen_mask_parallel=True, sync=False, softmax_layout="", sink=None,
     ):  # fmt: skip
-        layout = input_layout
-        q, k, v, nq, nkv = _canonical_qkv(query, key, value, head_num, layout)
-        _common_checks(scale_value, keep_prob, inner_precise, pse, padding_mask, prefix, layout, actual_seq_qlen,
-                       actual_seq_kvlen, softmax_layout, sink)  # fmt: skip
-        seq_q, seq_k = _seqs(layout, q, k, actual_seq_qlen, actual_seq_kvlen)
-        for name, x in (("dy", dy), ("attention_in", attention_in)):
-            if not isinstance(x, torch.Tensor) or x.shape != query.shape or x.dtype != query.dtype:
-                _fail(f"{name} must be a tensor shaped and typed like query {tuple(query.shape)} {query.dtype}")
-        b, _, sq, _ = q.shape
-        stat_shape = (sq, nq, 8) if layout == "TND" else (b, nq, sq, 8)
-        for name, x in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != stat_shape or x.dtype != torch.float32:
-                _fail(f"{name} must be float32 {stat_shape}, got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
-        visible = _visible(q, k, layout, atten_mask, sparse_mode, pre_tockens, next_tockens, seq_q, seq_k)
-        empty = _check_empty_rows(visible, layout, inner_precise, sparse_mode, seq_q, seq_k)
+        """``-> (dq, dk, dv, dpse, dsink)``: ``dpse`` None, ``dsink`` empty, as torch_npu 2.13."""
+        args = FusionAttentionGradArgs(
+            query=query,
+            key=key,
+            value=value,
+            head_num=head_num,
+            layout=input_layout,
+            atten_mask=atten_mask,
+            scale=scale_value,
+            keep_prob=keep_prob,
+            pre_tockens=pre_tockens,
+            next_tockens=next_tockens,
+            inner_precise=inner_precise,
+            actual_seq_qlen=actual_seq_qlen,
+            actual_seq_kvlen=actual_seq_kvlen,
+            sparse_mode=sparse_mode,
+            softmax_layout=softmax_layout,
+            pse=pse,
+            padding_mask=padding_mask,
+            prefix=prefix,
+            sink=sink,
+            dy=dy,
+            attention_in=attention_in,
+            softmax_max=softmax_max,
+            softmax_sum=softmax_sum,
+            dropout=DropoutDraw(seed, offset, numels),
+        )
+        q, k, v, nq, nkv = _canonical_qkv(args)
+        _common_checks(args)
+        seq_q, seq_k = _sequence_ends(args, q, k)
+        _check_grad_inputs(args, q)
+        visible = _visible(args, q, k, seq_q, seq_k)
+        empty = _check_empty_rows(args, visible, seq_q, seq_k)
         ke, ve, s = _scores(q, k, v, scale_value, visible)
-        stats_max = _stats_in(softmax_max, layout, softmax_layout, nq)
-        stats_sum = _stats_in(softmax_sum, layout, softmax_layout, nq)
+        stats_max = _stats_in(softmax_max, input_layout, softmax_layout, nq)
+        stats_sum = _stats_in(softmax_sum, input_layout, softmax_layout, nq)
         _check_statistics(s, visible, stats_max, stats_sum)
         smax, ssum = stats_max[..., 0], stats_sum[..., 0]
-        do = _to_bnsd(dy, layout, head_num, "dy").double()
-        o = _to_bnsd(attention_in, layout, head_num, "attention_in").double()
+        do = _to_bnsd(dy, input_layout, head_num, "dy").double()
+        o = _to_bnsd(attention_in, input_layout, head_num, "attention_in").double()
         p = torch.exp(s - smax.unsqueeze(-1)) / ssum.unsqueeze(-1)  # the GIVEN statistics
         p = torch.where(empty.expand(smax.shape).unsqueeze(-1), 0.0, p)
 
@@ -522,15 +662,9 @@ def make_ops(record: list):
         bk, _, skk, d = k.shape
         dk = dke.view(bk, nkv, nq // nkv, skk, d).sum(dim=2)
         dv = dve.view(bk, nkv, nq // nkv, skk, v.shape[-1]).sum(dim=2)
-        record.append(_call_record(
-            "npu_fusion_attention_grad", locals(), scale_value, p.shape,
-            _noncontiguous(
-                query=query, key=key, value=value, dy=dy, attention_in=attention_in, atten_mask=atten_mask,
-                softmax_max=softmax_max, softmax_sum=softmax_sum,
-            ),
-        ))  # fmt: skip
+        record.append(_call_record("npu_fusion_attention_grad", args, args.dropout, p.shape))
 
-        grads = (_from_bnsd(x, layout).to(like.dtype) for x, like in ((dq, query), (dk, key), (dv, value)))
+        grads = (_from_bnsd(x, input_layout).to(like.dtype) for x, like in ((dq, query), (dk, key), (dv, value)))
         return (*grads, None, torch.empty(0, device=query.device))
 
     return npu_fusion_attention, npu_fusion_attention_grad

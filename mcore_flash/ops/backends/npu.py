@@ -1,6 +1,6 @@
 """Ascend NPU backend: ``torch_npu.npu_fusion_attention`` and its grad op.
 
-Follows the operator contract of torch_npu 2.13 (``shared/reference/npu-ops.md``):
+Follows the operator contract of torch_npu 2.13 (``docs/npu-contract.md``):
 
 * layouts without copies: flash-attn's ``[b, s, h, d]`` is ``"BSND"``; Megatron's
   ``[s, b, h, d]`` (``layout="sbhd"``) is passed as its free ``[s, b, h*d]`` view, ``"SBH"``,
@@ -8,14 +8,16 @@ Follows the operator contract of torch_npu 2.13 (``shared/reference/npu-ops.md``
   ``actual_seq_qlen``/``actual_seq_kvlen`` lists without the 0;
 * ``head_num`` is the number of QUERY heads; K/V keep their own head count (native GQA);
 * ``keep_prob = 1 - dropout_p``; dropout is replayed from the op's ``seed, offset, numels``;
-* causal -> ``sparse_mode=3`` (bottom-right, our convention) with the cached COMPRESSED
-  2048x2048 upper-triangular mask, never an ``S x S`` one;
-* a sliding window (our band ``(lo, hi)``) -> ``sparse_mode=4`` (band, origin bottom-right)
-  with the compressed mask, ``pre_tockens = -lo`` and ``next_tockens = hi`` (unbounded
+* sparse modes are named by :class:`~mcore_flash.npu_contract.SparseMode`, an ``IntEnum``
+  (the op receives the int);
+* causal -> ``RIGHT_DOWN_CAUSAL`` (3, bottom-right, our convention) with the cached
+  COMPRESSED 2048x2048 upper-triangular mask, never an ``S x S`` one;
+* a sliding window (our band ``(lo, hi)``) -> ``BAND`` (4, origin bottom-right) with the
+  compressed mask, ``pre_tockens = -lo`` and ``next_tockens = hi`` (unbounded
   sides ``2147483647``), dense and TND alike;
-* an explicit bool mask (True = masked out, the op's polarity too) -> ``sparse_mode=1``
-  (full mask, tockens ignored), combined with the causal rule or the window when both are
-  asked for; ``inner_precise=2`` when a row sees no key;
+* an explicit bool mask (True = masked out, the op's polarity too) -> ``ALL_MASK`` (1, the
+  mask as given, tockens ignored), combined with the causal rule or the window when both
+  are asked for; ``inner_precise=2`` when a row sees no key;
 * ``softcap``, ``alibi_slopes`` and ``deterministic=True`` raise: the op has no score cap;
   ALiBi would need its ``pse`` input, which ``npu_fusion_attention`` takes only as a
   materialised ``[B|1, N, Sq, Skv]`` bias in the query's dtype (O(s^2) memory, again for the
@@ -43,14 +45,13 @@ from typing import Any, Optional
 
 import torch
 
+from mcore_flash.npu_contract import SparseMode
+
 from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor, band_mask, band_rows
 from .reference import ReferenceBackend
 
 MAX_TOCKENS = 2147483647
 COMPRESSED_MASK_SIZE = 2048
-SPARSE_FULL_MASK = 1
-SPARSE_CAUSAL_BOTTOM_RIGHT = 3
-SPARSE_BAND = 4
 MAX_HEAD_DIM = 768
 MAX_HEADS = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -181,14 +182,18 @@ class NpuBackend(AttentionBackend):
 
     @staticmethod
     def _common(
-        params: AttentionParams, mask: Optional[Tensor], sparse_mode: int, empty_rows: bool, grad: bool = False
+        params: AttentionParams,
+        mask: Optional[Tensor],
+        sparse_mode: SparseMode,
+        empty_rows: bool,
+        grad: bool = False,
     ) -> dict:
         """Keyword arguments shared by forward and grad. ``empty_rows``: some query row sees
         no key, which needs ``inner_precise=2`` (the op only turns it on by itself for
         sparse_mode=3 with Sq > Skv)."""
         scale_key = "scale_value" if grad else "scale"
         pre_tockens = next_tockens = MAX_TOCKENS
-        if sparse_mode == SPARSE_BAND:
+        if sparse_mode == SparseMode.BAND:
             lo, hi = params.window
             pre_tockens = MAX_TOCKENS if lo is None else -lo
             next_tockens = MAX_TOCKENS if hi is None else hi
@@ -204,20 +209,23 @@ class NpuBackend(AttentionBackend):
             "sparse_mode": sparse_mode,
         }
 
-    def _dense_mask_and_mode(self, params: AttentionParams, q: Tensor, k: Tensor) -> tuple[Optional[Tensor], int]:
+    def _dense_mask_and_mode(
+        self, params: AttentionParams, q: Tensor, k: Tensor
+    ) -> tuple[Optional[Tensor], SparseMode]:
         seq, batch = params.layout.index("s"), params.layout.index("b")
         if params.attn_mask is not None:
             mask = _dense_mask(params, q.shape[batch], q.shape[2], q.shape[seq], k.shape[seq])
-            return mask, SPARSE_FULL_MASK
+            return mask, SparseMode.ALL_MASK
         return self._mask_and_mode(params, q.device)
 
-    def _mask_and_mode(self, params: AttentionParams, device: torch.device) -> tuple[Optional[Tensor], int]:
-        """The compressed mask with ``sparse_mode=3`` (causal) or ``4`` (band), or no mask (full attention)."""
+    def _mask_and_mode(self, params: AttentionParams, device: torch.device) -> tuple[Optional[Tensor], SparseMode]:
+        """The compressed mask with ``RIGHT_DOWN_CAUSAL`` (causal) or ``BAND`` (window), or no
+        mask (full attention, ``DEFAULT_MASK``)."""
         if params.window is not None:
-            return self._compressed_causal_mask(device), SPARSE_BAND
+            return self._compressed_causal_mask(device), SparseMode.BAND
         if params.causal:
-            return self._compressed_causal_mask(device), SPARSE_CAUSAL_BOTTOM_RIGHT
-        return None, 0
+            return self._compressed_causal_mask(device), SparseMode.RIGHT_DOWN_CAUSAL
+        return None, SparseMode.DEFAULT_MASK
 
     @staticmethod
     def _empty_rows(params: AttentionParams, mask: Optional[Tensor], q: Tensor, k: Tensor) -> bool:
