@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import enum
 
+MAX_TOCKENS = 2147483647
+"""pre/next_tockens meaning "unbounded" (int32 max)."""
+COMPRESSED_MASK_SIZE = 2048
+"""Side of the compressed ``triu(ones, diagonal=1)`` mask of the causal and band modes."""
+
 
 class SparseMode(enum.IntEnum):
     """``sparse_mode`` of ``npu_fusion_attention`` and its grad op (torch_npu 2.13).

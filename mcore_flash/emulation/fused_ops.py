@@ -1,7 +1,7 @@
 """``npu_rms_norm`` and ``npu_swiglu`` as contract doubles (pure PyTorch, differentiable).
 
 Written from torch_npu 2.13's op docs, meta registrations and derivatives (see
-``shared/reference/npu-ops.md``); they compute in float32 and raise
+``docs/npu-contract.md``); they compute in float32 and raise
 :class:`NpuContractError` for calls outside the contract:
 
 * ``npu_rms_norm(x, gamma, epsilon=1e-6) -> (y, rstd)``: x fp16/bf16/fp32 with 1-8 dims

@@ -26,10 +26,8 @@ from typing import ClassVar, Optional, Sequence
 
 import torch
 
-from mcore_flash.npu_contract import SparseMode
+from mcore_flash.npu_contract import COMPRESSED_MASK_SIZE, MAX_TOCKENS, SparseMode
 
-MAX_TOCKENS = 2147483647
-COMPRESSED = 2048
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_DTYPES = (torch.bool, torch.uint8)
@@ -48,7 +46,7 @@ def _fail(msg: str) -> None:
 
 def compressed_causal_mask(device=None) -> torch.Tensor:
     """The contract's compressed causal mask ``triu(ones(2048, 2048, bool), diagonal=1)``."""
-    return torch.triu(torch.ones(COMPRESSED, COMPRESSED, dtype=torch.bool, device=device), diagonal=1)
+    return torch.triu(torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device), diagonal=1)
 
 
 _COMPRESSED_CPU = compressed_causal_mask()
@@ -375,13 +373,13 @@ def _check_band_tockens(args: FusionAttentionArgs, seq_q, seq_k, sq: int, sk: in
 
 
 def _check_compressed(mask: torch.Tensor, sparse_mode: int) -> None:
-    if tuple(mask.shape) != (COMPRESSED, COMPRESSED):
+    if tuple(mask.shape) != (COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE):
         _fail(
-            f"sparse_mode={sparse_mode} requires the compressed {COMPRESSED}x{COMPRESSED} mask "
+            f"sparse_mode={sparse_mode} requires the compressed {COMPRESSED_MASK_SIZE}x{COMPRESSED_MASK_SIZE} mask "
             f"triu(ones, 1), got shape {tuple(mask.shape)}"
         )
     if not torch.equal(mask.cpu(), _COMPRESSED_CPU):
-        _fail(f"sparse_mode={sparse_mode}: the {COMPRESSED}x{COMPRESSED} mask is not triu(ones, diagonal=1)")
+        _fail(f"sparse_mode={sparse_mode}: the {COMPRESSED_MASK_SIZE}x{COMPRESSED_MASK_SIZE} mask is not triu(ones, diagonal=1)")
 
 
 def _check_empty_rows(args: FusionAttentionArgs, visible, seq_q, seq_k) -> torch.Tensor:

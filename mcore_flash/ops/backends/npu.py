@@ -45,13 +45,11 @@ from typing import Any, Optional
 
 import torch
 
-from mcore_flash.npu_contract import SparseMode
+from mcore_flash.npu_contract import COMPRESSED_MASK_SIZE, MAX_TOCKENS, SparseMode
 
 from .base import AttentionBackend, AttentionParams, SoftmaxStats, Tensor, band_mask, band_rows
 from .reference import ReferenceBackend
 
-MAX_TOCKENS = 2147483647
-COMPRESSED_MASK_SIZE = 2048
 MAX_HEAD_DIM = 768
 MAX_HEADS = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
