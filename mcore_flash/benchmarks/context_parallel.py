@@ -38,10 +38,11 @@ from typing import Optional
 
 import torch
 
-from .common import choice_list, free_port, int_list, loadavg
+from .common import DTYPES, MIB, choice_list, free_port, int_list, loadavg
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MIB = 2**20
+# --dtype: all but fp64 (comm_bytes_per_rank counts fp32 dK/dV accumulators; fp64 inputs
+# accumulate in fp64)
+DTYPE_CHOICES = tuple(name for name in sorted(DTYPES) if name != "fp64")
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=int, default=8, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp32")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--backend", default="cpu", help="attention backend of each block (default cpu)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")

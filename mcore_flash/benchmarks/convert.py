@@ -24,6 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from .common import GIB, peak_rss
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="mcore-flash bench-convert", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3.2-1b", help="preset shape of the random model")
@@ -61,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"largest tensor {result['largest_tensor_bytes'] / 1e6:.0f} MB")  # fmt: skip
         for name in ("baseline", "hf_to_mcore", "mcore_to_hf"):
             r = result[name]
-            print(f"{name:<12} peak RSS {r['peak_rss'] / 2**30:6.2f} GiB   {r['seconds']:7.1f} s")
+            print(f"{name:<12} peak RSS {r['peak_rss'] / GIB:6.2f} GiB   {r['seconds']:7.1f} s")
         print(f"round trip bit-exact: {result['round_trip_bit_exact']}")
     return 0 if result["round_trip_bit_exact"] else 1
 
@@ -113,17 +116,11 @@ def _measure(argv: list[str]) -> int:
     seconds = time.perf_counter() - start
     if code:
         return code
-    print(json.dumps({"peak_rss": _peak_rss(), "seconds": seconds}))
+    peak = peak_rss()
+    if peak is None:
+        raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux")
+    print(json.dumps({"peak_rss": peak, "seconds": seconds}))
     return 0
-
-
-def _peak_rss() -> int:
-    """This process's peak resident set size in bytes (Linux ``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux")
 
 
 def _same_tensors(a_dir: str, b_dir: str) -> bool:

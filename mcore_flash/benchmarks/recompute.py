@@ -47,9 +47,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .common import MegatronGroup, choice_list, int_list, loadavg
+from .common import MIB, MegatronGroup, choice_list, int_list, loadavg, progress_log, timed
 
-MIB = 2**20
 MODES = ("none", "qkv", "attention", "full")
 
 
@@ -238,11 +237,9 @@ class Runner:
         return grads
 
     def timed_step(self) -> None:
-        start, start_cpu = time.perf_counter(), time.process_time()
-        loss = self.forward()
-        loss.backward()
-        self.result.times_ms.append((time.perf_counter() - start) * 1e3)
-        self.result.cpu_ms.append((time.process_time() - start_cpu) * 1e3)
+        with timed(self.result.times_ms, self.result.cpu_ms):
+            loss = self.forward()
+            loss.backward()
         del loss
         self.zero_grads()
 
@@ -435,9 +432,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
 
-    def log(msg: str) -> None:
-        print(f"[bench-recompute] {msg}", file=sys.stderr, flush=True)
-
+    log = progress_log("bench-recompute")
     log(
         f"layers={args.num_layers} h={args.hidden_size} ffn={args.ffn_hidden_size} heads={args.num_attention_heads} "
         f"groups={args.num_query_groups} b={args.micro_batch_size} fused_swiglu={args.fused_swiglu} "

@@ -32,8 +32,7 @@ import torch
 from mcore_flash.ops import flash_attn_func
 from mcore_flash.ops.backends.base import band_rows
 
-from .attention import DTYPES
-from .common import MegatronGroup, loadavg
+from .common import DTYPES, MegatronGroup, loadavg, progress_log
 
 
 def attended_pairs(seq_length: int, window: Optional[int]) -> int:
@@ -255,9 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "--num-query-groups", file=sys.stderr)  # fmt: skip
         return 2
 
-    def log(msg: str) -> None:
-        print(f"[bench-window] {msg}", file=sys.stderr, flush=True)
-
+    log = progress_log("bench-window")
     log(f"S={args.seq_length} window={args.window} hidden={args.hidden_size} heads={args.heads}/{args.kv_heads} "
         f"{args.dtype} backend={args.backend} threads={torch.get_num_threads()} torch {torch.__version__}")  # fmt: skip
     report = measure(args, log)
