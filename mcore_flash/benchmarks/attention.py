@@ -42,6 +42,9 @@ IMPLS = ("stock", "sdpa", "cpu", "reference")
 
 @dataclass(frozen=True)
 class Case:
+    """One attention call to time: implementation, batch ``b``, sequence length ``s`` (tokens),
+    query and key/value heads ``hq``/``hkv``, head dimension ``d``, dtype, causal or not."""
+
     impl: str  # "stock" | "sdpa" | "cpu" | "reference" | "reference@BQxBK"
     b: int
     s: int
@@ -54,9 +57,11 @@ class Case:
 
 @dataclass
 class Result:
+    """What one :class:`Case` measured (nothing but ``skipped`` when it was not run)."""
+
     case: Case
     ms: Optional[float] = None  # median fwd+bwd milliseconds
-    saved_bytes: Optional[int] = None
+    saved_bytes: Optional[int] = None  # bytes saved for backward
     skipped: str = ""  # reason, when not run
     max_err: Optional[float] = None  # max |out|,|grads| difference vs the first impl run at this s
 
@@ -313,10 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fmt_ms(result: Result) -> str:
+    """The time cell: the median in ms, or why the case was skipped."""
     return result.skipped if result.skipped else f"{result.ms:.1f}"
 
 
 def format_table(results: list[Result]) -> str:
+    """The markdown table: one row per result, time in ms, saved bytes in MiB, and the
+    speed-up over ``stock`` at the same ``s``."""
     stock = {r.case.s: r for r in results if r.case.impl == "stock" and r.ms is not None}
     lines = [
         "| impl | s | fwd+bwd ms (median) | saved-for-backward MiB | speedup vs stock |",

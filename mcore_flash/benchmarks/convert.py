@@ -98,6 +98,8 @@ def _write_random_llama(hf_dir: str, model: str, num_layers: Optional[int]) -> d
 
 
 def _run(argv: list[str]) -> dict:
+    """``python ARGV`` (a ``--measure`` run) in a fresh process; returns the JSON it printed last
+    (``peak_rss`` in bytes, ``seconds``)."""
     run = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if run.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:4])} failed:\n{run.stderr[-3000:]}")
@@ -105,7 +107,7 @@ def _run(argv: list[str]) -> dict:
 
 
 def _measure(argv: list[str]) -> int:
-    """Run one conversion in this process; print its peak RSS (bytes) and wall time."""
+    """Run one conversion in this process; print its peak RSS (bytes) and wall time (seconds)."""
     import megatron.core.models.gpt  # noqa: F401  (what a conversion imports, for the baseline)
 
     from mcore_flash.conversion import hf_to_mcore, mcore_to_hf  # noqa: F401
@@ -124,6 +126,7 @@ def _measure(argv: list[str]) -> int:
 
 
 def _same_tensors(a_dir: str, b_dir: str) -> bool:
+    """Both Hugging Face checkpoints hold the same tensor names with equal values."""
     from mcore_flash.conversion.safetensors_io import HFCheckpointReader
 
     a, b = HFCheckpointReader(a_dir), HFCheckpointReader(b_dir)
