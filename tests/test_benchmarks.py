@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 
-MIB = 2**20
+from mcore_flash.benchmarks.common import MIB
 
 
 def _bench(command: str, *argv: str) -> str:

@@ -25,7 +25,6 @@ import contextlib
 import gc
 import statistics
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -34,18 +33,18 @@ import torch
 
 from mcore_flash.memory import measure_saved_bytes
 
-from .common import MegatronGroup, int_list, loadavg
+from .common import DTYPES, GIB, MIB, MegatronGroup, int_list, loadavg, peak_rss, progress_log, reset_peak_rss, timed
 
 Tensor = torch.Tensor
 
 IMPLS = ("stock", "sdpa", "cpu", "reference")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-MIB = 2**20
-GIB = 2**30
 
 
 @dataclass(frozen=True)
 class Case:
+    """One attention call to time: implementation, batch ``b``, sequence length ``s`` (tokens),
+    query and key/value heads ``hq``/``hkv``, head dimension ``d``, dtype, causal or not."""
+
     impl: str  # "stock" | "sdpa" | "cpu" | "reference" | "reference@BQxBK"
     b: int
     s: int
@@ -58,9 +57,11 @@ class Case:
 
 @dataclass
 class Result:
+    """What one :class:`Case` measured (nothing but ``skipped`` when it was not run)."""
+
     case: Case
     ms: Optional[float] = None  # median fwd+bwd milliseconds
-    saved_bytes: Optional[int] = None
+    saved_bytes: Optional[int] = None  # bytes saved for backward
     skipped: str = ""  # reason, when not run
     max_err: Optional[float] = None  # max |out|,|grads| difference vs the first impl run at this s
 
@@ -219,44 +220,15 @@ class Runner:
         return saved, outputs
 
     def timed_step(self) -> None:
-        start, start_cpu = time.perf_counter(), time.process_time()
-        out = self.forward()
-        out.backward(self.grad)
-        self.times_ms.append((time.perf_counter() - start) * 1e3)
-        self.cpu_ms.append((time.process_time() - start_cpu) * 1e3)
+        with timed(self.times_ms, self.cpu_ms):
+            out = self.forward()
+            out.backward(self.grad)
         del out
         self._zero_grads()
 
     def _zero_grads(self) -> None:
         for leaf in self.leaves:
             leaf.grad = None
-
-
-def _read_status_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> Optional[int]:
-    """Reset the kernel's peak-RSS mark (Linux); returns the current RSS in bytes, or None."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError:
-        return None
-    rss = _read_status_kib("VmRSS")
-    return None if rss is None else rss * 1024
-
-
-def _peak_rss() -> Optional[int]:
-    hwm = _read_status_kib("VmHWM")
-    return None if hwm is None else hwm * 1024
 
 
 def run_length(cases: list[Case], repeats: int, max_bytes: float, log: Callable[[str], None]) -> list[Result]:
@@ -271,10 +243,10 @@ def run_length(cases: list[Case], repeats: int, max_bytes: float, log: Callable[
             results.append(result)
             continue
         gc.collect()
-        rss0 = _reset_peak_rss()
+        rss0 = reset_peak_rss()
         runner = Runner(case)
         saved, outputs = runner.warmup()
-        peak = _peak_rss()
+        peak = peak_rss()
         result = Result(case, saved_bytes=saved)
         note = ""
         if reference is None:
@@ -346,10 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fmt_ms(result: Result) -> str:
+    """The time cell: the median in ms, or why the case was skipped."""
     return result.skipped if result.skipped else f"{result.ms:.1f}"
 
 
 def format_table(results: list[Result]) -> str:
+    """The markdown table: one row per result, time in ms, saved bytes in MiB, and the
+    speed-up over ``stock`` at the same ``s``."""
     stock = {r.case.s: r for r in results if r.case.impl == "stock" and r.ms is not None}
     lines = [
         "| impl | s | fwd+bwd ms (median) | saved-for-backward MiB | speedup vs stock |",
@@ -377,9 +352,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
 
-    def log(msg: str) -> None:
-        print(f"[bench-attention] {msg}", file=sys.stderr, flush=True)
-
+    log = progress_log("bench-attention")
     log(
         f"b={args.batch_size} heads={args.heads} kv_heads={kv_heads} d={args.head_dim} {args.dtype} "
         f"causal={args.causal} repeats={args.repeats} threads={torch.get_num_threads()} torch {torch.__version__}"

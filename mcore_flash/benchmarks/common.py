@@ -1,13 +1,24 @@
-"""What the benchmark commands share: list-valued flags, the machine's load, a free port and
-a one-process Megatron group."""
+"""What the benchmark commands share: units, dtype names, list-valued flags, the machine's
+load, the process's peak memory, step timing, progress lines, a free port and a one-process
+Megatron group."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import socket
-from typing import Callable, Sequence
+import sys
+import time
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+MIB = 2**20  # bytes
+GIB = 2**30  # bytes
+# --dtype names -> torch dtypes (a benchmark that cannot take all of them offers a subset)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 def int_list(text: str) -> list[int]:
@@ -39,6 +50,60 @@ def loadavg() -> str:
         return "{:.1f}".format(os.getloadavg()[0])
     except (AttributeError, OSError):
         return ""
+
+
+def _status_kib(field: str) -> Optional[int]:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in KiB; None where the
+    platform has no such file (not Linux) or the field is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss() -> Optional[int]:
+    """This process's peak resident set size in bytes since it started or since the last
+    :func:`reset_peak_rss` (Linux ``VmHWM``); None where the platform does not report it.
+
+    Unlike ``getrusage``'s ``ru_maxrss`` it is this process's own, not inherited from the
+    parent across ``fork``/``exec``, and it can be reset."""
+    kib = _status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
+def reset_peak_rss() -> Optional[int]:
+    """Lower the kernel's peak-RSS mark (:func:`peak_rss`) to the current RSS (Linux
+    ``/proc/self/clear_refs``); returns that current RSS in bytes, or None where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return None
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+@contextlib.contextmanager
+def timed(wall_ms: list[float], cpu_ms: list[float]) -> Iterator[None]:
+    """Time the ``with`` body: append its wall-clock time to ``wall_ms`` and this process's
+    CPU time (all threads) to ``cpu_ms``, both in milliseconds."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    yield
+    wall_ms.append((time.perf_counter() - start) * 1e3)
+    cpu_ms.append((time.process_time() - start_cpu) * 1e3)
+
+
+def progress_log(command: str) -> Callable[[str], None]:
+    """A ``log(message)`` that writes ``[command] message`` to stderr, flushed at once."""
+
+    def log(message: str) -> None:
+        print(f"[{command}] {message}", file=sys.stderr, flush=True)
+
+    return log
 
 
 def free_port() -> int:

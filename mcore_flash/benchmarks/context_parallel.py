@@ -38,14 +38,19 @@ from typing import Optional
 
 import torch
 
-from .common import choice_list, free_port, int_list, loadavg
+from .common import DTYPES, MIB, choice_list, free_port, int_list, loadavg
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MIB = 2**20
+# --dtype: all but fp64 (comm_bytes_per_rank counts fp32 dK/dV accumulators; fp64 inputs
+# accumulate in fp64)
+DTYPE_CHOICES = tuple(name for name in sorted(DTYPES) if name != "fp64")
 
 
 @dataclass(frozen=True)
 class Case:
+    """One context-parallel run: ``cp`` ranks, the algorithm, ``seq`` tokens in all (split
+    over the ranks), batch ``b``, query and key/value heads ``hq``/``hkv``, head dimension
+    ``d``, the ``--dtype`` name, causal or not, and each block's attention backend."""
+
     cp: int
     comm: str  # "p2p" | "a2a" ("-" for cp = 1)
     seq: int
@@ -60,11 +65,13 @@ class Case:
 
 @dataclass
 class Result:
+    """What one :class:`Case` measured, per rank."""
+
     case: Case
-    max_ms: float
-    min_ms: float
-    saved_bytes: int
-    comm_bytes: int
+    max_ms: float  # the slowest rank's median fwd+bwd milliseconds
+    min_ms: float  # the fastest rank's
+    saved_bytes: int  # bytes saved for backward, the largest over ranks
+    comm_bytes: int  # bytes one rank sends in one fwd+bwd (:func:`comm_bytes_per_rank`)
 
 
 def comm_bytes_per_rank(case: Case) -> int:
@@ -86,7 +93,8 @@ def comm_bytes_per_rank(case: Case) -> int:
     return (2 * per_pass + lse_bytes) * (cp - 1) // cp
 
 
-def _inputs(case: Case):
+def _inputs(case: Case) -> tuple[torch.Tensor, ...]:
+    """The whole sequence's q, k, v and output gradient, ``[b, seq, h, d]``, the same on every rank."""
     generator = torch.Generator().manual_seed(0)
     dtype = DTYPES[case.dtype]
     q = torch.randn(case.b, case.seq, case.hq, case.d, generator=generator).to(dtype)
@@ -97,6 +105,8 @@ def _inputs(case: Case):
 
 
 def _worker(rank: int, case: Case, port: int, threads: int, repeats: int, results) -> None:
+    """One rank of ``case`` (a spawned process): puts ``(rank, True, (median ms, saved bytes))``
+    on the ``results`` queue, or ``(rank, False, traceback)``."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
@@ -177,6 +187,8 @@ def run_case(case: Case, threads: int, repeats: int, timeout: float = 3600) -> R
 
 
 def format_table(results: list[Result]) -> str:
+    """The markdown table: one row per result; times in ms, bytes in MiB, ratios against the
+    cp=1 run of the same sequence."""
     base: dict[tuple, Result] = {}
     for r in results:
         if r.case.cp == 1:
@@ -208,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=int, default=8, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp32")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--backend", default="cpu", help="attention backend of each block (default cpu)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")

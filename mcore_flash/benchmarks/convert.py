@@ -24,6 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from .common import GIB, peak_rss
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="mcore-flash bench-convert", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3.2-1b", help="preset shape of the random model")
@@ -61,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"largest tensor {result['largest_tensor_bytes'] / 1e6:.0f} MB")  # fmt: skip
         for name in ("baseline", "hf_to_mcore", "mcore_to_hf"):
             r = result[name]
-            print(f"{name:<12} peak RSS {r['peak_rss'] / 2**30:6.2f} GiB   {r['seconds']:7.1f} s")
+            print(f"{name:<12} peak RSS {r['peak_rss'] / GIB:6.2f} GiB   {r['seconds']:7.1f} s")
         print(f"round trip bit-exact: {result['round_trip_bit_exact']}")
     return 0 if result["round_trip_bit_exact"] else 1
 
@@ -95,6 +98,8 @@ def _write_random_llama(hf_dir: str, model: str, num_layers: Optional[int]) -> d
 
 
 def _run(argv: list[str]) -> dict:
+    """``python ARGV`` (a ``--measure`` run) in a fresh process; returns the JSON it printed last
+    (``peak_rss`` in bytes, ``seconds``)."""
     run = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if run.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:4])} failed:\n{run.stderr[-3000:]}")
@@ -102,7 +107,7 @@ def _run(argv: list[str]) -> dict:
 
 
 def _measure(argv: list[str]) -> int:
-    """Run one conversion in this process; print its peak RSS (bytes) and wall time."""
+    """Run one conversion in this process; print its peak RSS (bytes) and wall time (seconds)."""
     import megatron.core.models.gpt  # noqa: F401  (what a conversion imports, for the baseline)
 
     from mcore_flash.conversion import hf_to_mcore, mcore_to_hf  # noqa: F401
@@ -113,20 +118,15 @@ def _measure(argv: list[str]) -> int:
     seconds = time.perf_counter() - start
     if code:
         return code
-    print(json.dumps({"peak_rss": _peak_rss(), "seconds": seconds}))
+    peak = peak_rss()
+    if peak is None:
+        raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux")
+    print(json.dumps({"peak_rss": peak, "seconds": seconds}))
     return 0
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set size in bytes (Linux ``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux")
-
-
 def _same_tensors(a_dir: str, b_dir: str) -> bool:
+    """Both Hugging Face checkpoints hold the same tensor names with equal values."""
     from mcore_flash.conversion.safetensors_io import HFCheckpointReader
 
     a, b = HFCheckpointReader(a_dir), HFCheckpointReader(b_dir)

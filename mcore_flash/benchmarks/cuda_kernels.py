@@ -45,14 +45,17 @@ def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: boo
 
 @dataclass
 class Row:
+    """One implementation at one sequence length ``seq`` (tokens)."""
+
     impl: str
     seq: int
-    ms: Optional[float]  # None: the implementation refused the shape
-    tflops: Optional[float]
+    ms: Optional[float]  # median fwd+bwd milliseconds; None: the implementation refused the shape
+    tflops: Optional[float]  # attention_flops / time, 10^12 FLOP per second
     note: str = ""
 
 
 def _inputs(args, seq: int, dtype=torch.bfloat16, seed: int = 0):
+    """Random q, k, v and output gradient on the GPU, ``[b, seq, h, d]``."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape = lambda h: (args.batch, seq, h, args.head_dim)  # noqa: E731
     q = torch.randn(shape(args.heads), generator=g, device="cuda", dtype=dtype)
@@ -96,6 +99,7 @@ def _step(fn, q, k, v, dout) -> None:
 
 
 def time_ms(fn, inputs, repeats: int) -> float:
+    """Median milliseconds of ``repeats`` forward + backward steps of ``fn`` after one warm-up."""
     _step(fn, *inputs)
     times = []
     for _ in range(repeats):

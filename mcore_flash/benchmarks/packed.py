@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -35,8 +34,7 @@ import torch
 
 from mcore_flash.ops import flash_attn_func, flash_attn_varlen_func
 
-from .attention import DTYPES
-from .common import loadavg
+from .common import DTYPES, loadavg, progress_log, timed
 
 Tensor = torch.Tensor
 
@@ -91,10 +89,8 @@ class Run:
     def timed_step(self) -> None:
         """One forward + backward; appends its wall time to ``times_ms`` and the process's CPU
         time to ``cpu_ms`` (milliseconds)."""
-        start, start_cpu = time.perf_counter(), time.process_time()
-        self.step()
-        self.times_ms.append((time.perf_counter() - start) * 1e3)
-        self.cpu_ms.append((time.process_time() - start_cpu) * 1e3)
+        with timed(self.times_ms, self.cpu_ms):
+            self.step()
 
 
 def build_runs(args, lengths: list[int]) -> tuple[Run, Run]:
@@ -280,9 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
 
-    def log(msg: str) -> None:
-        print(f"[bench-packed] {msg}", file=sys.stderr, flush=True)
-
+    log = progress_log("bench-packed")
     log(
         f"S={args.seq_length} D={args.mean_document_length} heads={args.heads} kv_heads={args.kv_heads} "
         f"d={args.head_dim} {args.dtype} backend={args.backend} repeats={args.repeats} "

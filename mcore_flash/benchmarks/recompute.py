@@ -47,14 +47,15 @@ from typing import Callable, Optional
 
 import torch
 
-from .common import MegatronGroup, choice_list, int_list, loadavg
+from .common import MIB, MegatronGroup, choice_list, int_list, loadavg, progress_log, timed
 
-MIB = 2**20
 MODES = ("none", "qkv", "attention", "full")
 
 
 @dataclass
 class Result:
+    """What one recompute mode measured at sequence length ``s`` (bytes, milliseconds)."""
+
     mode: str
     s: int
     layer_bytes: float = 0.0  # mean bytes per layer (layer submodules + the block's own saves / L)
@@ -194,6 +195,7 @@ class Runner:
             param.grad = None
 
     def measure_bytes(self, num_layers: int, hidden: int) -> None:
+        """One forward's saved bytes into the result: per layer, per submodule, outside the layers."""
         from mcore_flash.memory import measure_activation_bytes
 
         saved = measure_activation_bytes(self.model, self.tokens, self.positions, None, labels=self.tokens)
@@ -238,11 +240,9 @@ class Runner:
         return grads
 
     def timed_step(self) -> None:
-        start, start_cpu = time.perf_counter(), time.process_time()
-        loss = self.forward()
-        loss.backward()
-        self.result.times_ms.append((time.perf_counter() - start) * 1e3)
-        self.result.cpu_ms.append((time.process_time() - start_cpu) * 1e3)
+        with timed(self.result.times_ms, self.result.cpu_ms):
+            loss = self.forward()
+            loss.backward()
         del loss
         self.zero_grads()
 
@@ -250,6 +250,8 @@ class Runner:
 def run_length(
     models: dict[str, torch.nn.Module], s: int, args, counter: CallCounter, log: Callable[[str], None]
 ) -> list[Result]:
+    """Every mode at sequence length ``s``: bytes and the check step (gradients against
+    ``none``), then the interleaved timed steps; progress lines go to ``log``."""
     gen = torch.Generator().manual_seed(s)
     tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, s), generator=gen)
     runners = [Runner(models[mode], mode, tokens) for mode in args.modes]
@@ -296,6 +298,7 @@ def _probs_numel(r: Result, args) -> int:
 
 
 def format_summary(results: list[Result], args) -> str:
+    """The main markdown table: one row per (mode, s); bytes in MiB, times in ms, ratios against ``none``."""
     num_layers = args.num_layers
     base = {r.s: r for r in results if r.mode == "none"}
     lines = [
@@ -323,6 +326,7 @@ def format_summary(results: list[Result], args) -> str:
 
 
 def format_submodules(results: list[Result]) -> str:
+    """Markdown: saved MiB per layer by submodule and mode, at the longest sequence."""
     s = max(r.s for r in results)
     at_s = [r for r in results if r.s == s]
     names: list[str] = []
@@ -435,9 +439,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
 
-    def log(msg: str) -> None:
-        print(f"[bench-recompute] {msg}", file=sys.stderr, flush=True)
-
+    log = progress_log("bench-recompute")
     log(
         f"layers={args.num_layers} h={args.hidden_size} ffn={args.ffn_hidden_size} heads={args.num_attention_heads} "
         f"groups={args.num_query_groups} b={args.micro_batch_size} fused_swiglu={args.fused_swiglu} "

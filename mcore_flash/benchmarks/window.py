@@ -32,8 +32,7 @@ import torch
 from mcore_flash.ops import flash_attn_func
 from mcore_flash.ops.backends.base import band_rows
 
-from .attention import DTYPES
-from .common import MegatronGroup, loadavg
+from .common import DTYPES, MegatronGroup, loadavg, progress_log
 
 
 def attended_pairs(seq_length: int, window: Optional[int]) -> int:
@@ -57,17 +56,22 @@ def computed_pairs(seq_length: int, window: int, query_chunk: int) -> int:
 
 @dataclass
 class Timing:
+    """Wall-clock milliseconds of every timed fwd+bwd run of one level, full causal and windowed."""
+
     name: str
     full_ms: list[float]
     window_ms: list[float]
 
     @property
     def ratio(self) -> float:
+        """Median window time over median full time."""
         return statistics.median(self.window_ms) / statistics.median(self.full_ms)
 
 
 @dataclass
 class Report:
+    """What ``bench-window`` measured; times are median fwd+bwd milliseconds."""
+
     seq_length: int
     window: int
     hidden_size: int
@@ -90,10 +94,11 @@ class Report:
     layer_window_ms: float
     layer_ratio: float
     max_abs_diff_first_window: float  # rows < W see the same keys with and without the window
-    load_average: str
+    load_average: str  # 1-minute load average before -> after ("" where unknown)
 
 
 def _time_alternating(name: str, full: Callable[[], None], window: Callable[[], None], repeats: int, log) -> Timing:
+    """One untimed warm-up of each step, then ``repeats`` rounds of full, window (wall clock)."""
     full()
     window()  # warm-up, untimed
     timing = Timing(name, [], [])
@@ -174,6 +179,7 @@ def predicted_layer_ratio(args, attention_ratio: float) -> float:
 
 
 def measure(args, log) -> Report:
+    """Time both levels with and without the window, and predict their ratios: the :class:`Report`."""
     full_pairs = attended_pairs(args.seq_length, None)
     predicted = attended_pairs(args.seq_length, args.window) / full_pairs
     load_before = loadavg()
@@ -203,6 +209,7 @@ def measure(args, log) -> Report:
 
 
 def format_report(r: Report) -> str:
+    """The markdown summary: a title line, a table (times in ms) and the pairs the cpu backend computes."""
     load = f", load average {r.load_average}" if r.load_average else ""
     title = (
         f"S={r.seq_length}, window {r.window}, hidden {r.hidden_size}, ffn {r.ffn_hidden_size}, {r.heads} heads, "
@@ -255,9 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "--num-query-groups", file=sys.stderr)  # fmt: skip
         return 2
 
-    def log(msg: str) -> None:
-        print(f"[bench-window] {msg}", file=sys.stderr, flush=True)
-
+    log = progress_log("bench-window")
     log(f"S={args.seq_length} window={args.window} hidden={args.hidden_size} heads={args.heads}/{args.kv_heads} "
         f"{args.dtype} backend={args.backend} threads={torch.get_num_threads()} torch {torch.__version__}")  # fmt: skip
     report = measure(args, log)

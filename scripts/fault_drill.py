@@ -1,6 +1,9 @@
 """The fault drill: kill a training run at every fault point, resume it, compare it bit for bit.
 
-    python -m mcore_flash.training.fault_drill --work-dir /tmp/drill [--write docs/fault-tolerance.md]
+    python scripts/fault_drill.py --work-dir /tmp/drill [--write docs/fault-tolerance.md]
+
+A CI harness, not part of the package: it runs in a checkout with ``mcore_flash`` installed
+(``pip install -e .``); ``tests/test_fault_tolerance.py`` imports it from this directory.
 
 A tiny model trains for 12 iterations on 2 CPU ranks under ``torchrun`` (data parallel, the
 distributed optimizer, dropout 0.1, a checkpoint every iteration). One run is never
@@ -300,7 +303,7 @@ BEGIN, END = "<!-- fault-table:begin -->", "<!-- fault-table:end -->"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mcore_flash.training.fault_drill", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/fault_drill.py", description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", required=True, help="an empty or missing directory for the runs")
     parser.add_argument("--write", default=None, help="replace the table between the fault-table markers of this file")
     parser.add_argument("--no-disk-full", action="store_true", help="skip the tmpfs case (it needs root)")
