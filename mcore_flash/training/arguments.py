@@ -138,7 +138,7 @@ def parse_args(
     the fields of the checked :class:`TrainingConfig` plus the tool's own flags, as one namespace
     the tool may extend. The trainer itself uses :func:`parse_config`."""
     flags = vars((parser or build_parser()).parse_args(argv))
-    return argparse.Namespace(**{**flags, **resolve_config(flags, world_size).fields()})
+    return argparse.Namespace(**{**flags, **resolve_config(flags, world_size).to_dict()})
 
 
 def _window_size(text: str) -> tuple[int, int]:

@@ -7,6 +7,10 @@ returns a frozen :class:`TrainingConfig` with the derived values (data-parallel 
 micro-batches per iteration, recompute settings, hardware profile) computed here, once.
 Everything downstream reads this object; nothing writes to it. Pure Python: nothing is
 allocated before the flags are known to work.
+
+The config is flat, its fields named as the flags (Megatron-LM's names, as megatron-core's own
+flat ``TransformerConfig``), so evaluate, generate, the converter and the planner read the
+same names; comments group the fields.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class TrainingConfig:
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
     recompute_num_layers: Optional[int]
-    recompute_modules: Optional[list[str]]
+    recompute_modules: Optional[tuple[str, ...]]
     # precision, optimiser and schedule
     bf16: bool
     fp16: bool
@@ -109,7 +113,7 @@ class TrainingConfig:
     train_iters: int
     seed: int
     # data
-    data_path: Optional[list[str]]
+    data_path: Optional[tuple[str, ...]]
     split: str
     tokenizer_type: Optional[str]
     tokenizer_model: Optional[str]
@@ -141,8 +145,9 @@ class TrainingConfig:
     num_micro_batches: int  # per iteration and data-parallel rank: global / (micro x DP)
     recompute: RecomputeSettings
 
-    def fields(self) -> dict[str, Any]:
-        """``{field: value}``, the values themselves (not copies, as ``dataclasses.asdict`` makes)."""
+    def to_dict(self) -> dict[str, Any]:
+        """``{field: value}``, the values themselves (``dataclasses.asdict`` would turn the
+        hardware profile and recompute settings into dicts)."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
@@ -156,12 +161,16 @@ def resolve_config(flags: Mapping[str, Any], world_size: Optional[int] = None) -
     keys are ignored) for ``world_size`` ranks (default: env WORLD_SIZE, else 1, or TP x PP x CP
     for ``--dry-run``). Raises ValueError naming the flag for settings that cannot work."""
     values = {name: flags[name] for name in FLAG_NAMES}
+    for name in ("data_path", "recompute_modules"):  # argparse's lists, frozen as the rest
+        if values[name] is not None:
+            values[name] = tuple(values[name])
     if values["use_checkpoint_args"]:
         values.update(_checkpoint_model_flags(values))
     values.update(_preset_values(values))
     if world_size is None:
-        layout = values["tensor_model_parallel_size"] * values["pipeline_model_parallel_size"]
-        world_size = int(os.environ.get("WORLD_SIZE", layout * values["context_parallel_size"] if values["dry_run"] else 1))
+        model_parallel = values["tensor_model_parallel_size"] * values["pipeline_model_parallel_size"]
+        model_parallel *= values["context_parallel_size"]
+        world_size = int(os.environ.get("WORLD_SIZE", model_parallel if values["dry_run"] else 1))
     values.update(_checked_and_derived(SimpleNamespace(**values), world_size))
     return TrainingConfig(**values)
 

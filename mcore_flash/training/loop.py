@@ -104,7 +104,7 @@ class PretrainRecipe:
         )
 
     def train_step(self) -> tuple[Optional[float], Optional[float]]:
-        """Train iteration ``self.iteration + 1``; returns ``(mean token loss, grad norm)``,
+        """Train iteration ``self.iteration + 1``; returns ``(mean token loss in nats, grad norm)``,
         the loss None off the last pipeline stage."""
         config = self.config
         faults.begin_iteration(self.iteration + 1)
@@ -147,15 +147,23 @@ class PretrainRecipe:
             if self.iteration % config.log_interval == 0 or last:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.logger.log(self.iteration, loss, lr, grad_norm, time.perf_counter() - start)
-            interrupted = self.stop.requested()
-            exiting = bool(config.exit_interval) and self.iteration % config.exit_interval == 0
-            if self.iteration % config.save_interval == 0 or last or interrupted or exiting:
+            stop_reason = self._stop_reason()
+            if self.iteration % config.save_interval == 0 or last or stop_reason:
                 self.save()
-            if interrupted or exiting:
-                reason = "a signal" if interrupted else "--exit-interval"
-                self.logger.note(f"stopped by {reason} after iteration {self.iteration}; resume with --load {config.save}")
+            if stop_reason:
+                resume = f"resume with --load {config.save}"
+                self.logger.note(f"stopped by {stop_reason} after iteration {self.iteration}; {resume}")
                 break
         return {"iteration": self.iteration, "first_loss": first_loss, "last_loss": last_loss, "save": config.save}
+
+    def _stop_reason(self) -> Optional[str]:
+        """Why to stop after this iteration: "a signal" (SIGTERM on any rank; a collective, so
+        every rank asks every iteration), "--exit-interval", or None."""
+        if self.stop.requested():
+            return "a signal"
+        if self.config.exit_interval and self.iteration % self.config.exit_interval == 0:
+            return "--exit-interval"
+        return None
 
     def save(self) -> None:
         """Checkpoint the current iteration under ``--save`` (collective)."""
