@@ -176,6 +176,17 @@ def test_config_is_frozen_and_derives_the_layout_once(tmp_path):
     assert (llama.global_batch_size, llama.num_micro_batches, llama.hidden_size) == (6, 1, 4096)
 
 
+def test_tools_extending_the_parser_get_the_config_and_their_own_flags(tmp_path):
+    """evaluate and generate add flags to the pretrain parser: parse_args gives them one
+    namespace with the resolved config (preset filled, layout derived) and their flags."""
+    from mcore_flash.training.arguments import build_parser, parse_args
+
+    parser = build_parser()
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    args = parse_args(["--save", str(tmp_path), "--max-new-tokens", "5"], world_size=2, parser=parser)
+    assert (args.max_new_tokens, args.hidden_size, args.data_parallel_size) == (5, 128, 2)
+
+
 def test_tiny_preset_is_the_default_cpu_job(tmp_path):
     """No flags: the tiny model (2 layers, hidden 128, ffn 352, 4 heads, 2 query groups, 256
     positions, RoPE, SwiGLU) with its training schedule; a flag given overrides the preset,
