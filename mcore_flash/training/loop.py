@@ -76,19 +76,19 @@ class PretrainRecipe:
     def _resume(self) -> tuple[int, int, dict]:
         """``(iteration, consumed samples, provenance)`` of the checkpoint in ``--load``, or a
         fresh start; notes what was loaded and which unfinished saves are ignored."""
-        config, start = self.config, (0, 0, {})
+        config, iteration, consumed, provenance = self.config, 0, 0, {}
         if config.load and checkpointing.latest_iteration(config.load) is not None:
-            start = checkpointing.load_checkpoint(
+            iteration, consumed, provenance = checkpointing.load_checkpoint(
                 config.load, self.model, self.optimizer, self.scheduler, self.padded_vocab_size, self.model_args,
                 finetune=config.finetune, load_optim=not config.no_load_optim, load_rng=not config.no_load_rng,
             )
             how = "fine-tuning from" if config.finetune else "resumed from"
-            self.logger.note(f"{how} {config.load} at iteration {start[0]} ({start[1]} samples consumed)")
+            self.logger.note(f"{how} {config.load} at iteration {iteration} ({consumed} samples consumed)")
         elif config.load:
             self.logger.note(f"no checkpoint in --load {config.load} yet: starting from scratch")
         for stale in checkpointing.unfinished_saves(config.load):
             self.logger.note(f"ignoring {stale}: a save that did not finish (the next save removes it)")
-        return start
+        return iteration, consumed, provenance
 
     def _micro_batches(self):
         """This data-parallel rank's endless micro-batch iterator, from the consumed samples on."""
