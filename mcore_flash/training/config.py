@@ -287,6 +287,15 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_indexed_dataset(prefix, arg="--data-path", scan_tokens=0)
+    recompute = _recompute(args, pp)
+    return dict(
+        world_size=world_size, data_parallel_size=dp, global_batch_size=global_batch_size,
+        num_micro_batches=global_batch_size // (args.micro_batch_size * dp), hardware=hardware, recompute=recompute,
+    )
+
+
+def _recompute(args: SimpleNamespace, pp: int) -> RecomputeSettings:
+    """What the ``--recompute-*`` flags mean; full recompute of at most the layers of one stage."""
     recompute = recompute_settings(
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules
     )
@@ -296,10 +305,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
             raise ValueError(
                 f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_stage} layers per pipeline stage"
             )
-    return dict(
-        world_size=world_size, data_parallel_size=dp, global_batch_size=global_batch_size,
-        num_micro_batches=global_batch_size // (args.micro_batch_size * dp), hardware=hardware, recompute=recompute,
-    )
+    return recompute
 
 
 def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> None:
