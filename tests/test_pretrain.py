@@ -183,8 +183,9 @@ def test_tools_extending_the_parser_get_the_config_and_their_own_flags(tmp_path)
 
     parser = build_parser()
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    args = parse_args(["--save", str(tmp_path), "--max-new-tokens", "5"], world_size=2, parser=parser)
-    assert (args.max_new_tokens, args.hidden_size, args.data_parallel_size) == (5, 128, 2)
+    argv = ["--model", "llama2-7b", "--save", str(tmp_path), "--max-new-tokens", "5"]
+    args = parse_args(argv, world_size=2, parser=parser)
+    assert (args.max_new_tokens, args.hidden_size, args.data_parallel_size, args.global_batch_size) == (5, 4096, 2, 2)
 
 
 def test_tiny_preset_is_the_default_cpu_job(tmp_path):
