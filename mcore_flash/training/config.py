@@ -31,7 +31,8 @@ DEFAULT_PRESET = "tiny"
 
 # MERGE (issue #34): the planner's part makes ``MODELS["tiny"]`` exactly this shape (the
 # model the default CPU job trains: 2 layers, hidden 128, ffn 352, 4 heads, 2 query groups,
-# 256 positions). Once it has, delete this dict and the lookup of it in ``preset_shape``.
+# 256 positions; vocabulary 384 rows, where this copy keeps the old 128, which only the
+# ``--dry-run`` count reads). Once it has, delete this dict and its lookup in ``preset_shape``.
 _SHAPES_UNTIL_PLANNER_TINY = {
     "tiny": MODELS["tiny"].with_(
         num_layers=2, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
@@ -39,9 +40,10 @@ _SHAPES_UNTIL_PLANNER_TINY = {
     ),
 }
 
-# The training hyper-parameters a preset sets when the flag was not given; its model shape
-# comes from ``MODELS`` (:func:`preset_shape`). "tiny" is the default CPU job: a few hundred
-# steps in minutes on 2 cores, deep enough to learn the built-in long-range copy task.
+# The training hyper-parameters every preset sets when the flag was not given, and those
+# TRAINING_PRESETS sets instead for a preset; a preset's model shape comes from ``MODELS``
+# (:func:`preset_shape`). "tiny" is the default CPU job: a few hundred steps in minutes on
+# 2 cores, deep enough to learn the built-in long-range copy task.
 TRAINING_DEFAULTS = dict(
     seq_length=4096, micro_batch_size=1, global_batch_size=None, train_iters=1000, lr=3e-4, min_lr=3e-5,
     lr_warmup_iters=100,
@@ -57,7 +59,7 @@ TRAINING_PRESETS = {
 @dataclass(frozen=True)
 class TrainingConfig:
     """The resolved flags of one training run (field = flag, ``--num-layers`` -> ``num_layers``)
-    and the values derived from them. Lengths are in tokens, rates per iteration."""
+    and the values derived from them. Lengths are in tokens, batch sizes in sequences."""
 
     # model: the shape (``--model`` preset, any flag given overrides it)
     model: str
