@@ -9,46 +9,62 @@ allocating the model. Flags follow Megatron-LM (``mcore-flash pretrain --help``)
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from mcore_flash.training.config import TrainingConfig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse and check ``argv`` into the run's config once, then dry-run or train; returns the
+    exit code (0 done or fits, 1 diverged / save failed / does not fit, 2 bad flags)."""
     # Imported here, not at the top: megatron's checkpoint writer starts a helper process
     # with the spawn method, which re-imports this module (``python -m mcore_flash.pretrain``);
     # a top-level megatron import made that cost ~8 s at the first save of every launch.
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.arguments import parse_config
 
     try:
-        args = parse_args(argv)
+        config = parse_config(argv)
     except ValueError as error:  # bad flags: say which, before anything is allocated
         print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        from mcore_flash.training.dry_run import dry_run
-
-        from mcore_flash.planning.recipes import plan_for_pretrain_args
-        from mcore_flash.planning.report import format_plan
-
-        result = dry_run(args)
-        for stage, count in enumerate(result["per_stage"]):
-            print(f"pipeline stage {stage}: {count:,} parameters per rank")
-        print(f"total parameters: {result['total']:,}")
-        plan = plan_for_pretrain_args(args, device_memory=args.device_memory)
-        print(format_plan(plan))
-        return 0 if plan.fits else 1
-
-    if args.emulate_npu:
+    if config.dry_run:
+        return _dry_run(config)
+    if config.emulate_npu:
         from mcore_flash import emulation
 
         emulation.install()  # platform.setup() now finds the emulated torch_npu
+    code = _train(config)
+    if code == 0 and config.emulate_npu:
+        _write_rehearsal_report(config.save)
+    return code
 
+
+def _dry_run(config: TrainingConfig) -> int:
+    """Count each pipeline stage's parameters on the meta device and print the planner's
+    memory plan for this layout; 0 when it fits ``--device-memory``."""
+    from mcore_flash.planning.recipes import plan_for_pretrain_args
+    from mcore_flash.planning.report import format_plan
+    from mcore_flash.training.dry_run import dry_run
+
+    result = dry_run(config)
+    for stage, count in enumerate(result["per_stage"]):
+        print(f"pipeline stage {stage}: {count:,} parameters per rank")
+    print(f"total parameters: {result['total']:,}")
+    plan = plan_for_pretrain_args(config, device_memory=config.device_memory)
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+def _train(config: TrainingConfig) -> int:
+    """Train on this process's ranks; prints the summary (or the error) and returns the exit code."""
     from mcore_flash.training.checkpointing import CheckpointSaveError
     from mcore_flash.training.distributed import destroy_distributed, init_distributed
     from mcore_flash.training.loop import TrainingDiverged, train
 
-    init_distributed(args)
+    init_distributed(config)
     try:
-        summary = train(args)
+        summary = train(config)
     except (TrainingDiverged, CheckpointSaveError) as error:
         print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
         return 1
@@ -62,8 +78,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"done: {summary['iteration']} iterations, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
             f"checkpoints and metrics.jsonl in {summary['save']}"
         )
-    if args.emulate_npu:
-        _write_rehearsal_report(args.save)
     return 0
 
 

@@ -48,8 +48,6 @@ def _pretrain(save_dir, *extra, world_size=1):
 
 def _w_built_in_dataset(rank, world_size, save_dir):
     """Build the built-in dataset with a slow writer; return (prefix, writes on this rank)."""
-    import types
-
     import torch.distributed as dist
 
     import mcore_flash.data.synthetic as synthetic
@@ -63,8 +61,7 @@ def _w_built_in_dataset(rank, world_size, save_dir):
         return write(*args, **kwargs)
 
     synthetic.write_synthetic_dataset = slow_write
-    args = types.SimpleNamespace(save=save_dir, seq_length=64, seed=5)
-    prefix = _built_in_dataset(args)
+    prefix = _built_in_dataset(save_dir, seq_length=64, seed=5)
     dist.barrier()
     return prefix, len(writes)
 
@@ -145,21 +142,68 @@ def test_nan_loss_stops_with_clear_message(tmp_path):
     ],
 )
 def test_bad_flags_fail_before_allocation(tmp_path, argv, world_size, flag):
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.arguments import parse_config
 
     with pytest.raises(ValueError, match=flag):
-        parse_args([*TINY, "--save", str(tmp_path), *argv], world_size=world_size)
+        parse_config([*TINY, "--save", str(tmp_path), *argv], world_size=world_size)
 
 
 def test_window_size_flags_reach_the_config(tmp_path):
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.arguments import parse_config
     from mcore_flash.training.model import transformer_config
 
-    args = parse_args([*TINY, "--save", str(tmp_path), "--window-size", "15,0", "--window-attn-skip-freq", "2"])
+    args = parse_config([*TINY, "--save", str(tmp_path), "--window-size", "15,0", "--window-attn-skip-freq", "2"])
     config = transformer_config(args)
     assert config.window_size == (15, 0) and config.window_attn_skip_freq == 2
     with pytest.raises(SystemExit):
-        parse_args([*TINY, "--save", str(tmp_path), "--window-size", "15"])
+        parse_config([*TINY, "--save", str(tmp_path), "--window-size", "15"])
+
+
+def test_config_is_frozen_and_derives_the_layout_once(tmp_path):
+    """The flags are resolved once into a frozen config: 8 ranks at TP 2 x PP 2 leave DP 2,
+    and a global batch of 12 in micro-batches of 3 is 2 micro-batches per DP rank; without
+    --global-batch-size (and no preset's) it is one micro-batch per DP rank."""
+    import dataclasses
+
+    from mcore_flash.training.arguments import parse_config
+
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "3"]
+    config = parse_config([*TINY, "--save", str(tmp_path), *layout, "--global-batch-size", "12"], world_size=8)
+    assert (config.world_size, config.data_parallel_size, config.num_micro_batches) == (8, 2, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lr = 1.0
+    llama = parse_config(["--model", "llama2-7b", "--save", str(tmp_path), *layout], world_size=8)
+    assert (llama.global_batch_size, llama.num_micro_batches, llama.hidden_size) == (6, 1, 4096)
+
+
+def test_tools_extending_the_parser_get_the_config_and_their_own_flags(tmp_path):
+    """evaluate and generate add flags to the pretrain parser: parse_args gives them one
+    namespace with the resolved config (preset filled, layout derived) and their flags."""
+    from mcore_flash.training.arguments import build_parser, parse_args
+
+    parser = build_parser()
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    argv = ["--model", "llama2-7b", "--save", str(tmp_path), "--max-new-tokens", "5"]
+    args = parse_args(argv, world_size=2, parser=parser)
+    assert (args.max_new_tokens, args.hidden_size, args.data_parallel_size, args.global_batch_size) == (5, 4096, 2, 2)
+
+
+def test_tiny_preset_is_the_default_cpu_job(tmp_path):
+    """No flags: the tiny model (2 layers, hidden 128, ffn 352, 4 heads, 2 query groups, 256
+    positions, RoPE, SwiGLU) with its training schedule; a flag given overrides the preset,
+    and a short run keeps 10% warm-up."""
+    from mcore_flash.training.arguments import parse_config
+
+    config = parse_config([], world_size=1)
+    heads = (config.num_attention_heads, config.num_query_groups)
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size, *heads) == (2, 128, 352, 4, 2)
+    assert config.max_position_embeddings == 256
+    assert (config.position_embedding_type, config.swiglu, config.group_query_attention) == ("rope", True, True)
+    assert (config.seq_length, config.micro_batch_size, config.global_batch_size) == (256, 8, 8)
+    assert (config.train_iters, config.lr, config.min_lr, config.lr_warmup_iters) == (1000, 3e-3, 3e-4, 30)
+    assert (config.save, config.save_interval) == (os.path.join("runs", "tiny"), 1000)
+    short = parse_config(["--hidden-size", "64", "--train-iters", "50"], world_size=1)
+    assert (short.hidden_size, short.num_layers, short.lr_warmup_iters, short.save_interval) == (64, 2, 5, 50)
 
 
 def test_bad_flags_cli_message_and_unknown_preset(tmp_path):

@@ -57,13 +57,13 @@ def _check_throughput(records, world_size):
 
 
 def test_model_flops_per_iteration_equals_hand_count():
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.arguments import parse_config
     from mcore_flash.training.metrics import model_flops_per_iteration
 
-    args = parse_args(TINY, world_size=1)
+    args = parse_config(TINY, world_size=1)
     assert model_flops_per_iteration(args, PADDED_VOCAB) == _hand_flops_per_iteration()
     # activation recompute is work redone, not model FLOPs
-    full = parse_args([*TINY, "--recompute-granularity", "full", "--recompute-method", "uniform",
+    full = parse_config([*TINY, "--recompute-granularity", "full", "--recompute-method", "uniform",
                        "--recompute-num-layers", "1"], world_size=1)  # fmt: skip
     assert model_flops_per_iteration(full, PADDED_VOCAB) == _hand_flops_per_iteration()
 
@@ -104,11 +104,11 @@ def test_data_parallel_run_logs_per_device_throughput_and_mfu(tmp_path, capfd):
 
 def test_hardware_is_resolved_at_parse_time_and_a_bad_name_names_the_flag(capsys):
     from mcore_flash.pretrain import main
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.training.arguments import parse_config
 
-    assert parse_args([*TINY, "--hardware", "H100-80G"], world_size=1).hardware.peak_bf16_tflops == 989.0
-    assert parse_args(TINY, world_size=1).hardware is None
+    assert parse_config([*TINY, "--hardware", "H100-80G"], world_size=1).hardware.peak_bf16_tflops == 989.0
+    assert parse_config(TINY, world_size=1).hardware is None
     with pytest.raises(ValueError, match=r"--hardware h100: unknown profile; choose one of .*h100-80g"):
-        parse_args([*TINY, "--hardware", "h100"], world_size=1)
+        parse_config([*TINY, "--hardware", "h100"], world_size=1)
     assert main([*TINY, "--hardware", "h100"]) == 2
     assert "error: --hardware h100: unknown profile" in capsys.readouterr().err

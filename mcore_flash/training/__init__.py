@@ -1,1 +1,2 @@
-"""The pretraining entry point's parts: flags, distributed setup, model, data, loop, checkpoints."""
+"""The pretraining entry point's parts: flags (``arguments``) resolved once into a frozen
+``config``, distributed setup, model, data, the loop as a recipe (``loop``), checkpoints."""

@@ -17,65 +17,71 @@ import torch
 
 from mcore_flash.data.synthetic import synthetic_dataset
 from mcore_flash.data.tokenizers import build_tokenizer, padded_vocab_size
+from mcore_flash.training.config import TrainingConfig
 
 SYNTHETIC_DOCS = 4096
 
 
-def tokenizer_and_vocab(args):
-    """``(tokenizer, padded vocab size)`` for the flags (byte-level when none is given)."""
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+def tokenizer_and_vocab(config: TrainingConfig):
+    """``(tokenizer, padded vocab size in rows)`` for the config (byte-level when no
+    tokenizer is given)."""
+    tokenizer = build_tokenizer(config.tokenizer_type, config.tokenizer_model)
     return tokenizer, padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        tokenizer.vocab_size, config.make_vocab_size_divisible_by, config.tensor_model_parallel_size
     )
 
 
-def build_train_dataset(args, tokenizer):
+def build_train_dataset(config: TrainingConfig, tokenizer):
     """megatron's GPTDataset over ``--data-path``, mock data, or the built-in long-range task."""
     from mcore_flash.data.datasets import build_datasets
 
-    data_path, split = args.data_path, args.split
-    if not data_path and not args.mock_data:
-        data_path, split = [_built_in_dataset(args)], "100,0,0"
+    data_path, split = config.data_path, config.split
+    if not data_path and not config.mock_data:
+        data_path, split = [_built_in_dataset(config.save, config.seq_length, config.seed)], "100,0,0"
     train, _, _ = build_datasets(
         data_path,
-        args.mock_data,
+        config.mock_data,
         split,
-        args.seq_length,
-        args.seed,
+        config.seq_length,
+        config.seed,
         tokenizer,
-        args.train_iters * args.global_batch_size,
-        None if args.mock_data else 0,
-        None if args.mock_data else 0,
-        cache_dir=args.data_cache_path or os.path.join(args.save, "data", "cache"),
-        reset_position_ids=args.reset_position_ids,
-        eod_mask_loss=args.eod_mask_loss,
+        config.train_iters * config.global_batch_size,
+        None if config.mock_data else 0,
+        None if config.mock_data else 0,
+        cache_dir=config.data_cache_path or os.path.join(config.save, "data", "cache"),
+        reset_position_ids=config.reset_position_ids,
+        eod_mask_loss=config.eod_mask_loss,
     )
     return train
 
 
-def _built_in_dataset(args) -> str:
-    """Prefix of the built-in long-range task under ``--save``/data: global rank 0 writes it
-    (if absent), then every other rank checks it, so no two ranks write the same files."""
+def _built_in_dataset(save: str, seq_length: int, seed: int) -> str:
+    """Prefix of the built-in long-range task (documents of ``seq_length`` tokens drawn with
+    ``seed``) under ``save``/data: global rank 0 writes it (if absent), then every other rank
+    checks it, so no two ranks write the same files."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     writer = not distributed or torch.distributed.get_rank() == 0
     if distributed and not writer:
         torch.distributed.barrier()  # released once rank 0 has written
-    data_dir = os.path.join(args.save, "data")
-    prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, args.seq_length, seed=args.seed, create=writer)
+    data_dir = os.path.join(save, "data")
+    prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, seq_length, seed=seed, create=writer)
     if distributed and writer:
         torch.distributed.barrier()
     return prefix
 
 
-def micro_batches(dataset, args, consumed_samples: int, dp_rank: int, dp_size: int) -> Iterator[dict]:
-    """This data-parallel rank's micro-batches from ``consumed_samples`` on (endless)."""
-    micro, per_step = args.micro_batch_size, args.micro_batch_size * dp_size
+def micro_batches(
+    dataset, micro_batch_size: int, global_batch_size: int, consumed_samples: int, dp_rank: int, dp_size: int
+) -> Iterator[dict]:
+    """This data-parallel rank's micro-batches (``micro_batch_size`` samples each) from
+    ``consumed_samples`` on (endless); an iteration takes ``global_batch_size`` samples."""
+    per_step = micro_batch_size * dp_size
     start = consumed_samples
     while True:
-        for first in range(start, start + args.global_batch_size, per_step):
-            indices = range(first + dp_rank * micro, first + (dp_rank + 1) * micro)
+        for first in range(start, start + global_batch_size, per_step):
+            indices = range(first + dp_rank * micro_batch_size, first + (dp_rank + 1) * micro_batch_size)
             yield _collate([dataset[i % len(dataset)] for i in indices])
-        start += args.global_batch_size
+        start += global_batch_size
 
 
 def _collate(samples: list[dict]) -> dict:

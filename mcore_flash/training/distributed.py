@@ -12,23 +12,24 @@ import torch
 import torch.distributed as dist
 
 from mcore_flash import platform
+from mcore_flash.training.config import TrainingConfig
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
-def init_distributed(args, timeout_minutes: int = 10) -> str:
+def init_distributed(config: TrainingConfig, timeout_minutes: int = 10) -> str:
     """Set up the device and ``torch.distributed`` + megatron's parallel state; returns the device.
 
     Under ``torchrun`` the usual RANK/WORLD_SIZE/MASTER_* variables are used; otherwise a
-    one-process group on 127.0.0.1. ``args.world_size`` must match the real world size.
+    one-process group on 127.0.0.1. ``config.world_size`` must match the real world size.
     """
     device = platform.setup()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
-    if world_size != args.world_size:
-        raise ValueError(f"WORLD_SIZE={world_size} but the flags were validated for {args.world_size} ranks")
+    if world_size != config.world_size:
+        raise ValueError(f"WORLD_SIZE={world_size} but the flags were validated for {config.world_size} ranks")
     if not dist.is_initialized():
         dist.init_process_group(
             _BACKENDS[device],
@@ -36,12 +37,12 @@ def init_distributed(args, timeout_minutes: int = 10) -> str:
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
-    _init_parallel_state(args)
+    _init_parallel_state(config)
     return device
 
 
-def init_fake_world(args) -> None:
-    """A single-process stand-in for ``args.world_size`` ranks (rank 0), for ``--dry-run``.
+def init_fake_world(config: TrainingConfig) -> None:
+    """A single-process stand-in for ``config.world_size`` ranks (rank 0), for ``--dry-run``.
 
     torch's ``fake`` process-group backend accepts any world size and makes collectives
     no-ops, so megatron's parallel state and model code see the real layout.
@@ -50,21 +51,22 @@ def init_fake_world(args) -> None:
 
     platform.setup("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=args.world_size, store=FakeStore())
-    _init_parallel_state(args, create_gloo_process_groups=False)
+        dist.init_process_group("fake", rank=0, world_size=config.world_size, store=FakeStore())
+    _init_parallel_state(config, create_gloo_process_groups=False)
 
 
-def _init_parallel_state(args, **kwargs) -> None:
+def _init_parallel_state(config: TrainingConfig, **kwargs) -> None:
+    """megatron's TP/PP/CP groups (``kwargs``: more of ``initialize_model_parallel``'s), then the seeds."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            context_parallel_size=args.context_parallel_size,
+            tensor_model_parallel_size=config.tensor_model_parallel_size,
+            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+            context_parallel_size=config.context_parallel_size,
             **kwargs,
         )
-    set_random_seed(args.seed)
+    set_random_seed(config.seed)
 
 
 def set_random_seed(seed: int) -> None:
@@ -84,6 +86,7 @@ def set_random_seed(seed: int) -> None:
 
 
 def destroy_distributed() -> None:
+    """Tear down megatron's parallel state and the process group (either may be absent)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
@@ -91,7 +94,8 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -1,10 +1,14 @@
-"""The training loop, assembled from megatron-core's own parts.
+"""The training loop as a recipe, assembled from megatron-core's own parts.
 
-GPTModel (flash spec) -> ``DistributedDataParallel`` -> ``get_megatron_optimizer``
-(distributed optimizer with ``--use-distributed-optimizer``) + ``OptimizerParamScheduler``;
-each iteration runs ``get_forward_backward_func()`` (no pipelining, or 1F1B across
-pipeline stages) over ``global_batch / (micro_batch x dp)`` micro-batches, with per-token
-loss (``calculate_per_token_loss``) so any data-parallel size gives the same update.
+:class:`PretrainRecipe` sets a run up from a :class:`~mcore_flash.training.config.TrainingConfig`
+(GPTModel with the flash spec -> ``DistributedDataParallel`` -> ``get_megatron_optimizer``,
+distributed with ``--use-distributed-optimizer``, + ``OptimizerParamScheduler``; the
+checkpoint in ``--load``; the data), then :meth:`~PretrainRecipe.train` runs one
+:meth:`~PretrainRecipe.train_step` per iteration: ``get_forward_backward_func()`` (no
+pipelining, or 1F1B across pipeline stages) over ``global_batch / (micro_batch x dp)``
+micro-batches, with per-token loss (``calculate_per_token_loss``) so any data-parallel size
+gives the same update, then logs, saves and stops on a signal, ``--exit-interval`` or a
+non-finite loss.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import functools
 import math
 import signal
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from mcore_flash import platform
 from mcore_flash.training import checkpointing, faults
+from mcore_flash.training.config import TrainingConfig
 from mcore_flash.training.data import build_train_dataset, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
 from mcore_flash.training.model import build_model, count_parameters, model_args, transformer_config
@@ -30,142 +36,222 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
 
 
-def train(args) -> dict:
-    """Run ``args.train_iters`` iterations (resuming from ``--load``); returns a summary."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def train(config: TrainingConfig) -> dict:
+    """Run ``config.train_iters`` iterations (resuming from ``--load``); call after
+    ``init_distributed(config)``. Returns ``{"iteration", "first_loss", "last_loss", "save"}``."""
+    recipe = PretrainRecipe(config)
+    try:
+        return recipe.train()
+    finally:
+        recipe.cleanup()
 
-    tokenizer, vocab = tokenizer_and_vocab(args)
-    split_batch = _batch_splitter(args, tokenizer)
-    config = transformer_config(args)
-    model = build_model(args, config, vocab).to(platform.torch_device())
-    model = DistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-        ),
-        model,
+
+class PretrainRecipe:
+    """One training run: the constructor sets it up, :meth:`train` runs it, :meth:`cleanup`
+    releases the signal handler and the metrics files.
+
+    ``iteration`` and ``consumed_samples`` (sequences, all data-parallel ranks) count what
+    has been trained, from the resumed checkpoint on; checkpoints store both.
+    """
+
+    def __init__(self, config: TrainingConfig):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.config = config
+        self.tokenizer, self.padded_vocab_size = tokenizer_and_vocab(config)
+        self.split_batch = _batch_splitter(config, self.tokenizer)
+        self.model_config = transformer_config(config)
+        self.model = _data_parallel_model(config, self.model_config, self.padded_vocab_size)
+        self.optimizer = _optimizer(config, self.model_config, self.model)
+        self.scheduler = _lr_scheduler(config, self.optimizer)
+        _connect_model_config(self.model_config, self.model, self.optimizer)
+        faults.install(self.model, self.model_config)
+        self.logger = MetricsLogger(config, count_parameters(self.model), self.padded_vocab_size)
+        self.model_args = model_args(config, self.tokenizer.vocab_size)
+        self.iteration, self.consumed_samples, self.provenance = self._resume()
+        self.data = self._micro_batches()
+        self.forward_backward = get_forward_backward_func()
+        self.stop = _StopSignal()
+
+    def _resume(self) -> tuple[int, int, dict]:
+        """``(iteration, consumed samples, provenance)`` of the checkpoint in ``--load``, or a
+        fresh start; notes what was loaded and which unfinished saves are ignored."""
+        config, iteration, consumed, provenance = self.config, 0, 0, {}
+        if config.load and checkpointing.latest_iteration(config.load) is not None:
+            iteration, consumed, provenance = checkpointing.load_checkpoint(
+                config.load, self.model, self.optimizer, self.scheduler, self.padded_vocab_size, self.model_args,
+                finetune=config.finetune, load_optim=not config.no_load_optim, load_rng=not config.no_load_rng,
+            )
+            how = "fine-tuning from" if config.finetune else "resumed from"
+            self.logger.note(f"{how} {config.load} at iteration {iteration} ({consumed} samples consumed)")
+        elif config.load:
+            self.logger.note(f"no checkpoint in --load {config.load} yet: starting from scratch")
+        for stale in checkpointing.unfinished_saves(config.load):
+            self.logger.note(f"ignoring {stale}: a save that did not finish (the next save removes it)")
+        return iteration, consumed, provenance
+
+    def _micro_batches(self):
+        """This data-parallel rank's endless micro-batch iterator, from the consumed samples on."""
+        from megatron.core import parallel_state
+
+        return micro_batches(
+            build_train_dataset(self.config, self.tokenizer),
+            self.config.micro_batch_size,
+            self.config.global_batch_size,
+            self.consumed_samples,
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+        )
+
+    def train_step(self) -> tuple[Optional[float], Optional[float]]:
+        """Train iteration ``self.iteration + 1``; returns ``(mean token loss in nats, grad norm)``,
+        the loss None off the last pipeline stage."""
+        config = self.config
+        faults.begin_iteration(self.iteration + 1)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self.forward_backward(
+            forward_step_func=functools.partial(_forward_step, self.split_batch),
+            data_iterator=self.data,
+            model=[self.model],
+            num_microbatches=config.num_micro_batches,
+            seq_length=config.seq_length,
+            micro_batch_size=config.micro_batch_size,
+            decoder_seq_length=config.seq_length,
+            forward_only=False,
+        )
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=config.global_batch_size)
+        self.iteration += 1
+        faults.point("optimizer-step", self.iteration)
+        self.consumed_samples += config.global_batch_size
+        return _reduce_loss(losses), grad_norm
+
+    def train(self) -> dict:
+        """Iterate up to ``--train-iters``: log every ``--log-interval``, save every
+        ``--save-interval`` and at the end; save and stop early on SIGTERM or at
+        ``--exit-interval``; raise :class:`TrainingDiverged` on a non-finite loss."""
+        config = self.config
+        first_loss = last_loss = None
+        while self.iteration < config.train_iters:
+            start = time.perf_counter()
+            loss, grad_norm = self.train_step()
+            if loss is not None and not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"loss is {loss} at iteration {self.iteration}: training diverged. Lower --lr (now {config.lr}) "
+                    f"or --clip-grad, or resume from the last checkpoint in {config.save}"
+                )
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss if loss is not None else last_loss
+            last = self.iteration == config.train_iters
+            if self.iteration % config.log_interval == 0 or last:
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.logger.log(self.iteration, loss, lr, grad_norm, time.perf_counter() - start)
+            stop_reason = self._stop_reason()
+            if self.iteration % config.save_interval == 0 or last or stop_reason:
+                self.save()
+            if stop_reason:
+                resume = f"resume with --load {config.save}"
+                self.logger.note(f"stopped by {stop_reason} after iteration {self.iteration}; {resume}")
+                break
+        return {"iteration": self.iteration, "first_loss": first_loss, "last_loss": last_loss, "save": config.save}
+
+    def _stop_reason(self) -> Optional[str]:
+        """Why to stop after this iteration: "a signal" (SIGTERM on any rank; a collective, so
+        every rank asks every iteration), "--exit-interval", or None."""
+        if self.stop.requested():
+            return "a signal"
+        if self.config.exit_interval and self.iteration % self.config.exit_interval == 0:
+            return "--exit-interval"
+        return None
+
+    def save(self) -> None:
+        """Checkpoint the current iteration under ``--save`` (collective)."""
+        path = checkpointing.save_checkpoint(
+            self.config.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
+            self.padded_vocab_size, self.model_args, self.provenance,
+        )
+        self.logger.note(f"saved checkpoint {path}")
+
+    def cleanup(self) -> None:
+        """Give SIGTERM back its previous handler; close ``metrics.jsonl`` and TensorBoard."""
+        self.stop.restore()
+        self.logger.close()
+
+
+def _data_parallel_model(config: TrainingConfig, model_config, padded_vocab_size: int):
+    """This rank's GPTModel on the device, in megatron's ``DistributedDataParallel`` (fp32
+    gradient buffers; reduce-scattered with the distributed optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = build_model(config, model_config, padded_vocab_size).to(platform.torch_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=config.overlap_grad_reduce,
+        use_distributed_optimizer=config.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            clip_grad=args.clip_grad,
-            bf16=args.bf16,
-            fp16=args.fp16,
-            params_dtype=config.params_dtype,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-        ),
-        [model],
+    return DistributedDataParallel(model_config, ddp_config, model)
+
+
+def _optimizer(config: TrainingConfig, model_config, model):
+    """megatron's Adam (distributed with ``--use-distributed-optimizer``) over ``model``."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=config.lr,
+        min_lr=config.min_lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        clip_grad=config.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=model_config.params_dtype,
+        use_distributed_optimizer=config.use_distributed_optimizer,
     )
-    samples = args.train_iters * args.global_batch_size
-    scheduler = OptimizerParamScheduler(
+    return get_megatron_optimizer(optimizer_config, [model])
+
+
+def _lr_scheduler(config: TrainingConfig, optimizer):
+    """Linear warm-up over ``--lr-warmup-iters``, then ``--lr-decay-style`` down to ``--min-lr``
+    at ``--train-iters``; megatron counts its steps in samples (sequences)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    samples = config.train_iters * config.global_batch_size
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        max_lr=config.lr,
+        min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_iters * config.global_batch_size,
         lr_decay_steps=samples,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
+        lr_decay_style=config.lr_decay_style,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
         wd_incr_steps=samples,
         wd_incr_style="constant",
     )
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model.no_sync
-    faults.install(model, config)
-
-    logger = MetricsLogger(args, count_parameters(model), vocab)
-    iteration, consumed = 0, 0
-    described, provenance = model_args(args, tokenizer.vocab_size), {}
-    if args.load and checkpointing.latest_iteration(args.load) is not None:
-        iteration, consumed, provenance = checkpointing.load_checkpoint(
-            args.load, model, optimizer, scheduler, vocab, described,
-            finetune=args.finetune, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        )  # fmt: skip
-        how = "fine-tuning from" if args.finetune else "resumed from"
-        logger.note(f"{how} {args.load} at iteration {iteration} ({consumed} samples consumed)")
-    elif args.load:
-        logger.note(f"no checkpoint in --load {args.load} yet: starting from scratch")
-    for stale in checkpointing.unfinished_saves(args.load):
-        logger.note(f"ignoring {stale}: a save that did not finish (the next save removes it)")
-    dataset = build_train_dataset(args, tokenizer)
-    data = micro_batches(
-        dataset,
-        args,
-        consumed,
-        parallel_state.get_data_parallel_rank(),
-        parallel_state.get_data_parallel_world_size(),
-    )
-    forward_backward = get_forward_backward_func()
-    num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    stop = _StopSignal()
-    first_loss = last_loss = None
-    while iteration < args.train_iters:
-        start = time.perf_counter()
-        faults.begin_iteration(iteration + 1)
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=functools.partial(_forward_step, split_batch),
-            data_iterator=data,
-            model=[model],
-            num_microbatches=num_micro,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            decoder_seq_length=args.seq_length,
-            forward_only=False,
-        )
-        _, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=args.global_batch_size)
-        iteration += 1
-        faults.point("optimizer-step", iteration)
-        consumed += args.global_batch_size
-        loss = _reduce_loss(losses)
-        if loss is not None and not math.isfinite(loss):
-            raise TrainingDiverged(
-                f"loss is {loss} at iteration {iteration}: training diverged. Lower --lr (now {args.lr}) "
-                f"or --clip-grad, or resume from the last checkpoint in {args.save}"
-            )
-        first_loss = loss if first_loss is None else first_loss
-        last_loss = loss if loss is not None else last_loss
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            logger.log(iteration, loss, optimizer.param_groups[0]["lr"], grad_norm, time.perf_counter() - start)
-        interrupted = stop.requested()
-        exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
-        if iteration % args.save_interval == 0 or iteration == args.train_iters or interrupted or exiting:
-            path = checkpointing.save_checkpoint(
-                args.save, iteration, model, optimizer, scheduler, consumed, vocab, described, provenance
-            )
-            logger.note(f"saved checkpoint {path}")
-        if interrupted or exiting:
-            reason = "a signal" if interrupted else "--exit-interval"
-            logger.note(f"stopped by {reason} after iteration {iteration}; resume with --load {args.save}")
-            break
-    stop.restore()
-    logger.close()
-    return {"iteration": iteration, "first_loss": first_loss, "last_loss": last_loss, "save": args.save}
 
 
-def _batch_splitter(args, tokenizer):
+def _connect_model_config(model_config, model, optimizer) -> None:
+    """Give megatron's schedule the gradient reduction, loss scaling and no-sync context it
+    calls through the ``TransformerConfig``."""
+    from megatron.core.distributed import finalize_model_grads
+
+    model_config.finalize_model_grads_func = finalize_model_grads
+    model_config.grad_scale_func = optimizer.scale_loss
+    model_config.no_sync_func = model.no_sync
+
+
+def _batch_splitter(config: TrainingConfig, tokenizer):
     """``batch -> (this rank's batch, packed_seq_params or None)``.
 
     Plain: chunks r and 2cp-1-r of every sample (a no-op at CP=1). ``--reset-attention-mask``:
     the micro-batch becomes one pack of documents cut after every EOD token, each document
     split over the CP ranks (:mod:`mcore_flash.transformer.packed_sequences`).
     """
-    if not args.reset_attention_mask:
+    if not config.reset_attention_mask:
         return lambda batch: (get_batch_on_this_cp_rank(batch), None)
     eod = getattr(tokenizer, "eod", None)
     if eod is None or eod < 0:
@@ -173,7 +259,7 @@ def _batch_splitter(args, tokenizer):
             f"--reset-attention-mask cuts documents at the tokenizer's EOD token, and {type(tokenizer).__name__} "
             "has none: use a tokenizer with an end-of-document id (and data preprocessed with --append-eod)"
         )
-    multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     return functools.partial(pack_documents, eod=eod, pad_to_multiple_of=multiple)
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from mcore_flash import platform
 from mcore_flash.planning.flops import step_flops
 from mcore_flash.planning.recipes import model_shape_for_pretrain_args
+from mcore_flash.training.config import TrainingConfig
 
 #: ``metrics.jsonl`` key -> TensorBoard tag (Megatron-LM's ``training_log`` names where it has
 #: one: "throughput" is its TFLOP/s per GPU; the per-device tokens/s and MFU are ours)
@@ -42,7 +43,7 @@ TENSORBOARD_TAGS = {
 }
 
 
-def model_flops_per_iteration(args, padded_vocab_size: int) -> float:
+def model_flops_per_iteration(config: TrainingConfig, padded_vocab_size: int) -> float:
     """Model FLOPs of one iteration (``--global-batch-size`` sequences of ``--seq-length``
     tokens), all devices together: the planner's :func:`~mcore_flash.planning.flops.step_flops`,
     the convention of ``mcore-flash plan --hardware``'s MFU, so measured and planned MFU compare.
@@ -58,43 +59,46 @@ def model_flops_per_iteration(args, padded_vocab_size: int) -> float:
     bound). Megatron-LM's ``num_floating_point_operations`` counts the matmuls alike and the
     attention dense, ``12·L·a·d·s²``, so its TFLOP/s reads higher at long context.
     """
-    shape = model_shape_for_pretrain_args(args, vocab_size=padded_vocab_size)
-    return args.global_batch_size * step_flops(shape, args.seq_length, fused_attention=True)
+    shape = model_shape_for_pretrain_args(config, vocab_size=padded_vocab_size)
+    return config.global_batch_size * step_flops(shape, config.seq_length, fused_attention=True)
 
 
 class MetricsLogger:
-    def __init__(self, args, num_parameters: int, padded_vocab_size: int):
-        self.args = args
+    """The last rank's progress lines, ``metrics.jsonl`` and TensorBoard scalars (a no-op on
+    the other ranks); ``num_parameters``: this rank's, for the opening note."""
+
+    def __init__(self, config: TrainingConfig, num_parameters: int, padded_vocab_size: int):
+        self.config = config
         self.active = dist.get_rank() == dist.get_world_size() - 1
-        self.tokens_per_iteration = args.global_batch_size * args.seq_length
-        self.flops_per_iteration = model_flops_per_iteration(args, padded_vocab_size)
+        self.tokens_per_iteration = config.global_batch_size * config.seq_length
+        self.flops_per_iteration = model_flops_per_iteration(config, padded_vocab_size)
         self.writer = None
         self.started = time.perf_counter()
         if not self.active:
             return
-        os.makedirs(args.save, exist_ok=True)
-        self.path = os.path.join(args.save, "metrics.jsonl")
+        os.makedirs(config.save, exist_ok=True)
+        self.path = os.path.join(config.save, "metrics.jsonl")
         self.file = open(self.path, "a")
-        if args.tensorboard_dir:
+        if config.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
                 raise ValueError(
                     "--tensorboard-dir needs the tensorboard package: pip install 'mcore-flash[tensorboard]'"
                 ) from error
-            self.writer = SummaryWriter(args.tensorboard_dir)
+            self.writer = SummaryWriter(config.tensorboard_dir)
         self.note(
-            f"training {args.model}: {num_parameters:,} parameters on this rank, world size {args.world_size} "
-            f"(TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, "
-            f"CP {args.context_parallel_size}, DP {args.data_parallel_size}), {args.train_iters} iterations of "
-            f"{args.global_batch_size} x {args.seq_length} tokens on {platform.device_type()}"
+            f"training {config.model}: {num_parameters:,} parameters on this rank, world size {config.world_size} "
+            f"(TP {config.tensor_model_parallel_size}, PP {config.pipeline_model_parallel_size}, "
+            f"CP {config.context_parallel_size}, DP {config.data_parallel_size}), {config.train_iters} iterations of "
+            f"{config.global_batch_size} x {config.seq_length} tokens on {platform.device_type()}"
         )
 
     def log(self, iteration: int, loss, lr: float, grad_norm, seconds: float) -> None:
         """Print, write and (with TensorBoard) add the record of ``iteration``, which took ``seconds``."""
         if not self.active:
             return
-        devices = self.args.world_size
+        devices = self.config.world_size
         tflops = self.flops_per_iteration / seconds / devices / 1e12
         record = {
             "iteration": iteration,
@@ -108,8 +112,8 @@ class MetricsLogger:
             "peak_memory_bytes": platform.peak_memory_bytes(),
         }
         mfu_text = ""
-        if self.args.hardware is not None:
-            record["mfu"] = tflops / self.args.hardware.peak_bf16_tflops
+        if self.config.hardware is not None:
+            record["mfu"] = tflops / self.config.hardware.peak_bf16_tflops
             mfu_text = f" | MFU {record['mfu']:.1%}"
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -118,9 +122,9 @@ class MetricsLogger:
                 if record.get(key) is not None:
                     self.writer.add_scalar(tag, record[key], iteration)
             self.writer.flush()
-        width = len(str(self.args.train_iters))
+        width = len(str(self.config.train_iters))
         print(
-            f"iteration {iteration:>{width}}/{self.args.train_iters} | loss {loss:.4f} | lr {lr:.2e} | "
+            f"iteration {iteration:>{width}}/{self.config.train_iters} | loss {loss:.4f} | lr {lr:.2e} | "
             f"grad norm {record['grad_norm'] or 0:.3f} | {record['tokens_per_s']:,.0f} tokens/s "
             f"({record['tokens_per_s_per_device']:,.0f}/device) | {tflops:.3g} TFLOP/s/device{mfu_text} | "
             f"{seconds * 1000:.0f} ms/it | peak mem {record['peak_memory_bytes'] / 2**20:,.0f} MiB | "
@@ -129,10 +133,12 @@ class MetricsLogger:
         )
 
     def note(self, text: str) -> None:
+        """``[mcore-flash] text`` on stderr."""
         if self.active:
             print(f"[mcore-flash] {text}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        """Close ``metrics.jsonl`` and the TensorBoard writer."""
         if self.active:
             self.file.close()
             if self.writer is not None:

@@ -5,57 +5,60 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mcore_flash.training.config import TrainingConfig
 
-def transformer_config(args):
-    """megatron's ``TransformerConfig`` for the parsed flags."""
+
+def transformer_config(config: TrainingConfig):
+    """megatron's ``TransformerConfig`` for the run's model, parallel layout and precision."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        use_te_activation_func=args.swiglu,  # megatron's activation hook -> our fused SwiGLU
-        add_bias_linear=not args.disable_bias_linear,
-        attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        cp_comm_type=args.cp_comm_type,
-        window_size=args.window_size,
-        window_attn_skip_freq=args.window_attn_skip_freq,
-        sequence_parallel=args.sequence_parallel,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        normalization=config.normalization,
+        layernorm_epsilon=config.norm_epsilon,
+        gated_linear_unit=config.swiglu,
+        activation_func=F.silu if config.swiglu else F.gelu,
+        use_te_activation_func=config.swiglu,  # megatron's activation hook -> our fused SwiGLU
+        add_bias_linear=not config.disable_bias_linear,
+        attention_dropout=config.attention_dropout,
+        hidden_dropout=config.hidden_dropout,
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        cp_comm_type=config.cp_comm_type,
+        window_size=config.window_size,
+        window_attn_skip_freq=config.window_attn_skip_freq,
+        sequence_parallel=config.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
+        bf16=config.bf16,
+        fp16=config.fp16,
         use_cpu_initialization=True,
         calculate_per_token_loss=True,
         batch_p2p_comm=False,  # gloo has no batched p2p; harmless elsewhere
-        **args.recompute.config,
-        **_packed_pipeline_settings(args),
+        **config.recompute.config,
+        **_packed_pipeline_settings(config),
     )
 
 
-def _packed_pipeline_settings(args) -> dict:
+def _packed_pipeline_settings(config: TrainingConfig) -> dict:
     """Packed documents under pipelining: a micro-batch's row count depends on its padding,
     so stages exchange shapes first (megatron's ``variable_seq_lengths``). megatron-core 0.16's
     ``TransformerConfig.__post_init__`` refuses that with its default MoE dispatcher
     ("allgather") even in a model without experts, so the (unused) dispatcher is "alltoall"."""
-    if not (args.reset_attention_mask and args.pipeline_model_parallel_size > 1):
+    if not (config.reset_attention_mask and config.pipeline_model_parallel_size > 1):
         return {}
     return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
 
 
-def build_model(args, config, padded_vocab_size: int, parallel_output: bool = True):
-    """This rank's pipeline stage of the GPT (on the current default device); with
+def build_model(config: TrainingConfig, model_config, padded_vocab_size: int, parallel_output: bool = True):
+    """This rank's pipeline stage of the GPT (on the current default device) for ``model_config``
+    (:func:`transformer_config`'s), with ``padded_vocab_size`` embedding rows; with
     ``parallel_output=False`` the logits are gathered over TP (full vocabulary on every rank)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -63,20 +66,22 @@ def build_model(args, config, padded_vocab_size: int, parallel_output: bool = Tr
     from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
 
     return GPTModel(
-        config,
+        model_config,
         get_gpt_decoder_block_flash_spec(
-            config, attention_backend=args.attention_backend, layer_recompute_modules=args.recompute.layer_modules
+            model_config,
+            attention_backend=config.attention_backend,
+            layer_recompute_modules=config.recompute.layer_modules,
         ),
         vocab_size=padded_vocab_size,
-        max_sequence_length=max(args.max_position_embeddings, args.seq_length),
+        max_sequence_length=max(config.max_position_embeddings, config.seq_length),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
-        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
+        position_embedding_type=config.position_embedding_type,
+        rotary_base=config.rotary_base,
+        rope_scaling=config.use_rope_scaling,
+        rope_scaling_factor=config.rope_scaling_factor,
+        seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
         parallel_output=parallel_output,
     )
 
@@ -96,12 +101,13 @@ POSITION_ARGS = (
 )  # fmt: skip
 
 
-def model_args(args, vocab_size: int) -> dict:
+def model_args(config: TrainingConfig, vocab_size: int) -> dict:
     """The model's defining flags (``SHAPE_ARGS`` + ``POSITION_ARGS``) and unpadded ``vocab_size``."""
-    out = {name: getattr(args, name) for name in SHAPE_ARGS + POSITION_ARGS}
+    out = {name: getattr(config, name) for name in SHAPE_ARGS + POSITION_ARGS}
     out["use_rope_scaling"] = bool(out["use_rope_scaling"])
     return {**out, "vocab_size": vocab_size}
 
 
 def count_parameters(model) -> int:
+    """Parameters (elements) held by this rank."""
     return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,366 @@
+"""The trainer's configuration: every flag of ``mcore-flash pretrain`` resolved and checked once.
+
+:func:`resolve_config` takes the parsed flags (Megatron-LM's names), fills what was left
+unset from the checkpoint (``--use-checkpoint-args``) and from the ``--model`` preset,
+checks the result against the world size (each error names the flag to change) and
+returns a frozen :class:`TrainingConfig` with the derived values (data-parallel size,
+micro-batches per iteration, recompute settings, hardware profile) computed here, once.
+Everything downstream reads this object; nothing writes to it. Pure Python: nothing is
+allocated before the flags are known to work.
+
+The config is flat, its fields named as the flags (Megatron-LM's names, as megatron-core's own
+flat ``TransformerConfig``), so evaluate, generate, the converter and the planner read the
+same names; comments group the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Mapping, Optional
+
+from mcore_flash.data.datasets import parse_data_path
+from mcore_flash.data.indexed import check_indexed_dataset
+from mcore_flash.planning.hardware import HardwareProfile, load_hardware
+from mcore_flash.planning.models import MODELS, ModelShape
+from mcore_flash.transformer.recompute import RecomputeSettings, recompute_settings
+
+DEFAULT_PRESET = "tiny"
+
+# The training hyper-parameters every preset sets when the flag was not given, and those
+# TRAINING_PRESETS sets instead for a preset; a preset's model shape comes from ``MODELS``
+# (:func:`preset_shape`). "tiny" is the default CPU job: a few hundred steps in minutes on
+# 2 cores, deep enough to learn the built-in long-range copy task.
+TRAINING_DEFAULTS = dict(
+    seq_length=4096, micro_batch_size=1, global_batch_size=None, train_iters=1000, lr=3e-4, min_lr=3e-5,
+    lr_warmup_iters=100,
+)
+TRAINING_PRESETS = {
+    "tiny": dict(
+        seq_length=256, micro_batch_size=8, global_batch_size=8, train_iters=1000, lr=3e-3, min_lr=3e-4,
+        lr_warmup_iters=30,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The resolved flags of one training run (field = flag, ``--num-layers`` -> ``num_layers``)
+    and the values derived from them. Lengths are in tokens, batch sizes in sequences."""
+
+    # model: the shape (``--model`` preset, any flag given overrides it)
+    model: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    group_query_attention: bool  # True whenever num_query_groups != num_attention_heads
+    seq_length: int
+    max_position_embeddings: int
+    position_embedding_type: str  # "rope" or "learned_absolute"
+    rotary_base: int
+    use_rope_scaling: bool
+    rope_scaling_factor: float
+    rotary_seq_len_interpolation_factor: Optional[int]
+    norm_epsilon: float
+    normalization: str  # "RMSNorm" or "LayerNorm"
+    swiglu: bool
+    untie_embeddings_and_output_weights: bool
+    disable_bias_linear: bool
+    attention_dropout: float
+    hidden_dropout: float
+    attention_backend: Optional[str]  # None: by device
+    window_size: Optional[tuple[int, int]]  # (left, right) tokens, -1 unbounded
+    window_attn_skip_freq: Optional[int]
+    # parallelism
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    cp_comm_type: str
+    sequence_parallel: bool
+    use_distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    # activation recompute (the flags; ``recompute`` below is what they mean)
+    recompute_granularity: Optional[str]
+    recompute_method: Optional[str]
+    recompute_num_layers: Optional[int]
+    recompute_modules: Optional[tuple[str, ...]]
+    # precision, optimiser and schedule
+    bf16: bool
+    fp16: bool
+    lr: float
+    min_lr: float
+    lr_decay_style: str
+    lr_warmup_iters: int
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    micro_batch_size: int  # sequences per micro-batch and data-parallel rank
+    global_batch_size: int  # sequences per iteration, all data-parallel ranks together
+    train_iters: int
+    seed: int
+    # data
+    data_path: Optional[tuple[str, ...]]
+    split: str
+    tokenizer_type: Optional[str]
+    tokenizer_model: Optional[str]
+    make_vocab_size_divisible_by: int
+    mock_data: bool
+    reset_attention_mask: bool
+    reset_position_ids: bool
+    eod_mask_loss: bool
+    data_cache_path: Optional[str]
+    # device
+    emulate_npu: bool
+    # checkpoints and logging
+    save: str
+    load: Optional[str]
+    finetune: bool
+    no_load_optim: bool
+    no_load_rng: bool
+    use_checkpoint_args: bool
+    save_interval: int
+    exit_interval: Optional[int]
+    log_interval: int
+    tensorboard_dir: Optional[str]
+    hardware: Optional[HardwareProfile]  # the ``--hardware`` profile, loaded
+    device_memory: str
+    dry_run: bool
+    # derived
+    world_size: int
+    data_parallel_size: int  # world_size / (TP x PP x CP)
+    num_micro_batches: int  # per iteration and data-parallel rank: global / (micro x DP)
+    recompute: RecomputeSettings
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{field: value}``, the values themselves (``dataclasses.asdict`` would turn the
+        hardware profile and recompute settings into dicts)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+DERIVED = ("world_size", "data_parallel_size", "num_micro_batches", "recompute")
+# The flags a TrainingConfig holds: every field but the derived ones.
+FLAG_NAMES = tuple(field.name for field in dataclasses.fields(TrainingConfig) if field.name not in DERIVED)
+
+
+def resolve_config(flags: Mapping[str, Any], world_size: Optional[int] = None) -> TrainingConfig:
+    """The config of the parsed ``flags`` (``vars`` of the pretrain parser's namespace; other
+    keys are ignored) for ``world_size`` ranks (default: env WORLD_SIZE, else 1, or TP x PP x CP
+    for ``--dry-run``). Raises ValueError naming the flag for settings that cannot work."""
+    values = {name: flags[name] for name in FLAG_NAMES}
+    for name in ("data_path", "recompute_modules"):  # argparse's lists, frozen as the rest
+        if values[name] is not None:
+            values[name] = tuple(values[name])
+    if values["use_checkpoint_args"]:
+        values.update(_checkpoint_model_flags(values))
+    values.update(_preset_values(values))
+    if world_size is None:
+        model_parallel = values["tensor_model_parallel_size"] * values["pipeline_model_parallel_size"]
+        model_parallel *= values["context_parallel_size"]
+        world_size = int(os.environ.get("WORLD_SIZE", model_parallel if values["dry_run"] else 1))
+    values.update(_checked_and_derived(SimpleNamespace(**values), world_size))
+    return TrainingConfig(**values)
+
+
+def preset_shape(name: str) -> ModelShape:
+    """The model shape of ``--model name``: the planner's preset of that name."""
+    return MODELS[name]
+
+
+def _checkpoint_model_flags(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``--use-checkpoint-args``: the checkpoint's value of every model flag left unset."""
+    if not values["load"]:
+        raise ValueError("--use-checkpoint-args needs --load")
+    from mcore_flash.training.checkpointing import read_model_args
+
+    saved = read_model_args(values["load"])
+    filled = {}
+    for name, value in saved.items():
+        if name == "vocab_size" or (name == "rope_scaling_factor" and not saved["use_rope_scaling"]):
+            continue  # the vocabulary comes from the tokenizer; a factor without scaling means nothing
+        if values[name] is None:
+            filled[name] = value
+    return filled
+
+
+def _preset_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values ``--model`` (default tiny) gives the model/schedule flags left unset, and the
+    defaults that follow from them (warm-up, GQA, ``--save``, ``--save-interval``)."""
+    name = values["model"] or DEFAULT_PRESET
+    shape = preset_shape(name)
+    defaults = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        max_position_embeddings=shape.max_position_embeddings,
+        rotary_base=shape.rotary_base,
+        use_rope_scaling=shape.rope_scaling,
+        rope_scaling_factor=shape.rope_scaling_factor,
+        norm_epsilon=shape.norm_epsilon,
+        swiglu=shape.gated,
+        untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
+        disable_bias_linear=not shape.add_bias_linear,
+        normalization=shape.normalization,
+        position_embedding_type=shape.position_embedding_type,
+        **TRAINING_DEFAULTS,
+    )
+    defaults.update(TRAINING_PRESETS.get(name, {}))
+    if values["rope_scaling_factor"] is not None and not (values["use_rope_scaling"] or shape.rope_scaling):
+        raise ValueError(
+            f"--rope-scaling-factor {values['rope_scaling_factor']} has no effect without --use-rope-scaling "
+            f"(the {name} preset does not scale RoPE); add --use-rope-scaling"
+        )
+    filled = {"model": name, **{key: value for key, value in defaults.items() if values[key] is None}}
+    resolved = {**values, **filled}
+    if values["lr_warmup_iters"] is None:  # a short run keeps 10% warm-up rather than failing
+        filled["lr_warmup_iters"] = min(resolved["lr_warmup_iters"], resolved["train_iters"] // 10)
+    if resolved["num_query_groups"] != resolved["num_attention_heads"]:
+        filled["group_query_attention"] = True
+    filled["save"] = values["save"] or os.path.join("runs", name)
+    if values["save_interval"] is None:
+        filled["save_interval"] = resolved["train_iters"]
+    return filled
+
+
+def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, Any]:
+    """Raise ValueError naming the flag for settings that cannot work (before any allocation);
+    returns the derived values and the flags resolved on the way (batch size, hardware)."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    at_least_one = {
+        "--tensor-model-parallel-size": tp,
+        "--pipeline-model-parallel-size": pp,
+        "--context-parallel-size": cp,
+        "--micro-batch-size": args.micro_batch_size,
+        "--train-iters": args.train_iters,
+        "--seq-length": args.seq_length,
+        "--log-interval": args.log_interval,
+        "--save-interval": args.save_interval,
+    }
+    for flag, value in at_least_one.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp}"
+        )
+    dp = world_size // (tp * pp * cp)
+    _check_model_layout(args, tp, pp, cp)
+    global_batch_size = args.micro_batch_size * dp if args.global_batch_size is None else args.global_batch_size
+    if global_batch_size % (args.micro_batch_size * dp):
+        raise ValueError(
+            f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp}"
+        )
+    if not 0 <= args.lr_warmup_iters < args.train_iters:
+        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --train-iters {args.train_iters})")
+    if args.emulate_npu and args.dry_run:
+        raise ValueError("--emulate-npu and --dry-run exclude each other: the dry run builds on the meta device")
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 exclude each other; pick one")
+    _check_positions(args)
+    for flag in ("finetune", "no_load_optim", "no_load_rng"):
+        if getattr(args, flag) and not args.load:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --load (the checkpoint to start from)")
+    hardware = load_hardware(args.hardware) if args.hardware else None  # ValueError names --hardware
+    if args.mock_data and args.data_path:
+        raise ValueError("--mock-data and --data-path exclude each other; drop one")
+    _check_document_flags(args)
+    if args.window_attn_skip_freq is not None and (args.window_size is None or args.window_attn_skip_freq < 1):
+        raise ValueError("--window-attn-skip-freq needs --window-size and a value >= 1")
+    if args.data_path:
+        prefixes, _ = parse_data_path(args.data_path)
+        for prefix in prefixes:
+            check_indexed_dataset(prefix, arg="--data-path", scan_tokens=0)
+    recompute = _recompute(args, pp)
+    return dict(
+        world_size=world_size, data_parallel_size=dp, global_batch_size=global_batch_size,
+        num_micro_batches=global_batch_size // (args.micro_batch_size * dp), hardware=hardware, recompute=recompute,
+    )
+
+
+def _recompute(args: SimpleNamespace, pp: int) -> RecomputeSettings:
+    """What the ``--recompute-*`` flags mean; full recompute of at most the layers of one stage."""
+    recompute = recompute_settings(
+        args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules
+    )
+    if recompute.config.get("recompute_granularity") == "full":
+        per_stage = args.num_layers // pp
+        if args.recompute_num_layers > per_stage:
+            raise ValueError(
+                f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_stage} layers per pipeline stage"
+            )
+    return recompute
+
+
+def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> None:
+    """The heads, layers and sequence split evenly over the TP/PP/CP ranks."""
+    if args.num_attention_heads % tp:
+        raise ValueError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if args.num_attention_heads % args.num_query_groups:
+        raise ValueError(
+            f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads {args.num_attention_heads}"
+        )
+    if args.num_query_groups >= tp and args.num_query_groups % tp:
+        raise ValueError(f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if cp > 1 and args.seq_length % (2 * cp):
+        raise ValueError(
+            f"--seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp} "
+            "(load-balanced causal context parallelism splits it into 2*cp chunks)"
+        )
+    if args.sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.sequence_parallel and args.seq_length % (tp * cp):
+        raise ValueError(f"--seq-length {args.seq_length} must be divisible by --tensor-model-parallel-size {tp} with --sequence-parallel")
+
+
+def _check_positions(args: SimpleNamespace) -> None:
+    """RoPE extension flags, epsilon and the learned position table."""
+    extensions = {
+        "--use-rope-scaling": args.use_rope_scaling,
+        "--rotary-seq-len-interpolation-factor": args.rotary_seq_len_interpolation_factor,
+    }
+    rope_flags = [flag for flag, given in extensions.items() if given]
+    if rope_flags and args.position_embedding_type != "rope":
+        raise ValueError(f"{rope_flags[0]} needs --position-embedding-type rope")
+    if len(rope_flags) == 2:
+        raise ValueError(
+            "--use-rope-scaling and --rotary-seq-len-interpolation-factor are two ways of extending RoPE; pick one"
+        )
+    if args.rope_scaling_factor <= 0:
+        raise ValueError(f"--rope-scaling-factor must be > 0, got {args.rope_scaling_factor}")
+    if args.rotary_seq_len_interpolation_factor is not None and args.rotary_seq_len_interpolation_factor < 1:
+        raise ValueError(
+            f"--rotary-seq-len-interpolation-factor must be >= 1, got {args.rotary_seq_len_interpolation_factor}"
+        )
+    if args.norm_epsilon <= 0:
+        raise ValueError(f"--norm-epsilon must be > 0, got {args.norm_epsilon}")
+    if args.max_position_embeddings < args.seq_length and args.position_embedding_type == "learned_absolute":
+        raise ValueError("--max-position-embeddings must be >= --seq-length with learned_absolute positions")
+
+
+def _check_document_flags(args: SimpleNamespace) -> None:
+    """RoPE positions come from the packed layout (megatron-core's THD RoPE restarts them per
+    document), so with RoPE the two reset flags only make sense together."""
+    if args.position_embedding_type != "rope" or args.reset_attention_mask == args.reset_position_ids:
+        return
+    if args.reset_attention_mask:
+        raise ValueError(
+            "--reset-attention-mask with RoPE restarts positions at every document (megatron-core's THD "
+            "RoPE): pass --reset-position-ids too"
+        )
+    raise ValueError(
+        "--reset-position-ids with RoPE needs --reset-attention-mask (RoPE positions restart per document "
+        "only in packed batches); add it, or drop --reset-position-ids"
+    )
