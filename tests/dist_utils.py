@@ -22,7 +22,6 @@ import datetime
 import io
 import os
 import queue as queue_mod
-import socket
 import sys
 import time
 import traceback
@@ -31,14 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mcore_flash.ports import free_port
+
 __all__ = ["run_distributed", "free_port", "init_megatron", "teardown_megatron"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dumps(obj) -> bytes:

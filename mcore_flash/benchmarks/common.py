@@ -8,12 +8,13 @@ import argparse
 import contextlib
 import datetime
 import os
-import socket
 import sys
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
+
+from mcore_flash.ports import free_port
 
 MIB = 2**20  # bytes
 GIB = 2**30  # bytes
@@ -104,13 +105,6 @@ def progress_log(command: str) -> Callable[[str], None]:
         print(f"[{command}] {message}", file=sys.stderr, flush=True)
 
     return log
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MegatronGroup:

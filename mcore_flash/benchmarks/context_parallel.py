@@ -38,7 +38,9 @@ from typing import Optional
 
 import torch
 
-from .common import DTYPES, MIB, choice_list, free_port, int_list, loadavg
+from mcore_flash.ports import free_port
+
+from .common import DTYPES, MIB, choice_list, int_list, loadavg
 
 # --dtype: all but fp64 (comm_bytes_per_rank counts fp32 dK/dV accumulators; fp64 inputs
 # accumulate in fp64)

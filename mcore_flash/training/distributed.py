@@ -5,13 +5,13 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 
 import numpy
 import torch
 import torch.distributed as dist
 
 from mcore_flash import platform
+from mcore_flash.ports import free_port
 from mcore_flash.training.config import TrainingConfig
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -92,10 +92,3 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
