@@ -36,11 +36,10 @@ band and shift); Ulysses gathers the rows and puts them in position order by one
 Documents must be padded to multiples of ``2*cp``. Neither algorithm takes an explicit
 attention mask.
 
-Modules, imports pointing one way (``layout`` <- ``merge``, ``ring_plan`` <- ``ring``,
-``ulysses`` <- ``api``): :mod:`.layout` (who holds which rows, no communication),
-:mod:`.merge` (partial results and their statistics), :mod:`.ring_plan` (which blocks a ring
-step computes), :mod:`.ring` and :mod:`.ulysses` (the algorithms), :mod:`.api` (the entry
-points).
+Modules, each importing only modules listed before it: :mod:`.layout` (who holds which rows,
+no communication), :mod:`.merge` (partial results and their statistics), :mod:`.ring_plan`
+(which blocks a ring step computes), :mod:`.ring` and :mod:`.ulysses` (the algorithms),
+:mod:`.api` (the entry points, re-exported here).
 """
 
 from .api import COMM_TYPES, context_parallel_attn_func, context_parallel_varlen_attn_func
