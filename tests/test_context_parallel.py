@@ -115,6 +115,7 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
 
     from mcore_flash.ops import context_parallel as cpmod
     from mcore_flash.ops.backends.cpu import CpuBackend
+    from mcore_flash.ops.context_parallel import ring
 
     q, k, v, dout = _inputs()
     events = []
@@ -128,10 +129,10 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
             events.append("bwd")
             return super().backward(*args)
 
-    real_hop, real_wait = cpmod._Ring.hop, cpmod._wait
-    tags = {cpmod._KV_TAG: "send:kv", cpmod._DKV_TAG: "send:dkv"}
-    cpmod._Ring.hop = lambda self, send, recv, tag: events.append(tags[tag]) or real_hop(self, send, recv, tag)
-    cpmod._wait = lambda requests: events.append("wait") or real_wait(requests)
+    real_hop, real_wait = ring._Ring.hop, ring._wait
+    tags = {ring._KV_TAG: "send:kv", ring._DKV_TAG: "send:dkv"}
+    ring._Ring.hop = lambda self, send, recv, tag: events.append(tags[tag]) or real_hop(self, send, recv, tag)
+    ring._wait = lambda requests: events.append("wait") or real_wait(requests)
     try:
         ql, kl, vl = local(q), local(k), local(v)
         out = cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, backend=Recording())
@@ -140,7 +141,7 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
         out.backward(split(dout, world_size, rank))
         backward_events = list(events)
     finally:
-        cpmod._Ring.hop, cpmod._wait = real_hop, real_wait
+        ring._Ring.hop, ring._wait = real_hop, real_wait
 
     # dropout: the backward replays each block's mask -> gradient = directional derivative
     q64, k64, v64, _ = _inputs(torch.float64, seed=3)
@@ -462,7 +463,7 @@ def test_pair_cut_is_the_tight_square_of_what_the_band_sees():
     holds its own diagonal, which is what torch's flash kernel needs to take a window."""
     from mcore_flash.ops.backends import AttentionParams
     from mcore_flash.ops.backends.cuda import CudaDevice, FlashKernel
-    from mcore_flash.ops.context_parallel import _pair_cut
+    from mcore_flash.ops.context_parallel.ring_plan import pair_cut
 
     plain = AttentionParams(causal=False, softmax_scale=1.0)
     for lo in (None, -7, -3, 0):
@@ -478,7 +479,7 @@ def test_pair_cut_is_the_tight_square_of_what_the_band_sees():
                         visible &= distance >= lo
                     if hi is not None:
                         visible &= distance <= hi
-                    cut = _pair_cut(params, delta, c)
+                    cut = pair_cut(params, delta, c)
                     where = (lo, hi, c, chunk_delta)
                     if not visible.any():
                         assert cut is None, where

@@ -473,7 +473,8 @@ def test_packed_ring_with_a_window_runs_exactly_the_pairs_it_reaches(cp, causal,
     from mcore_flash.ops.api import resolve_call
     from mcore_flash.ops.backends.base import band_mask
     from mcore_flash.ops.backends.reference import ReferenceBackend
-    from mcore_flash.ops.context_parallel import _PackedBlocks, thd_positions_for_cp_rank
+    from mcore_flash.ops.context_parallel import thd_positions_for_cp_rank
+    from mcore_flash.ops.context_parallel.ring import PackedBlocks
 
     cu = _op_cu(cp)
     local_cu = [n // cp for n in cu]
@@ -485,7 +486,7 @@ def test_packed_ring_with_a_window_runs_exactly_the_pairs_it_reaches(cp, causal,
         return cu[doc] <= key < cu[doc + 1] and bool(visible[doc][query - cu[doc], key - cu[doc]])
 
     for rank in range(cp):
-        blocks = _PackedBlocks(ReferenceBackend(), params, local_cu, "cpu")
+        blocks = PackedBlocks(ReferenceBackend(), params, local_cu, "cpu")
         q_positions = thd_positions_for_cp_rank(cu, cp, rank).tolist()
         for step in range(cp):
             kv_positions = thd_positions_for_cp_rank(cu, cp, (rank - step) % cp).tolist()
