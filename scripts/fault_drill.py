@@ -3,7 +3,7 @@
     python scripts/fault_drill.py --work-dir /tmp/drill [--write docs/fault-tolerance.md]
 
 A CI harness, not part of the package: it runs in a checkout with ``mcore_flash`` installed
-(``pip install -e .``); ``tests/test_fault_tolerance.py`` imports it from this directory.
+(``pip install -e .``); ``tests/training/test_fault_tolerance.py`` imports it from this directory.
 
 A tiny model trains for 12 iterations on 2 CPU ranks under ``torchrun`` (data parallel, the
 distributed optimizer, dropout 0.1, a checkpoint every iteration). One run is never

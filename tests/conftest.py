@@ -27,7 +27,7 @@ def _record_versions(record_testsuite_property):
     for package in ("torch", "megatron-core"):
         try:
             record_testsuite_property(package, version(package))
-        except PackageNotFoundError:  # a GPU machine running only tests/test_cuda_backend.py
+        except PackageNotFoundError:  # a GPU machine running only tests/ops/test_cuda_backend.py
             record_testsuite_property(package, "absent")
 
 

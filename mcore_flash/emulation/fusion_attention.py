@@ -6,7 +6,7 @@ float64 and casts back, and it RAISES (:class:`NpuContractError`) on calls the c
 says are wrong or give silently wrong results on hardware, so a wrong call from our backend
 fails a test instead of passing. Where the contract is silent, or the double does not
 support an argument (``NotImplementedError``), its choices are listed in that page's
-section "The doubles' choices" and asserted by tests/test_npu_backend.py. The emulated
+section "The doubles' choices" and asserted by tests/ops/test_npu_backend.py. The emulated
 ``torch_npu`` (:mod:`mcore_flash.emulation`) serves it; tests also use it directly on CPU
 tensors::
 

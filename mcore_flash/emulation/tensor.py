@@ -27,7 +27,7 @@ PrivateUse1 trips an internal assert in torch 2.13 when a subclass is involved.
 
 Relies on private torch APIs (``_setup_privateuseone_for_python_backend``,
 ``_make_wrapper_subclass``, ``OpOverload.redispatch``, ``_functionalize_unsafe_set``),
-checked against torch 2.13 by tests/test_emulation.py.
+checked against torch 2.13 by tests/emulation/test_emulation.py.
 """
 
 from __future__ import annotations

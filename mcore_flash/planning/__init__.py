@@ -7,7 +7,7 @@
                        device_memory="64GB")
     plan.fits, plan.per_device, plan.to_dict(), print(format_plan(plan))
 
-The modules form a one-way stack, lowest first (tests/test_planning_layers.py holds it):
+The modules form a one-way stack, lowest first (tests/planning/test_planning_layers.py holds it):
 ``units``, ``models``, ``hardware`` (byte sizes, model shapes, device profiles) ->
 ``activations``, ``flops``, ``parameters`` (the per-layer terms) -> ``layout`` (the
 :class:`Layout` and its launch flags) -> ``memory``, ``step_time``, ``compare`` (a plan, a
@@ -20,7 +20,7 @@ they resolve them once and call the stack (:func:`_resolving`).
 Pure Python: only :func:`build_flash_gpt` and :func:`meta_parameter_count` (which uses it)
 import torch and megatron-core. The per-layer activation terms (:mod:`.activations`) are
 checked against the bytes measured by :func:`mcore_flash.memory.measure_activation_bytes`
-(tests/test_planning.py).
+(tests/planning/test_planning.py).
 """
 
 import functools

@@ -8,7 +8,7 @@ The named rank (default 0) prints one line to stderr and kills itself with SIGKI
 ``POINT`` of iteration ``ITERATION`` (for the save points: the save of that iteration). No
 ``finally`` block, atexit handler or signal handler runs, as when a node dies; ``torchrun``
 then ends the other ranks. A disk that fills up is not simulated here: the tests put
-``--save`` on a small tmpfs, a real full disk (``tests/test_faults.py``).
+``--save`` on a small tmpfs, a real full disk (the drill, ``scripts/fault_drill.py``).
 """
 
 from __future__ import annotations

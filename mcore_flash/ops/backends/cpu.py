@@ -6,7 +6,7 @@ natively and returns the logsumexp; its backward op takes it back.
 * Half precision: :func:`compute_dtype` is the one place that decides what the kernel
   computes in. Backward always runs in float32 on upcast inputs: the kernel's own bf16
   backward accumulates dq/dk/dv and the GQA group sum in bf16 and misses flash-attn's error
-  bound (``tests/test_flash_attn_grid.py``). Forward runs bf16 in bf16 where the CPU has
+  bound (``tests/ops/test_flash_attn_grid.py``). Forward runs bf16 in bf16 where the CPU has
   native bf16 units (AVX512-BF16 / AMX: about 3x faster than float32 and within the bound)
   unless ALiBi biases are added, float32 elsewhere (on AVX2 the float32 kernel was about 5x faster); fp16 always runs in
   float32 (torch's fp16 CPU kernel is no faster than float32). ``docs/benchmarks.md``, "CPU

@@ -28,7 +28,7 @@ atomics), empty sequences -- runs the reference kernel on the GPU (logged once p
 
 This path has NOT run on a GPU in this project's CI (no GPU there): on the CPU the calls are
 checked against a test double that validates each one with torch's own meta kernels and
-computes in float64 (``tests/cuda_double.py``).
+computes in float64 (``tests/_support/cuda_double.py``).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import batch, build_gpt, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import batch, build_gpt, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
 
 ATOL = 1e-5
 
@@ -263,8 +263,8 @@ def _w_window_vs_stock(rank, world_size, window):
     try:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        from gpt_models import SEQ
-        from oracle import visible
+        from _support.gpt_models import SEQ
+        from _support.oracle import visible
 
         stock = build_gpt(tiny_config(), get_gpt_layer_local_spec(normalization="RMSNorm"))
         ours = flash_gpt(tiny_config(window_size=window))

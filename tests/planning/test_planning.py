@@ -16,8 +16,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import VOCAB, build_gpt, tiny_config
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import VOCAB, build_gpt, tiny_config
 
 from mcore_flash.planning import (
     MODELS,
@@ -45,7 +45,7 @@ from mcore_flash.planning.flops import FUSED_ATTENTION_BACKWARD
 from mcore_flash.planning.report import format_plan
 
 RECOMPUTE = ("none", "qkv", "attention", "full")
-# the tests' tiny model (tests/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
+# the tests' tiny model (tests/_support/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
 TINY = ModelShape("tiny-test", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
 ODD = ModelShape("odd", 3, 96, 160, 6, 3, VOCAB, max_position_embeddings=128)
 

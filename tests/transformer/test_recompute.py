@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import assert_same_bits, batch, flash_gpt, full_grads, tiny_config
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import assert_same_bits, batch, flash_gpt, full_grads, tiny_config
 
 MODES = ("none", "qkv", "attention", "full", "attention+mlp", "qkv+mlp", "partial")
 

@@ -20,8 +20,8 @@ import sys
 import pytest
 import torch
 
-from dist_utils import init_megatron, run_distributed, teardown_megatron
-from hf_models import make_hf_llama
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.hf_models import make_hf_llama
 
 def convert(*argv, check=True):
     """`mcore-flash convert ...` in a fresh process; returns the CompletedProcess."""

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from _support.dist_utils import run_distributed
 
 # The main job trains 1000 steps: CI's Python 3.12 job leaves this file out (tests/conftest.py: slow);
 # evaluate's megatron calls (load_weights, GPTModel's forward under TP/PP/CP) run there in
-# tests/test_convert.py's generate tests and the trainer's tests.
+# tests/conversion/test_convert.py's generate tests and the trainer's tests.
 pytestmark = pytest.mark.slow
 
 
@@ -62,7 +62,7 @@ def main_job(main_job_run) -> str:
 
 
 def test_main_job_learns_the_long_range_copy_as_the_readme_says(main_job_run):
-    """Oracle: the task's analytic floors (tests/test_data.py): below 2.386 nats/token only a
+    """Oracle: the task's analytic floors (tests/data/test_data.py): below 2.386 nats/token only a
     model that copies the key 238 tokens back, 2.182 for perfect copying. Also the figures of
     the README and docs/pretrain.md: 467,584 parameters, 5.92 -> 2.18, on the local floor's
     plateau at step 100 and copying by step 300. The steps between are not asserted: the run is deterministic on one

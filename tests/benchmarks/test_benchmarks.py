@@ -134,7 +134,7 @@ def test_bench_window_reports_pairs_predictions_and_both_levels():
     the medians, and the first W rows (which see the same keys either way) agree exactly."""
     import json
 
-    import oracle
+    from _support import oracle
 
     from mcore_flash.benchmarks.window import attended_pairs, computed_pairs
 

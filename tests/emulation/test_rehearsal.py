@@ -29,7 +29,7 @@ TINY = [
     "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "1",
     "--log-interval", "1", "--make-vocab-size-divisible-by", "256",
 ]  # fmt: skip
-WORKER = os.path.join(os.path.dirname(__file__), "rehearsal_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "..", "_support", "rehearsal_worker.py")
 
 LAYOUTS = {
     # name: (processes, flags)
@@ -140,11 +140,11 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
     TND batches split over CP) and RECOMPUTE=qkv (the planner's recipe runs without recompute)
     with every parallel size halved, on 8 emulated NPUs; launched again, it resumes from
     $SAVE instead."""
-    from hf_models import make_hf_llama
+    from _support.hf_models import make_hf_llama
 
     hf_dir = make_hf_llama(tmp_path / "hf", vocab=258, hidden=64, ffn=176, layers=4)
     save = tmp_path / "run"
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_70b.sh")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
     env = {**os.environ, "PYTHON": sys.executable, "REHEARSAL_SAVE": str(save), "PYTHONWARNINGS": "ignore",
            "HF_CHECKPOINT": hf_dir, "RECOMPUTE": "qkv"}  # fmt: skip
     result = subprocess.run(["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env)

@@ -27,7 +27,7 @@ from mcore_flash.ops import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-import oracle
+from _support import oracle
 
 pytestmark = pytest.mark.slow
 

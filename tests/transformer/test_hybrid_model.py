@@ -13,8 +13,8 @@ from importlib.metadata import version
 import pytest
 import torch
 
-from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import SEQ, VOCAB, batch, flash_gpt, tiny_config
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import SEQ, VOCAB, batch, flash_gpt, tiny_config
 
 HAS_HYBRID_MODEL = tuple(int(x) for x in version("megatron-core").split(".")[:2]) >= (0, 19)
 WARNINGS = ("DEPRECATED", "Rewrapping")

@@ -2,7 +2,7 @@
 
 Oracles: the one-process run (for TP=2 + SP, PP=2, CP=2) and the uninterrupted run (for
 resume); kills, damaged checkpoints and the distributed optimizer's resharding are in
-tests/test_fault_tolerance.py. Runs are tiny (2 layers, h 64, s 64) and read the
+tests/training/test_fault_tolerance.py. Runs are tiny (2 layers, h 64, s 64) and read the
 built-in long-range dataset.
 """
 
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from dist_utils import run_distributed
+from _support.dist_utils import run_distributed
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
@@ -228,7 +228,7 @@ def test_dry_run_llama2_70b_counts_parameters_on_meta_device():
 def test_70b_recipe_script_dry_run_fits_64gb():
     """scripts/pretrain_70b.sh --dry-run: validates the cluster flags for 256 ranks, counts
     parameters on the meta device and asks the planner whether the layout fits 64 GB."""
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_70b.sh")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
     result = subprocess.run(
         ["bash", script, "--dry-run"], capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHON": sys.executable},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 
 SHAPE = [
     "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",

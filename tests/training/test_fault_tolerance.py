@@ -3,7 +3,7 @@
 Oracles: an uninterrupted run's checkpoints, compared byte for byte by hashing the files
 (`scripts/fault_drill.py`, not our manifests); for damaged files, the byte this
 test flipped; for forged pickles, a side effect that must not happen; for resharding, the
-one-process run (tests/test_pretrain.py).
+one-process run (tests/training/test_pretrain.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import sys
 import pytest
 import torch
 
-from dist_utils import free_port, run_distributed
+from _support.dist_utils import free_port, run_distributed
 from mcore_flash.training import faults
 from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 fault_drill = importlib.import_module("fault_drill")  # scripts/fault_drill.py: a CI harness, not in the package
 
 LAST = fault_drill.ITERATIONS
@@ -65,7 +65,7 @@ def test_fault_drill_table(reference, tmp_path):
         assert row.ok, (row, *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in logs[index : index + 2]))
     assert rows[-1].ok, (rows[-1], (tmp_path / "disk_full" / "first.log").read_text()[-2000:])
     assert [row.resumed_from for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 2]
-    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "fault-tolerance.md")).read()
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fault-tolerance.md")).read()
     table = docs.split(fault_drill.BEGIN)[1].split(fault_drill.END)[0].strip()
     assert table == fault_drill.markdown(rows)  # regenerate: python scripts/fault_drill.py --write
 

@@ -1,4 +1,4 @@
-"""mcore_flash.ops against a float64 naive oracle (tests/oracle.py), on the backends this
+"""mcore_flash.ops against a float64 naive oracle (tests/_support/oracle.py), on the backends this
 machine has ("reference", a small-block reference instance, "cpu").
 
 Tolerances: err = max|actual - expected| / max(1, max|expected|) over the finite entries,
@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 
-import oracle
+from _support import oracle
 from mcore_flash.ops import (
     BackendUnavailableError,
     available_backends,
@@ -354,7 +354,8 @@ def _zero_length_case(backend, which):
 def _in_subprocess(snippet):
     """Run ``snippet`` with this module imported as ``t`` in a fresh interpreter, so that a
     kernel that kills the process (SIGFPE) fails one test instead of the whole session."""
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_ops as t; {snippet}"
+    here = os.path.dirname(__file__)  # tests/ops, and tests/ for _support
+    code = f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; import test_ops as t; {snippet}"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit code {r.returncode}"
     assert r.returncode == 0, f"{snippet!r}: {how}; stderr tail:\n{r.stderr[-2000:]}"
@@ -653,7 +654,7 @@ def test_cpu_compute_dtype_is_decided_in_one_place():
 
 
 def _visible_pairs(sq, sk, window, causal):
-    import oracle
+    from _support import oracle
 
     return oracle.visible(sq, sk, causal, window=window)[0, 0]
 

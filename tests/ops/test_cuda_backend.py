@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-import oracle
+from _support import oracle
 import pytest
 import torch
-from cuda_double import AtenDouble
+from _support.cuda_double import AtenDouble
 
 from mcore_flash.ops import flash_attn_func, flash_attn_varlen_func
 from mcore_flash.ops.api import resolve_call

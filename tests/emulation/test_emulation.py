@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from _support.dist_utils import run_distributed
 
 
 def _raises(fn, *needles):
@@ -333,7 +333,7 @@ def _w_windowed_ring_on_the_device(rank, world_size):
 
 def test_windowed_ring_attention_runs_on_the_emulated_npu():
     """One sequence and packed documents, against the float64 oracle (per document)."""
-    import oracle
+    from _support import oracle
 
     from mcore_flash.ops.context_parallel import gather_from_cp_ranks
 

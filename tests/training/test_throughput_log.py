@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from dist_utils import run_distributed
+from _support.dist_utils import run_distributed
 
 L, H, F, HEADS, GROUPS, S = 2, 64, 128, 4, 2, 64
 MICRO, GLOBAL = 2, 4

@@ -1,6 +1,6 @@
-"""`mcore-flash pretrain` with a planted defect, for tests/test_rehearsal.py (run under torchrun).
+"""`mcore-flash pretrain` with a planted defect, for tests/emulation/test_rehearsal.py (run under torchrun).
 
-    python -m torch.distributed.run ... tests/rehearsal_worker.py --plant-cpu-collective <pretrain flags>
+    python -m torch.distributed.run ... tests/_support/rehearsal_worker.py --plant-cpu-collective <pretrain flags>
 
 ``--plant-cpu-collective`` puts back the trainer's original SIGTERM check, which
 all-reduced a CPU tensor on the default group every iteration (issue 10, defect 1).

@@ -13,7 +13,7 @@ import numpy
 import pytest
 import torch
 
-from dist_utils import free_port
+from _support.dist_utils import free_port
 from mcore_flash.data import DataError
 from mcore_flash.data.indexed import check_indexed_dataset
 from mcore_flash.data.preprocess import main as preprocess_main

@@ -1,7 +1,7 @@
 """Context parallelism (ring "p2p" and Ulysses "a2a") against the unsplit computation.
 
 Oracles: the same kernel on the whole sequence (CP=1, fp32) and the float64 naive oracle
-(tests/oracle.py) for the op; a CP=1 (TP=1) run of the same GPTModel for the model; Megatron's
+(tests/_support/oracle.py) for the op; a CP=1 (TP=1) run of the same GPTModel for the model; Megatron's
 own ``get_batch_on_this_cp_rank`` for the batch split.
 
 Three spawns, each batching many checks (module-scoped fixtures): 1 process (the CP=1 GPT
@@ -18,9 +18,9 @@ import types
 import pytest
 import torch
 
-import oracle
-from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import SEQ, assert_same_bits, batch, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
+from _support import oracle
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import SEQ, assert_same_bits, batch, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
 
 B, S, HQ, HKV, D = 2, 32, 4, 2, 8
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 against fp32 CP=1 / float64
@@ -539,7 +539,7 @@ def test_qkv_recompute_under_cp_saves_less(cp2_run):
 
 
 def test_qkv_recompute_under_cp_gives_the_same_bits_as_no_recompute(cp2_run, cp4_run):
-    """Oracle: the same CP layout without recompute (tests/test_recompute.py does TP/SP, dropout)."""
+    """Oracle: the same CP layout without recompute (tests/transformer/test_recompute.py does TP/SP, dropout)."""
     for _, gpt in cp2_run:
         for comm in GPT_COMMS:
             qkv, none = gpt[f"{comm}+qkv"], gpt[comm]

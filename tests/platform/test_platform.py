@@ -1,6 +1,6 @@
 """mcore_flash.platform: megatron-core 0.16 on the CPU with gloo, through setup("cpu") only.
 
-Every megatron run happens in spawned workers (tests/dist_utils.py), so the pytest process
+Every megatron run happens in spawned workers (tests/_support/dist_utils.py), so the pytest process
 itself never gets the CPU adaptations and each run starts from a clean interpreter. To keep
 the file fast on 2 cores there are two runs - one process (`single`) and two processes
 (`pair`) - each executing named sections; a failing section fails only its own tests.
@@ -16,8 +16,8 @@ import traceback
 import pytest
 import torch
 
-from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import full_weights, load_full_weights
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import full_weights, load_full_weights
 from mcore_flash import platform
 from mcore_flash.training.distributed import set_random_seed
 

@@ -3,7 +3,7 @@
 Oracles: for the model, the same GPTModel run on every document ALONE (an unpacked
 ``[1, len]`` batch, positions from 0, TP=1, CP=1) with the per-document losses summed -- so
 packing, padding, the CP split of every document, the per-hop varlen blocks and the THD RoPE
-must together reproduce it; for the op, the float64 naive oracle (tests/oracle.py) per
+must together reproduce it; for the op, the float64 naive oracle (tests/_support/oracle.py) per
 document. The documents: lengths not multiples of 2*cp, documents of 1-3 tokens, one longer
 than a CP chunk of the dense split.
 
@@ -20,9 +20,9 @@ import sys
 import pytest
 import torch
 
-import oracle
-from dist_utils import init_megatron, run_distributed, teardown_megatron
-from gpt_models import VOCAB, assert_same_bits, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
+from _support import oracle
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import VOCAB, assert_same_bits, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
 
 SEQ = 32
 EOD = VOCAB - 1

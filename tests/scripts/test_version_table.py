@@ -14,7 +14,7 @@ from importlib.metadata import version
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "version_table.py"
 
 SAMPLE = """

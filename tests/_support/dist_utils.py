@@ -1,6 +1,6 @@
 """Run a function in N gloo processes (CPU) and collect what each rank returns.
 
-    from dist_utils import run_distributed, init_megatron, teardown_megatron
+    from _support.dist_utils import run_distributed, init_megatron, teardown_megatron
 
     def _worker(rank, world_size, x):          # top level: spawn pickles it by name
         init_megatron(tp=world_size)
