@@ -54,9 +54,13 @@ def main():
     tokens = torch.randint(0, 256, (batch, seq), device=platform.torch_device())
     positions = torch.arange(seq, device=tokens.device).unsqueeze(0)
     saved = measure_activation_bytes(model, tokens, positions, None, labels=tokens)
-    loss = model(tokens, positions, None, labels=tokens).mean()  # attention_mask=None: causal, no S x S mask
+    loss = model(
+        tokens, positions, None, labels=tokens
+    ).mean()  # attention_mask=None: causal, no S x S mask
     loss.backward()
-    print(f"device={device} loss={loss.item():.4f} saved-for-backward per layer={saved.layer_total() / 2**20:.2f} MiB")
+    print(
+        f"device={device} loss={loss.item():.4f} saved-for-backward per layer={saved.layer_total() / 2**20:.2f} MiB"
+    )
     for name, nbytes in saved.per_layer().items():
         print(f"  {name:<36} {nbytes / 2**20:8.2f} MiB")
     dist.destroy_process_group()

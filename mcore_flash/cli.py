@@ -7,20 +7,56 @@ import sys
 
 # subcommand -> (module with a ``main(argv)``, one-line help)
 COMMANDS = {
-    "pretrain": ("mcore_flash.pretrain", "pretrain a GPT on megatron-core with the fused-attention spec"),
+    "pretrain": (
+        "mcore_flash.pretrain",
+        "pretrain a GPT on megatron-core with the fused-attention spec",
+    ),
     "preprocess": ("mcore_flash.data.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
-    "convert": ("mcore_flash.conversion.cli", "Hugging Face Llama <-> megatron checkpoints (hf-to-mcore, mcore-to-hf)"),
-    "generate": ("mcore_flash.generate", "greedy decoding from a checkpoint (does the converted model speak?)"),
-    "evaluate": ("mcore_flash.evaluation.cli", "needle retrieval by length x depth, or loss by position, of a checkpoint"),
+    "convert": (
+        "mcore_flash.conversion.cli",
+        "Hugging Face Llama <-> megatron checkpoints (hf-to-mcore, mcore-to-hf)",
+    ),
+    "generate": (
+        "mcore_flash.generate",
+        "greedy decoding from a checkpoint (does the converted model speak?)",
+    ),
+    "evaluate": (
+        "mcore_flash.evaluation.cli",
+        "needle retrieval by length x depth, or loss by position, of a checkpoint",
+    ),
     "plot": ("mcore_flash.plot", "training curves from metrics.jsonl into a PNG"),
-    "plan": ("mcore_flash.planning.cli", "per-device memory plan for a model, sequence length and layout"),
-    "bench-attention": ("mcore_flash.benchmarks.attention", "fwd+bwd time and saved bytes of attention implementations"),
-    "bench-recompute": ("mcore_flash.benchmarks.recompute", "saved bytes and time of the recompute modes"),
-    "bench-convert": ("mcore_flash.benchmarks.convert", "peak RSS and time of hf-to-mcore and mcore-to-hf at >= 1B parameters"),
-    "bench-cp": ("mcore_flash.benchmarks.context_parallel", "per-rank time and saved bytes of context parallelism"),
-    "bench-packed": ("mcore_flash.benchmarks.packed", "attention time of packed documents vs one causal sequence"),
-    "bench-window": ("mcore_flash.benchmarks.window", "a sliding-window layer vs full causal attention, next to the pairs ratio"),
-    "bench-cuda": ("mcore_flash.benchmarks.cuda_kernels", "the cuda backend's kernels against torch SDPA's on one GPU"),
+    "plan": (
+        "mcore_flash.planning.cli",
+        "per-device memory plan for a model, sequence length and layout",
+    ),
+    "bench-attention": (
+        "mcore_flash.benchmarks.attention",
+        "fwd+bwd time and saved bytes of attention implementations",
+    ),
+    "bench-recompute": (
+        "mcore_flash.benchmarks.recompute",
+        "saved bytes and time of the recompute modes",
+    ),
+    "bench-convert": (
+        "mcore_flash.benchmarks.convert",
+        "peak RSS and time of hf-to-mcore and mcore-to-hf at >= 1B parameters",
+    ),
+    "bench-cp": (
+        "mcore_flash.benchmarks.context_parallel",
+        "per-rank time and saved bytes of context parallelism",
+    ),
+    "bench-packed": (
+        "mcore_flash.benchmarks.packed",
+        "attention time of packed documents vs one causal sequence",
+    ),
+    "bench-window": (
+        "mcore_flash.benchmarks.window",
+        "a sliding-window layer vs full causal attention, next to the pairs ratio",
+    ),
+    "bench-cuda": (
+        "mcore_flash.benchmarks.cuda_kernels",
+        "the cuda backend's kernels against torch SDPA's on one GPU",
+    ),
 }
 
 
@@ -33,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"mcore-flash: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        print(
+            f"mcore-flash: unknown command {name!r}; choose one of {', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)

@@ -34,7 +34,9 @@ def build_parser():
     prompt.add_argument("--prompt", help="text, tokenized with --tokenizer-type/--tokenizer-model")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     group.add_argument("--max-new-tokens", type=int, default=32)
-    group.add_argument("--json", action="store_true", help='print {"prompt_ids": [...], "output_ids": [...]}')
+    group.add_argument(
+        "--json", action="store_true", help='print {"prompt_ids": [...], "output_ids": [...]}'
+    )
     p.set_defaults(use_checkpoint_args=True)
     return p
 
@@ -62,7 +64,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         destroy_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"prompt_ids": prompt_ids, "output_ids": output_ids}) if args.json else text)
+        print(
+            json.dumps({"prompt_ids": prompt_ids, "output_ids": output_ids}) if args.json else text
+        )
     return 0
 
 
@@ -81,12 +85,16 @@ def generate(args) -> tuple[list[int], list[int], str]:
         try:
             prompt = [int(token) for token in args.prompt_ids.split(",")]
         except ValueError:
-            raise ValueError(f"--prompt-ids {args.prompt_ids!r}: give comma-separated integers, e.g. 1,2,3") from None
+            raise ValueError(
+                f"--prompt-ids {args.prompt_ids!r}: give comma-separated integers, e.g. 1,2,3"
+            ) from None
     else:
         prompt = list(tokenizer.tokenize(args.prompt))
     bad = [token for token in prompt if not 0 <= token < tokenizer.vocab_size]
     if not prompt or bad:
-        raise ValueError(f"the prompt must be non-empty token ids in [0, {tokenizer.vocab_size}); got {bad or 'none'}")
+        raise ValueError(
+            f"the prompt must be non-empty token ids in [0, {tokenizer.vocab_size}); got {bad or 'none'}"
+        )
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(args.max_new_tokens):
@@ -114,12 +122,21 @@ def _next_token(model, config, ids: list[int], vocab_size: int) -> int:
         return model(tokens, positions, None), keep_argmax
 
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-        seq_length=len(ids), micro_batch_size=1, decoder_seq_length=len(ids), forward_only=True,
-    )  # fmt: skip
+        forward_step_func=forward_step,
+        data_iterator=iter([None]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=len(ids),
+        micro_batch_size=1,
+        decoder_seq_length=len(ids),
+        forward_only=True,
+    )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(chosen, parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())  # fmt: skip
+        dist.broadcast(
+            chosen,
+            parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
     return int(chosen.item())
 
 

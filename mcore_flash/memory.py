@@ -48,7 +48,9 @@ class SavedBytes:
         return sum(self.per_layer().values())
 
 
-def measure_saved_bytes(fn: Callable[[], Any], model: Optional[torch.nn.Module] = None) -> tuple[Any, SavedBytes]:
+def measure_saved_bytes(
+    fn: Callable[[], Any], model: Optional[torch.nn.Module] = None
+) -> tuple[Any, SavedBytes]:
     """Run ``fn()`` and return ``(its result, SavedBytes)``.
 
     ``model``'s submodules name the groups and its parameters are excluded; without a
@@ -58,7 +60,11 @@ def measure_saved_bytes(fn: Callable[[], Any], model: Optional[torch.nn.Module] 
     # Keyed by the storage object, held here, so that no two storages share a key: addresses
     # would not do, the allocator reuses a storage's memory once it is freed (``resize_(0)``).
     storages: dict[int, tuple[str, torch.UntypedStorage]] = {}
-    params = {id(s): s for s in (p.untyped_storage() for p in model.parameters())} if model is not None else {}
+    params = (
+        {id(s): s for s in (p.untyped_storage() for p in model.parameters())}
+        if model is not None
+        else {}
+    )
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()

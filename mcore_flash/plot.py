@@ -24,7 +24,9 @@ def read_metric(path: str, metric: str) -> tuple[list[int], list[float]]:
     Raises ValueError naming the file for a missing/empty file, a bad line or an unknown metric.
     """
     if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file; pass the metrics.jsonl a `mcore-flash pretrain --save DIR` wrote")
+        raise ValueError(
+            f"{path}: no such file; pass the metrics.jsonl a `mcore-flash pretrain --save DIR` wrote"
+        )
     iterations, values, keys = [], [], set()
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -41,7 +43,9 @@ def read_metric(path: str, metric: str) -> tuple[list[int], list[float]]:
     if not keys:
         raise ValueError(f"{path}: no records yet (is the run logging? see --log-interval)")
     if metric not in keys:
-        raise ValueError(f"{path} has no metric {metric!r}; choose --metric from {sorted(keys - {'iteration'})}")
+        raise ValueError(
+            f"{path} has no metric {metric!r}; choose --metric from {sorted(keys - {'iteration'})}"
+        )
     return iterations, values
 
 
@@ -64,7 +68,9 @@ def plot_runs(paths: list[str], metric: str, output: str, log_x: bool = False) -
     curves = [(path, *read_metric(path, metric)) for path in paths]
     figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for path, iterations, values in curves:
-        axes.plot(iterations, values, label=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        axes.plot(
+            iterations, values, label=os.path.basename(os.path.dirname(os.path.abspath(path)))
+        )
     axes.set_xlabel("iteration")
     axes.set_ylabel(metric)
     if log_x:

@@ -96,7 +96,9 @@ def _write_rehearsal_report(save_dir: str) -> None:
     if rank == 0:
         calls = sum(report["op_calls"].values())
         copies = sum(report["inputs_the_kernels_would_copy"].values())
-        print(f"emulated npu: {calls} torch_npu op calls, {copies} inputs the kernels would copy; report in {path}")
+        print(
+            f"emulated npu: {calls} torch_npu op calls, {copies} inputs the kernels would copy; report in {path}"
+        )
 
 
 if __name__ == "__main__":

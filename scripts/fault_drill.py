@@ -55,12 +55,40 @@ CHAIN = (
     ("save-tracker", 11, 0),
 )
 FLAGS = (
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "1",
-    "--log-interval", "1", "--train-iters", str(ITERATIONS), "--save-interval", "1",
-    "--use-distributed-optimizer", "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
-)  # fmt: skip
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--train-iters",
+    str(ITERATIONS),
+    "--save-interval",
+    "1",
+    "--use-distributed-optimizer",
+    "--attention-dropout",
+    "0.1",
+    "--hidden-dropout",
+    "0.1",
+)
 NOT_COMPARED = (".metadata", "manifest.json")
 _TOKEN = "MCORE_FLASH_DRILL_LAUNCH"  # marks every process of one launch
 
@@ -76,7 +104,12 @@ class Row(NamedTuple):
 
     @property
     def ok(self) -> bool:
-        return self.killed and self.tracker_complete and self.equal_after and self.resumed_from == (self.tracker or 0)
+        return (
+            self.killed
+            and self.tracker_complete
+            and self.equal_after
+            and self.resumed_from == (self.tracker or 0)
+        )
 
 
 def run_uninterrupted(reference: str) -> str:
@@ -87,12 +120,16 @@ def run_uninterrupted(reference: str) -> str:
     return reference
 
 
-def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = True, log=print) -> list[Row]:
+def run_drill(
+    work_dir: str, reference: Optional[str] = None, disk_full: bool = True, log=print
+) -> list[Row]:
     """The chain of kills and the full disk, one row each, against ``reference`` (a run of
     :func:`run_uninterrupted`; made under ``work_dir`` when not given)."""
     reference = reference or run_uninterrupted(os.path.join(work_dir, "uninterrupted"))
     chain = os.path.join(work_dir, "chain")
-    logs = os.path.join(work_dir, "launches")  # each launch's output, kept: a failed row names its two
+    logs = os.path.join(
+        work_dir, "launches"
+    )  # each launch's output, kept: a failed row names its two
     os.makedirs(logs, exist_ok=True)
     rows = []
     killed_log = _launch_log(logs, 0, _spec(*CHAIN[0]))
@@ -100,19 +137,39 @@ def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = 
     if "starting from scratch" not in output:  # --load of an empty directory
         raise RuntimeError(f"the first launch did not start from scratch:\n{output[-3000:]}")
     for index, (point, iteration, rank) in enumerate(CHAIN):
-        killed = code != 0 and f"fault injection: SIGKILL at {point}, iteration {iteration}, rank {rank}" in output
+        killed = (
+            code != 0
+            and f"fault injection: SIGKILL at {point}, iteration {iteration}, rank {rank}" in output
+        )
         tracker = _tracker(chain)
-        complete = tracker is None or same_files(checkpoint_dir(chain, tracker), checkpoint_dir(reference, tracker))
+        complete = tracker is None or same_files(
+            checkpoint_dir(chain, tracker), checkpoint_dir(reference, tracker)
+        )
         following = _spec(*CHAIN[index + 1]) if index + 1 < len(CHAIN) else None
         next_log = _launch_log(logs, index + 1, following)
         code, output = launch(chain, fault=following, load=True, log=next_log)
         resumed = _resumed_from(output)
-        written = [i for i in _checkpoints(chain) if i > (resumed or 0)]  # renamed into place, tracked or not
+        written = [
+            i for i in _checkpoints(chain) if i > (resumed or 0)
+        ]  # renamed into place, tracked or not
         equal = len(written) > 0 and all(
             same_files(checkpoint_dir(chain, i), checkpoint_dir(reference, i)) for i in written
-        )  # fmt: skip
-        rows.append(Row(_spec(point, iteration, rank), faults.POINTS[point], killed, tracker, complete, resumed, equal))
-        log(f"fault drill: {rows[-1].fault}: " + ("ok" if rows[-1].ok else f"FAILED (see {killed_log}, {next_log})"))
+        )
+        rows.append(
+            Row(
+                _spec(point, iteration, rank),
+                faults.POINTS[point],
+                killed,
+                tracker,
+                complete,
+                resumed,
+                equal,
+            )
+        )
+        log(
+            f"fault drill: {rows[-1].fault}: "
+            + ("ok" if rows[-1].ok else f"FAILED (see {killed_log}, {next_log})")
+        )
         killed_log = next_log
     if code != 0 or _tracker(chain) != ITERATIONS:
         raise RuntimeError(f"the last launch of the chain did not finish:\n{output[-3000:]}")
@@ -123,15 +180,24 @@ def run_drill(work_dir: str, reference: Optional[str] = None, disk_full: bool = 
 
 
 def launch(
-    save: str, fault: Optional[str] = None, load: bool = False, extra: tuple = (), log: Optional[str] = None
+    save: str,
+    fault: Optional[str] = None,
+    load: bool = False,
+    extra: tuple = (),
+    log: Optional[str] = None,
 ) -> tuple[int, str]:
     """``torchrun`` 2 CPU ranks of ``mcore_flash.pretrain``; returns (exit code, stdout + stderr),
     which ``log`` (a file path) keeps."""
     env = _environment(fault)
     with open(log, "w+") if log else tempfile.TemporaryFile("w+") as output:
         try:
-            code = subprocess.run(_torchrun_command(save, load, extra), stdout=output, stderr=subprocess.STDOUT,
-                                  env=env, timeout=600).returncode  # fmt: skip
+            code = subprocess.run(
+                _torchrun_command(save, load, extra),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=600,
+            ).returncode
         finally:
             _kill_leftovers(env[_TOKEN])
         output.seek(0)
@@ -174,17 +240,19 @@ def _disk_full(work_dir: str, reference: str) -> Row:
     mount_point = os.path.join(out, "tmpfs")
     os.makedirs(mount_point)
     extra = ("--save-interval", "2")
-    script = "\n".join([
-        "set -u",
-        f"mount -t tmpfs -o size={size_kib}k tmpfs {mount_point}",
-        f"{shlex.join(_torchrun_command(mount_point, False, extra))} > {out}/first.log 2>&1; echo $? > {out}/first.code",
-        f"cat {mount_point}/{MARKER} > {out}/tracker 2>/dev/null",
-        f"ls -a {mount_point} > {out}/after_failure.ls",
-        f"mount -o remount,size=1g {mount_point}",
-        f"{shlex.join(_torchrun_command(mount_point, True, extra))} > {out}/second.log 2>&1; echo $? > {out}/second.code",
-        f"cp -a {mount_point}/. {out}/after/",
-        f"umount {mount_point}",
-    ])  # fmt: skip
+    script = "\n".join(
+        [
+            "set -u",
+            f"mount -t tmpfs -o size={size_kib}k tmpfs {mount_point}",
+            f"{shlex.join(_torchrun_command(mount_point, False, extra))} > {out}/first.log 2>&1; echo $? > {out}/first.code",
+            f"cat {mount_point}/{MARKER} > {out}/tracker 2>/dev/null",
+            f"ls -a {mount_point} > {out}/after_failure.ls",
+            f"mount -o remount,size=1g {mount_point}",
+            f"{shlex.join(_torchrun_command(mount_point, True, extra))} > {out}/second.log 2>&1; echo $? > {out}/second.code",
+            f"cp -a {mount_point}/. {out}/after/",
+            f"umount {mount_point}",
+        ]
+    )
     env = _environment(None)
     try:
         subprocess.run(["unshare", "-m", "bash", "-c", script], check=True, timeout=1200, env=env)
@@ -193,7 +261,9 @@ def _disk_full(work_dir: str, reference: str) -> Row:
     first, second = (_read(os.path.join(out, name)) for name in ("first.log", "second.log"))
     tracker_text = _read(os.path.join(out, "tracker")).strip()
     tracker = int(tracker_text) if tracker_text.isdigit() else None
-    partial_left = any(name.endswith(".tmp") for name in _read(os.path.join(out, "after_failure.ls")).split())
+    partial_left = any(
+        name.endswith(".tmp") for name in _read(os.path.join(out, "after_failure.ls")).split()
+    )
     killed = (
         _read(os.path.join(out, "first.code")).strip() == "1"
         and "No space left on device" in first
@@ -201,11 +271,15 @@ def _disk_full(work_dir: str, reference: str) -> Row:
         and not partial_left
     )
     after = os.path.join(out, "after")
-    complete = tracker is not None and same_files(checkpoint_dir(after, tracker), checkpoint_dir(reference, tracker))
+    complete = tracker is not None and same_files(
+        checkpoint_dir(after, tracker), checkpoint_dir(reference, tracker)
+    )
     resumed = _resumed_from(second)
     finished = _read(os.path.join(out, "second.code")).strip() == "0"
     written = range((resumed or 0) + 2, ITERATIONS + 1, 2)
-    equal = finished and all(same_files(checkpoint_dir(after, i), checkpoint_dir(reference, i)) for i in written)
+    equal = finished and all(
+        same_files(checkpoint_dir(after, i), checkpoint_dir(reference, i)) for i in written
+    )
     where = "the save of iteration 4 on a tmpfs that holds one checkpoint (ENOSPC), then the tmpfs enlarged"
     return Row("disk full@4", where, killed, tracker, complete, resumed, equal)
 
@@ -214,9 +288,21 @@ def _torchrun_command(save: str, load: bool, extra: tuple) -> list[str]:
     """torchrun's ``--standalone``: its store binds a free port itself (a port picked here and
     bound by torchrun seconds later could be taken in between, and the launch fail)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
-        "--nproc-per-node", "2", "-m", "mcore_flash.pretrain", *FLAGS, *extra, "--save", save,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--local-addr",
+        "127.0.0.1",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "mcore_flash.pretrain",
+        *FLAGS,
+        *extra,
+        "--save",
+        save,
+    ]
     return command + (["--load", save] if load else [])
 
 
@@ -280,8 +366,15 @@ def _read(path: str) -> str:
         return f.read()
 
 
-COLUMNS = ("fault (point@iteration:rank)", "where the rank dies", "killed there", "tracker after",
-           "tracker's checkpoint complete", "next launch resumed from", "checkpoints after the resume bit-equal")  # fmt: skip
+COLUMNS = (
+    "fault (point@iteration:rank)",
+    "where the rank dies",
+    "killed there",
+    "tracker after",
+    "tracker's checkpoint complete",
+    "next launch resumed from",
+    "checkpoints after the resume bit-equal",
+)
 
 
 def markdown(rows: list[Row]) -> str:
@@ -293,8 +386,15 @@ def markdown(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         resumed = "scratch" if row.resumed_from == 0 else row.resumed_from
-        cells = (f"`{row.fault}`", row.where, yes(row.killed), row.tracker if row.tracker is not None else "none",
-                 yes(row.tracker_complete), resumed, yes(row.equal_after))  # fmt: skip
+        cells = (
+            f"`{row.fault}`",
+            row.where,
+            yes(row.killed),
+            row.tracker if row.tracker is not None else "none",
+            yes(row.tracker_complete),
+            resumed,
+            yes(row.equal_after),
+        )
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines)
 
@@ -303,26 +403,44 @@ BEGIN, END = "<!-- fault-table:begin -->", "<!-- fault-table:end -->"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/fault_drill.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--work-dir", required=True, help="an empty or missing directory for the runs")
-    parser.add_argument("--write", default=None, help="replace the table between the fault-table markers of this file")
-    parser.add_argument("--no-disk-full", action="store_true", help="skip the tmpfs case (it needs root)")
+    parser = argparse.ArgumentParser(
+        prog="python scripts/fault_drill.py", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--work-dir", required=True, help="an empty or missing directory for the runs"
+    )
+    parser.add_argument(
+        "--write",
+        default=None,
+        help="replace the table between the fault-table markers of this file",
+    )
+    parser.add_argument(
+        "--no-disk-full", action="store_true", help="skip the tmpfs case (it needs root)"
+    )
     args = parser.parse_args(argv)
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         parser.error(f"--work-dir {args.work_dir} is not empty")
-    rows = run_drill(args.work_dir, disk_full=not args.no_disk_full, log=lambda line: print(line, file=sys.stderr))
+    rows = run_drill(
+        args.work_dir,
+        disk_full=not args.no_disk_full,
+        log=lambda line: print(line, file=sys.stderr),
+    )
     table = markdown(rows)
     print(table)
     if args.write:
         with open(args.write) as f:
             text = f.read()
         if BEGIN not in text or END not in text:
-            parser.error(f"--write {args.write}: add the lines {BEGIN} and {END} where the table goes")
+            parser.error(
+                f"--write {args.write}: add the lines {BEGIN} and {END} where the table goes"
+            )
         head, rest = text.split(BEGIN, 1)
         with open(args.write, "w") as f:
             f.write(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
     if not all(row.ok for row in rows):
-        print(f"fault drill: kept {args.work_dir} (each launch's output: launches/)", file=sys.stderr)
+        print(
+            f"fault drill: kept {args.work_dir} (each launch's output: launches/)", file=sys.stderr
+        )
         return 1
     shutil.rmtree(args.work_dir, ignore_errors=True)
     return 0

@@ -15,7 +15,18 @@ import sys
 import xml.etree.ElementTree as ET
 
 BEGIN, END = "<!-- version-table:begin -->", "<!-- version-table:end -->"
-COLUMNS = ("job", "Python", "megatron-core", "torch", "tests", "passed", "failed", "errors", "skipped", "minutes")
+COLUMNS = (
+    "job",
+    "Python",
+    "megatron-core",
+    "torch",
+    "tests",
+    "passed",
+    "failed",
+    "errors",
+    "skipped",
+    "minutes",
+)
 
 
 def job_row(path: pathlib.Path) -> dict:
@@ -27,7 +38,9 @@ def job_row(path: pathlib.Path) -> dict:
     props = {p.get("name"): p.get("value") for p in suite.iter("property")}
     missing = [k for k in ("python", "torch", "megatron-core") if k not in props]
     if missing:
-        raise SystemExit(f"{path}: no {', '.join(missing)} property (tests/conftest.py records them)")
+        raise SystemExit(
+            f"{path}: no {', '.join(missing)} property (tests/conftest.py records them)"
+        )
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     return {
         "job": path.stem,
@@ -60,8 +73,12 @@ def write_between_markers(path: pathlib.Path, table: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=pathlib.Path, help="JUnit XML files, one per CI job")
-    parser.add_argument("--write", type=pathlib.Path, help="Markdown file whose marked table is replaced")
+    parser.add_argument(
+        "results", nargs="+", type=pathlib.Path, help="JUnit XML files, one per CI job"
+    )
+    parser.add_argument(
+        "--write", type=pathlib.Path, help="Markdown file whose marked table is replaced"
+    )
     args = parser.parse_args(argv)
     table = markdown([job_row(path) for path in args.results])
     print(table)

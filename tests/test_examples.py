@@ -15,7 +15,9 @@ EMULATED = (
 
 def _run(*command):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=300, env=env
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 

@@ -25,7 +25,9 @@ def _save_free_save():
 def test_a_storage_at_a_freed_storages_address_is_counted(monkeypatch):
     """The allocator may put the second tensor where the freed one was (CI once saw it do so):
     every live storage reports one address here, the freed one (0 bytes) address 0."""
-    monkeypatch.setattr(torch.UntypedStorage, "data_ptr", lambda storage: 0x1000 if storage.nbytes() else 0)
+    monkeypatch.setattr(
+        torch.UntypedStorage, "data_ptr", lambda storage: 0x1000 if storage.nbytes() else 0
+    )
     _, saved = measure_saved_bytes(_save_free_save)
     assert saved.total == NUMEL * 4  # the freed storage counts 0 bytes, x its 32 KiB
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from mcore_flash.plot import main
 
@@ -46,7 +45,9 @@ def test_plot_draws_each_run_as_a_real_png(tmp_path, capsys):
     rows, cols = _pixels_of(image, C0)
     assert len(rows) > 200
     left, right = cols < np.percentile(cols, 20), cols > np.percentile(cols, 80)
-    assert rows[left].mean() < rows[right].mean()  # the falling loss: high on the left, low on the right
+    assert (
+        rows[left].mean() < rows[right].mean()
+    )  # the falling loss: high on the left, low on the right
     flat_rows, _ = _pixels_of(image, C1)
     # the flat run: one horizontal line (most of its pixels; the rest is its legend sample)
     assert len(flat_rows) > 200 and np.mean(np.abs(flat_rows - np.median(flat_rows)) <= 3) > 0.8

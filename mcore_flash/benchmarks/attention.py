@@ -33,7 +33,18 @@ import torch
 
 from mcore_flash.memory import measure_saved_bytes
 
-from .common import DTYPES, GIB, MIB, MegatronGroup, int_list, loadavg, peak_rss, progress_log, reset_peak_rss, timed
+from .common import (
+    DTYPES,
+    GIB,
+    MIB,
+    MegatronGroup,
+    int_list,
+    loadavg,
+    peak_rss,
+    progress_log,
+    reset_peak_rss,
+    timed,
+)
 
 Tensor = torch.Tensor
 
@@ -88,7 +99,9 @@ def predicted_peak_bytes(case: Case) -> int:
         expanded = 4 * qo if case.hq != case.hkv else 0  # repeat_interleave'd k, v and grads
         return io + expanded + 4 * scores + case.s * case.s
     if name == "reference":
-        acc = 4 * (case.b * case.s * (case.hq + 2 * case.hkv) * case.d) * 2  # fp32 dq, dk, dv (+ copies)
+        acc = (
+            4 * (case.b * case.s * (case.hq + 2 * case.hkv) * case.d) * 2
+        )  # fp32 dq, dk, dv (+ copies)
         block = case.b * case.hq * block_q * block_k * 4
         return io + acc + 8 * block + 64 * MIB
     return io + 64 * MIB  # fused kernels: per-thread blocks and the lse
@@ -101,7 +114,9 @@ def _parse_impl(impl: str) -> tuple[str, int, int]:
     """``"reference@128x256"`` -> ("reference", 128, 256); other names get the defaults."""
     name, _, blocks = impl.partition("@")
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)} (or reference@BQxBK)")
+        raise ValueError(
+            f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)} (or reference@BQxBK)"
+        )
     if blocks and name != "reference":
         raise ValueError(f"only reference takes block sizes, got {impl!r}")
     if name == "reference":
@@ -113,7 +128,9 @@ def _parse_impl(impl: str) -> tuple[str, int, int]:
         try:
             block_q, block_k = (int(x) for x in blocks.lower().split("x"))
         except ValueError:
-            raise ValueError(f"block sizes must look like reference@128x256, got {impl!r}") from None
+            raise ValueError(
+                f"block sizes must look like reference@128x256, got {impl!r}"
+            ) from None
         if block_q < 1 or block_k < 1:
             raise ValueError(f"block sizes must be positive, got {impl!r}")
         return name, block_q, block_k
@@ -142,7 +159,9 @@ def _stock_module(case: Case) -> torch.nn.Module:
         use_cpu_initialization=True,
     )
     mask_type = AttnMaskType.causal if case.causal else AttnMaskType.no_mask
-    return DotProductAttention(config, layer_number=1, attn_mask_type=mask_type, attention_type="self")
+    return DotProductAttention(
+        config, layer_number=1, attn_mask_type=mask_type, attention_type="self"
+    )
 
 
 def _free_megatron_buffer() -> None:
@@ -160,7 +179,9 @@ def _build(case: Case, q: Tensor, k: Tensor, v: Tensor, dout: Tensor):
     name, block_q, block_k = _parse_impl(case.impl)
     if name == "stock":
         module = _stock_module(case)
-        leaves = [x.transpose(0, 1).contiguous().requires_grad_() for x in (q, k, v)]  # [s, b, h, d]
+        leaves = [
+            x.transpose(0, 1).contiguous().requires_grad_() for x in (q, k, v)
+        ]  # [s, b, h, d]
         mask = None
         if case.causal:
             mask = torch.ones(1, 1, case.s, case.s, dtype=torch.bool).triu_(1)  # True = masked
@@ -174,12 +195,16 @@ def _build(case: Case, q: Tensor, k: Tensor, v: Tensor, dout: Tensor):
 
         return leaves, forward, grad, to_bshd
     if name == "sdpa":
-        leaves = [x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]  # [b, h, s, d]
+        leaves = [
+            x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)
+        ]  # [b, h, s, d]
         grad = dout.transpose(1, 2).contiguous()
         gqa = {"enable_gqa": True} if case.hq != case.hkv else {}
 
         def forward():
-            return torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=case.causal, **gqa)
+            return torch.nn.functional.scaled_dot_product_attention(
+                *leaves, is_causal=case.causal, **gqa
+            )
 
         return leaves, forward, grad, lambda t: t.transpose(1, 2)
 
@@ -203,7 +228,9 @@ class Runner:
         gen = torch.Generator().manual_seed(case.s)
         shape_q = (case.b, case.s, case.hq, case.d)
         shape_k = (case.b, case.s, case.hkv, case.d)
-        q, k, v = (torch.randn(s, generator=gen, dtype=case.dtype) for s in (shape_q, shape_k, shape_k))
+        q, k, v = (
+            torch.randn(s, generator=gen, dtype=case.dtype) for s in (shape_q, shape_k, shape_k)
+        )
         dout = torch.randn(shape_q, generator=gen, dtype=case.dtype)
         self.leaves, self.forward, self.grad, self._to_bshd = _build(case, q, k, v, dout)
         self.times_ms: list[float] = []
@@ -231,7 +258,9 @@ class Runner:
             leaf.grad = None
 
 
-def run_length(cases: list[Case], repeats: int, max_bytes: float, log: Callable[[str], None]) -> list[Result]:
+def run_length(
+    cases: list[Case], repeats: int, max_bytes: float, log: Callable[[str], None]
+) -> list[Result]:
     """All implementations at one sequence length, timed interleaved (impl A, B, C, A, B, C,
     ...) so that a change in machine load hits them alike."""
     results, runners, reference = [], [], None
@@ -239,7 +268,9 @@ def run_length(cases: list[Case], repeats: int, max_bytes: float, log: Callable[
         need = predicted_peak_bytes(case)
         if need > max_bytes:
             result = Result(case, skipped=f"skipped (needs {need / GIB:.1f} GiB)")
-            log(f"{case.impl:>15} s={case.s:>6}: {result.skipped}, over --max-memory-gb {max_bytes / GIB:g}")
+            log(
+                f"{case.impl:>15} s={case.s:>6}: {result.skipped}, over --max-memory-gb {max_bytes / GIB:g}"
+            )
             results.append(result)
             continue
         gc.collect()
@@ -252,7 +283,9 @@ def run_length(cases: list[Case], repeats: int, max_bytes: float, log: Callable[
         if reference is None:
             reference = (case.impl, outputs)
         else:
-            result.max_err = max((a.double() - b.double()).abs().max().item() for a, b in zip(outputs, reference[1]))
+            result.max_err = max(
+                (a.double() - b.double()).abs().max().item() for a, b in zip(outputs, reference[1])
+            )
             note = f", max |diff| vs {reference[0]} {result.max_err:.1e}"
         if rss0 is not None and peak is not None:
             note += f", peak RSS +{(peak - rss0) / GIB:.2f} GiB (predicted {need / GIB:.2f})"
@@ -297,23 +330,46 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mcore-flash bench-attention",
         description="Time fwd+bwd and measure saved-for-backward bytes of attention implementations.",
     )
-    parser.add_argument("--seq-lengths", type=int_list, default=[1024, 2048, 4096, 8192, 16384],
-                        help="comma-separated sequence lengths (default: 1024,2048,4096,8192,16384)")
+    parser.add_argument(
+        "--seq-lengths",
+        type=int_list,
+        default=[1024, 2048, 4096, 8192, 16384],
+        help="comma-separated sequence lengths (default: 1024,2048,4096,8192,16384)",
+    )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default = --heads")
+    parser.add_argument(
+        "--kv-heads", type=int, default=None, help="key/value heads (GQA); default = --heads"
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
-                        help="causal masking (default: on)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median reported)")
-    parser.add_argument("--impls", type=_impl_list, default=list(IMPLS),
-                        help="comma-separated: stock,sdpa,cpu,reference (or reference@BQxBK)")
-    parser.add_argument("--max-memory-gb", type=float, default=8.0,
-                        help="skip a case whose predicted peak memory exceeds this (GiB)")
+    parser.add_argument(
+        "--causal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="causal masking (default: on)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per case (median reported)"
+    )
+    parser.add_argument(
+        "--impls",
+        type=_impl_list,
+        default=list(IMPLS),
+        help="comma-separated: stock,sdpa,cpu,reference (or reference@BQxBK)",
+    )
+    parser.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=8.0,
+        help="skip a case whose predicted peak memory exceeds this (GiB)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: s=512,1024 and 1 repeat (overrides --seq-lengths/--repeats)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: s=512,1024 and 1 repeat (overrides --seq-lengths/--repeats)",
+    )
     return parser
 
 
@@ -344,7 +400,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.seq_lengths, args.repeats = [512, 1024], 1
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.heads % kv_heads:
-        print(f"bench-attention: --heads ({args.heads}) must be a multiple of --kv-heads ({kv_heads})", file=sys.stderr)
+        print(
+            f"bench-attention: --heads ({args.heads}) must be a multiple of --kv-heads ({kv_heads})",
+            file=sys.stderr,
+        )
         return 2
     if args.repeats < 1:
         print("bench-attention: --repeats must be >= 1", file=sys.stderr)
@@ -357,15 +416,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"b={args.batch_size} heads={args.heads} kv_heads={kv_heads} d={args.head_dim} {args.dtype} "
         f"causal={args.causal} repeats={args.repeats} threads={torch.get_num_threads()} torch {torch.__version__}"
     )
-    megatron = MegatronGroup() if any(_parse_impl(i)[0] == "stock" for i in args.impls) else contextlib.nullcontext()
+    megatron = (
+        MegatronGroup()
+        if any(_parse_impl(i)[0] == "stock" for i in args.impls)
+        else contextlib.nullcontext()
+    )
     load_before = loadavg()
     results: list[Result] = []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron's "Transformer Engine and Apex are not installed"
+        warnings.simplefilter(
+            "ignore"
+        )  # megatron's "Transformer Engine and Apex are not installed"
         with megatron:
             for s in args.seq_lengths:
                 cases = [
-                    Case(impl, args.batch_size, s, args.heads, kv_heads, args.head_dim, dtype, args.causal)
+                    Case(
+                        impl,
+                        args.batch_size,
+                        s,
+                        args.heads,
+                        kv_heads,
+                        args.head_dim,
+                        dtype,
+                        args.causal,
+                    )
                     for impl in args.impls
                 ]
                 results += run_length(cases, args.repeats, args.max_memory_gb * GIB, log)

@@ -19,7 +19,12 @@ from mcore_flash.ports import free_port
 MIB = 2**20  # bytes
 GIB = 2**30  # bytes
 # --dtype names -> torch dtypes (a benchmark that cannot take all of them offers a subset)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
 
 
 def int_list(text: str) -> list[int]:
@@ -27,7 +32,9 @@ def int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -39,7 +46,9 @@ def choice_list(flag: str, choices: Sequence[str]) -> Callable[[str], list[str]]
     def parse(text: str) -> list[str]:
         values = [x.strip() for x in text.split(",") if x.strip()]
         if not values or any(x not in choices for x in values):
-            raise argparse.ArgumentTypeError(f"{flag} takes a comma-separated list of {','.join(choices)}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes a comma-separated list of {','.join(choices)}, got {text!r}"
+            )
         return values
 
     return parse

@@ -126,9 +126,12 @@ def _worker(rank: int, case: Case, port: int, threads: int, repeats: int, result
 
         def forward():
             return context_parallel_attn_func(
-                *leaves, group, causal=case.causal, comm_type=case.comm if case.cp > 1 else "p2p",
+                *leaves,
+                group,
+                causal=case.causal,
+                comm_type=case.comm if case.cp > 1 else "p2p",
                 backend=case.backend,
-            )  # fmt: skip
+            )
 
         out, saved = measure_saved_bytes(forward)
         out.backward(dout)
@@ -155,7 +158,10 @@ def run_case(case: Case, threads: int, repeats: int, timeout: float = 3600) -> R
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, case, port, threads, repeats, results)) for r in range(case.cp)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, case, port, threads, repeats, results))
+        for r in range(case.cp)
+    ]
     for p in procs:
         p.start()
     per_rank = {}
@@ -215,18 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mcore-flash bench-cp",
         description="Per-rank time, saved bytes and communication of context-parallel attention (gloo)",
     )
-    parser.add_argument("--seq-length", type=int, default=8192, help="total tokens (split over the CP ranks)")
+    parser.add_argument(
+        "--seq-length", type=int, default=8192, help="total tokens (split over the CP ranks)"
+    )
     parser.add_argument("--cp-sizes", type=int_list, default=[1, 2, 4])
-    parser.add_argument("--comm-types", type=choice_list("--comm-types", ("p2p", "a2a")), default=["p2p", "a2a"])
+    parser.add_argument(
+        "--comm-types", type=choice_list("--comm-types", ("p2p", "a2a")), default=["p2p", "a2a"]
+    )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp32")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--backend", default="cpu", help="attention backend of each block (default cpu)")
+    parser.add_argument(
+        "--backend", default="cpu", help="attention backend of each block (default cpu)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per case (median reported)"
+    )
     return parser
 
 
@@ -242,11 +256,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     cases = []
     for cp in args.cp_sizes:
-        for comm in (["-"] if cp == 1 else args.comm_types):
+        for comm in ["-"] if cp == 1 else args.comm_types:
             cases.append(
-                Case(cp, comm, args.seq_length, args.batch_size, args.heads, args.kv_heads, args.head_dim,
-                     args.dtype, args.causal, args.backend)
-            )  # fmt: skip
+                Case(
+                    cp,
+                    comm,
+                    args.seq_length,
+                    args.batch_size,
+                    args.heads,
+                    args.kv_heads,
+                    args.head_dim,
+                    args.dtype,
+                    args.causal,
+                    args.backend,
+                )
+            )
     results = []
     for case in cases:
         print(f"bench-cp: cp={case.cp} {case.comm} ...", file=sys.stderr, flush=True)

@@ -28,12 +28,20 @@ from .common import GIB, peak_rss
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="mcore-flash bench-convert", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="mcore-flash bench-convert", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", default="llama3.2-1b", help="preset shape of the random model")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
-    p.add_argument("--workdir", default=None, help="where the three checkpoints go (default: a temporary directory)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where the three checkpoints go (default: a temporary directory)",
+    )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--measure", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # internal: one conversion
+    p.add_argument(
+        "--measure", nargs=argparse.REMAINDER, help=argparse.SUPPRESS
+    )  # internal: one conversion
     args = p.parse_args(argv)
     if args.measure is not None:
         return _measure(args.measure)
@@ -44,14 +52,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shutil.rmtree(path, ignore_errors=True)
     try:
         result = _write_random_llama(hf_dir, args.model, args.num_layers)
-        print(f"random {args.model}: {result['parameters']:,} parameters, {result['bytes'] / 1e9:.2f} GB bf16 "
-              f"(largest tensor {result['largest_tensor_bytes'] / 1e6:.0f} MB); converting ...",
-              file=sys.stderr, flush=True)  # fmt: skip
-        result["baseline"] = _run(["-m", "mcore_flash.benchmarks.convert", "--measure", "imports-only"])
-        result["hf_to_mcore"] = _run(["-m", "mcore_flash.benchmarks.convert", "--measure", "hf-to-mcore",
-                                      "--hf-dir", hf_dir, "--save", mc_dir, "--bf16"])  # fmt: skip
-        result["mcore_to_hf"] = _run(["-m", "mcore_flash.benchmarks.convert", "--measure", "mcore-to-hf",
-                                      "--load", mc_dir, "--save-hf", out_dir])  # fmt: skip
+        print(
+            f"random {args.model}: {result['parameters']:,} parameters, {result['bytes'] / 1e9:.2f} GB bf16 "
+            f"(largest tensor {result['largest_tensor_bytes'] / 1e6:.0f} MB); converting ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        result["baseline"] = _run(
+            ["-m", "mcore_flash.benchmarks.convert", "--measure", "imports-only"]
+        )
+        result["hf_to_mcore"] = _run(
+            [
+                "-m",
+                "mcore_flash.benchmarks.convert",
+                "--measure",
+                "hf-to-mcore",
+                "--hf-dir",
+                hf_dir,
+                "--save",
+                mc_dir,
+                "--bf16",
+            ]
+        )
+        result["mcore_to_hf"] = _run(
+            [
+                "-m",
+                "mcore_flash.benchmarks.convert",
+                "--measure",
+                "mcore-to-hf",
+                "--load",
+                mc_dir,
+                "--save-hf",
+                out_dir,
+            ]
+        )
         result["round_trip_bit_exact"] = _same_tensors(hf_dir, out_dir)
     finally:
         if args.workdir is None:
@@ -60,8 +94,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"random {args.model}: {result['parameters']:,} parameters, {result['bytes'] / 1e9:.2f} GB bf16, "
-              f"largest tensor {result['largest_tensor_bytes'] / 1e6:.0f} MB")  # fmt: skip
+        print(
+            f"random {args.model}: {result['parameters']:,} parameters, {result['bytes'] / 1e9:.2f} GB bf16, "
+            f"largest tensor {result['largest_tensor_bytes'] / 1e6:.0f} MB"
+        )
         for name in ("baseline", "hf_to_mcore", "mcore_to_hf"):
             r = result[name]
             print(f"{name:<12} peak RSS {r['peak_rss'] / GIB:6.2f} GiB   {r['seconds']:7.1f} s")
@@ -100,7 +136,12 @@ def _write_random_llama(hf_dir: str, model: str, num_layers: Optional[int]) -> d
 def _run(argv: list[str]) -> dict:
     """``python ARGV`` (a ``--measure`` run) in a fresh process; returns the JSON it printed last
     (``peak_rss`` in bytes, ``seconds``)."""
-    run = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    run = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     if run.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:4])} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -130,7 +171,9 @@ def _same_tensors(a_dir: str, b_dir: str) -> bool:
     from mcore_flash.conversion.safetensors_io import HFCheckpointReader
 
     a, b = HFCheckpointReader(a_dir), HFCheckpointReader(b_dir)
-    return a.names() == b.names() and all(torch.equal(a.get(n), b.get(n)) for n in sorted(a.names()))
+    return a.names() == b.names() and all(
+        torch.equal(a.get(n), b.get(n)) for n in sorted(a.names())
+    )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ def _inputs(args, seq: int, dtype=torch.bfloat16, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape = lambda h: (args.batch, seq, h, args.head_dim)  # noqa: E731
     q = torch.randn(shape(args.heads), generator=g, device="cuda", dtype=dtype)
-    k, v = (torch.randn(shape(args.kv_heads), generator=g, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (
+        torch.randn(shape(args.kv_heads), generator=g, device="cuda", dtype=dtype) for _ in range(2)
+    )
     return q, k, v, torch.randn_like(q)
 
 
@@ -73,7 +75,11 @@ def _sdpa(kernel) -> Callable:
     def run(q, k, v):
         with sdpa_kernel(kernel):
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=k.shape[2] != q.shape[2]
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=k.shape[2] != q.shape[2],
             )
         return out.transpose(1, 2)
 
@@ -129,7 +135,10 @@ def check_errors(args, impls: dict[str, Callable]) -> list[str]:
             leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
             out = fn(*leaves)
             out.backward(dout)
-            errors = [(g.double() - w).abs().max().item() for g, w in zip((out, *(x.grad for x in leaves)), want)]
+            errors = [
+                (g.double() - w).abs().max().item()
+                for g, w in zip((out, *(x.grad for x in leaves)), want)
+            ]
             lines.append(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errors) + " |")
         except RuntimeError as error:
             lines.append(f"| {name} | refused: {str(error).splitlines()[0][:80]} | | | |")
@@ -139,8 +148,12 @@ def check_errors(args, impls: dict[str, Callable]) -> list[str]:
 def _float64_reference(q, k, v, dout):
     groups = q.shape[2] // k.shape[2]
     q64, k64, v64 = (x.double().requires_grad_(True) for x in (q, k, v))
-    scores = torch.einsum("bihd,bjhd->bhij", q64, k64.repeat_interleave(groups, 2)) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    scores = (
+        torch.einsum("bihd,bjhd->bhij", q64, k64.repeat_interleave(groups, 2)) / q.shape[-1] ** 0.5
+    )
+    scores = scores.masked_fill(
+        torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf")
+    )
     out = torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v64.repeat_interleave(groups, 2))
     return (out.detach(), *torch.autograd.grad(out, (q64, k64, v64), dout.double()))
 
@@ -162,14 +175,20 @@ def table(rows: list[Row]) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="mcore-flash bench-cuda", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="mcore-flash bench-cuda", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--seq-lengths", type=int_list, default=[8192, 16384, 32768])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--check", action="store_true", help="first print each implementation's error against float64")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="first print each implementation's error against float64",
+    )
     args = parser.parse_args(argv)
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
@@ -179,10 +198,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("mcore-flash bench-cuda needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        print(
+            "mcore-flash bench-cuda needs a CUDA GPU (torch.cuda.is_available() is False)",
+            file=sys.stderr,
+        )
         return 2
     impls = implementations()
-    print(f"# bench-cuda on {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print(
+        f"# bench-cuda on {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}"
+    )
     if args.check:
         print("\n".join(check_errors(args, impls)) + "\n")
     rows = []
@@ -196,7 +220,9 @@ def main(argv=None) -> int:
                 ms = time_ms(fn, inputs, args.repeats)
                 rows.append(Row(name, seq, ms, flops / ms / 1e9, note))
             except RuntimeError as error:
-                rows.append(Row(name, seq, None, None, f"refused: {str(error).splitlines()[0][:80]}"))
+                rows.append(
+                    Row(name, seq, None, None, f"refused: {str(error).splitlines()[0][:80]}")
+                )
             torch.cuda.empty_cache()
     print("\n".join(table(rows)))
     return 0

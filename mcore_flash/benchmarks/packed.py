@@ -73,7 +73,9 @@ class Run:
     ``forward`` maps the leaves to the output; ``grad`` is the output gradient (same shape).
     """
 
-    def __init__(self, name: str, leaves: list[Tensor], forward: Callable[..., Tensor], grad: Tensor):
+    def __init__(
+        self, name: str, leaves: list[Tensor], forward: Callable[..., Tensor], grad: Tensor
+    ):
         self.name, self.leaves, self.forward, self.grad = name, leaves, forward, grad
         self.times_ms: list[float] = []
         self.cpu_ms: list[float] = []
@@ -100,7 +102,8 @@ def build_runs(args, lengths: list[int]) -> tuple[Run, Run]:
     generator = torch.Generator().manual_seed(args.seed)
     shape_q, shape_kv = (1, s, args.heads, args.head_dim), (1, s, args.kv_heads, args.head_dim)
     q, k, v, dout = (
-        torch.randn(shape, generator=generator).to(dtype) for shape in (shape_q, shape_kv, shape_kv, shape_q)
+        torch.randn(shape, generator=generator).to(dtype)
+        for shape in (shape_q, shape_kv, shape_kv, shape_q)
     )
     cu = cu_seqlens(lengths)
     longest = max(lengths)
@@ -109,7 +112,9 @@ def build_runs(args, lengths: list[int]) -> tuple[Run, Run]:
         return flash_attn_func(q, k, v, causal=True, backend=args.backend)
 
     def packed(q, k, v):
-        return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, backend=args.backend)
+        return flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, causal=True, backend=args.backend
+        )
 
     dense_run = Run("dense", [x.clone().requires_grad_() for x in (q, k, v)], dense, dout)
     packed_run = Run("packed", [x[0].clone().requires_grad_() for x in (q, k, v)], packed, dout[0])
@@ -156,8 +161,10 @@ def measure(args, log: Callable[[str], None]) -> Report:
     """Warm up both runs, then time them alternately; returns the :class:`Report`."""
     lengths = document_lengths(args.seq_length, args.mean_document_length, args.seed)
     prediction = predicted_ratio(lengths)
-    log(f"{len(lengths)} documents (mean {args.seq_length / len(lengths):.1f} tokens, longest {max(lengths)}), "
-        f"sum(len^2)/S^2 = {prediction:.4f}")  # fmt: skip
+    log(
+        f"{len(lengths)} documents (mean {args.seq_length / len(lengths):.1f} tokens, longest {max(lengths)}), "
+        f"sum(len^2)/S^2 = {prediction:.4f}"
+    )
     load_before = loadavg()
     dense, packed = build_runs(args, lengths)
     diff = first_document_diff(dense.step(), packed.step(), lengths[0])
@@ -165,8 +172,10 @@ def measure(args, log: Callable[[str], None]) -> Report:
     for rep in range(args.repeats):
         for run in (dense, packed):
             run.timed_step()
-            log(f"repeat {rep + 1}/{args.repeats}: {run.name:>6} {run.times_ms[-1]:9.1f} ms "
-                f"(process CPU {run.cpu_ms[-1]:.1f} ms)")  # fmt: skip
+            log(
+                f"repeat {rep + 1}/{args.repeats}: {run.name:>6} {run.times_ms[-1]:9.1f} ms "
+                f"(process CPU {run.cpu_ms[-1]:.1f} ms)"
+            )
     load_after = loadavg()
     dense_ms, packed_ms = statistics.median(dense.times_ms), statistics.median(packed.times_ms)
     dense_cpu_ms, packed_cpu_ms = statistics.median(dense.cpu_ms), statistics.median(packed.cpu_ms)
@@ -234,22 +243,42 @@ def build_parser() -> argparse.ArgumentParser:
         description="fwd+bwd time of per-document (varlen) causal attention over packed documents against one "
         "causal attention over the whole sample, next to the prediction sum(len^2) / S^2.",
     )
-    parser.add_argument("--seq-length", type=int, default=8192, help="tokens in the sample, S (default 8192)")
-    parser.add_argument("--mean-document-length", type=int, default=None,
-                        help="mean document length D; lengths uniform in [1, 2D-1], the last cut to fit "
-                        "(default S // 16)")  # fmt: skip
+    parser.add_argument(
+        "--seq-length", type=int, default=8192, help="tokens in the sample, S (default 8192)"
+    )
+    parser.add_argument(
+        "--mean-document-length",
+        type=int,
+        default=None,
+        help="mean document length D; lengths uniform in [1, 2D-1], the last cut to fit "
+        "(default S // 16)",
+    )
     parser.add_argument("--heads", type=int, default=8, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default = --heads")
+    parser.add_argument(
+        "--kv-heads", type=int, default=None, help="key/value heads (GQA); default = --heads"
+    )
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--backend", default="cpu", help="attention backend of both runs (default cpu)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each (median reported)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the document lengths and q, k, v")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads (default 1: on a shared machine every kernel call of two "
-                        "threads can wait for a descheduled sibling, which hits the many short per-document "
-                        "calls far harder than the one long dense call)")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument(
+        "--backend", default="cpu", help="attention backend of both runs (default cpu)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs of each (median reported)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the document lengths and q, k, v"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: on a shared machine every kernel call of two "
+        "threads can wait for a descheduled sibling, which hits the many short per-document "
+        "calls far harder than the one long dense call)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the table"
+    )
     return parser
 
 
@@ -258,7 +287,9 @@ def _check_args(args) -> Optional[str]:
     if args.seq_length < 1 or args.repeats < 1:
         return "--seq-length and --repeats must be >= 1"
     if not 1 <= args.mean_document_length <= args.seq_length:
-        return f"--mean-document-length must lie in [1, --seq-length], got {args.mean_document_length}"
+        return (
+            f"--mean-document-length must lie in [1, --seq-length], got {args.mean_document_length}"
+        )
     if args.heads % args.kv_heads:
         return f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
     return None

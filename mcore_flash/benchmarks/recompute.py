@@ -62,9 +62,13 @@ class Result:
     per_submodule: dict[str, float] = field(default_factory=dict)  # bytes per layer
     outside_bytes: int = 0  # embedding, final norm, output layer, loss
     input_bytes: int = 0  # one layer input [s, b, h]
-    max_saved_numel: int = 0  # largest saved activation (parameters excluded), forward and recompute
+    max_saved_numel: int = (
+        0  # largest saved activation (parameters excluded), forward and recompute
+    )
     max_saved_shape: tuple = ()
-    square_saved: int = 0  # saved tensors whose last two dims are both s (an [.., s, s] score matrix)
+    square_saved: int = (
+        0  # saved tensors whose last two dims are both s (an [.., s, s] score matrix)
+    )
     saves_in_backward: int = 0  # tensors saved by recomputation during backward
     fwd_calls: int = 0  # attention backend calls in the check step
     bwd_calls: int = 0
@@ -198,7 +202,9 @@ class Runner:
         """One forward's saved bytes into the result: per layer, per submodule, outside the layers."""
         from mcore_flash.memory import measure_activation_bytes
 
-        saved = measure_activation_bytes(self.model, self.tokens, self.positions, None, labels=self.tokens)
+        saved = measure_activation_bytes(
+            self.model, self.tokens, self.positions, None, labels=self.tokens
+        )
         block = saved.by_module.get("decoder", 0)
         per = dict(saved.per_layer())
         if block:
@@ -215,7 +221,9 @@ class Runner:
         phase = ["forward"]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+            if isinstance(tensor, torch.nn.Parameter) or isinstance(
+                tensor._base, torch.nn.Parameter
+            ):
                 return tensor
             if tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] == r.s:
                 r.square_saved += 1
@@ -235,7 +243,11 @@ class Runner:
         r.fwd_calls = counter.counts["fwd"]
         r.bwd_calls = counter.counts["bwd"]
         r.fallback_calls = counter.counts["fallback_fwd"] + counter.counts["fallback_bwd"]
-        grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters() if p.grad is not None}
+        grads = {
+            name: p.grad.detach().clone()
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        }
         self.zero_grads()
         return grads
 
@@ -248,7 +260,11 @@ class Runner:
 
 
 def run_length(
-    models: dict[str, torch.nn.Module], s: int, args, counter: CallCounter, log: Callable[[str], None]
+    models: dict[str, torch.nn.Module],
+    s: int,
+    args,
+    counter: CallCounter,
+    log: Callable[[str], None],
 ) -> list[Result]:
     """Every mode at sequence length ``s``: bytes and the check step (gradients against
     ``none``), then the interleaved timed steps; progress lines go to ``log``."""
@@ -337,13 +353,23 @@ def format_submodules(results: list[Result]) -> str:
         "|---|" + "---:|" * len(at_s),
     ]
     for name in names:
-        lines.append(f"| {name} | " + " | ".join(f"{r.per_submodule.get(name, 0.0) / MIB:.3f}" for r in at_s) + " |")
-    lines.append("| **layer total** | " + " | ".join(f"**{r.layer_bytes / MIB:.3f}**" for r in at_s) + " |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{r.per_submodule.get(name, 0.0) / MIB:.3f}" for r in at_s)
+            + " |"
+        )
     lines.append(
-        "| (outside the layers, total) | " + " | ".join(f"{r.outside_bytes / MIB:.3f}" for r in at_s) + " |"
+        "| **layer total** | " + " | ".join(f"**{r.layer_bytes / MIB:.3f}**" for r in at_s) + " |"
     )
     lines.append(
-        "| (one layer input [s, b, h]) | " + " | ".join(f"{r.input_bytes / MIB:.3f}" for r in at_s) + " |"
+        "| (outside the layers, total) | "
+        + " | ".join(f"{r.outside_bytes / MIB:.3f}" for r in at_s)
+        + " |"
+    )
+    lines.append(
+        "| (one layer input [s, b, h]) | "
+        + " | ".join(f"{r.input_bytes / MIB:.3f}" for r in at_s)
+        + " |"
     )
     return "\n".join(lines)
 
@@ -405,24 +431,48 @@ def build_parser() -> argparse.ArgumentParser:
         description="Saved-for-backward bytes per layer and fwd+bwd time of recompute modes none/qkv/attention/full "
         "for a Llama-shaped GPTModel with the fused-attention spec.",
     )
-    parser.add_argument("--seq-lengths", type=int_list, default=[512, 1024, 2048],
-                        help="comma-separated sequence lengths (default: 512,1024,2048)")
+    parser.add_argument(
+        "--seq-lengths",
+        type=int_list,
+        default=[512, 1024, 2048],
+        help="comma-separated sequence lengths (default: 512,1024,2048)",
+    )
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--ffn-hidden-size", type=int, default=2752, help="default 2752 = Llama's 2.6875 x hidden")
+    parser.add_argument(
+        "--ffn-hidden-size", type=int, default=2752, help="default 2752 = Llama's 2.6875 x hidden"
+    )
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--num-query-groups", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=9, help="timed steps per mode and length (median reported)")
-    parser.add_argument("--modes", type=choice_list("--modes", MODES), default=list(MODES), help="comma-separated: none,qkv,attention,full")
-    parser.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
-                        help="our fused SwiGLU via config.use_te_activation_func (default: on, as the trainer)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads (default 1: on a shared machine, threads waiting for a "
-                        "descheduled sibling spin and distort wall and CPU time alike)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: s=256,512, 2 layers, 1 repeat (overrides those options)")
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="timed steps per mode and length (median reported)"
+    )
+    parser.add_argument(
+        "--modes",
+        type=choice_list("--modes", MODES),
+        default=list(MODES),
+        help="comma-separated: none,qkv,attention,full",
+    )
+    parser.add_argument(
+        "--fused-swiglu",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our fused SwiGLU via config.use_te_activation_func (default: on, as the trainer)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: on a shared machine, threads waiting for a "
+        "descheduled sibling spin and distort wall and CPU time alike)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: s=256,512, 2 layers, 1 repeat (overrides those options)",
+    )
     return parser
 
 
@@ -430,9 +480,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.seq_lengths, args.num_layers, args.repeats = [256, 512], 2, 1
-    if args.num_attention_heads % args.num_query_groups or args.hidden_size % args.num_attention_heads:
-        print("bench-recompute: --num-attention-heads must divide --hidden-size and be a multiple of "
-              "--num-query-groups", file=sys.stderr)
+    if (
+        args.num_attention_heads % args.num_query_groups
+        or args.hidden_size % args.num_attention_heads
+    ):
+        print(
+            "bench-recompute: --num-attention-heads must divide --hidden-size and be a multiple of "
+            "--num-query-groups",
+            file=sys.stderr,
+        )
         return 2
     if args.repeats < 1 or args.num_layers < 1:
         print("bench-recompute: --repeats and --num-layers must be >= 1", file=sys.stderr)
@@ -449,7 +505,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: list[Result] = []
     started = time.perf_counter()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron's "Transformer Engine and Apex are not installed"
+        warnings.simplefilter(
+            "ignore"
+        )  # megatron's "Transformer Engine and Apex are not installed"
         with MegatronGroup():
             models = {mode: build_model(args, mode, max(args.seq_lengths)) for mode in args.modes}
             counter = CallCounter()

@@ -97,13 +97,18 @@ class Report:
     load_average: str  # 1-minute load average before -> after ("" where unknown)
 
 
-def _time_alternating(name: str, full: Callable[[], None], window: Callable[[], None], repeats: int, log) -> Timing:
+def _time_alternating(
+    name: str, full: Callable[[], None], window: Callable[[], None], repeats: int, log
+) -> Timing:
     """One untimed warm-up of each step, then ``repeats`` rounds of full, window (wall clock)."""
     full()
     window()  # warm-up, untimed
     timing = Timing(name, [], [])
     for rep in range(repeats):
-        for label, fn, times in (("full", full, timing.full_ms), ("window", window, timing.window_ms)):
+        for label, fn, times in (
+            ("full", full, timing.full_ms),
+            ("window", window, timing.window_ms),
+        ):
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
@@ -116,7 +121,10 @@ def _attention_runs(args):
     g = torch.Generator().manual_seed(args.seed)
     d = args.hidden_size // args.heads
     q = torch.randn(1, s, args.heads, d, generator=g).to(dtype).requires_grad_()
-    k, v = (torch.randn(1, s, args.kv_heads, d, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    k, v = (
+        torch.randn(1, s, args.kv_heads, d, generator=g).to(dtype).requires_grad_()
+        for _ in range(2)
+    )
     dout = torch.randn(1, s, args.heads, d, generator=g).to(dtype)
     outputs = {}
 
@@ -137,8 +145,16 @@ def _attention_runs(args):
 def _shape(args):
     from mcore_flash.planning import ModelShape
 
-    return ModelShape("bench-window", 1, args.hidden_size, args.ffn_hidden_size, args.heads, args.kv_heads,
-                      args.vocab_size, max_position_embeddings=args.seq_length)  # fmt: skip
+    return ModelShape(
+        "bench-window",
+        1,
+        args.hidden_size,
+        args.ffn_hidden_size,
+        args.heads,
+        args.kv_heads,
+        args.vocab_size,
+        max_position_embeddings=args.seq_length,
+    )
 
 
 def _layer_runs(args):
@@ -148,7 +164,9 @@ def _layer_runs(args):
     models = {}
     for name, window in (("full", None), ("window", (args.window - 1, 0))):
         torch.manual_seed(args.seed)
-        models[name] = build_flash_gpt(_shape(args), window_size=window, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+        models[name] = build_flash_gpt(
+            _shape(args), window_size=window, params_dtype=dtype, bf16=dtype == torch.bfloat16
+        )
         models[name].train()
     models["window"].load_state_dict(models["full"].state_dict())
     g = torch.Generator().manual_seed(args.seed)
@@ -174,7 +192,9 @@ def predicted_layer_ratio(args, attention_ratio: float) -> float:
 
     shape = _shape(args)
     total = step_flops(shape, args.seq_length)
-    kernel = (1 + FUSED_ATTENTION_BACKWARD) * forward_flops(shape, args.seq_length)["attention_kernel"]
+    kernel = (1 + FUSED_ATTENTION_BACKWARD) * forward_flops(shape, args.seq_length)[
+        "attention_kernel"
+    ]
     return (total - (1 - attention_ratio) * kernel) / total
 
 
@@ -186,26 +206,42 @@ def measure(args, log) -> Report:
     full, window, outputs = _attention_runs(args)
     attention = _time_alternating("attention", full, window, args.repeats, log)
     rows = slice(0, args.window)
-    diff = (outputs[(-1, -1)][:, rows].double() - outputs[(args.window - 1, 0)][:, rows].double()).abs().max().item()
+    diff = (
+        (outputs[(-1, -1)][:, rows].double() - outputs[(args.window - 1, 0)][:, rows].double())
+        .abs()
+        .max()
+        .item()
+    )
     with MegatronGroup():
         layer = _time_alternating("layer", *_layer_runs(args), args.repeats, log)
     from mcore_flash.ops.backends import get_backend
 
     chunk = getattr(get_backend(args.backend), "query_chunk", 1)
     return Report(
-        seq_length=args.seq_length, window=args.window, hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size, heads=args.heads, kv_heads=args.kv_heads,
-        head_dim=args.hidden_size // args.heads, dtype=args.dtype, backend=args.backend,
-        threads=torch.get_num_threads(), repeats=args.repeats, torch=torch.__version__,
+        seq_length=args.seq_length,
+        window=args.window,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.hidden_size // args.heads,
+        dtype=args.dtype,
+        backend=args.backend,
+        threads=torch.get_num_threads(),
+        repeats=args.repeats,
+        torch=torch.__version__,
         predicted_attention_ratio=predicted,
         computed_pairs_ratio=computed_pairs(args.seq_length, args.window, chunk) / full_pairs,
         predicted_layer_ratio=predicted_layer_ratio(args, predicted),
-        attention_full_ms=statistics.median(attention.full_ms), attention_window_ms=statistics.median(attention.window_ms),
+        attention_full_ms=statistics.median(attention.full_ms),
+        attention_window_ms=statistics.median(attention.window_ms),
         attention_ratio=attention.ratio,
-        layer_full_ms=statistics.median(layer.full_ms), layer_window_ms=statistics.median(layer.window_ms),
-        layer_ratio=layer.ratio, max_abs_diff_first_window=diff,
+        layer_full_ms=statistics.median(layer.full_ms),
+        layer_window_ms=statistics.median(layer.window_ms),
+        layer_ratio=layer.ratio,
+        max_abs_diff_first_window=diff,
         load_average=f"{load_before} -> {loadavg()}" if load_before else "",
-    )  # fmt: skip
+    )
 
 
 def format_report(r: Report) -> str:
@@ -216,19 +252,21 @@ def format_report(r: Report) -> str:
         f"{r.kv_heads} kv heads, d={r.head_dim}, {r.dtype}, backend {r.backend}, {r.threads} threads, "
         f"median of {r.repeats}, torch {r.torch}{load}"
     )
-    return "\n".join([
-        title,
-        "",
-        "| what | full causal fwd+bwd ms | window fwd+bwd ms | measured window / full | predicted | measured / predicted |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| attention op | {r.attention_full_ms:.1f} | {r.attention_window_ms:.1f} | **{r.attention_ratio:.3f}** "
-        f"| {r.predicted_attention_ratio:.3f} (attended pairs) | {r.attention_ratio / r.predicted_attention_ratio:.2f} |",
-        f"| one-layer GPT | {r.layer_full_ms:.1f} | {r.layer_window_ms:.1f} | **{r.layer_ratio:.3f}** "
-        f"| {r.predicted_layer_ratio:.3f} (FLOP-weighted) | {r.layer_ratio / r.predicted_layer_ratio:.2f} |",
-        "",
-        f"pairs the cpu backend's chunks compute, window / full causal: {r.computed_pairs_ratio:.3f}; "
-        f"rows < window: max |window - full| = {r.max_abs_diff_first_window:.1e}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            title,
+            "",
+            "| what | full causal fwd+bwd ms | window fwd+bwd ms | measured window / full | predicted | measured / predicted |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| attention op | {r.attention_full_ms:.1f} | {r.attention_window_ms:.1f} | **{r.attention_ratio:.3f}** "
+            f"| {r.predicted_attention_ratio:.3f} (attended pairs) | {r.attention_ratio / r.predicted_attention_ratio:.2f} |",
+            f"| one-layer GPT | {r.layer_full_ms:.1f} | {r.layer_window_ms:.1f} | **{r.layer_ratio:.3f}** "
+            f"| {r.predicted_layer_ratio:.3f} (FLOP-weighted) | {r.layer_ratio / r.predicted_layer_ratio:.2f} |",
+            "",
+            f"pairs the cpu backend's chunks compute, window / full causal: {r.computed_pairs_ratio:.3f}; "
+            f"rows < window: max |window - full| = {r.max_abs_diff_first_window:.1e}",
+        ]
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,7 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         "causal attention, next to the ratio of attended pairs.",
     )
     parser.add_argument("--seq-length", type=int, default=16384, help="tokens S (default 16384)")
-    parser.add_argument("--window", type=int, default=4096, help="keys each token sees, itself included (default 4096)")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=4096,
+        help="keys each token sees, itself included (default 4096)",
+    )
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--ffn-hidden-size", type=int, default=688)
     parser.add_argument("--num-attention-heads", dest="heads", type=int, default=4)
@@ -246,25 +289,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--backend", default="cpu", help="attention backend (default cpu)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each (median reported)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the table"
+    )
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if not 1 <= args.window <= args.seq_length or args.repeats < 1:
-        print("bench-window: need 1 <= --window <= --seq-length and --repeats >= 1", file=sys.stderr)
+        print(
+            "bench-window: need 1 <= --window <= --seq-length and --repeats >= 1", file=sys.stderr
+        )
         return 2
     if args.hidden_size % args.heads or args.heads % args.kv_heads:
-        print("bench-window: --hidden-size must be a multiple of --num-attention-heads, and that of "
-              "--num-query-groups", file=sys.stderr)  # fmt: skip
+        print(
+            "bench-window: --hidden-size must be a multiple of --num-attention-heads, and that of "
+            "--num-query-groups",
+            file=sys.stderr,
+        )
         return 2
 
     log = progress_log("bench-window")
-    log(f"S={args.seq_length} window={args.window} hidden={args.hidden_size} heads={args.heads}/{args.kv_heads} "
-        f"{args.dtype} backend={args.backend} threads={torch.get_num_threads()} torch {torch.__version__}")  # fmt: skip
+    log(
+        f"S={args.seq_length} window={args.window} hidden={args.hidden_size} heads={args.heads}/{args.kv_heads} "
+        f"{args.dtype} backend={args.backend} threads={torch.get_num_threads()} torch {torch.__version__}"
+    )
     report = measure(args, log)
     print(json.dumps(asdict(report)) if args.json else f"\n{format_report(report)}")
     return 0

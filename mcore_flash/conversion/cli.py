@@ -1,8 +1,8 @@
 """``mcore-flash convert``: Hugging Face Llama <-> megatron checkpoints (streamed, any TP/PP).
 
-    mcore-flash convert hf-to-mcore --hf-dir DIR --save DIR [--tensor-model-parallel-size N]
-        [--pipeline-model-parallel-size M] [--make-vocab-size-divisible-by K] [--bf16]
-    mcore-flash convert mcore-to-hf --load DIR --save-hf DIR [--max-shard-size 5GB]
+mcore-flash convert hf-to-mcore --hf-dir DIR --save DIR [--tensor-model-parallel-size N]
+    [--pipeline-model-parallel-size M] [--make-vocab-size-divisible-by K] [--bf16]
+mcore-flash convert mcore-to-hf --load DIR --save-hf DIR [--max-shard-size 5GB]
 """
 
 from __future__ import annotations
@@ -12,21 +12,34 @@ import sys
 from typing import Optional, Sequence
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcore-flash convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="direction", required=True)
-    to_mcore = sub.add_parser("hf-to-mcore", help="Hugging Face Llama directory -> megatron dist checkpoint")
-    to_mcore.add_argument("--hf-dir", required=True, help="directory with config.json and *.safetensors")
-    to_mcore.add_argument("--save", required=True, help="new checkpoint directory (pretrain --load it with --finetune)")
+    to_mcore = sub.add_parser(
+        "hf-to-mcore", help="Hugging Face Llama directory -> megatron dist checkpoint"
+    )
+    to_mcore.add_argument(
+        "--hf-dir", required=True, help="directory with config.json and *.safetensors"
+    )
+    to_mcore.add_argument(
+        "--save",
+        required=True,
+        help="new checkpoint directory (pretrain --load it with --finetune)",
+    )
     to_mcore.add_argument("--tensor-model-parallel-size", type=int, default=1)
     to_mcore.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     to_mcore.add_argument("--bf16", action="store_true", help="store bf16 weights (default fp32)")
-    to_hf = sub.add_parser("mcore-to-hf", help="megatron checkpoint -> Hugging Face Llama directory")
-    to_hf.add_argument("--load", required=True, help="a pretrain --save directory (its latest checkpoint)")
+    to_hf = sub.add_parser(
+        "mcore-to-hf", help="megatron checkpoint -> Hugging Face Llama directory"
+    )
+    to_hf.add_argument(
+        "--load", required=True, help="a pretrain --save directory (its latest checkpoint)"
+    )
     to_hf.add_argument("--save-hf", required=True, help="new Hugging Face model directory")
-    to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
+    to_hf.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB"
+    )
     return p
 
 
@@ -37,17 +50,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from mcore_flash.conversion.hf_to_mcore import hf_to_mcore
 
             result = hf_to_mcore(
-                args.hf_dir, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                args.make_vocab_size_divisible_by, args.bf16,
-            )  # fmt: skip
-            print(f"wrote {result['path']} (padded vocabulary {result['padded_vocab_size']}); continue training with:\n"
-                  f"  mcore-flash pretrain --load {result['path']} --finetune --use-checkpoint-args ...")  # fmt: skip
+                args.hf_dir,
+                args.save,
+                args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size,
+                args.make_vocab_size_divisible_by,
+                args.bf16,
+            )
+            print(
+                f"wrote {result['path']} (padded vocabulary {result['padded_vocab_size']}); continue training with:\n"
+                f"  mcore-flash pretrain --load {result['path']} --finetune --use-checkpoint-args ..."
+            )
         else:
             from mcore_flash.conversion.mcore_to_hf import mcore_to_hf
 
             result = mcore_to_hf(args.load, args.save_hf, _bytes(args.max_shard_size))
-            print(f"wrote {args.save_hf}: config.json + {len(result['files'])} safetensors file(s) "
-                  f"from iteration {result['iteration']}")  # fmt: skip
+            print(
+                f"wrote {args.save_hf}: config.json + {len(result['files'])} safetensors file(s) "
+                f"from iteration {result['iteration']}"
+            )
     except ValueError as error:  # ConversionError, or a checkpoint that is not there
         print(f"mcore-flash convert: error: {error}", file=sys.stderr)
         return 2
@@ -55,7 +76,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _bytes(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    units = {
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "B": 1,
+    }
     upper = text.strip().upper()
     for unit, factor in units.items():
         if upper.endswith(unit) and upper[: -len(unit)].replace(".", "", 1).isdigit():

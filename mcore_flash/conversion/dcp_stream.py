@@ -21,7 +21,11 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     SavePlan,
@@ -52,7 +56,12 @@ class BytesItem:
 
 
 class _ChunkSavePlanner(DefaultSavePlanner):
-    def __init__(self, chunks: Sequence[Chunk], objects: Sequence[BytesItem], data: Callable[[Chunk], torch.Tensor]):
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        objects: Sequence[BytesItem],
+        data: Callable[[Chunk], torch.Tensor],
+    ):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._chunks = {MetadataIndex(c.key, torch.Size(c.offsets)): c for c in chunks}
         self._objects = {MetadataIndex(o.key): o.value for o in objects}
@@ -64,7 +73,9 @@ class _ChunkSavePlanner(DefaultSavePlanner):
                 index=index,
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)),
+                    chunk=ChunkStorageMetadata(
+                        offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)
+                    ),
                     properties=TensorProperties(dtype=c.dtype),
                     size=torch.Size(c.global_shape),
                 ),
@@ -83,23 +94,35 @@ class _ChunkSavePlanner(DefaultSavePlanner):
         chunk = self._chunks[write_item.index]
         tensor = self._data(chunk)
         if tuple(tensor.shape) != chunk.sizes or tensor.dtype != chunk.dtype:
-            raise AssertionError(f"{chunk.key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {chunk}")
+            raise AssertionError(
+                f"{chunk.key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {chunk}"
+            )
         return tensor
 
 
 def save_chunks(
-    path: str, chunks: Sequence[Chunk], objects: Sequence[BytesItem], data: Callable[[Chunk], torch.Tensor]
+    path: str,
+    chunks: Sequence[Chunk],
+    objects: Sequence[BytesItem],
+    data: Callable[[Chunk], torch.Tensor],
 ) -> None:
     """Write a DCP checkpoint in ``path`` holding ``chunks`` (data from ``data(chunk)``, called
     once per chunk while writing) and ``objects``; one process, no process group."""
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
     with _single_process():
-        dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(chunks, objects, data), no_dist=True)
+        dcp.save(
+            {},
+            storage_writer=writer,
+            planner=_ChunkSavePlanner(chunks, objects, data),
+            no_dist=True,
+        )
 
 
 class _ChunkLoadPlanner(DefaultLoadPlanner):
     def __init__(self, chunk: Chunk, out: torch.Tensor):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        super().__init__(
+            flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True
+        )
         self._chunk, self._out = chunk, out
 
     def create_local_plan(self) -> LoadPlan:
@@ -110,7 +133,9 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
             raise ValueError(
                 f"{self._chunk.key}: the checkpoint stores shape {tuple(stored.size)}, expected {self._chunk.global_shape}"
             )
-        wanted = ChunkStorageMetadata(offsets=torch.Size(self._chunk.offsets), sizes=torch.Size(self._chunk.sizes))
+        wanted = ChunkStorageMetadata(
+            offsets=torch.Size(self._chunk.offsets), sizes=torch.Size(self._chunk.sizes)
+        )
         return LoadPlan(create_read_items_for_chunk_list(self._chunk.key, stored, [wanted]))
 
     def resolve_tensor(self, read_item):
@@ -143,7 +168,6 @@ def stored_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         for key, md in metadata.state_dict_metadata.items()
         if hasattr(md, "chunks")
     }
-
 
 
 @contextlib.contextmanager

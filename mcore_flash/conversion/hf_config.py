@@ -28,25 +28,63 @@ ARCHITECTURE = "LlamaForCausalLM"
 
 # Fields that do not change the forward pass of a Llama (ids, training-time settings, metadata).
 _IGNORED = {
-    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "pretraining_tp",
-    "attention_dropout", "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class",
-    "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tie_encoder_decoder",
-}  # fmt: skip
+    "_name_or_path",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "pretraining_tp",
+    "attention_dropout",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "tokenizer_class",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "tie_encoder_decoder",
+}
 _READ = {
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rope_scaling",
-    "rope_parameters", "head_dim", "hidden_act", "attention_bias", "mlp_bias",
-}  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "head_dim",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+}
 # megatron's RotaryEmbedding._apply_scaling fixes these (megatron/core/models/common/embeddings/
 # rotary_pos_embedding.py); a checkpoint with other values needs a different rotary embedding.
-_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def read_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise ConversionError(f"--hf-dir {hf_dir}: no config.json there; point it at a Hugging Face model directory")
+        raise ConversionError(
+            f"--hf-dir {hf_dir}: no config.json there; point it at a Hugging Face model directory"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -54,12 +92,16 @@ def read_config(hf_dir: str) -> dict:
 def model_args_from_hf(config: dict) -> dict:
     """The trainer's ``model_args`` for a Llama ``config.json`` (raises ConversionError)."""
     architectures = config.get("architectures") or []
-    if (architectures and architectures != [ARCHITECTURE]) or config.get("model_type", "llama") != "llama":
+    if (architectures and architectures != [ARCHITECTURE]) or config.get(
+        "model_type", "llama"
+    ) != "llama":
         raise ConversionError(
             f"config.json: architecture {architectures or config.get('model_type')!r} is not supported; "
             f"the converter handles {ARCHITECTURE} (Llama-2/3/3.1/3.2 and models with its tensor names)"
         )
-    unknown = sorted(k for k in config if k not in _IGNORED | _READ and config[k] not in (None, False, 0, {}, []))
+    unknown = sorted(
+        k for k in config if k not in _IGNORED | _READ and config[k] not in (None, False, 0, {}, [])
+    )
     if unknown:
         raise ConversionError(
             f"config.json: field(s) {', '.join(unknown)} would change the model and are not supported by the Llama converter"
@@ -68,7 +110,9 @@ def model_args_from_hf(config: dict) -> dict:
     hidden = _required(config, "hidden_size")
     for field, llama in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(field, llama) != llama:
-            raise ConversionError(f"config.json: {field}={config[field]!r} is not supported (Llama uses {llama!r})")
+            raise ConversionError(
+                f"config.json: {field}={config[field]!r} is not supported (Llama uses {llama!r})"
+            )
     if config.get("head_dim") not in (None, hidden // heads):
         raise ConversionError(
             f"config.json: head_dim={config['head_dim']} differs from hidden_size / num_attention_heads = {hidden // heads}"
@@ -97,8 +141,12 @@ def _rope_args(config: dict) -> dict:
     rope.update(config.get("rope_scaling") or {})
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    out = dict(rotary_base=_whole(theta, "rope_theta"), use_rope_scaling=False, rope_scaling_factor=8.0,
-               rotary_seq_len_interpolation_factor=None)  # fmt: skip
+    out = dict(
+        rotary_base=_whole(theta, "rope_theta"),
+        use_rope_scaling=False,
+        rope_scaling_factor=8.0,
+        rotary_seq_len_interpolation_factor=None,
+    )
     if kind == "default":
         return out
     if kind == "llama3":
@@ -109,7 +157,10 @@ def _rope_args(config: dict) -> dict:
                 )
         return {**out, "use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
     if kind == "linear":
-        return {**out, "rotary_seq_len_interpolation_factor": _whole(rope["factor"], "rope_scaling.factor")}
+        return {
+            **out,
+            "rotary_seq_len_interpolation_factor": _whole(rope["factor"], "rope_scaling.factor"),
+        }
     raise ConversionError(
         f"config.json: rope_scaling type {kind!r} is not supported; supported: default, llama3, linear (integer factor)"
     )
@@ -122,10 +173,15 @@ def hf_config_from_model_args(model_args: dict, base: dict | None = None) -> dic
     converted from, when there is one; everything that defines the model comes from ``model_args``,
     so RoPE changed by continued pretraining is what the exported config says.
     """
-    if model_args.get("normalization", "RMSNorm") != "RMSNorm" or not model_args.get("swiglu", True) or not model_args.get(
-        "disable_bias_linear", True
-    ) or model_args.get("position_embedding_type", "rope") != "rope":
-        raise ConversionError("only Llama-shaped models (RMSNorm, SwiGLU, no biases, RoPE) export to Hugging Face")
+    if (
+        model_args.get("normalization", "RMSNorm") != "RMSNorm"
+        or not model_args.get("swiglu", True)
+        or not model_args.get("disable_bias_linear", True)
+        or model_args.get("position_embedding_type", "rope") != "rope"
+    ):
+        raise ConversionError(
+            "only Llama-shaped models (RMSNorm, SwiGLU, no biases, RoPE) export to Hugging Face"
+        )
     config = {k: v for k, v in (base or {}).items() if k in _IGNORED and k != "architectures"}
     config.pop("rope_parameters", None)
     config.update(
@@ -148,10 +204,16 @@ def hf_config_from_model_args(model_args: dict, base: dict | None = None) -> dic
         mlp_bias=False,
     )
     if model_args["use_rope_scaling"]:
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": float(model_args["rope_scaling_factor"]),
-                                  **_LLAMA3_FIXED}  # fmt: skip
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(model_args["rope_scaling_factor"]),
+            **_LLAMA3_FIXED,
+        }
     elif model_args.get("rotary_seq_len_interpolation_factor"):
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(model_args["rotary_seq_len_interpolation_factor"])}
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(model_args["rotary_seq_len_interpolation_factor"]),
+        }
     return config
 
 

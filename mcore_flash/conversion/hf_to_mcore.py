@@ -19,7 +19,12 @@ import os
 import torch
 
 from mcore_flash.conversion import dcp_stream
-from mcore_flash.conversion.hf_config import ConversionError, model_args_from_hf, model_flags, read_config
+from mcore_flash.conversion.hf_config import (
+    ConversionError,
+    model_args_from_hf,
+    model_flags,
+    read_config,
+)
 from mcore_flash.conversion.llama import hf_shape, tensor_maps
 from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import HFCheckpointReader
@@ -36,24 +41,36 @@ _NOT_WEIGHTS = ("rotary_emb.inv_freq",)
 
 
 def hf_to_mcore(
-    hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-    make_vocab_size_divisible_by: int = 128, bf16: bool = False, log=print,
-) -> dict:  # fmt: skip
+    hf_dir: str,
+    save: str,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    bf16: bool = False,
+    log=print,
+) -> dict:
     """Convert; returns ``{"model_args", "padded_vocab_size", "flags", "path"}``."""
     from mcore_flash.training.arguments import parse_args
 
     config = read_config(hf_dir)
     model_args = model_args_from_hf(config)
     flags = model_flags(model_args) + (["--bf16"] if bf16 else [])
-    layout_flags = ["--tensor-model-parallel-size", str(tensor_parallel),
-                    "--pipeline-model-parallel-size", str(pipeline_parallel),
-                    "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]  # fmt: skip
+    layout_flags = [
+        "--tensor-model-parallel-size",
+        str(tensor_parallel),
+        "--pipeline-model-parallel-size",
+        str(pipeline_parallel),
+        "--make-vocab-size-divisible-by",
+        str(make_vocab_size_divisible_by),
+    ]
     try:
         parse_args(flags + layout_flags, world_size=tensor_parallel * pipeline_parallel)
     except ValueError as error:  # e.g. heads not divisible by TP: name the flag
         raise ConversionError(str(error)) from None
     reader = HFCheckpointReader(hf_dir)
-    padded = padded_vocab_size(model_args["vocab_size"], make_vocab_size_divisible_by, tensor_parallel)
+    padded = padded_vocab_size(
+        model_args["vocab_size"], make_vocab_size_divisible_by, tensor_parallel
+    )
     maps = tensor_maps(model_args, padded)
     _check_tensors(reader, maps, model_args)
     if padded != model_args["vocab_size"]:
@@ -69,20 +86,37 @@ def hf_to_mcore(
     chunks = [block for chunk in chunks for block in _row_blocks(chunk, BLOCK_BYTES)]
     by_tensor = {(m.key, m.layer): m for m in maps}
     expected = {(c.key, c.offsets[0] if _layered(c) else None) for c in chunks}
-    if ("output_layer.weight", None) in expected - set(by_tensor) and not model_args["untie_embeddings_and_output_weights"]:
+    if ("output_layer.weight", None) in expected - set(by_tensor) and not model_args[
+        "untie_embeddings_and_output_weights"
+    ]:
         # megatron (0.16) also stores a tied output layer under its own key: the embedding again
         by_tensor["output_layer.weight", None] = by_tensor["embedding.word_embeddings.weight", None]
     if expected != set(by_tensor):
-        raise AssertionError(f"megatron's checkpoint layout and the Llama mapping disagree: {expected ^ set(by_tensor)}")
+        raise AssertionError(
+            f"megatron's checkpoint layout and the Llama mapping disagree: {expected ^ set(by_tensor)}"
+        )
 
     with atomic_directory(save, "--save") as tmp:
         path = checkpointing.checkpoint_dir(tmp, 0)
         os.makedirs(path)
-        dcp_stream.save_chunks(path, chunks, objects, _ChunkSource(reader, by_tensor, dtype, Progress(len(by_tensor), log)))
-        _write_megatron_files(path, {
-            "iteration": 0, "consumed_samples": 0, "padded_vocab_size": padded,
-            "model_args": model_args, "hf_config": config, "converted_from": os.path.abspath(hf_dir), "model_only": True,
-        })  # fmt: skip
+        dcp_stream.save_chunks(
+            path,
+            chunks,
+            objects,
+            _ChunkSource(reader, by_tensor, dtype, Progress(len(by_tensor), log)),
+        )
+        _write_megatron_files(
+            path,
+            {
+                "iteration": 0,
+                "consumed_samples": 0,
+                "padded_vocab_size": padded,
+                "model_args": model_args,
+                "hf_config": config,
+                "converted_from": os.path.abspath(hf_dir),
+                "model_only": True,
+            },
+        )
         manifest.write_manifest(path)
         checkpointing.write_marker(tmp, 0)
     return {"model_args": model_args, "padded_vocab_size": padded, "flags": flags, "path": save}
@@ -102,13 +136,17 @@ class _ChunkSource:
         tensor_map = self._maps[which]
         if self._cached[0] is not tensor_map:
             self._cached = (None, None)  # free the previous tensor before building the next
-            full = tensor_map.to_mcore([self._reader.get(name) for name in tensor_map.hf_names]).to(self._dtype)
+            full = tensor_map.to_mcore([self._reader.get(name) for name in tensor_map.hf_names]).to(
+                self._dtype
+            )
             self._cached = (tensor_map, full)
             if which not in self._seen:
                 self._seen.add(which)
                 self._progress.step(*which)
         tensor = self._cached[1]
-        offsets, sizes = (chunk.offsets[1:], chunk.sizes[1:]) if layered else (chunk.offsets, chunk.sizes)
+        offsets, sizes = (
+            (chunk.offsets[1:], chunk.sizes[1:]) if layered else (chunk.offsets, chunk.sizes)
+        )
         for dim, (start, size) in enumerate(zip(offsets, sizes)):
             tensor = tensor.narrow(dim, start, size)
         return tensor.reshape(chunk.sizes)  # DCP copies a view of a larger tensor before writing it
@@ -160,8 +198,15 @@ def _checkpoint_layout(args, padded: int):
                     objects.append(dcp_stream.BytesItem(part.unique_key, [part.data]))
                 elif isinstance(part, ShardedTensor):  # TP = PP = DP = 1: no replicas
                     sizes = (1,) * part.prepend_axis_num + tuple(part.local_shape)
-                    chunks.append(dcp_stream.Chunk(part.key, tuple(part.global_shape), tuple(part.global_offset),
-                                                   sizes, part.dtype))  # fmt: skip
+                    chunks.append(
+                        dcp_stream.Chunk(
+                            part.key,
+                            tuple(part.global_shape),
+                            tuple(part.global_offset),
+                            sizes,
+                            part.dtype,
+                        )
+                    )
         return chunks, objects
     finally:
         destroy_distributed()
@@ -173,11 +218,17 @@ def _check_tensors(reader: HFCheckpointReader, maps, model_args: dict) -> None:
     extra = sorted(n for n in reader.names() - wanted if not n.endswith(_NOT_WEIGHTS))
     if extra:
         hint = " (config.json says tie_word_embeddings=true)" if "lm_head.weight" in extra else ""
-        raise ConversionError(f"unexpected tensor(s) in the checkpoint, not part of a Llama with this config.json{hint}: {extra[:5]}")
+        raise ConversionError(
+            f"unexpected tensor(s) in the checkpoint, not part of a Llama with this config.json{hint}: {extra[:5]}"
+        )
     for name in sorted(wanted):
         shape, expected = reader.shape(name), hf_shape(name, model_args)
         if shape != expected:
-            what = "vocab_size" if name in ("model.embed_tokens.weight", "lm_head.weight") else "the model shape"
+            what = (
+                "vocab_size"
+                if name in ("model.embed_tokens.weight", "lm_head.weight")
+                else "the model shape"
+            )
             raise ConversionError(
                 f"tensor {name} has shape {shape} but config.json ({what}) implies {expected}: "
                 "the checkpoint and its config.json do not match"

@@ -43,25 +43,39 @@ def tensor_maps(model_args: dict, padded_vocab_size: int) -> list[TensorMap]:
         return TensorMap(key, layer, (name,), lambda t: t[0], lambda t: [t])
 
     def vocab_rows(key, name):
-        return TensorMap(key, None, (name,), lambda t: pad_vocab(t[0], padded_vocab_size), lambda t: [t[:vocab]])
+        return TensorMap(
+            key, None, (name,), lambda t: pad_vocab(t[0], padded_vocab_size), lambda t: [t[:vocab]]
+        )
 
     maps = [vocab_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(model_args["num_layers"]):
         hf, mc = f"model.layers.{i}.", "decoder.layers."
         maps += [
-            copy(mc + "self_attention.linear_qkv.layer_norm_weight", i, hf + "input_layernorm.weight"),
+            copy(
+                mc + "self_attention.linear_qkv.layer_norm_weight", i, hf + "input_layernorm.weight"
+            ),
             TensorMap(
-                mc + "self_attention.linear_qkv.weight", i,
-                (hf + "self_attn.q_proj.weight", hf + "self_attn.k_proj.weight", hf + "self_attn.v_proj.weight"),
+                mc + "self_attention.linear_qkv.weight",
+                i,
+                (
+                    hf + "self_attn.q_proj.weight",
+                    hf + "self_attn.k_proj.weight",
+                    hf + "self_attn.v_proj.weight",
+                ),
                 lambda t: qkv_to_mcore(*t, heads, groups, head_dim),
                 lambda t: qkv_to_hf(t, heads, groups, head_dim),
-            ),  # fmt: skip
+            ),
             copy(mc + "self_attention.linear_proj.weight", i, hf + "self_attn.o_proj.weight"),
-            copy(mc + "mlp.linear_fc1.layer_norm_weight", i, hf + "post_attention_layernorm.weight"),
+            copy(
+                mc + "mlp.linear_fc1.layer_norm_weight", i, hf + "post_attention_layernorm.weight"
+            ),
             TensorMap(
-                mc + "mlp.linear_fc1.weight", i, (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                lambda t: torch.cat(t), lambda t: list(t.chunk(2)),
-            ),  # fmt: skip
+                mc + "mlp.linear_fc1.weight",
+                i,
+                (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                lambda t: torch.cat(t),
+                lambda t: list(t.chunk(2)),
+            ),
             copy(mc + "mlp.linear_fc2.weight", i, hf + "mlp.down_proj.weight"),
         ]
     maps.append(copy("decoder.final_layernorm.weight", None, "model.norm.weight"))
@@ -72,30 +86,53 @@ def tensor_maps(model_args: dict, padded_vocab_size: int) -> list[TensorMap]:
 
 def hf_shape(name: str, model_args: dict) -> tuple[int, ...]:
     """The shape of the Hugging Face Llama tensor ``name`` for ``model_args``."""
-    h, ffn, vocab = model_args["hidden_size"], model_args["ffn_hidden_size"], model_args["vocab_size"]
+    h, ffn, vocab = (
+        model_args["hidden_size"],
+        model_args["ffn_hidden_size"],
+        model_args["vocab_size"],
+    )
     kv = model_args["num_query_groups"] * h // model_args["num_attention_heads"]
-    by_suffix = {"embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h), "q_proj.weight": (h, h),
-                 "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, h),
-                 "gate_proj.weight": (ffn, h), "up_proj.weight": (ffn, h), "down_proj.weight": (h, ffn)}  # fmt: skip
-    return next((shape for suffix, shape in by_suffix.items() if name.endswith(suffix)), (h,))  # else a norm
+    by_suffix = {
+        "embed_tokens.weight": (vocab, h),
+        "lm_head.weight": (vocab, h),
+        "q_proj.weight": (h, h),
+        "k_proj.weight": (kv, h),
+        "v_proj.weight": (kv, h),
+        "o_proj.weight": (h, h),
+        "gate_proj.weight": (ffn, h),
+        "up_proj.weight": (ffn, h),
+        "down_proj.weight": (h, ffn),
+    }
+    return next(
+        (shape for suffix, shape in by_suffix.items() if name.endswith(suffix)), (h,)
+    )  # else a norm
 
 
-def qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, head_dim: int):
+def qkv_to_mcore(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, head_dim: int
+):
     """``[np*hn, h]``, ``[ng*hn, h]`` x2 -> megatron's ``[ng*(np/ng + 2)*hn, h]``."""
     h = q.shape[-1]
-    per_group = [q.reshape(groups, heads // groups * head_dim, h), k.reshape(groups, head_dim, h),
-                 v.reshape(groups, head_dim, h)]  # fmt: skip
+    per_group = [
+        q.reshape(groups, heads // groups * head_dim, h),
+        k.reshape(groups, head_dim, h),
+        v.reshape(groups, head_dim, h),
+    ]
     return torch.cat(per_group, dim=1).reshape(-1, h)
 
 
 def qkv_to_hf(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
     h = qkv.shape[-1]
-    q, k, v = qkv.reshape(groups, -1, h).split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+    q, k, v = qkv.reshape(groups, -1, h).split(
+        [heads // groups * head_dim, head_dim, head_dim], dim=1
+    )
     return [t.reshape(-1, h).contiguous() for t in (q, k, v)]
 
 
 def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
     """Append zero rows up to ``padded_rows`` (megatron pads the vocabulary for TP)."""
     if weight.shape[0] > padded_rows:
-        raise ValueError(f"{weight.shape[0]} vocabulary rows do not fit the padded size {padded_rows}")
+        raise ValueError(
+            f"{weight.shape[0]} vocabulary rows do not fit the padded size {padded_rows}"
+        )
     return torch.cat([weight, weight.new_zeros(padded_rows - weight.shape[0], *weight.shape[1:])])

@@ -26,28 +26,40 @@ from mcore_flash.training import checkpointing
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
 
 
-def mcore_to_hf(load: str, save_hf: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> dict:
+def mcore_to_hf(
+    load: str, save_hf: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print
+) -> dict:
     """Export the latest checkpoint under ``load``; returns ``{"config", "files", "iteration"}``."""
     path, common = checkpointing.read_latest(load, verify_all=True)
     model_args = common.get("model_args")
     if model_args is None:
-        raise ConversionError(f"--load {load}: the checkpoint does not record its model flags (written before they were stored)")
+        raise ConversionError(
+            f"--load {load}: the checkpoint does not record its model flags (written before they were stored)"
+        )
     config = hf_config_from_model_args(model_args, common.get("hf_config"))
 
     stored = dcp_stream.stored_tensors(path)
     maps = tensor_maps(model_args, common["padded_vocab_size"])
     missing = sorted({m.key for m in maps} - set(stored))
     if missing:
-        raise ConversionError(f"--load {load}: the checkpoint lacks {missing[:3]}: not a Llama-shaped GPT checkpoint")
+        raise ConversionError(
+            f"--load {load}: the checkpoint lacks {missing[:3]}: not a Llama-shaped GPT checkpoint"
+        )
     dtype = stored[maps[0].key][1]
-    plan = [(name, tuple(t.shape), dtype) for m in maps for name, t in zip(m.hf_names, m.to_hf(_meta(m, stored)))]
+    plan = [
+        (name, tuple(t.shape), dtype)
+        for m in maps
+        for name, t in zip(m.hf_names, m.to_hf(_meta(m, stored)))
+    ]
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
 
     progress = Progress(len(maps), log)
     with atomic_directory(save_hf, "--save-hf") as tmp:
         writer = StreamingSafetensorsWriter(tmp, plan, max_shard_bytes)
         for tensor_map in maps:
-            for name, tensor in zip(tensor_map.hf_names, tensor_map.to_hf(_read(path, tensor_map, stored))):
+            for name, tensor in zip(
+                tensor_map.hf_names, tensor_map.to_hf(_read(path, tensor_map, stored))
+            ):
                 writer.write(name, tensor.to(dtype).contiguous())
             progress.step(tensor_map.key, tensor_map.layer)
         files = writer.close()
@@ -60,7 +72,9 @@ def _chunk(tensor_map, stored) -> dcp_stream.Chunk:
     shape, dtype = stored[tensor_map.key]
     if tensor_map.layer is None:
         return dcp_stream.Chunk(tensor_map.key, shape, (0,) * len(shape), shape, dtype)
-    return dcp_stream.Chunk(tensor_map.key, shape, (tensor_map.layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]), dtype)
+    return dcp_stream.Chunk(
+        tensor_map.key, shape, (tensor_map.layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]), dtype
+    )
 
 
 def _meta(tensor_map, stored) -> torch.Tensor:

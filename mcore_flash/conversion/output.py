@@ -15,7 +15,9 @@ def atomic_directory(target: str, flag: str):
     """Yield ``<target>.tmp`` to fill; on success it is renamed to ``target``, on any error
     removed, so ``target`` is never half-written. An existing non-empty ``target`` is refused."""
     if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
-        raise ConversionError(f"{flag} {target} already exists and is not empty; choose a new directory")
+        raise ConversionError(
+            f"{flag} {target} already exists and is not empty; choose a new directory"
+        )
     tmp = target.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -38,4 +40,7 @@ class Progress:
     def step(self, key: str, layer) -> None:
         self._done += 1
         if self._done == self._total or self._done % max(1, self._total // 20) == 0:
-            self._log(f"  [{self._done}/{self._total}] {key}" + ("" if layer is None else f" (layer {layer})"))
+            self._log(
+                f"  [{self._done}/{self._total}] {key}"
+                + ("" if layer is None else f" (layer {layer})")
+            )

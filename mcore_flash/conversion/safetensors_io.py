@@ -50,7 +50,9 @@ class HFCheckpointReader:
         for file in files:
             path = os.path.join(hf_dir, file)
             if not os.path.isfile(path):
-                raise ConversionError(f"--hf-dir {hf_dir}: shard {file} named in {source} is missing")
+                raise ConversionError(
+                    f"--hf-dir {hf_dir}: shard {file} named in {source} is missing"
+                )
             header, data_start = _read_header(path)
             for name, entry in header.items():
                 if name != "__metadata__":
@@ -66,18 +68,24 @@ class HFCheckpointReader:
         path, data_start, entry = self._entry(name)
         dtype = _TORCH_DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise ConversionError(f"{path}: tensor {name} has dtype {entry['dtype']}; supported: {sorted(_TORCH_DTYPES)}")
+            raise ConversionError(
+                f"{path}: tensor {name} has dtype {entry['dtype']}; supported: {sorted(_TORCH_DTYPES)}"
+            )
         begin, end = entry["data_offsets"]
         data = torch.empty(end - begin, dtype=torch.uint8)
         with open(path, "rb") as f:
             f.seek(data_start + begin)
             if f.readinto(memoryview(data.numpy())) != end - begin:
-                raise ConversionError(f"{path}: truncated (tensor {name} ends past the end of the file)")
+                raise ConversionError(
+                    f"{path}: truncated (tensor {name} ends past the end of the file)"
+                )
         return data.view(dtype).reshape(entry["shape"])
 
     def _entry(self, name: str):
         if name not in self._entries:
-            raise ConversionError(f"--hf-dir {self._dir}: tensor {name!r} is missing from the checkpoint")
+            raise ConversionError(
+                f"--hf-dir {self._dir}: tensor {name!r} is missing from the checkpoint"
+            )
         return self._entries[name]
 
 
@@ -101,10 +109,17 @@ class StreamingSafetensorsWriter:
     order, and :meth:`close` writes the index (several shards) and checks nothing is missing.
     """
 
-    def __init__(self, out_dir: str, plan: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int):
+    def __init__(
+        self,
+        out_dir: str,
+        plan: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+        max_shard_bytes: int,
+    ):
         for _, _, dtype in plan:
             if dtype not in _DTYPES:
-                raise ConversionError(f"cannot write {dtype} to safetensors here; supported: {list(_DTYPES)}")
+                raise ConversionError(
+                    f"cannot write {dtype} to safetensors here; supported: {list(_DTYPES)}"
+                )
         self._dir = out_dir
         self._shards = _split(plan, max_shard_bytes)
         self._plan = [entry for shard in self._shards for entry in shard]
@@ -115,7 +130,9 @@ class StreamingSafetensorsWriter:
             raise AssertionError(f"{name}: every planned tensor has been written")
         planned = self._plan[self._next]
         if (name, tuple(tensor.shape), tensor.dtype) != planned:
-            raise AssertionError(f"writing {name} {tuple(tensor.shape)} {tensor.dtype}, planned {planned}")
+            raise AssertionError(
+                f"writing {name} {tuple(tensor.shape)} {tensor.dtype}, planned {planned}"
+            )
         if self._file is None:
             self._open_next_shard()
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
@@ -130,13 +147,19 @@ class StreamingSafetensorsWriter:
         """Finish; returns the files written."""
         if self._next != len(self._plan):
             missing = [name for name, _, _ in self._plan[self._next :]]
-            raise AssertionError(f"{len(missing)} planned tensors never written, first {missing[0]}")
+            raise AssertionError(
+                f"{len(missing)} planned tensors never written, first {missing[0]}"
+            )
         files = [self._file_name(i) for i in range(len(self._shards))]
         if len(files) > 1:
-            weight_map = {name: files[i] for i, shard in enumerate(self._shards) for name, _, _ in shard}
+            weight_map = {
+                name: files[i] for i, shard in enumerate(self._shards) for name, _, _ in shard
+            }
             total = sum(_nbytes(shape, dtype) for _, shape, dtype in self._plan)
             with open(os.path.join(self._dir, INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
+                )
         return files
 
     def _file_name(self, i: int) -> str:
@@ -149,7 +172,11 @@ class StreamingSafetensorsWriter:
         header, offset = {}, 0
         for name, shape, dtype in self._shards[self._shard]:
             size = _nbytes(shape, dtype)
-            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": _DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             offset += size
         header["__metadata__"] = {"format": "pt"}
         encoded = json.dumps(header, separators=(",", ":")).encode()

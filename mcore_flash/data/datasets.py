@@ -68,7 +68,9 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], Optional[list[
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` -> normalised [train, valid, test] weights (missing ones are 0)."""
     if not isinstance(split, str) or not _SPLIT_RE.fullmatch(split):
-        raise DataError(f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1")
+        raise DataError(
+            f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1"
+        )
     values = [float(v) for v in re.findall(r"\d+(?:\.\d*)?", split)]
     values += [0.0] * (3 - len(values))
     if sum(values) <= 0:
@@ -81,7 +83,9 @@ def _check_sizes(sizes: Sequence[Optional[int]]) -> list[Optional[int]]:
     out = []
     for name, size in zip(_SPLIT_NAMES, sizes):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-            raise DataError(f"{name}_samples {size!r}: must be a non-negative integer or None (one epoch)")
+            raise DataError(
+                f"{name}_samples {size!r}: must be a non-negative integer or None (one epoch)"
+            )
         out.append(size)
     return out
 
@@ -131,7 +135,9 @@ def build_datasets(
         raise DataError(f"--seq-length {seq_length!r}: must be a positive integer")
     sizes = _check_sizes([train_samples, valid_samples, test_samples])
 
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     if mock:
@@ -140,7 +146,9 @@ def build_datasets(
         blend, cls = None, MockGPTDataset
     else:
         if not data_path:
-            raise DataError("--data-path is required (or pass --mock-data); make one with `mcore-flash preprocess`")
+            raise DataError(
+                "--data-path is required (or pass --mock-data); make one with `mcore-flash preprocess`"
+            )
         prefixes, weights = parse_data_path(data_path)
         fractions = parse_split(split)
         if not cache_dir:
@@ -200,7 +208,11 @@ def _check_prefix(prefix: str, vocab_size: int, tokenizer_name: str, scan_tokens
     from mcore_flash.data.indexed import check_indexed_dataset
 
     return check_indexed_dataset(
-        prefix, arg="--data-path", vocab_size=vocab_size, tokenizer_name=tokenizer_name, scan_tokens=scan_tokens
+        prefix,
+        arg="--data-path",
+        vocab_size=vocab_size,
+        tokenizer_name=tokenizer_name,
+        scan_tokens=scan_tokens,
     )
 
 

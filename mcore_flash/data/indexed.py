@@ -35,7 +35,14 @@ __all__ = ["IndexSummary", "check_indexed_dataset", "atomic_indexed_dataset_buil
 
 _HEADER = b"MMIDIDX\x00\x00"
 _HEADER_BYTES = 9 + 8 + 1 + 8 + 8
-_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64, 8: numpy.uint16}
+_DTYPES = {
+    1: numpy.uint8,
+    2: numpy.int8,
+    3: numpy.int16,
+    4: numpy.int32,
+    5: numpy.int64,
+    8: numpy.uint16,
+}
 _FLOAT_CODES = {6: "float64", 7: "float32"}
 _CHUNK = 1 << 22
 
@@ -55,7 +62,9 @@ class IndexSummary:
     num_documents: int
     num_tokens: int
     sequence_lengths: numpy.ndarray  # int32[num_sequences], memory-mapped
-    max_token_checked: Optional[int]  # max id over the scanned prefix of the .bin (None: not scanned)
+    max_token_checked: Optional[
+        int
+    ]  # max id over the scanned prefix of the .bin (None: not scanned)
 
 
 def _rerun_hint() -> str:
@@ -126,7 +135,9 @@ def check_indexed_dataset(
     doc_idx = numpy.frombuffer(mm, dtype=numpy.int64, count=d, offset=_HEADER_BYTES + 12 * n)
 
     if doc_idx[0] != 0 or doc_idx[-1] != n:
-        raise corrupt(f"document boundaries run from {doc_idx[0]} to {doc_idx[-1]}, expected 0 to {n}")
+        raise corrupt(
+            f"document boundaries run from {doc_idx[0]} to {doc_idx[-1]}, expected 0 to {n}"
+        )
     total = 0
     for start in range(0, n, _CHUNK):
         ln = lengths[start : start + _CHUNK].astype(numpy.int64)
@@ -136,7 +147,9 @@ def check_indexed_dataset(
         bad = numpy.nonzero(pointers[start : start + _CHUNK] != expect_ptr)[0]
         if bad.size:
             i = start + int(bad[0])
-            raise corrupt(f"sequence {i} points at byte {pointers[i]}, expected {expect_ptr[bad[0]]}")
+            raise corrupt(
+                f"sequence {i} points at byte {pointers[i]}, expected {expect_ptr[bad[0]]}"
+            )
         total += int(ln.sum())
     for start in range(0, d, _CHUNK):
         chunk = doc_idx[max(start - 1, 0) : start + _CHUNK]
@@ -180,7 +193,9 @@ def atomic_indexed_dataset_builder(prefix: str, dtype: type) -> Iterator[object]
     The old ``prefix.idx`` (if any) is removed before the new ``.bin`` is renamed in, so a
     reader never sees a new ``.bin`` with an old ``.idx``.
     """
-    with warnings.catch_warnings():  # megatron's import-time "Transformer Engine/Apex missing" noise
+    with (
+        warnings.catch_warnings()
+    ):  # megatron's import-time "Transformer Engine/Apex missing" noise
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

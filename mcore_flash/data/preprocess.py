@@ -72,7 +72,12 @@ class _Encoder:
         except json.JSONDecodeError as err:
             return lineno, None, f"invalid JSON ({err.msg} at column {err.colno})", len(raw)
         if not isinstance(obj, dict):
-            return lineno, None, f"expected a JSON object per line, got a JSON {type(obj).__name__}", len(raw)
+            return (
+                lineno,
+                None,
+                f"expected a JSON object per line, got a JSON {type(obj).__name__}",
+                len(raw),
+            )
         out = {}
         for key in self.json_keys:
             if key not in obj:
@@ -85,7 +90,12 @@ class _Encoder:
                 )
             value = obj[key]
             if not isinstance(value, str):
-                return lineno, None, f"key {key!r} holds a {type(value).__name__}, expected a string", len(raw)
+                return (
+                    lineno,
+                    None,
+                    f"key {key!r} holds a {type(value).__name__}, expected a string",
+                    len(raw),
+                )
             try:
                 ids = self.tokenizer.tokenize(value)
             except DataError as err:
@@ -144,12 +154,16 @@ def preprocess(
     if workers < 1:
         raise DataError(f"--workers {workers}: must be >= 1")
     if not output_prefix or output_prefix.endswith(os.sep):
-        raise DataError(f"--output-prefix {output_prefix!r}: give a path prefix such as data/my_corpus")
+        raise DataError(
+            f"--output-prefix {output_prefix!r}: give a path prefix such as data/my_corpus"
+        )
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as err:
-        raise DataError(f"--output-prefix {output_prefix}: cannot create {out_dir} ({err.strerror})") from None
+        raise DataError(
+            f"--output-prefix {output_prefix}: cannot create {out_dir} ({err.strerror})"
+        ) from None
     if not os.access(out_dir, os.W_OK):
         raise DataError(f"--output-prefix {output_prefix}: {out_dir} is not writable")
 
@@ -232,9 +246,15 @@ def _parser() -> argparse.ArgumentParser:
         prog="mcore-flash preprocess",
         description="Tokenize a jsonl file into Megatron .bin/.idx datasets (PREFIX_<key>_document).",
     )
-    p.add_argument("--input", required=True, help="jsonl (or jsonl.gz) file, one JSON object per line")
-    p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_<key>_document.bin/.idx")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+    p.add_argument(
+        "--input", required=True, help="jsonl (or jsonl.gz) file, one JSON object per line"
+    )
+    p.add_argument(
+        "--output-prefix", required=True, help="writes OUTPUT_PREFIX_<key>_document.bin/.idx"
+    )
+    p.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)"
+    )
     p.add_argument(
         "--tokenizer-type",
         default=DEFAULT_TOKENIZER_TYPE,
@@ -244,7 +264,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only: number of ids")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
-    p.add_argument("--log-interval", type=int, default=10000, help="progress line every N documents")
+    p.add_argument(
+        "--log-interval", type=int, default=10000, help="progress line every N documents"
+    )
     return p
 
 

@@ -56,7 +56,9 @@ __all__ = [
     "QUERY",
 ]
 
-KEY_ALPHABET = numpy.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=numpy.uint8).astype(numpy.int64)
+KEY_ALPHABET = numpy.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=numpy.uint8).astype(
+    numpy.int64
+)
 FILLER_ALPHABET = numpy.frombuffer(b"0123456789", dtype=numpy.uint8).astype(numpy.int64)
 START, SEP, QUERY = ord("@"), ord(":"), ord("?")
 EOD = ByteTokenizer.EOD
@@ -108,16 +110,22 @@ class LongRangeTask:
         return math.log(26)
 
 
-def make_task(seq_length: int, key_length: Optional[int] = None, distance: Optional[int] = None) -> LongRangeTask:
+def make_task(
+    seq_length: int, key_length: Optional[int] = None, distance: Optional[int] = None
+) -> LongRangeTask:
     """Validate the layout. Defaults: ``key_length = max(2, seq_length // 16)``,
     ``distance = seq_length - key_length - 2`` (the longest)."""
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 8:
-        raise DataError(f"--seq-length {seq_length!r}: the synthetic task needs a sequence of at least 8 tokens")
+        raise DataError(
+            f"--seq-length {seq_length!r}: the synthetic task needs a sequence of at least 8 tokens"
+        )
     if key_length is None:
         key_length = max(2, seq_length // 16)
     max_key = (seq_length - 4) // 2
     if not 1 <= key_length <= max_key:
-        raise DataError(f"synthetic key_length {key_length}: must be in [1, {max_key}] for seq_length {seq_length}")
+        raise DataError(
+            f"synthetic key_length {key_length}: must be in [1, {max_key}] for seq_length {seq_length}"
+        )
     longest = seq_length - key_length - 2
     if distance is None:
         distance = longest

@@ -63,7 +63,12 @@ __all__ = [
 ]
 
 DEFAULT_TOKENIZER_TYPE = "ByteTokenizer"
-TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = (
+    "ByteTokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "NullTokenizer",
+)
 _ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
 # Megatron-LM --tokenizer-type values that have no implementation here.
 _MEGATRON_LM_ONLY = (
@@ -124,7 +129,9 @@ class Tokenizer(abc.ABC):
         return self._pad
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
+        return (
+            f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
+        )
 
 
 class ByteTokenizer(Tokenizer):
@@ -213,7 +220,9 @@ class HFTokenizer(Tokenizer):
                 "tokenizer.json of a `tokenizers`/`transformers` fast tokenizer"
             ) from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        size = max(
+            self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1
+        )
         eod = next((vocab[t] for t in _HF_EOD_CANDIDATES if t in vocab), None)
         if eod is None:
             eod, size = size, size + 1
@@ -224,7 +233,9 @@ class HFTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self._tok.get_vocab_size(True)])
+        return self._tok.decode(
+            [int(i) for i in ids if 0 <= int(i) < self._tok.get_vocab_size(True)]
+        )
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -239,7 +250,9 @@ class SentencePieceTokenizer(Tokenizer):
             import sentencepiece  # optional dependency, imported only when asked for
         except ImportError:
             raise _missing_package("SentencePieceTokenizer", "sentencepiece") from None
-        file = _existing_model_path("SentencePieceTokenizer", model_path, dir_file="tokenizer.model")
+        file = _existing_model_path(
+            "SentencePieceTokenizer", model_path, dir_file="tokenizer.model"
+        )
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=file)
         except Exception as err:
@@ -300,13 +313,17 @@ def build_tokenizer(
         lowered = {t.lower(): t for t in TOKENIZER_TYPES}
         stem = name.lower().rstrip("s").replace("tokenizer", "")
         close = [t for low, t in lowered.items() if stem and low.startswith(stem)]
-        close = close or [lowered[c] for c in difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=0.5)]
+        close = close or [
+            lowered[c] for c in difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=0.5)
+        ]
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise DataError(
             f"--tokenizer-type {name!r} is unknown{hint}; choose one of {', '.join(TOKENIZER_TYPES)}"
         )
     if name != "NullTokenizer" and vocab_size is not None:
-        raise DataError(f"--vocab-size is only used by --tokenizer-type NullTokenizer, not {name}; drop it")
+        raise DataError(
+            f"--vocab-size is only used by --tokenizer-type NullTokenizer, not {name}; drop it"
+        )
     if name in ("ByteTokenizer", "NullTokenizer") and tokenizer_model:
         raise DataError(
             f"--tokenizer-model {tokenizer_model}: --tokenizer-type {name} uses no model file; drop "
@@ -323,7 +340,9 @@ def build_tokenizer(
     return SentencePieceTokenizer(tokenizer_model)
 
 
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1) -> int:
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
     """Megatron-LM's embedding size: ``vocab_size`` rounded up to a multiple of
     ``make_vocab_size_divisible_by * tensor_model_parallel_size``."""
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size

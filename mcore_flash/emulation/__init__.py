@@ -58,7 +58,9 @@ def install() -> None:
         return
     loaded = sys.modules.get("torch_npu")
     if loaded is not None:
-        raise RuntimeError(f"a real torch_npu is already imported ({loaded.__file__}); the emulation needs a fresh process")
+        raise RuntimeError(
+            f"a real torch_npu is already imported ({loaded.__file__}); the emulation needs a fresh process"
+        )
     sys.meta_path.insert(0, _TorchNpuFinder())
 
 
@@ -113,8 +115,12 @@ def op_double(calls: Optional[list] = None) -> types.ModuleType:
     tensors). ``module.calls`` (``calls`` if given) records every call."""
     from . import fused_ops, fusion_attention
 
-    module = types.ModuleType("torch_npu", "contract doubles of torch_npu's operators (mcore_flash.emulation)")
+    module = types.ModuleType(
+        "torch_npu", "contract doubles of torch_npu's operators (mcore_flash.emulation)"
+    )
     module.calls = [] if calls is None else calls
-    module.npu_fusion_attention, module.npu_fusion_attention_grad = fusion_attention.make_ops(module.calls)
+    module.npu_fusion_attention, module.npu_fusion_attention_grad = fusion_attention.make_ops(
+        module.calls
+    )
     module.npu_rms_norm, module.npu_swiglu = fused_ops.make_ops(module.calls)
     return module

@@ -79,10 +79,23 @@ def make_ops(record: list):
         if gamma.dtype != x.dtype:
             _fail(op, f"gamma dtype {gamma.dtype} must equal x dtype {x.dtype}")
         if not 1 <= x.dim() <= 8 or not 1 <= gamma.dim() <= x.dim():
-            _fail(op, f"x must have 1-8 dims and gamma at most as many, got {tuple(x.shape)} and {tuple(gamma.shape)}")
-        if tuple(gamma.shape) != tuple(x.shape[x.dim() - gamma.dim():]):
-            _fail(op, f"gamma shape {tuple(gamma.shape)} must equal x's trailing dims {tuple(x.shape)}")
-        record.append(dict(name=op, x_shape=tuple(x.shape), dtype=x.dtype, noncontiguous=[] if x.is_contiguous() else ["x"]))
+            _fail(
+                op,
+                f"x must have 1-8 dims and gamma at most as many, got {tuple(x.shape)} and {tuple(gamma.shape)}",
+            )
+        if tuple(gamma.shape) != tuple(x.shape[x.dim() - gamma.dim() :]):
+            _fail(
+                op,
+                f"gamma shape {tuple(gamma.shape)} must equal x's trailing dims {tuple(x.shape)}",
+            )
+        record.append(
+            dict(
+                name=op,
+                x_shape=tuple(x.shape),
+                dtype=x.dtype,
+                noncontiguous=[] if x.is_contiguous() else ["x"],
+            )
+        )
         return _RMSNorm.apply(x, gamma, float(epsilon))
 
     def npu_swiglu(x, dim=-1):
@@ -90,9 +103,14 @@ def make_ops(record: list):
         if x.dtype not in _DTYPES:
             _fail(op, f"x dtype {x.dtype} unsupported (float16, bfloat16, float32 only)")
         if not 1 <= x.dim() <= 8 or not -x.dim() <= dim < x.dim():
-            _fail(op, f"x must have 1-8 dims and dim in [-{x.dim()}, {x.dim() - 1}], got {tuple(x.shape)}, dim={dim}")
+            _fail(
+                op,
+                f"x must have 1-8 dims and dim in [-{x.dim()}, {x.dim() - 1}], got {tuple(x.shape)}, dim={dim}",
+            )
         if x.numel() == 0 or x.shape[dim] % 2:
-            _fail(op, f"x must be non-empty with an even size along dim {dim}, got {tuple(x.shape)}")
+            _fail(
+                op, f"x must be non-empty with an even size along dim {dim}, got {tuple(x.shape)}"
+            )
         if not x.is_contiguous():
             _fail(op, "non-contiguous input is not supported")
         record.append(dict(name=op, x_shape=tuple(x.shape), dtype=x.dtype, noncontiguous=[]))

@@ -46,7 +46,10 @@ def _fail(msg: str) -> None:
 
 def compressed_causal_mask(device=None) -> torch.Tensor:
     """The contract's compressed causal mask ``triu(ones(2048, 2048, bool), diagonal=1)``."""
-    return torch.triu(torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device), diagonal=1)
+    return torch.triu(
+        torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device),
+        diagonal=1,
+    )
 
 
 _COMPRESSED_CPU = compressed_causal_mask()
@@ -105,7 +108,8 @@ class FusionAttentionArgs:
         return [
             name
             for name in self.tensor_inputs
-            if isinstance(getattr(self, name), torch.Tensor) and not getattr(self, name).is_contiguous()
+            if isinstance(getattr(self, name), torch.Tensor)
+            and not getattr(self, name).is_contiguous()
         ]
 
 
@@ -208,10 +212,15 @@ def _from_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.permute(2, 0, 1, 3).reshape(s, b, n * d).contiguous()  # SBH
 
 
-
 def _canonical_qkv(args: FusionAttentionArgs):
     """Validate and return float64 [B, N, S, D] q, k, v plus (nq, nkv)."""
-    query, key, value, head_num, layout = args.query, args.key, args.value, args.head_num, args.layout
+    query, key, value, head_num, layout = (
+        args.query,
+        args.key,
+        args.value,
+        args.head_num,
+        args.layout,
+    )
     if layout not in LAYOUTS:
         _fail(f"input_layout must be one of {LAYOUTS}, got {layout!r}")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -222,7 +231,9 @@ def _canonical_qkv(args: FusionAttentionArgs):
     if not (query.dtype == key.dtype == value.dtype):
         _fail(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
     if key.shape != value.shape:
-        _fail(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+        _fail(
+            f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if not isinstance(head_num, int) or isinstance(head_num, bool):
         _fail(f"head_num must be an int, got {type(head_num).__name__}")
     if layout in ("BSH", "SBH"):
@@ -233,7 +244,10 @@ def _canonical_qkv(args: FusionAttentionArgs):
         k = _to_bnsd(key, layout, key.shape[-1] // d, "key")
         v = _to_bnsd(value, layout, value.shape[-1] // d, "value")
     else:
-        q, k, v = (_to_bnsd(x, layout, None, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+        q, k, v = (
+            _to_bnsd(x, layout, None, n)
+            for x, n in ((query, "query"), (key, "key"), (value, "value"))
+        )
         if q.shape[1] != head_num:
             _fail(f"head_num={head_num} but query has {q.shape[1]} heads in layout {layout}")
     nq, nkv = q.shape[1], k.shape[1]
@@ -250,9 +264,10 @@ def _canonical_qkv(args: FusionAttentionArgs):
     return q.double(), k.double(), v.double(), nq, nkv
 
 
-
 def _cum_list(x, name: str, total: int) -> list[int]:
-    if not isinstance(x, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in x):
+    if not isinstance(x, (list, tuple)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in x
+    ):
         _fail(f"{name} must be a Python list/tuple of ints for TND, got {type(x).__name__}: {x!r}")
     x = list(x)
     if not x:
@@ -285,7 +300,9 @@ def _visible(args: FusionAttentionArgs, q, k, seq_q, seq_k) -> torch.Tensor:
         raise NotImplementedError(f"npu_double: sparse_mode={mode} is unsupported in the double")
     if atten_mask is not None:
         if not isinstance(atten_mask, torch.Tensor) or atten_mask.dtype not in MASK_DTYPES:
-            _fail(f"atten_mask must be a bool/uint8 tensor, got {getattr(atten_mask, 'dtype', type(atten_mask))}")
+            _fail(
+                f"atten_mask must be a bool/uint8 tensor, got {getattr(atten_mask, 'dtype', type(atten_mask))}"
+            )
         if atten_mask.dtype == torch.uint8 and bool(((atten_mask != 0) & (atten_mask != 1)).any()):
             _fail("uint8 atten_mask must hold only 0/1")
         atten_mask = atten_mask.bool()
@@ -309,8 +326,12 @@ def _visible(args: FusionAttentionArgs, q, k, seq_q, seq_k) -> torch.Tensor:
 
     if atten_mask is None:
         if default_mode_band:
-            raise NotImplementedError("npu_double: tockens band without atten_mask is unsupported in the double")
-        return torch.ones(1, 1, sq, sk, dtype=torch.bool, device=dev)  # FULL attention, any sparse_mode
+            raise NotImplementedError(
+                "npu_double: tockens band without atten_mask is unsupported in the double"
+            )
+        return torch.ones(
+            1, 1, sq, sk, dtype=torch.bool, device=dev
+        )  # FULL attention, any sparse_mode
 
     if mode in COMPRESSED_MASK_MODES:
         _check_compressed(atten_mask, mode)
@@ -363,7 +384,9 @@ def _check_band_tockens(args: FusionAttentionArgs, seq_q, seq_k, sq: int, sk: in
     """sparse_mode 4's rules on pre/next_tockens, for every (sequence's) block."""
     pre_tockens, next_tockens = args.pre_tockens, args.next_tockens
     if pre_tockens + next_tockens < 0:
-        _fail(f"sparse_mode=4: pre_tockens={pre_tockens} and next_tockens={next_tockens} do not overlap")
+        _fail(
+            f"sparse_mode=4: pre_tockens={pre_tockens} and next_tockens={next_tockens} do not overlap"
+        )
     blocks = _sequence_blocks(seq_q, seq_k) if args.layout == "TND" else [(sq, sk)]
     for n_q, n_k in blocks:
         if next_tockens < 0 and -next_tockens >= n_k:
@@ -379,7 +402,9 @@ def _check_compressed(mask: torch.Tensor, sparse_mode: int) -> None:
             f"triu(ones, 1), got shape {tuple(mask.shape)}"
         )
     if not torch.equal(mask.cpu(), _COMPRESSED_CPU):
-        _fail(f"sparse_mode={sparse_mode}: the {COMPRESSED_MASK_SIZE}x{COMPRESSED_MASK_SIZE} mask is not triu(ones, diagonal=1)")
+        _fail(
+            f"sparse_mode={sparse_mode}: the {COMPRESSED_MASK_SIZE}x{COMPRESSED_MASK_SIZE} mask is not triu(ones, diagonal=1)"
+        )
 
 
 def _check_empty_rows(args: FusionAttentionArgs, visible, seq_q, seq_k) -> torch.Tensor:
@@ -393,9 +418,15 @@ def _check_empty_rows(args: FusionAttentionArgs, visible, seq_q, seq_k) -> torch
                     "Sq <= Skv for every sequence (inner_precise does not apply in TND)"
                 )
         if bool(empty.any()):
-            _fail(f"{int(empty.sum())} query rows see no key in TND; inner_precise does not apply in varlen")
+            _fail(
+                f"{int(empty.sum())} query rows see no key in TND; inner_precise does not apply in varlen"
+            )
         return empty
-    if bool(empty.any()) and args.inner_precise != 2 and args.sparse_mode != SparseMode.RIGHT_DOWN_CAUSAL:
+    if (
+        bool(empty.any())
+        and args.inner_precise != 2
+        and args.sparse_mode != SparseMode.RIGHT_DOWN_CAUSAL
+    ):
         _fail(
             f"{int(empty.sum())} query rows are entirely masked with sparse_mode={args.sparse_mode} and "
             f"inner_precise={args.inner_precise}; the contract needs inner_precise=2 for such rows"
@@ -432,16 +463,22 @@ def _common_checks(args: FusionAttentionArgs) -> None:
     if args.inner_precise not in (0, 1, 2, 3):
         _fail(f"inner_precise must be 0..3, got {args.inner_precise!r}")
     if any(x is not None for x in (args.pse, args.padding_mask, args.prefix, args.sink)):
-        raise NotImplementedError("npu_double: pse / padding_mask / prefix / sink are unsupported in the double")
+        raise NotImplementedError(
+            "npu_double: pse / padding_mask / prefix / sink are unsupported in the double"
+        )
     if args.softmax_layout not in ("", "TND"):
-        _fail(f"only supported softmax_layout=TND (or the default \"\"), got {args.softmax_layout!r}")
+        _fail(f'only supported softmax_layout=TND (or the default ""), got {args.softmax_layout!r}')
     if args.softmax_layout == "TND" and args.layout != "TND":
         _fail("softmax_layout=TND only supported when input_layout_str=TND")
-    if args.layout != "TND" and (args.actual_seq_qlen is not None or args.actual_seq_kvlen is not None):
+    if args.layout != "TND" and (
+        args.actual_seq_qlen is not None or args.actual_seq_kvlen is not None
+    ):
         _fail(f"actual_seq_qlen/actual_seq_kvlen are only for TND, got layout {args.layout}")
 
 
-def _sequence_ends(args: FusionAttentionArgs, q, k) -> tuple[Optional[list[int]], Optional[list[int]]]:
+def _sequence_ends(
+    args: FusionAttentionArgs, q, k
+) -> tuple[Optional[list[int]], Optional[list[int]]]:
     """TND: the validated cumulative ends of the query and key sequences; (None, None) otherwise."""
     if args.layout != "TND":
         return None, None
@@ -452,7 +489,9 @@ def _sequence_ends(args: FusionAttentionArgs, q, k) -> tuple[Optional[list[int]]
     if len(sq_) != len(sk_):
         _fail(f"actual_seq_qlen has {len(sq_)} sequences, actual_seq_kvlen {len(sk_)}")
     if sq_[0] == 0 and sk_[0] == 0:
-        _fail(f"actual_seq_qlen/kvlen start with 0 ({sq_[:4]}...): they are cumulative ends WITHOUT the leading 0")
+        _fail(
+            f"actual_seq_qlen/kvlen start with 0 ({sq_[:4]}...): they are cumulative ends WITHOUT the leading 0"
+        )
     return sq_, sk_
 
 
@@ -463,12 +502,20 @@ def _check_grad_inputs(args: FusionAttentionGradArgs, q) -> None:
     query = args.query
     for name, x in (("dy", args.dy), ("attention_in", args.attention_in)):
         if not isinstance(x, torch.Tensor) or x.shape != query.shape or x.dtype != query.dtype:
-            _fail(f"{name} must be a tensor shaped and typed like query {tuple(query.shape)} {query.dtype}")
+            _fail(
+                f"{name} must be a tensor shaped and typed like query {tuple(query.shape)} {query.dtype}"
+            )
     b, nq, sq, _ = q.shape
     stat_shape = (sq, nq, 8) if args.layout == "TND" else (b, nq, sq, 8)
     for name, x in (("softmax_max", args.softmax_max), ("softmax_sum", args.softmax_sum)):
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != stat_shape or x.dtype != torch.float32:
-            _fail(f"{name} must be float32 {stat_shape}, got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
+        if (
+            not isinstance(x, torch.Tensor)
+            or tuple(x.shape) != stat_shape
+            or x.dtype != torch.float32
+        ):
+            _fail(
+                f"{name} must be float32 {stat_shape}, got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}"
+            )
 
 
 # ---- statistics and scores ------------------------------------------------------------------
@@ -515,7 +562,9 @@ def _check_statistics(scores, visible, softmax_max, softmax_sum) -> None:
     local_sum = torch.exp(scores - torch.where(seen, big, 0.0).unsqueeze(-1)).sum(dim=-1)
     below = seen & (big < local_max - tol)
     if bool(below.any()):
-        _fail(f"softmax_max is below the largest score of {int(below.sum())} rows: it is not a row maximum")
+        _fail(
+            f"softmax_max is below the largest score of {int(below.sum())} rows: it is not a row maximum"
+        )
     is_max = (big - local_max).abs() <= tol
     merged = total - local_sum >= 1.0 - 1e-3
     wrong = seen & ~(is_max | merged)
@@ -541,11 +590,32 @@ def make_ops(record: list):
     """``(npu_fusion_attention, npu_fusion_attention_grad)`` appending one dict per call to ``record``."""
 
     def npu_fusion_attention(
-        query, key, value, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None,
-        scale=1.0, keep_prob=1.0, pre_tockens=MAX_TOCKENS, next_tockens=MAX_TOCKENS, inner_precise=0,
-        prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
-        gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0,
-    ):  # fmt: skip
+        query,
+        key,
+        value,
+        head_num,
+        input_layout,
+        *,
+        pse=None,
+        padding_mask=None,
+        atten_mask=None,
+        scale=1.0,
+        keep_prob=1.0,
+        pre_tockens=MAX_TOCKENS,
+        next_tockens=MAX_TOCKENS,
+        inner_precise=0,
+        prefix=None,
+        actual_seq_qlen=None,
+        actual_seq_kvlen=None,
+        sparse_mode=0,
+        gen_mask_parallel=True,
+        sync=False,
+        softmax_layout="",
+        sink=None,
+        dropout_mask=None,
+        seed=0,
+        offset=0,
+    ):
         """``-> (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``."""
         args = FusionAttentionArgs(
             query=query,
@@ -571,7 +641,9 @@ def make_ops(record: list):
         q, k, v, _, _ = _canonical_qkv(args)
         _common_checks(args)
         if dropout_mask is not None or seed or offset:
-            raise NotImplementedError("npu_double: dropout_mask / seed / offset inputs are unsupported in the double")
+            raise NotImplementedError(
+                "npu_double: dropout_mask / seed / offset inputs are unsupported in the double"
+            )
         seq_q, seq_k = _sequence_ends(args, q, k)
         visible = _visible(args, q, k, seq_q, seq_k)
         empty = _check_empty_rows(args, visible, seq_q, seq_k)
@@ -586,22 +658,59 @@ def make_ops(record: list):
         dropout = DropoutDraw()
         if keep_prob < 1.0:
             dropout = _draw_dropout(query.device, p.numel())
-            p = p * dropout_keep(dropout.seed, dropout.offset, p.shape, keep_prob, p.device) / keep_prob
+            p = (
+                p
+                * dropout_keep(dropout.seed, dropout.offset, p.shape, keep_prob, p.device)
+                / keep_prob
+            )
         out = (p @ ve).to(query.dtype)
 
         max_out = torch.where(empty, float("-inf"), row_max)
         record.append(_call_record("npu_fusion_attention", args, dropout, p.shape))
         stats = [_stats_out(x, input_layout, softmax_layout) for x in (max_out, row_sum)]
         softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
-        return (_from_bnsd(out, input_layout), stats[0], stats[1], softmax_out, dropout.seed, dropout.offset, dropout.numels)
+        return (
+            _from_bnsd(out, input_layout),
+            stats[0],
+            stats[1],
+            softmax_out,
+            dropout.seed,
+            dropout.offset,
+            dropout.numels,
+        )
 
     def npu_fusion_attention_grad(
-        query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None,
-        softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None, scale_value=1.0,
-        keep_prob=1.0, pre_tockens=MAX_TOCKENS, next_tockens=MAX_TOCKENS, inner_precise=0, seed=0,
-        offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
-        gen_mask_parallel=True, sync=False, softmax_layout="", sink=None,
-    ):  # fmt: skip
+        query,
+        key,
+        value,
+        dy,
+        head_num,
+        input_layout,
+        *,
+        pse=None,
+        padding_mask=None,
+        atten_mask=None,
+        softmax_max=None,
+        softmax_sum=None,
+        softmax_in=None,
+        attention_in=None,
+        scale_value=1.0,
+        keep_prob=1.0,
+        pre_tockens=MAX_TOCKENS,
+        next_tockens=MAX_TOCKENS,
+        inner_precise=0,
+        seed=0,
+        offset=0,
+        numels=0,
+        prefix=None,
+        actual_seq_qlen=None,
+        actual_seq_kvlen=None,
+        sparse_mode=0,
+        gen_mask_parallel=True,
+        sync=False,
+        softmax_layout="",
+        sink=None,
+    ):
         """``-> (dq, dk, dv, dpse, dsink)``: ``dpse`` None, ``dsink`` empty, as torch_npu 2.13."""
         args = FusionAttentionGradArgs(
             query=query,
@@ -649,7 +758,9 @@ def make_ops(record: list):
         pd = p
         if keep_prob < 1.0:
             if numels != p.numel():
-                _fail(f"numels={numels} does not match this call's dropout size {p.numel()} (replay mismatch)")
+                _fail(
+                    f"numels={numels} does not match this call's dropout size {p.numel()} (replay mismatch)"
+                )
             z = dropout_keep(seed, offset, p.shape, keep_prob, p.device).double() / keep_prob
             pd, dp = p * z, dp * z
         delta = (do * o).sum(dim=-1, keepdim=True)
@@ -662,7 +773,10 @@ def make_ops(record: list):
         dv = dve.view(bk, nkv, nq // nkv, skk, v.shape[-1]).sum(dim=2)
         record.append(_call_record("npu_fusion_attention_grad", args, args.dropout, p.shape))
 
-        grads = (_from_bnsd(x, input_layout).to(like.dtype) for x, like in ((dq, query), (dk, key), (dv, value)))
+        grads = (
+            _from_bnsd(x, input_layout).to(like.dtype)
+            for x, like in ((dq, query), (dk, key), (dv, value))
+        )
         return (*grads, None, torch.empty(0, device=query.device))
 
     return npu_fusion_attention, npu_fusion_attention_grad

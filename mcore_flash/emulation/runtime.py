@@ -70,7 +70,9 @@ class Stream:
 class Event:
     """A device event; ``elapsed_time`` is 0 (no device clock is modelled)."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ):
         self.enable_timing = enable_timing
 
     def record(self, stream=None) -> None:
@@ -90,9 +92,16 @@ class Event:
 
 
 _RANDOM_API = (
-    "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
-    "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed",
-)  # fmt: skip
+    "get_rng_state",
+    "set_rng_state",
+    "get_rng_state_all",
+    "set_rng_state_all",
+    "manual_seed",
+    "manual_seed_all",
+    "seed",
+    "seed_all",
+    "initial_seed",
+)
 
 
 class NpuRuntime:
@@ -106,13 +115,35 @@ class NpuRuntime:
     Stream = Stream
     Event = Event
     __all__ = (
-        "is_initialized", "is_available", "device_count", "set_device", "current_device", "device",
-        "get_device_name", "get_device_properties", "get_device_capability", "is_bf16_supported",
-        "get_amp_supported_dtype", "synchronize", "stream", "set_stream", "current_stream",
-        "default_stream", "Stream", "Event", "mem_get_info", "empty_cache", "memory_stats",
-        "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-        "reset_peak_memory_stats", "reset_max_memory_allocated", *_RANDOM_API,
-    )  # fmt: skip
+        "is_initialized",
+        "is_available",
+        "device_count",
+        "set_device",
+        "current_device",
+        "device",
+        "get_device_name",
+        "get_device_properties",
+        "get_device_capability",
+        "is_bf16_supported",
+        "get_amp_supported_dtype",
+        "synchronize",
+        "stream",
+        "set_stream",
+        "current_stream",
+        "default_stream",
+        "Stream",
+        "Event",
+        "mem_get_info",
+        "empty_cache",
+        "memory_stats",
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_reserved",
+        "max_memory_reserved",
+        "reset_peak_memory_stats",
+        "reset_max_memory_allocated",
+        *_RANDOM_API,
+    )
 
     def __init__(self, device_count: int):
         self._count = device_count
@@ -123,7 +154,9 @@ class NpuRuntime:
         self._generators = tuple(torch.Generator() for _ in range(device_count))
         self._allocated = 0
         self._peak = 0
-        self.random = SimpleNamespace(__all__=_RANDOM_API, **{name: getattr(self, name) for name in _RANDOM_API})
+        self.random = SimpleNamespace(
+            __all__=_RANDOM_API, **{name: getattr(self, name) for name in _RANDOM_API}
+        )
 
     # ---- devices -----------------------------------------------------------------------
 
@@ -219,7 +252,12 @@ class NpuRuntime:
         return "Ascend910B (emulated on the CPU)"
 
     def get_device_properties(self, device=None):
-        return SimpleNamespace(name=self.get_device_name(), total_memory=TOTAL_MEMORY, cube_core_num=24, vector_core_num=48)
+        return SimpleNamespace(
+            name=self.get_device_name(),
+            total_memory=TOTAL_MEMORY,
+            cube_core_num=24,
+            vector_core_num=48,
+        )
 
     def get_device_capability(self, device=None):
         """torch_npu 2.13: ``(major, minor)`` from ``TORCH_NPU_DEVICE_CAPABILITY="major.minor"``, else None."""
@@ -285,7 +323,9 @@ class NpuRuntime:
         self._lazy_init()
         return self._generators[self._index(device)].get_state()
 
-    def set_rng_state(self, new_state: torch.Tensor, device: Union[int, str, torch.device] = NAME) -> None:
+    def set_rng_state(
+        self, new_state: torch.Tensor, device: Union[int, str, torch.device] = NAME
+    ) -> None:
         new_state = new_state.clone()
         self._lazy_call(lambda: self._generators[self._index(device)].set_state(new_state))
 
@@ -337,7 +377,9 @@ class NpuRuntime:
 def _device_count_from_env() -> int:
     value = os.environ.get(DEVICE_COUNT_ENV, str(DEFAULT_DEVICE_COUNT))
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{DEVICE_COUNT_ENV}={value!r}: set it to the number of NPUs to emulate per host (>= 1)")
+        raise ValueError(
+            f"{DEVICE_COUNT_ENV}={value!r}: set it to the number of NPUs to emulate per host (>= 1)"
+        )
     return int(value)
 
 

@@ -44,7 +44,9 @@ from .runtime import NAME, runtime
 
 _aten = torch.ops.aten
 _CPU = torch.device("cpu")
-_PHYSICAL = None  # torch.device("npu", 0) once the backend is renamed: the device torch's guard knows
+_PHYSICAL = (
+    None  # torch.device("npu", 0) once the backend is renamed: the device torch's guard knows
+)
 
 # ops that accept a CPU tensor next to npu tensors, as on a device: copies and CPU indices
 _CROSS_DEVICE_OPS = frozenset(
@@ -60,7 +62,9 @@ _CROSS_DEVICE_OPS = frozenset(
     }
 )
 # in-place ops that change the tensor's size or storage (not tagged inplace_view)
-_RESHAPING_INPLACE_OPS = frozenset({_aten.resize_.default, _aten.resize_as_.default, _aten.set_.source_Tensor})
+_RESHAPING_INPLACE_OPS = frozenset(
+    {_aten.resize_.default, _aten.resize_as_.default, _aten.set_.source_Tensor}
+)
 
 
 def device_mismatch(op, other: Any) -> RuntimeError:
@@ -147,7 +151,9 @@ class NpuTensor(torch.Tensor):
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        new = NpuTensor(self._elem.detach().clone(memory_format=torch.preserve_format), self.requires_grad)
+        new = NpuTensor(
+            self._elem.detach().clone(memory_format=torch.preserve_format), self.requires_grad
+        )
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
         for key, value in self.__dict__.items():
@@ -251,7 +257,11 @@ def _item(func, args, kwargs):
 
 def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
-    if isinstance(src, torch.Tensor) and not isinstance(src, NpuTensor) and src.device.type != "cpu":
+    if (
+        isinstance(src, torch.Tensor)
+        and not isinstance(src, NpuTensor)
+        and src.device.type != "cpu"
+    ):
         raise device_mismatch(func, src.device)
     target = dst._elem if isinstance(dst, NpuTensor) else dst
     target.copy_(src._elem if isinstance(src, NpuTensor) else src, *args[2:], **kwargs)
@@ -320,7 +330,9 @@ class _OpInfo:
             if ret.alias_info is None:
                 continue
             for arg_index, argument in enumerate(schema.arguments):
-                if argument.alias_info is not None and set(argument.alias_info.before_set) & set(ret.alias_info.before_set):
+                if argument.alias_info is not None and set(argument.alias_info.before_set) & set(
+                    ret.alias_info.before_set
+                ):
                     (mutated if ret.alias_info.is_write else views).append((out_index, arg_index))
                     break
         if mutated and len(mutated) != len(schema.returns):
@@ -404,16 +416,31 @@ _PRIVATEUSE1_OPS = (
 
 def _privateuse1_kernel(op):
     def kernel(*args, **kwargs):
-        if op is _aten._copy_from.default:  # _copy_from(src, dst): copy_(dst, src) between cpu and npu
+        if (
+            op is _aten._copy_from.default
+        ):  # _copy_from(src, dst): copy_(dst, src) between cpu and npu
             return _copy(op, (args[1], args[0]), {})
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        with torch._C._ExcludeDispatchKeyGuard(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+        ):
             return NpuTensor.__torch_dispatch__(op, (), args, kwargs)
 
     return kernel
 
 
 # factories that take pin_memory=: a Python backend cannot give torch a pinned allocator
-_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn", "randint", "empty_strided")
+_PINNING_FACTORIES = (
+    "tensor",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "empty_strided",
+)
 
 
 def _pinned_is_pageable(factory):
@@ -463,13 +490,19 @@ def register(device_module) -> None:
     kernels = torch.library.Library("aten", "IMPL")
     for qualified in _PRIVATEUSE1_OPS:
         name, _, overload = qualified.partition(".")
-        kernels.impl(qualified, _privateuse1_kernel(getattr(getattr(_aten, name), overload or "default")), "PrivateUse1")
+        kernels.impl(
+            qualified,
+            _privateuse1_kernel(getattr(getattr(_aten, name), overload or "default")),
+            "PrivateUse1",
+        )
     # pin_memory() / pin_memory=True ask the accelerator hooks for a pinned allocator, which
     # Python hooks cannot give: pinned host memory is ordinary host memory here.
     pinning = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pinning.impl("_pin_memory", lambda self, device=None: self.clone(), "CompositeExplicitAutograd")
+        pinning.impl(
+            "_pin_memory", lambda self, device=None: self.clone(), "CompositeExplicitAutograd"
+        )
     _LIBRARIES.extend([kernels, pinning])
     for name in _PINNING_FACTORIES:
         setattr(torch, name, _pinned_is_pageable(getattr(torch, name)))

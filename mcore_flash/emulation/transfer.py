@@ -34,19 +34,66 @@ import torch.distributed as dist
 from .runtime import runtime
 
 _TORCH_FACTORIES = (
-    "logspace", "randint", "rand", "full_like", "ones_like", "rand_like", "randperm", "arange", "normal",
-    "empty_strided", "empty_like", "scalar_tensor", "tril_indices", "ones", "randn", "tensor", "triu_indices",
-    "as_tensor", "zeros", "randint_like", "full", "eye", "empty", "zeros_like", "range", "randn_like",
-    "linspace", "load", "set_default_device",
-)  # fmt: skip
-_TENSOR_METHODS = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros", "to", "pin_memory")
+    "logspace",
+    "randint",
+    "rand",
+    "full_like",
+    "ones_like",
+    "rand_like",
+    "randperm",
+    "arange",
+    "normal",
+    "empty_strided",
+    "empty_like",
+    "scalar_tensor",
+    "tril_indices",
+    "ones",
+    "randn",
+    "tensor",
+    "triu_indices",
+    "as_tensor",
+    "zeros",
+    "randint_like",
+    "full",
+    "eye",
+    "empty",
+    "zeros_like",
+    "range",
+    "randn_like",
+    "linspace",
+    "load",
+    "set_default_device",
+)
+_TENSOR_METHODS = (
+    "new_empty",
+    "new_empty_strided",
+    "new_full",
+    "new_ones",
+    "new_tensor",
+    "new_zeros",
+    "to",
+    "pin_memory",
+)
 _MODULE_METHODS = ("to", "to_empty")
 _CUDA_FUNCTIONS = (
-    "get_device_properties", "get_device_name", "get_device_capability", "set_device", "synchronize",
-    "mem_get_info", "memory_stats", "memory_allocated", "max_memory_allocated", "reset_max_memory_allocated",
-    "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "default_stream", "current_stream",
-    "get_rng_state", "set_rng_state",
-)  # fmt: skip
+    "get_device_properties",
+    "get_device_name",
+    "get_device_capability",
+    "set_device",
+    "synchronize",
+    "mem_get_info",
+    "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "reset_max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "default_stream",
+    "current_stream",
+    "get_rng_state",
+    "set_rng_state",
+)
 _DEVICE_KEYWORDS = ("device", "device_type", "map_location", "device_id")
 
 _applied = False
@@ -88,7 +135,11 @@ def _hccl_backend(fn):
     """``fn`` with "nccl" -> "hccl" and "cuda" -> "npu" in string arguments and ``backend=``."""
 
     def rewrite(value):
-        return value.replace("nccl", "hccl").replace("cuda", "npu") if isinstance(value, str) else value
+        return (
+            value.replace("nccl", "hccl").replace("cuda", "npu")
+            if isinstance(value, str)
+            else value
+        )
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -129,7 +180,9 @@ def apply() -> None:
     torch.nn.Module.cuda = torch.nn.Module.npu
 
     dist.init_process_group = _hccl_backend(_on_npu(dist.init_process_group))
-    dist.distributed_c10d._new_group_with_tag = _hccl_backend(dist.distributed_c10d._new_group_with_tag)
+    dist.distributed_c10d._new_group_with_tag = _hccl_backend(
+        dist.distributed_c10d._new_group_with_tag
+    )
     dist.is_nccl_available = dist.is_hccl_available
     dist.Backend.default_device_backend_map.pop("cuda", None)
 

@@ -33,23 +33,43 @@ from mcore_flash.training.arguments import parse_args
 
 TASKS = ("needle", "loss-by-position")
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
-HELD_OUT_SEED_OFFSET = 1  # the built-in task's held-out documents: --seed + 1 (training uses --seed)
+HELD_OUT_SEED_OFFSET = (
+    1  # the built-in task's held-out documents: --seed + 1 (training uses --seed)
+)
 
 
 def build_parser():
     p = build_pretrain_parser()
     p.prog = "mcore-flash evaluate"
-    p.description = "Needle retrieval by length x depth, or loss by token position, of a checkpoint."
+    p.description = (
+        "Needle retrieval by length x depth, or loss by token position, of a checkpoint."
+    )
     group = p.add_argument_group("evaluation")
     group.add_argument("--task", choices=TASKS, required=True)
-    group.add_argument("--lengths", default=None, help="needle: context lengths, e.g. 256,512 (default --seq-length)")
-    group.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"needle: depths in [0, 1] (default {DEFAULT_DEPTHS})")
-    group.add_argument("--needle-length", type=int, default=None,
-                       help="needle: key letters (default max(2, --seq-length // 16), the built-in task's)")  # fmt: skip
-    group.add_argument("--num-samples", type=int, default=100, help="samples per cell / held-out sequences")
+    group.add_argument(
+        "--lengths",
+        default=None,
+        help="needle: context lengths, e.g. 256,512 (default --seq-length)",
+    )
+    group.add_argument(
+        "--depths",
+        default=DEFAULT_DEPTHS,
+        help=f"needle: depths in [0, 1] (default {DEFAULT_DEPTHS})",
+    )
+    group.add_argument(
+        "--needle-length",
+        type=int,
+        default=None,
+        help="needle: key letters (default max(2, --seq-length // 16), the built-in task's)",
+    )
+    group.add_argument(
+        "--num-samples", type=int, default=100, help="samples per cell / held-out sequences"
+    )
     group.add_argument("--eval-batch-size", type=int, default=20, help="sequences per forward pass")
     group.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    group.add_argument("--plot", default=None, help="write a PNG: the needle heatmap or the loss-by-position line")
+    group.add_argument(
+        "--plot", default=None, help="write a PNG: the needle heatmap or the loss-by-position line"
+    )
     p.set_defaults(use_checkpoint_args=True)
     return p
 
@@ -65,7 +85,9 @@ def _float_list(text: str, flag: str) -> list[float]:
     try:
         return [float(item) for item in text.split(",")]
     except ValueError:
-        raise ValueError(f"{flag} {text!r}: give comma-separated numbers, e.g. {DEFAULT_DEPTHS}") from None
+        raise ValueError(
+            f"{flag} {text!r}: give comma-separated numbers, e.g. {DEFAULT_DEPTHS}"
+        ) from None
 
 
 def resolve(argv: Optional[Sequence[str]]):
@@ -76,9 +98,13 @@ def resolve(argv: Optional[Sequence[str]]):
     if not args.load:
         raise ValueError("--load is required: the checkpoint to evaluate")
     if args.num_samples < 1 or args.eval_batch_size < 1:
-        raise ValueError(f"--num-samples and --eval-batch-size must be >= 1, got {args.num_samples}, {args.eval_batch_size}")
+        raise ValueError(
+            f"--num-samples and --eval-batch-size must be >= 1, got {args.num_samples}, {args.eval_batch_size}"
+        )
     if args.task == "needle":
-        args.eval_lengths = _int_list(args.lengths, "--lengths") if args.lengths else [args.seq_length]
+        args.eval_lengths = (
+            _int_list(args.lengths, "--lengths") if args.lengths else [args.seq_length]
+        )
         args.eval_depths = _float_list(args.depths, "--depths")
         if args.needle_length is None:
             args.needle_length = max(2, args.seq_length // 16)
@@ -103,7 +129,9 @@ def resolve(argv: Optional[Sequence[str]]):
                 f"--max-position-embeddings {length} to measure unscaled extrapolation"
             )
         if length % multiple:
-            raise ValueError(f"{flag} {length} must be divisible by {multiple} with this TP/CP/SP layout")
+            raise ValueError(
+                f"{flag} {length} must be divisible by {multiple} with this TP/CP/SP layout"
+            )
     return args
 
 
@@ -135,11 +163,19 @@ def evaluate(args) -> dict:
 
     model = LoadedModel(args)
     if args.task == "needle":
-        result = {"task": "needle", "iteration": model.iteration, "needle_length": args.needle_length,
-                  "cells": [asdict(cell) for cell in _needle_cells(args, model)]}  # fmt: skip
+        result = {
+            "task": "needle",
+            "iteration": model.iteration,
+            "needle_length": args.needle_length,
+            "cells": [asdict(cell) for cell in _needle_cells(args, model)],
+        }
     else:
-        result = {"task": "loss-by-position", "iteration": model.iteration, "seq_length": args.seq_length,
-                  "buckets": [asdict(b) for b in _loss_buckets(args, model)]}  # fmt: skip
+        result = {
+            "task": "loss-by-position",
+            "iteration": model.iteration,
+            "seq_length": args.seq_length,
+            "buckets": [asdict(b) for b in _loss_buckets(args, model)],
+        }
     if args.plot and _is_first_rank():
         from mcore_flash.evaluation import plots
 
@@ -158,20 +194,34 @@ def evaluate(args) -> dict:
 def _needle_cells(args, model):
     from mcore_flash.evaluation.needle import digit_filler, needle_grid, stream_filler
 
-    filler = stream_filler(_held_out_stream(args, model.tokenizer)) if args.data_path else digit_filler
-    cells = needle_grid(model, args.eval_lengths, args.eval_depths, args.needle_length, args.num_samples,
-                        args.eval_batch_size, filler, args.seed)  # fmt: skip
+    filler = (
+        stream_filler(_held_out_stream(args, model.tokenizer)) if args.data_path else digit_filler
+    )
+    cells = needle_grid(
+        model,
+        args.eval_lengths,
+        args.eval_depths,
+        args.needle_length,
+        args.num_samples,
+        args.eval_batch_size,
+        filler,
+        args.seed,
+    )
     total = len(args.eval_lengths) * len(args.eval_depths)
     for done, cell in enumerate(cells, 1):
-        _progress(f"needle {done}/{total}: length {cell.length} depth {cell.depth:g}: exact {cell.exact:.3f}, "
-                  f"tokens {cell.token_accuracy:.3f}")  # fmt: skip
+        _progress(
+            f"needle {done}/{total}: length {cell.length} depth {cell.depth:g}: exact {cell.exact:.3f}, "
+            f"tokens {cell.token_accuracy:.3f}"
+        )
         yield cell
 
 
 def _held_out_stream(args, tokenizer) -> numpy.ndarray:
     """Tokens of the validation split of ``--data-path`` (EOD removed), one epoch, in order."""
     valid = _validation_split(args, tokenizer, max(args.eval_lengths))
-    tokens = numpy.concatenate([numpy.asarray(valid[i]["tokens"]) for i in range(min(len(valid), 256))])
+    tokens = numpy.concatenate(
+        [numpy.asarray(valid[i]["tokens"]) for i in range(min(len(valid), 256))]
+    )
     return tokens[tokens != tokenizer.eod]
 
 
@@ -179,11 +229,21 @@ def _validation_split(args, tokenizer, seq_length: int):
     from mcore_flash.data.datasets import build_datasets
 
     _, valid, _ = build_datasets(
-        args.data_path, False, args.split, seq_length, args.seed, tokenizer, 0, None, 0,
+        args.data_path,
+        False,
+        args.split,
+        seq_length,
+        args.seed,
+        tokenizer,
+        0,
+        None,
+        0,
         cache_dir=args.data_cache_path or os.path.join(args.load, "data", "cache"),
-    )  # fmt: skip
+    )
     if valid is None or len(valid) == 0:
-        raise ValueError(f"--split {args.split}: the held-out (validation) split of --data-path is empty; give it weight")
+        raise ValueError(
+            f"--split {args.split}: the held-out (validation) split of --data-path is empty; give it weight"
+        )
     return valid
 
 
@@ -199,12 +259,20 @@ def _loss_buckets(args, model):
     else:
         from mcore_flash.data.synthetic import generate_documents, make_task
 
-        docs = torch.from_numpy(generate_documents(make_task(args.seq_length), args.num_samples,
-                                                   seed=args.seed + HELD_OUT_SEED_OFFSET))  # fmt: skip
+        docs = torch.from_numpy(
+            generate_documents(
+                make_task(args.seq_length), args.num_samples, seed=args.seed + HELD_OUT_SEED_OFFSET
+            )
+        )
         mask = torch.ones_like(docs, dtype=torch.float32)
         mask[:, -1] = 0  # the last token's label is the next document's
-        samples = [{"tokens": d, "labels": torch.roll(d, -1), "loss_mask": m} for d, m in zip(docs, mask)]
-    batches = (stack_samples(samples[i : i + args.eval_batch_size]) for i in range(0, len(samples), args.eval_batch_size))
+        samples = [
+            {"tokens": d, "labels": torch.roll(d, -1), "loss_mask": m} for d, m in zip(docs, mask)
+        ]
+    batches = (
+        stack_samples(samples[i : i + args.eval_batch_size])
+        for i in range(0, len(samples), args.eval_batch_size)
+    )
     return loss_by_position(model, batches)
 
 
@@ -215,14 +283,21 @@ def format_table(result: dict) -> str:
         lengths = sorted({c["length"] for c in result["cells"]})
         exact = {(c["length"], c["depth"]): c["exact"] for c in result["cells"]}
         samples = result["cells"][0]["samples"]
-        lines = [f"needle retrieval (exact, {samples} samples per cell, key of {result['needle_length']} letters; "
-                 f"checkpoint iteration {result['iteration']})",  # fmt: skip
-                 "length \\ depth " + " ".join(f"{d:>6g}" for d in depths)]
+        lines = [
+            f"needle retrieval (exact, {samples} samples per cell, key of {result['needle_length']} letters; "
+            f"checkpoint iteration {result['iteration']})",
+            "length \\ depth " + " ".join(f"{d:>6g}" for d in depths),
+        ]
         lines += [f"{n:>14} " + " ".join(f"{exact[n, d]:6.3f}" for d in depths) for n in lengths]
         return "\n".join(lines)
-    lines = [f"loss by position (nats/token; checkpoint iteration {result['iteration']})",
-             f"{'positions':>17} {'tokens':>9} {'loss':>8}"]  # fmt: skip
-    lines += [f"{b['start']:>8}-{b['end'] - 1:<8} {b['tokens']:>9} {b['loss']:8.4f}" for b in result["buckets"]]
+    lines = [
+        f"loss by position (nats/token; checkpoint iteration {result['iteration']})",
+        f"{'positions':>17} {'tokens':>9} {'loss':>8}",
+    ]
+    lines += [
+        f"{b['start']:>8}-{b['end'] - 1:<8} {b['tokens']:>9} {b['loss']:8.4f}"
+        for b in result["buckets"]
+    ]
     return "\n".join(lines)
 
 

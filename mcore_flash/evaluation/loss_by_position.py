@@ -49,10 +49,17 @@ def loss_by_position(model, batches) -> list[PositionBucket]:
     buckets = []
     for start, end in position_buckets(len(total)):
         n = float(count[start:end].sum())
-        buckets.append(PositionBucket(start, end, int(n), float(total[start:end].sum()) / n if n else float("nan")))
+        buckets.append(
+            PositionBucket(
+                start, end, int(n), float(total[start:end].sum()) / n if n else float("nan")
+            )
+        )
     return buckets
 
 
 def stack_samples(samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTDataset samples (dicts of ``tokens``, ``labels``, ``loss_mask``) -> three ``[n, s]`` tensors."""
-    return tuple(torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels", "loss_mask"))
+    return tuple(
+        torch.stack([torch.as_tensor(s[key]) for s in samples])
+        for key in ("tokens", "labels", "loss_mask")
+    )

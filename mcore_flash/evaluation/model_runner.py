@@ -41,7 +41,9 @@ class LoadedModel:
         self.tokenizer, padded_vocab = tokenizer_and_vocab(args)
         self.vocab_size = self.tokenizer.vocab_size
         self.config = transformer_config(args)
-        self.model = build_model(args, self.config, padded_vocab, parallel_output=False).to(platform.torch_device())
+        self.model = build_model(args, self.config, padded_vocab, parallel_output=False).to(
+            platform.torch_device()
+        )
         common = checkpointing.load_weights(
             args.load, self.model, padded_vocab, model_args(args, self.vocab_size)
         )
@@ -49,7 +51,9 @@ class LoadedModel:
         self.model.eval()
 
     @torch.no_grad()
-    def predict(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict(
+        self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy next tokens and per-token losses at every position.
 
         ``tokens``, ``labels``: ``[n, s]`` int64 (positions ``0..s-1``; ``s`` divisible by
@@ -68,14 +72,20 @@ class LoadedModel:
             "position_ids": torch.arange(s, device=device).expand(n, s).contiguous(),
         }
         local = get_batch_on_this_cp_rank(batch)
-        greedy = torch.zeros(n, s, dtype=torch.float32, device=device)  # float: token ids < 2^24 are exact
+        greedy = torch.zeros(
+            n, s, dtype=torch.float32, device=device
+        )  # float: token ids < 2^24 are exact
         loss = torch.zeros(n, s, dtype=torch.float32, device=device)
 
         def keep_outputs(logits):  # [n, s_local, padded vocab] on the last stage
             logits = logits[..., : self.vocab_size].float()
             greedy.scatter_(1, local["position_ids"], logits.argmax(dim=-1).float())
             if labels is not None:
-                token_loss = -F.log_softmax(logits, dim=-1).gather(-1, local["labels"].unsqueeze(-1)).squeeze(-1)
+                token_loss = (
+                    -F.log_softmax(logits, dim=-1)
+                    .gather(-1, local["labels"].unsqueeze(-1))
+                    .squeeze(-1)
+                )
                 loss.scatter_(1, local["position_ids"], token_loss)
             return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
@@ -83,13 +93,22 @@ class LoadedModel:
             return model(local["tokens"], local["position_ids"], None), keep_outputs
 
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([None]), model=[self.model], num_microbatches=1,
-            seq_length=s, micro_batch_size=n, decoder_seq_length=s, forward_only=True,
-        )  # fmt: skip
+            forward_step_func=forward_step,
+            data_iterator=iter([None]),
+            model=[self.model],
+            num_microbatches=1,
+            seq_length=s,
+            micro_batch_size=n,
+            decoder_seq_length=s,
+            forward_only=True,
+        )
         out = torch.stack([greedy, loss])
         if parallel_state.get_context_parallel_world_size() > 1:
             dist.all_reduce(out, group=parallel_state.get_context_parallel_group())
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(out, parallel_state.get_pipeline_model_parallel_last_rank(),
-                           group=parallel_state.get_pipeline_model_parallel_group())  # fmt: skip
+            dist.broadcast(
+                out,
+                parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
         return out[0].long().cpu(), out[1].cpu()

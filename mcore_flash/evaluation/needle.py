@@ -31,9 +31,14 @@ import torch
 from mcore_flash.data.synthetic import EOD, FILLER_ALPHABET, KEY_ALPHABET, QUERY, SEP, START
 
 __all__ = [
-    "NeedleCell", "needle_samples", "score_needles", "needle_grid", "check_needle_lengths", "digit_filler",
+    "NeedleCell",
+    "needle_samples",
+    "score_needles",
+    "needle_grid",
+    "check_needle_lengths",
+    "digit_filler",
     "stream_filler",
-]  # fmt: skip
+]
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,9 @@ def check_needle_lengths(lengths, depths, key_length: int) -> None:
     if not lengths:
         raise ValueError("--lengths: give at least one length, e.g. --lengths 256,512")
     if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
-        raise ValueError(f"--depths {list(depths)}: give fractions in [0, 1], e.g. --depths 0,0.25,0.5,0.75,1")
+        raise ValueError(
+            f"--depths {list(depths)}: give fractions in [0, 1], e.g. --depths 0,0.25,0.5,0.75,1"
+        )
     if key_length < 1:
         raise ValueError(f"--needle-length must be >= 1, got {key_length}")
     for length in lengths:
@@ -75,7 +82,9 @@ def needle_samples(
     """
     n, free = filler.shape
     if free != length - 2 * key_length - 4:
-        raise ValueError(f"filler has {free} tokens per sample; a length-{length} sample needs {length - 2 * key_length - 4}")
+        raise ValueError(
+            f"filler has {free} tokens per sample; a length-{length} sample needs {length - 2 * key_length - 4}"
+        )
     lead = int(round(depth * free))
     keys = KEY_ALPHABET[rng.integers(0, len(KEY_ALPHABET), size=(n, key_length))]
     pieces = [
@@ -106,7 +115,16 @@ def score_needles(model, tokens: torch.Tensor, answer_mask: torch.Tensor) -> tup
     return int((per_sample == key_length).sum()), int(per_sample.sum())
 
 
-def needle_grid(model, lengths, depths, key_length: int, num_samples: int, batch_size: int, filler_source, seed: int):
+def needle_grid(
+    model,
+    lengths,
+    depths,
+    key_length: int,
+    num_samples: int,
+    batch_size: int,
+    filler_source,
+    seed: int,
+):
     """Yields one :class:`NeedleCell` per (length, depth), row by row. ``filler_source(rng, n, count)``
     returns ``[n, count]`` haystack tokens. Keys and filler are drawn from a generator seeded
     by ``(seed, length, depth index)``, so every rank and every parallel layout sees the same
@@ -122,7 +140,13 @@ def needle_grid(model, lengths, depths, key_length: int, num_samples: int, batch
                 samples_right, keys_right = score_needles(model, tokens, mask)
                 exact += samples_right
                 tokens_right += keys_right
-            yield NeedleCell(length, depth, num_samples, exact / num_samples, tokens_right / (num_samples * key_length))
+            yield NeedleCell(
+                length,
+                depth,
+                num_samples,
+                exact / num_samples,
+                tokens_right / (num_samples * key_length),
+            )
 
 
 def digit_filler(rng: numpy.random.Generator, n: int, count: int) -> numpy.ndarray:

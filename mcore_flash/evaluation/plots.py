@@ -14,8 +14,13 @@ def needle_heatmap(cells: list[NeedleCell], output: str, title: str = "") -> Non
     plt = pyplot()
     lengths = sorted({c.length for c in cells})
     depths = sorted({c.depth for c in cells})
-    grid = [[next(c.exact for c in cells if c.length == n and c.depth == d) for d in depths] for n in lengths]
-    figure, axes = plt.subplots(figsize=(1.2 * len(depths) + 2.4, 0.6 * len(lengths) + 1.8), dpi=100)
+    grid = [
+        [next(c.exact for c in cells if c.length == n and c.depth == d) for d in depths]
+        for n in lengths
+    ]
+    figure, axes = plt.subplots(
+        figsize=(1.2 * len(depths) + 2.4, 0.6 * len(lengths) + 1.8), dpi=100
+    )
     image = axes.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for row, values in enumerate(grid):
         for column, value in enumerate(values):

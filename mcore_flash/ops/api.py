@@ -44,7 +44,15 @@ class _FlashAttnFunction(torch.autograd.Function):
     """Autograd around a backend's dense forward/backward kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, backend: AttentionBackend, params: AttentionParams, record: Optional[_ForwardRecord]):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        backend: AttentionBackend,
+        params: AttentionParams,
+        record: Optional[_ForwardRecord],
+    ):
         out, stats, rng_state = forward_kernel(backend, q, k, v, params)
         ctx.save_for_backward(q, k, v, out, *stats.tensors())
         ctx.backend, ctx.params, ctx.rng_state = backend, params, rng_state
@@ -58,7 +66,9 @@ class _FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, *stats = ctx.saved_tensors
         stats = SoftmaxStats.from_tensors(stats)
-        dq, dk, dv = backward_kernel(ctx.backend, dout, q, k, v, out, stats, ctx.rng_state, ctx.params)
+        dq, dk, dv = backward_kernel(
+            ctx.backend, dout, q, k, v, out, stats, ctx.rng_state, ctx.params
+        )
         return dq, dk, dv, None, None, None
 
 
@@ -66,7 +76,17 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
     """Autograd around a backend's packed-sequence forward/backward kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q: list, cu_k: list, backend: AttentionBackend, params: AttentionParams, record):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        cu_q: list,
+        cu_k: list,
+        backend: AttentionBackend,
+        params: AttentionParams,
+        record,
+    ):
         out, stats, rng_state = backend.varlen_forward(q, k, v, cu_q, cu_k, params)
         ctx.save_for_backward(q, k, v, out, *stats.tensors())
         ctx.cu, ctx.backend, ctx.params, ctx.rng_state = (cu_q, cu_k), backend, params, rng_state
@@ -178,9 +198,19 @@ def flash_attn_func(
     seq, batch = layout.index("s"), layout.index("b")
     checks.check_attn_mask(attn_mask, q.shape[batch], q.shape[2], q.shape[seq], k.shape[seq])
     impl, params = resolve_call(
-        q, causal, softmax_scale, dropout_p, backend, attn_mask, layout, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, batch=q.shape[batch],
-    )  # fmt: skip
+        q,
+        causal,
+        softmax_scale,
+        dropout_p,
+        backend,
+        attn_mask,
+        layout,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        batch=q.shape[batch],
+    )
     impl.check_inputs(q, k, v, params)
     record = _ForwardRecord() if return_attn_probs else None
     out, lse = _FlashAttnFunction.apply(q, k, v, impl, params, record)
@@ -235,9 +265,17 @@ def flash_attn_varlen_func(
             f"got {len(cu_q) - 1} and {len(cu_k) - 1}"
         )
     impl, params = resolve_call(
-        q, causal, softmax_scale, dropout_p, backend, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, deterministic=deterministic, batch=len(cu_q) - 1,
-    )  # fmt: skip
+        q,
+        causal,
+        softmax_scale,
+        dropout_p,
+        backend,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        batch=len(cu_q) - 1,
+    )
     impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
     out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_q, cu_k, impl, params, None)
     if return_attn_probs:
@@ -245,26 +283,42 @@ def flash_attn_varlen_func(
     return (out, lse) if return_lse else out
 
 
-def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p=0.0, softmax_scale=None, causal=False, *args, **kwargs):
+def flash_attn_qkvpacked_func(
+    qkv: Tensor, dropout_p=0.0, softmax_scale=None, causal=False, *args, **kwargs
+):
     """:func:`flash_attn_func` with ``qkv [b, s, 3, h, d]`` (gradient ``[b, s, 3, h, d]``)."""
     q, k, v = _unpack(qkv, 2, 3, "qkv", "[b, s, 3, h, d]")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, *args, **kwargs)
 
 
-def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p=0.0, softmax_scale=None, causal=False, *args, **kwargs):
+def flash_attn_kvpacked_func(
+    q: Tensor, kv: Tensor, dropout_p=0.0, softmax_scale=None, causal=False, *args, **kwargs
+):
     """:func:`flash_attn_func` with ``kv [b, sk, 2, hkv, d]``."""
     k, v = _unpack(kv, 2, 2, "kv", "[b, sk, 2, hkv, d]")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, *args, **kwargs)
 
 
-def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p=0.0, *args, **kwargs):
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p=0.0, *args, **kwargs
+):
     """:func:`flash_attn_varlen_func` with ``qkv [total, 3, h, d]`` and one ``cu_seqlens``."""
     q, k, v = _unpack(qkv, 1, 3, "qkv", "[total, 3, h, d]")
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, *args, **kwargs)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, *args, **kwargs
+    )
 
 
 def flash_attn_varlen_kvpacked_func(
-    q: Tensor, kv: Tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, dropout_p=0.0, *args, **kwargs
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p=0.0,
+    *args,
+    **kwargs,
 ):
     """:func:`flash_attn_varlen_func` with ``kv [total_k, 2, hkv, d]``."""
     k, v = _unpack(kv, 1, 2, "kv", "[total_k, 2, hkv, d]")
@@ -274,13 +328,19 @@ def flash_attn_varlen_kvpacked_func(
 
 def _unpack(packed: Tensor, dim: int, parts: int, name: str, shape: str) -> tuple[Tensor, ...]:
     """Views of the ``parts`` tensors packed along ``dim`` (no copy)."""
-    if not isinstance(packed, torch.Tensor) or packed.dim() != dim + 3 or packed.shape[dim] != parts:
+    if (
+        not isinstance(packed, torch.Tensor)
+        or packed.dim() != dim + 3
+        or packed.shape[dim] != parts
+    ):
         got = tuple(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
         raise ValueError(f"{name} must be shaped {shape}, got {got}")
     return packed.unbind(dim)
 
 
-def _probs(q: Tensor, k: Tensor, lse: Tensor, rng_state, params: AttentionParams, backend: AttentionBackend) -> Tensor:
+def _probs(
+    q: Tensor, k: Tensor, lse: Tensor, rng_state, params: AttentionParams, backend: AttentionBackend
+) -> Tensor:
     """The ``[b, hq, sq, sk]`` float32 probabilities of a finished forward (testing only)."""
     if params.dropout_p > 0 and not isinstance(rng_state, DropoutState):
         raise ValueError(

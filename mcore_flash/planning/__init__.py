@@ -55,7 +55,12 @@ from .step_time import StepTime
 from .units import format_bytes, parse_bytes
 
 # argument name -> how a name or text becomes the typed value the stack takes
-_RESOLVERS = {"model": get_model, "hardware": load_hardware, "device_memory": parse_bytes, "runtime_reserve": parse_bytes}
+_RESOLVERS = {
+    "model": get_model,
+    "hardware": load_hardware,
+    "device_memory": parse_bytes,
+    "runtime_reserve": parse_bytes,
+}
 
 
 def _resolving(function):
@@ -64,7 +69,9 @@ def _resolving(function):
     (typed values pass as they are; None stays None)."""
     signature = inspect.signature(function)
     # the **keywords a function passes on (search_layouts' plan_kwargs) are resolved too
-    passed_on = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    passed_on = next(
+        (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
+    )
 
     @functools.wraps(function)
     def resolved(*args, **kwargs):

@@ -167,11 +167,22 @@ def _profile(profile) -> Profile:
     if isinstance(profile, Profile):
         return profile
     if profile not in PROFILES:
-        raise ValueError(f"unknown activation profile {profile!r}; choose one of {', '.join(PROFILES)}")
+        raise ValueError(
+            f"unknown activation profile {profile!r}; choose one of {', '.join(PROFILES)}"
+        )
     return PROFILES[profile]
 
 
-def _dims(model: ModelShape, p: Profile, seq: int, micro_batch: int, tp: int, cp: int, sp: bool, dtype_bytes):
+def _dims(
+    model: ModelShape,
+    p: Profile,
+    seq: int,
+    micro_batch: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    dtype_bytes,
+):
     if sp and tp == 1:
         sp = False
     if seq % cp:
@@ -179,7 +190,9 @@ def _dims(model: ModelShape, p: Profile, seq: int, micro_batch: int, tp: int, cp
     s_c = F(seq, cp)
     s_t = s_c / tp if sp else s_c
     if model.num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads ({model.num_attention_heads}) not divisible by TP size {tp}")
+        raise ValueError(
+            f"num_attention_heads ({model.num_attention_heads}) not divisible by TP size {tp}"
+        )
     dtype = p.dtype_bytes if p.dtype_bytes is not None else dtype_bytes
     if dtype is None:
         raise ValueError(f"profile {p.name!r} needs dtype_bytes (2 for bf16/fp16, 4 for fp32)")
@@ -204,11 +217,15 @@ def layer_terms(
     p = _profile(profile)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute {recompute!r}: choose one of {RECOMPUTE_MODES}")
-    s_c, s_t, b, B, M, a_t, g_t = _dims(model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
+    s_c, s_t, b, B, M, a_t, g_t = _dims(
+        model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes
+    )
     h, d, f, t = F(model.hidden_size), F(model.head_dim), F(model.ffn_hidden_size), F(tp)
     stat = F(8 if model.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
 
-    layer_input = Term("<layer>", "layer input (recompute checkpoint)", s_t * b * h * B, scope="layer")
+    layer_input = Term(
+        "<layer>", "layer input (recompute checkpoint)", s_t * b * h * B, scope="layer"
+    )
     if recompute == "full":
         return [layer_input]
 
@@ -227,7 +244,11 @@ def layer_terms(
     attn += [q, k, v]
     if p.attention == "fused":
         if recompute == "core_attention":  # checkpoint keeps q, k, v; linear_proj keeps the output
-            attn.append(Term("self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B))
+            attn.append(
+                Term(
+                    "self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B
+                )
+            )
         else:
             attn.append(Term("self_attention.core_attention", "out", s_c * b * a_t * d * B))
             attn.append(
@@ -242,16 +263,40 @@ def layer_terms(
         if recompute != "core_attention":
             scores = b * a_t * s_c * s_c  # elements of one [b, a/t, s, s] tensor
             softmax = F(4) if p.softmax_fp32 else B
-            attn.append(Term("self_attention.core_attention.scale_mask_softmax", "softmax output", scores * softmax))
+            attn.append(
+                Term(
+                    "self_attention.core_attention.scale_mask_softmax",
+                    "softmax output",
+                    scores * softmax,
+                )
+            )
             if p.causal_mask_saved:
                 mask_name = "causal mask [s, s] bool (built by every layer)"
-                attn.append(Term("self_attention.core_attention.scale_mask_softmax", mask_name, s_c * s_c))
+                attn.append(
+                    Term("self_attention.core_attention.scale_mask_softmax", mask_name, s_c * s_c)
+                )
             if p.attention_dropout > 0:
-                attn.append(Term("self_attention.core_attention.attention_dropout", "dropout mask", scores * M))
-                attn.append(Term("self_attention.core_attention", "dropped-out probabilities", scores * B))
+                attn.append(
+                    Term(
+                        "self_attention.core_attention.attention_dropout",
+                        "dropout mask",
+                        scores * M,
+                    )
+                )
+                attn.append(
+                    Term("self_attention.core_attention", "dropped-out probabilities", scores * B)
+                )
             elif softmax != B:
-                attn.append(Term("self_attention.core_attention", "probabilities cast to the dtype", scores * B))
-        attn.append(Term("self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B))
+                attn.append(
+                    Term(
+                        "self_attention.core_attention",
+                        "probabilities cast to the dtype",
+                        scores * B,
+                    )
+                )
+        attn.append(
+            Term("self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B)
+        )
     else:
         raise ValueError(f"profile attention {p.attention!r}: 'fused' or 'standard'")
     if p.hidden_dropout > 0:
@@ -264,24 +309,47 @@ def layer_terms(
     ]
     if model.gated:
         swiglu_module = "mlp.activation_func" if p.swiglu_fused else "mlp"
-        mlp_terms.append(Term(swiglu_module, "fc1 output (SwiGLU input)", s_c * b * 2 * f / t * B, scope="mlp"))
+        mlp_terms.append(
+            Term(swiglu_module, "fc1 output (SwiGLU input)", s_c * b * 2 * f / t * B, scope="mlp")
+        )
         if not p.swiglu_fused:
             mlp_terms.append(Term("mlp", "silu(gate) output", s_c * b * f / t * B, scope="mlp"))
-            mlp_terms.append(Term("mlp", "up-projection copy (x_linear + offset)", s_c * b * f / t * B, scope="mlp"))
+            mlp_terms.append(
+                Term(
+                    "mlp",
+                    "up-projection copy (x_linear + offset)",
+                    s_c * b * f / t * B,
+                    scope="mlp",
+                )
+            )
     else:
-        mlp_terms.append(Term("mlp", "fc1 output (activation input)", s_c * b * f / t * B, scope="mlp"))
+        mlp_terms.append(
+            Term("mlp", "fc1 output (activation input)", s_c * b * f / t * B, scope="mlp")
+        )
     mlp_terms.append(Term("mlp.linear_fc2", "input", s_c * b * f / t * B, scope="mlp"))
     if p.hidden_dropout > 0:
         mlp_terms.append(Term("<layer>", "MLP bias-dropout-add mask", s_t * b * h * M, scope="mlp"))
 
     if recompute == "attention":
         attn = [layer_input]
-    elif recompute == "qkv":  # the layer input (as the input norm's saved input), the kernel's out + statistics
+    elif (
+        recompute == "qkv"
+    ):  # the layer input (as the input norm's saved input), the kernel's out + statistics
         if p.attention != "fused":
-            raise ValueError("recompute 'qkv' keeps the fused kernel's output: it needs the fused attention profile")
-        kernel_outputs = [t for t in attn if t.module == "self_attention.core_attention" and t.name not in ("q", "k", "v")]
+            raise ValueError(
+                "recompute 'qkv' keeps the fused kernel's output: it needs the fused attention profile"
+            )
+        kernel_outputs = [
+            t
+            for t in attn
+            if t.module == "self_attention.core_attention" and t.name not in ("q", "k", "v")
+        ]
         after_kernel = [t for t in attn if t.module == "<layer>"]  # the bias-dropout-add mask
-        attn = [Term("input_layernorm", "input (the layer input)", s_t * b * h * B)] + kernel_outputs + after_kernel
+        attn = (
+            [Term("input_layernorm", "input (the layer input)", s_t * b * h * B)]
+            + kernel_outputs
+            + after_kernel
+        )
     return [term for term in attn + mlp_terms if term.bytes]
 
 
@@ -305,7 +373,9 @@ def non_layer_terms(
     ``""`` for the loss, ``decoder`` for tensors the block's checkpoints keep).
     """
     p = _profile(profile)
-    s_c, s_t, b, B, M, a_t, g_t = _dims(model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
+    s_c, s_t, b, B, M, a_t, g_t = _dims(
+        model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes
+    )
     h, V, t = F(model.hidden_size), F(model.vocab_size), F(tp)
     stat = F(8 if model.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
     terms: list[Term] = []
@@ -324,7 +394,12 @@ def non_layer_terms(
             add("embedding.embedding_dropout", "dropout mask", s_t * b * h * M)
     if recompute == "full" and model.position_embedding_type == "rope" and p.rope == "megatron":
         rot = F(int(model.head_dim * model.rotary_percent))
-        add("decoder", "RoPE frequencies (fp32, shared by the layer checkpoints)", s_c * rot * 4, "activations")
+        add(
+            "decoder",
+            "RoPE frequencies (fp32, shared by the layer checkpoints)",
+            s_c * rot * 4,
+            "activations",
+        )
     if last_stage:
         add("decoder.final_layernorm", "input", s_t * b * h * B)
         add("decoder.final_layernorm", "statistics (fp32)", s_t * b * stat)
@@ -336,7 +411,9 @@ def non_layer_terms(
 
 
 def sum_terms(terms, category: Optional[str] = None) -> Fraction:
-    return sum((term.bytes for term in terms if category is None or term.category == category), F(0))
+    return sum(
+        (term.bytes for term in terms if category is None or term.category == category), F(0)
+    )
 
 
 def by_module(terms) -> dict[str, Fraction]:
@@ -374,7 +451,9 @@ def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "
     return table[mode]
 
 
-def korthikanti_model(hidden_size: int, num_attention_heads: int, num_layers: int = 1, vocab_size: int = 51200) -> ModelShape:
+def korthikanti_model(
+    hidden_size: int, num_attention_heads: int, num_layers: int = 1, vocab_size: int = 51200
+) -> ModelShape:
     """The GPT the paper models: 4h GELU MLP with biases, LayerNorm, MHA, learned positions."""
     return ModelShape(
         "korthikanti-gpt",

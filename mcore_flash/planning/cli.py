@@ -50,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mcore-flash plan",
         description="Per-device memory of a Megatron-Core layout with the fused attention; layout search.",
     )
-    p.add_argument("--model", default="llama2-70b", help=f"preset: {', '.join(MODELS)} (default llama2-70b)")
-    p.add_argument("--seq-length", type=_seq, default=131072, help="tokens per sequence, e.g. 131072 or 128K")
+    p.add_argument(
+        "--model", default="llama2-70b", help=f"preset: {', '.join(MODELS)} (default llama2-70b)"
+    )
+    p.add_argument(
+        "--seq-length", type=_seq, default=131072, help="tokens per sequence, e.g. 131072 or 128K"
+    )
     p.add_argument(
         "--mean-document-length",
         type=_seq,
@@ -62,10 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
     p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1)
-    p.add_argument("--vp", "--virtual-pipeline-size", dest="vp", type=int, default=1, help="interleaved chunks per rank")
+    p.add_argument(
+        "--vp",
+        "--virtual-pipeline-size",
+        dest="vp",
+        type=int,
+        default=1,
+        help="interleaved chunks per rank",
+    )
     devices = p.add_mutually_exclusive_group()
-    devices.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, help="data-parallel size")
-    devices.add_argument("--num-devices", type=int, help="total devices (dp = devices / (tp*pp*cp))")
+    devices.add_argument(
+        "--dp", "--data-parallel-size", dest="dp", type=int, help="data-parallel size"
+    )
+    devices.add_argument(
+        "--num-devices", type=int, help="total devices (dp = devices / (tp*pp*cp))"
+    )
     p.add_argument("--recompute", choices=SEARCH_RECOMPUTE_MODES, default="none")
     p.add_argument(
         "--recompute-num-layers",
@@ -76,15 +91,30 @@ def build_parser() -> argparse.ArgumentParser:
         "others (Megatron's --recompute-method block; default 0)",
     )
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--global-batch-size", type=int, help="sequences per step (default: about 4M tokens)")
+    p.add_argument(
+        "--global-batch-size", type=int, help="sequences per step (default: about 4M tokens)"
+    )
     p.add_argument("--device-memory", help="memory per device, e.g. 64GB (binary: 64 GiB)")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
-    p.add_argument("--profile", choices=[k for k in PROFILES if k != "korthikanti"], default="npu",
-                   help="device kernels' saved tensors (default npu)")
+    p.add_argument(
+        "--profile",
+        choices=[k for k in PROFILES if k != "korthikanti"],
+        default="npu",
+        help="device kernels' saved tensors (default npu)",
+    )
     p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
-    p.add_argument("--runtime-reserve", default="2GiB", help="fixed reserve for runtime/collectives (default 2GiB)")
-    p.add_argument("--fragmentation", type=float, default=0.05, help="fraction of dynamic memory lost (default 0.05)")
+    p.add_argument(
+        "--runtime-reserve",
+        default="2GiB",
+        help="fixed reserve for runtime/collectives (default 2GiB)",
+    )
+    p.add_argument(
+        "--fragmentation",
+        type=float,
+        default=0.05,
+        help="fraction of dynamic memory lost (default 0.05)",
+    )
     p.add_argument(
         "--hardware",
         default=DEFAULT_HARDWARE,
@@ -92,19 +122,49 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"device profile for the step time: {', '.join(HARDWARE_PROFILES)} or a JSON file with the same "
         f"fields (docs/step-time.md; default {DEFAULT_HARDWARE})",
     )
-    p.add_argument("--tp-comm-overlap", action="store_true", help="step time: TP collectives overlap the GEMMs")
-    p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
-                   help="step time: the gradient reduction does not overlap the last backward")
-    p.add_argument("--overlap-param-gather", action="store_true",
-                   help="step time: the distributed optimizer's parameter all-gather overlaps the first forward")
+    p.add_argument(
+        "--tp-comm-overlap", action="store_true", help="step time: TP collectives overlap the GEMMs"
+    )
+    p.add_argument(
+        "--no-overlap-grad-reduce",
+        dest="overlap_grad_reduce",
+        action="store_false",
+        help="step time: the gradient reduction does not overlap the last backward",
+    )
+    p.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="step time: the distributed optimizer's parameter all-gather overlaps the first forward",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--search", action="store_true", help="enumerate TP/PP/CP/recompute layouts that fit")
-    p.add_argument("--top", type=int, default=5, help="layouts shown by --search, with their step-time breakdown (default 5)")
-    p.add_argument("--max-tp", type=int, default=8, help="largest TP --search tries (default 8: one node)")
-    p.add_argument("--interleave", default="1", help="--search: virtual pipeline sizes to try, e.g. 1,2 (default 1)")
-    p.add_argument("--compare-standard", action="store_true", help="standard vs fused attention by sequence length")
-    p.add_argument("--seq-lengths", help="--compare-standard lengths, e.g. 1K,4K,128K (default 1K..128K)")
-    p.add_argument("--attention-dropout", type=float, default=0.0, help="--compare-standard: attention dropout")
+    p.add_argument(
+        "--search", action="store_true", help="enumerate TP/PP/CP/recompute layouts that fit"
+    )
+    p.add_argument(
+        "--top",
+        type=int,
+        default=5,
+        help="layouts shown by --search, with their step-time breakdown (default 5)",
+    )
+    p.add_argument(
+        "--max-tp", type=int, default=8, help="largest TP --search tries (default 8: one node)"
+    )
+    p.add_argument(
+        "--interleave",
+        default="1",
+        help="--search: virtual pipeline sizes to try, e.g. 1,2 (default 1)",
+    )
+    p.add_argument(
+        "--compare-standard",
+        action="store_true",
+        help="standard vs fused attention by sequence length",
+    )
+    p.add_argument(
+        "--seq-lengths", help="--compare-standard lengths, e.g. 1K,4K,128K (default 1K..128K)"
+    )
+    p.add_argument(
+        "--attention-dropout", type=float, default=0.0, help="--compare-standard: attention dropout"
+    )
     return p
 
 
@@ -112,7 +172,9 @@ def _dp(args) -> int:
     unit = args.tp * args.pp * args.cp
     if args.num_devices is not None:
         if args.num_devices % unit:
-            raise ValueError(f"--num-devices {args.num_devices} is not divisible by tp*pp*cp = {unit}")
+            raise ValueError(
+                f"--num-devices {args.num_devices} is not divisible by tp*pp*cp = {unit}"
+            )
         return args.num_devices // unit
     return args.dp or 1
 
@@ -160,9 +222,17 @@ def _step_options(args) -> dict:
     )
 
 
-def _plan(args, model: ModelShape, device_memory: Optional[int], dtype_bytes: int, hardware: HardwareProfile) -> int:
+def _plan(
+    args,
+    model: ModelShape,
+    device_memory: Optional[int],
+    dtype_bytes: int,
+    hardware: HardwareProfile,
+) -> int:
     dp = _dp(args)
-    gbs = args.global_batch_size or default_global_batch_size(args.seq_length, args.micro_batch_size, dp)
+    gbs = args.global_batch_size or default_global_batch_size(
+        args.seq_length, args.micro_batch_size, dp
+    )
     layout = Layout(
         tp=args.tp,
         pp=args.pp,
@@ -176,11 +246,22 @@ def _plan(args, model: ModelShape, device_memory: Optional[int], dtype_bytes: in
         global_batch_size=gbs,
         distributed_optimizer=args.distributed_optimizer,
     )
-    plan = plan_memory(model, args.seq_length, layout, device_memory=device_memory, **_plan_kwargs(args, dtype_bytes))
+    plan = plan_memory(
+        model,
+        args.seq_length,
+        layout,
+        device_memory=device_memory,
+        **_plan_kwargs(args, dtype_bytes),
+    )
     step = predict_step_time(
-        model, args.seq_length, layout, hardware, mean_document_length=args.mean_document_length,
-        dtype_bytes=dtype_bytes, **_step_options(args),
-    )  # fmt: skip
+        model,
+        args.seq_length,
+        layout,
+        hardware,
+        mean_document_length=args.mean_document_length,
+        dtype_bytes=dtype_bytes,
+        **_step_options(args),
+    )
     if args.json:
         print(json.dumps({**plan.to_dict(), "step_time": step.to_dict()}, indent=2))
     else:
@@ -188,7 +269,9 @@ def _plan(args, model: ModelShape, device_memory: Optional[int], dtype_bytes: in
     return 0 if plan.fits is not False else 1
 
 
-def _search(args, model: ModelShape, device_memory: int, dtype_bytes: int, hardware: HardwareProfile) -> int:
+def _search(
+    args, model: ModelShape, device_memory: int, dtype_bytes: int, hardware: HardwareProfile
+) -> int:
     found = search_layouts(
         model,
         args.seq_length,
@@ -206,8 +289,16 @@ def _search(args, model: ModelShape, device_memory: int, dtype_bytes: int, hardw
     )
     shown = found[: args.top]
     if args.json:
-        print(json.dumps({"num_fitting": len(found), "hardware": hardware.to_dict(),
-                          "layouts": [c.to_dict() for c in shown]}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "num_fitting": len(found),
+                    "hardware": hardware.to_dict(),
+                    "layouts": [c.to_dict() for c in shown],
+                },
+                indent=2,
+            )
+        )
         return 0 if found else 1
     tokens = f"{args.seq_length:,} tokens"
     if args.mean_document_length is not None:
@@ -224,7 +315,11 @@ def _search(args, model: ModelShape, device_memory: int, dtype_bytes: int, hardw
 
 
 def _compare(args, model: ModelShape, dtype_bytes: int) -> int:
-    lengths = [_seq(x) for x in args.seq_lengths.split(",")] if args.seq_lengths else list(DEFAULT_SEQ_LENGTHS)
+    lengths = (
+        [_seq(x) for x in args.seq_lengths.split(",")]
+        if args.seq_lengths
+        else list(DEFAULT_SEQ_LENGTHS)
+    )
     rows = compare_standard(
         model,
         lengths,
@@ -237,7 +332,9 @@ def _compare(args, model: ModelShape, dtype_bytes: int) -> int:
         attention_dropout=args.attention_dropout,
     )
     if args.json:
-        print(json.dumps({"model": args.model, "tp": args.tp, "cp": args.cp, "rows": rows}, indent=2))
+        print(
+            json.dumps({"model": args.model, "tp": args.tp, "cp": args.cp, "rows": rows}, indent=2)
+        )
     else:
         print(format_compare(rows, model, args.micro_batch_size, args.tp))
     return 0

@@ -54,13 +54,19 @@ def compare_standard(
         s_c = seq // cp
 
         def core(terms):
-            return sum(t.bytes for t in terms if t.module.startswith("self_attention.core_attention"))
+            return sum(
+                t.bytes for t in terms if t.module.startswith("self_attention.core_attention")
+            )
 
         std_layer, fus_layer = act.sum_terms(std_terms), act.sum_terms(fus_terms)
         rows.append(
             {
                 "seq_length": seq,
-                "scores_bytes": micro_batch_size * (model.num_attention_heads // tp) * s_c * s_c * dtype_bytes,
+                "scores_bytes": micro_batch_size
+                * (model.num_attention_heads // tp)
+                * s_c
+                * s_c
+                * dtype_bytes,
                 "standard_core_attention_bytes": math.ceil(core(std_terms)),
                 "fused_core_attention_bytes": math.ceil(core(fus_terms)),
                 "standard_layer_bytes": math.ceil(std_layer),

@@ -71,7 +71,10 @@ def attention_block_length(seq_length: int, mean_document_length: Optional[float
 
 
 def forward_flops(
-    model: ModelShape, seq_length: int, micro_batch_size: int = 1, mean_document_length: Optional[float] = None
+    model: ModelShape,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    mean_document_length: Optional[float] = None,
 ) -> dict[str, float]:
     """Forward FLOPs of one micro-batch of ``micro_batch_size`` sequences of ``seq_length``
     tokens: per layer ``attention_projections`` (QKV and output projection),
@@ -96,14 +99,19 @@ def forward_flops(
 
 
 def step_flops(
-    model: ModelShape, seq_length: int, fused_attention: bool = True, mean_document_length: Optional[float] = None
+    model: ModelShape,
+    seq_length: int,
+    fused_attention: bool = True,
+    mean_document_length: Optional[float] = None,
 ) -> float:
     """Forward + backward FLOPs of one sequence of ``seq_length`` tokens without recompute
     (documents of ``mean_document_length`` tokens when given)."""
     fl = forward_flops(model, seq_length, mean_document_length=mean_document_length)
     kernel_backward = FUSED_ATTENTION_BACKWARD if fused_attention else GEMM_BACKWARD
     gemms = model.num_layers * (fl["attention_projections"] + fl["mlp"]) + fl["logits"]
-    return (1 + GEMM_BACKWARD) * gemms + (1 + kernel_backward) * model.num_layers * fl["attention_kernel"]
+    return (1 + GEMM_BACKWARD) * gemms + (1 + kernel_backward) * model.num_layers * fl[
+        "attention_kernel"
+    ]
 
 
 def recompute_overhead(
@@ -118,7 +126,10 @@ def recompute_overhead(
     documents of ``mean_document_length`` tokens when given)."""
     fl = forward_flops(model, seq_length, mean_document_length=mean_document_length)
     kernel, projections = fl["attention_kernel"], fl["attention_projections"]
-    qkv_columns, output_columns = model.num_attention_heads + 2 * model.num_query_groups, model.num_attention_heads
+    qkv_columns, output_columns = (
+        model.num_attention_heads + 2 * model.num_query_groups,
+        model.num_attention_heads,
+    )
     per_layer = {
         "none": 0.0,
         "qkv": projections * qkv_columns / (qkv_columns + output_columns),
@@ -128,7 +139,11 @@ def recompute_overhead(
     }
     if recompute not in per_layer:
         raise ValueError(f"recompute {recompute!r}: choose one of {tuple(per_layer)}")
-    return model.num_layers * per_layer[recompute] / step_flops(model, seq_length, fused_attention, mean_document_length)
+    return (
+        model.num_layers
+        * per_layer[recompute]
+        / step_flops(model, seq_length, fused_attention, mean_document_length)
+    )
 
 
 def pipeline_bubble(pp: int, num_microbatches: Optional[int], vp: int = 1) -> float:

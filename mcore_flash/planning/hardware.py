@@ -41,9 +41,17 @@ class HardwareProfile:
     sources: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("peak_bf16_tflops", "hbm_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "devices_per_node"):
+        for name in (
+            "peak_bf16_tflops",
+            "hbm_bytes",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+            "devices_per_node",
+        ):
             if not getattr(self, name) > 0:
-                raise ValueError(f"--hardware {self.name}: {name} must be positive (got {getattr(self, name)})")
+                raise ValueError(
+                    f"--hardware {self.name}: {name} must be positive (got {getattr(self, name)})"
+                )
         if not 0 < self.achievable_fraction <= 1:
             raise ValueError(
                 f"--hardware {self.name}: achievable_fraction is a fraction of the peak in (0, 1] "
@@ -63,12 +71,16 @@ class HardwareProfile:
         return asdict(self)
 
 
-REQUIRED_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", "sources"))
+REQUIRED_FIELDS = tuple(
+    f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", "sources")
+)
 
 
 def _profile(name: str, data: dict, origin: str) -> HardwareProfile:
     if not isinstance(data, dict):
-        raise ValueError(f"--hardware {origin}: expected a JSON object with the fields {', '.join(REQUIRED_FIELDS)}")
+        raise ValueError(
+            f"--hardware {origin}: expected a JSON object with the fields {', '.join(REQUIRED_FIELDS)}"
+        )
     known = {f.name for f in fields(HardwareProfile)}
     missing = [k for k in REQUIRED_FIELDS if k not in data]
     unknown = sorted(set(data) - known)
@@ -109,6 +121,12 @@ def load_hardware(name_or_path) -> HardwareProfile:
     except OSError as error:
         raise ValueError(f"--hardware {key}: cannot read the file ({error.strerror})") from None
     except json.JSONDecodeError as error:
-        raise ValueError(f"--hardware {key}: not valid JSON ({error.msg}, line {error.lineno})") from None
-    name = data.pop("name", os.path.splitext(os.path.basename(key))[0]) if isinstance(data, dict) else key
+        raise ValueError(
+            f"--hardware {key}: not valid JSON ({error.msg}, line {error.lineno})"
+        ) from None
+    name = (
+        data.pop("name", os.path.splitext(os.path.basename(key))[0])
+        if isinstance(data, dict)
+        else key
+    )
     return _profile(name, data, key)

@@ -22,7 +22,14 @@ RECOMPUTE_FLAGS = {
     "none": [],
     "qkv": ["--recompute-granularity", "selective", "--recompute-modules", "qkv"],
     "attention": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
-    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "full": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ],
     "core_attention": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
 }
 
@@ -56,14 +63,18 @@ class Layout:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute {self.recompute!r}: choose one of {RECOMPUTE_MODES}")
-        if self.recompute_num_layers < 0 or (self.recompute_num_layers and self.recompute == "full"):
+        if self.recompute_num_layers < 0 or (
+            self.recompute_num_layers and self.recompute == "full"
+        ):
             raise ValueError(
                 f"recompute_num_layers {self.recompute_num_layers}: the layers recomputed whole per pipeline chunk "
                 "(>= 0), with a selective recompute mode for the others (not 'full', which recomputes every layer)"
             )
         if self.vp > 1 and self.pp == 1:
             raise ValueError("an interleaved schedule (vp > 1) needs pp > 1")
-        if self.global_batch_size is not None and self.global_batch_size % (self.micro_batch_size * self.dp):
+        if self.global_batch_size is not None and self.global_batch_size % (
+            self.micro_batch_size * self.dp
+        ):
             raise ValueError(
                 f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size x dp "
                 f"= {self.micro_batch_size * self.dp}"
@@ -149,7 +160,14 @@ def pretrain_command(
     """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) that trains ``model``
     at ``seq_length`` tokens under ``layout``: bf16 when ``dtype_bytes`` is 2 (else fp32),
     with document masking when ``mean_document_length`` (tokens) is given."""
-    args = ["--model", model.name, "--seq-length", str(seq_length), "--micro-batch-size", str(layout.micro_batch_size)]
+    args = [
+        "--model",
+        model.name,
+        "--seq-length",
+        str(seq_length),
+        "--micro-batch-size",
+        str(layout.micro_batch_size),
+    ]
     if layout.global_batch_size is not None:
         args += ["--global-batch-size", str(layout.global_batch_size)]
     args += [
@@ -161,7 +179,10 @@ def pretrain_command(
         str(layout.cp),
     ]
     if layout.vp > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", str(layout.chunk_layers(model.num_layers))]
+        args += [
+            "--num-layers-per-virtual-pipeline-stage",
+            str(layout.chunk_layers(model.num_layers)),
+        ]
     if layout.sp:
         args.append("--sequence-parallel")
     if layout.distributed_optimizer:

@@ -41,7 +41,14 @@ from .models import ModelShape
 from .parameters import optimizer_bytes_per_parameter, stage_parameters, total_parameters
 from .units import GiB
 
-__all__ = ["MemoryPlan", "StagePlan", "plan_memory", "launch_command", "CATEGORIES", "ESTIMATED_CATEGORIES"]
+__all__ = [
+    "MemoryPlan",
+    "StagePlan",
+    "plan_memory",
+    "launch_command",
+    "CATEGORIES",
+    "ESTIMATED_CATEGORIES",
+]
 
 CATEGORIES = (
     "weights",
@@ -102,7 +109,9 @@ class MemoryPlan:
     device_memory: Optional[int]
     recompute_overhead: float
     pipeline_bubble: float
-    mean_document_length: Optional[float] = None  # tokens per packed document; None = one per sequence
+    mean_document_length: Optional[float] = (
+        None  # tokens per packed document; None = one per sequence
+    )
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -167,7 +176,12 @@ class MemoryPlan:
             "activation_bytes_per_layer": self.layer_bytes,
             "activation_bytes_per_layer_by_module": layer_by_module,
             "activation_terms_per_layer": [
-                {"module": t.module, "name": t.name, "bytes": int(math.ceil(t.bytes)), "category": t.category}
+                {
+                    "module": t.module,
+                    "name": t.name,
+                    "bytes": int(math.ceil(t.bytes)),
+                    "category": t.category,
+                }
                 for t in self.layer_terms
             ],
             "recompute_overhead": self.recompute_overhead,
@@ -213,16 +227,22 @@ class _MicroBatch:
     @classmethod
     def of(cls, seq_length: int, layout: Layout, dtype_bytes: int) -> "_MicroBatch":
         local = Fraction(seq_length, layout.cp)
-        return cls(local, local / layout.tp if layout.sp else local, layout.micro_batch_size, dtype_bytes)
+        return cls(
+            local, local / layout.tp if layout.sp else local, layout.micro_batch_size, dtype_bytes
+        )
 
 
 def _check_divisible(model: ModelShape, seq_length: int, layout: Layout) -> None:
     """Raise ValueError unless the layers split into ``pp * vp`` chunks, the sequence into
     ``2 * cp`` ring chunks and each CP rank's tokens over ``tp`` (sequence parallel)."""
     if model.num_layers % (layout.pp * layout.vp):
-        raise ValueError(f"num_layers ({model.num_layers}) must be divisible by pp x vp = {layout.pp * layout.vp}")
+        raise ValueError(
+            f"num_layers ({model.num_layers}) must be divisible by pp x vp = {layout.pp * layout.vp}"
+        )
     if seq_length % (2 * layout.cp) and layout.cp > 1:
-        raise ValueError(f"seq_length {seq_length} must be divisible by 2 x cp = {2 * layout.cp} (load-balanced ring CP)")
+        raise ValueError(
+            f"seq_length {seq_length} must be divisible by 2 x cp = {2 * layout.cp} (load-balanced ring CP)"
+        )
     if layout.sp and seq_length // layout.cp % layout.tp:
         raise ValueError(
             f"the local sequence {seq_length // layout.cp} must be divisible by tp {layout.tp} (sequence parallel)"
@@ -236,13 +256,19 @@ def _mean_layer_bytes(
     micro-batch: under partial recompute the ``recompute_num_layers`` layers recomputed whole
     keep ``full_terms`` (their input), the others ``terms`` (``layout.recompute``)."""
     whole_share = Fraction(layout.recompute_num_layers, layout.chunk_layers(model.num_layers))
-    activations = whole_share * act.sum_terms(full_terms) + (1 - whole_share) * act.sum_terms(terms, "activations")
+    activations = whole_share * act.sum_terms(full_terms) + (1 - whole_share) * act.sum_terms(
+        terms, "activations"
+    )
     statistics = (1 - whole_share) * act.sum_terms(terms, "attention_stats")
     return activations, statistics
 
 
 def _recompute_workspace(
-    terms: list[act.Term], none_terms: list[act.Term], model: ModelShape, layout: Layout, micro: _MicroBatch
+    terms: list[act.Term],
+    none_terms: list[act.Term],
+    model: ModelShape,
+    layout: Layout,
+    micro: _MicroBatch,
 ) -> Fraction:
     """Estimated bytes alive while one layer runs its backward: what its recompute rebuilds
     (``none_terms`` less the kept ``terms``) plus the largest gradients inside a layer's
@@ -251,15 +277,27 @@ def _recompute_workspace(
         rebuilt = act.sum_terms(none_terms)
     elif layout.recompute == "attention":
         rebuilt = sum((t.bytes for t in none_terms if t.scope == "attention"), Fraction(0))
-    elif layout.recompute == "qkv":  # the replayed prelude and q, k, v: the attention terms not kept
+    elif (
+        layout.recompute == "qkv"
+    ):  # the replayed prelude and q, k, v: the attention terms not kept
         kept = {(t.module, t.name) for t in terms}
         rebuilt = sum(
-            (t.bytes for t in none_terms if t.scope == "attention" and (t.module, t.name) not in kept), Fraction(0)
+            (
+                t.bytes
+                for t in none_terms
+                if t.scope == "attention" and (t.module, t.name) not in kept
+            ),
+            Fraction(0),
         )
     else:
         rebuilt = Fraction(0)
     fc1_width_per_rank = Fraction(model.ffn_hidden_size * (2 if model.gated else 1), layout.tp)
-    gradients = micro.local_tokens * micro.batch * (fc1_width_per_rank + 2 * model.hidden_size) * micro.element_bytes
+    gradients = (
+        micro.local_tokens
+        * micro.batch
+        * (fc1_width_per_rank + 2 * model.hidden_size)
+        * micro.element_bytes
+    )
     return rebuilt + gradients
 
 
@@ -268,14 +306,26 @@ def _communication_buffers(model: ModelShape, layout: Layout, micro: _MicroBatch
     input, the pipeline's forward activation and backward gradient, the context-parallel
     ring's K/V (dtype) and dK/dV (fp32), double-buffered."""
     b, element = micro.batch, micro.element_bytes
-    kv_heads_per_rank = Fraction(model.num_query_groups, layout.tp) if model.num_query_groups >= layout.tp else Fraction(1)
+    kv_heads_per_rank = (
+        Fraction(model.num_query_groups, layout.tp)
+        if model.num_query_groups >= layout.tp
+        else Fraction(1)
+    )
     buffers = Fraction(0)
     if layout.sp:
         buffers += micro.local_tokens * b * model.hidden_size * element
     if layout.pp > 1:
         buffers += 2 * micro.rank_tokens * b * model.hidden_size * element
     if layout.cp > 1:
-        buffers += 2 * 2 * micro.local_tokens * b * kv_heads_per_rank * model.head_dim * (element + FP32_BYTES)
+        buffers += (
+            2
+            * 2
+            * micro.local_tokens
+            * b
+            * kv_heads_per_rank
+            * model.head_dim
+            * (element + FP32_BYTES)
+        )
     return buffers
 
 
@@ -294,11 +344,23 @@ def _outside_layers_bytes(
         layout.micro_batch_size,
         first_stage=stage == 0,
         last_stage=stage == layout.pp - 1,
-        **{**term_options, "recompute": "full" if layout.recompute_num_layers else layout.recompute},
+        **{
+            **term_options,
+            "recompute": "full" if layout.recompute_num_layers else layout.recompute,
+        },
     )
     embedding = [t for t in outside if t.module.startswith("embedding")]
-    loss = [t for t in outside if not t.module.startswith(("embedding", "decoder")) or t.module == "decoder.final_layernorm"]
-    decoder = [t for t in outside if t.module.startswith("decoder") and t.module != "decoder.final_layernorm"]
+    loss = [
+        t
+        for t in outside
+        if not t.module.startswith(("embedding", "decoder"))
+        or t.module == "decoder.final_layernorm"
+    ]
+    decoder = [
+        t
+        for t in outside
+        if t.module.startswith("decoder") and t.module != "decoder.final_layernorm"
+    ]
     embeddings_and_loss = act.sum_terms(embedding) * micro_batches_in_flight + act.sum_terms(loss)
     return embeddings_and_loss, act.sum_terms(decoder) * chunks_in_flight
 
@@ -311,8 +373,14 @@ def _notes(seq_length: int, layout: Layout, profile: act.Profile) -> list[str]:
             f"{seq_length // layout.cp} tokens per CP rank: ring context parallelism hides its communication only "
             "above about 8K tokens per rank"
         )
-    if layout.pp > 1 and layout.num_microbatches is not None and layout.num_microbatches < layout.pp:
-        notes.append(f"{layout.num_microbatches} micro-batches per step cannot fill {layout.pp} pipeline stages")
+    if (
+        layout.pp > 1
+        and layout.num_microbatches is not None
+        and layout.num_microbatches < layout.pp
+    ):
+        notes.append(
+            f"{layout.num_microbatches} micro-batches per step cannot fill {layout.pp} pipeline stages"
+        )
     if profile.attention == "standard":
         notes.append("standard (unfused) attention: keeps the [b, heads, s, s] softmax per layer")
     return notes
@@ -356,14 +424,20 @@ def plan_memory(
     )
 
     def layer_terms_with(recompute: str) -> list[act.Term]:
-        return act.layer_terms(model, seq_length, layout.micro_batch_size, **{**term_options, "recompute": recompute})
+        return act.layer_terms(
+            model, seq_length, layout.micro_batch_size, **{**term_options, "recompute": recompute}
+        )
 
-    terms, none_terms, full_terms = (layer_terms_with(mode) for mode in (layout.recompute, "none", "full"))
+    terms, none_terms, full_terms = (
+        layer_terms_with(mode) for mode in (layout.recompute, "none", "full")
+    )
     recompute_shares = layout.recompute_shares(model.num_layers)
     layer_activations, layer_statistics = _mean_layer_bytes(terms, full_terms, model, layout)
     workspace = _recompute_workspace(terms, none_terms, model, layout, micro)
     communication = _communication_buffers(model, layout, micro)
-    optimizer_per_parameter = optimizer_bytes_per_parameter(layout.distributed_optimizer, layout.dp, layout.cp)
+    optimizer_per_parameter = optimizer_bytes_per_parameter(
+        layout.distributed_optimizer, layout.dp, layout.cp
+    )
 
     stages = []
     layers_per_stage = model.num_layers // layout.pp
@@ -371,7 +445,9 @@ def plan_memory(
         parameters = sum(stage_parameters(model, layout.tp, layout.pp, stage).values())
         chunks_in_flight = layout.in_flight(stage)
         layers_in_flight = Fraction(layers_per_stage, layout.vp) * chunks_in_flight
-        embeddings_and_loss, decoder = _outside_layers_bytes(model, seq_length, layout, stage, term_options)
+        embeddings_and_loss, decoder = _outside_layers_bytes(
+            model, seq_length, layout, stage, term_options
+        )
         logits = Fraction(0)
         if stage == layout.pp - 1:  # the logits and their fp32 gradient
             vocab_per_rank = Fraction(model.vocab_size, layout.tp)

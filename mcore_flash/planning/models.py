@@ -47,11 +47,17 @@ class ModelShape:
                 f"num_attention_heads ({self.num_attention_heads})"
             )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"{self.name}: hidden_size must be divisible by num_attention_heads (or give kv_channels)")
+            raise ValueError(
+                f"{self.name}: hidden_size must be divisible by num_attention_heads (or give kv_channels)"
+            )
         if self.activation not in ("swiglu", "gelu"):
-            raise ValueError(f"{self.name}: activation {self.activation!r}: choose 'swiglu' or 'gelu'")
+            raise ValueError(
+                f"{self.name}: activation {self.activation!r}: choose 'swiglu' or 'gelu'"
+            )
         if self.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(f"{self.name}: normalization {self.normalization!r}: choose 'RMSNorm' or 'LayerNorm'")
+            raise ValueError(
+                f"{self.name}: normalization {self.normalization!r}: choose 'RMSNorm' or 'LayerNorm'"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -77,17 +83,71 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("llama2-13b", 40, 5120, 13824, 40, 40, 32000),
         ModelShape("llama2-7b", 32, 4096, 11008, 32, 32, 32000),
         # Llama-3-70B: same body, 128K vocabulary, RoPE base 500000, 8K positions.
-        ModelShape("llama3-70b", 80, 8192, 28672, 64, 8, 128256, max_position_embeddings=8192, rotary_base=500000),
-        ModelShape("llama3-8b", 32, 4096, 14336, 32, 8, 128256, max_position_embeddings=8192, rotary_base=500000),
+        ModelShape(
+            "llama3-70b",
+            80,
+            8192,
+            28672,
+            64,
+            8,
+            128256,
+            max_position_embeddings=8192,
+            rotary_base=500000,
+        ),
+        ModelShape(
+            "llama3-8b",
+            32,
+            4096,
+            14336,
+            32,
+            8,
+            128256,
+            max_position_embeddings=8192,
+            rotary_base=500000,
+        ),
         # Llama-3.1: the Llama-3 bodies at 131072 positions with the "llama3" RoPE scaling
         # (factor 8 over 8192 original positions, low/high frequency factors 1 and 4).
-        ModelShape("llama3.1-70b", 80, 8192, 28672, 64, 8, 128256, max_position_embeddings=131072,
-                   rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0),
-        ModelShape("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256, max_position_embeddings=131072,
-                   rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0),
+        ModelShape(
+            "llama3.1-70b",
+            80,
+            8192,
+            28672,
+            64,
+            8,
+            128256,
+            max_position_embeddings=131072,
+            rotary_base=500000,
+            rope_scaling=True,
+            rope_scaling_factor=8.0,
+        ),
+        ModelShape(
+            "llama3.1-8b",
+            32,
+            4096,
+            14336,
+            32,
+            8,
+            128256,
+            max_position_embeddings=131072,
+            rotary_base=500000,
+            rope_scaling=True,
+            rope_scaling_factor=8.0,
+        ),
         # Llama-3.2-1B: tied embeddings, the llama3 RoPE scaling with factor 32.
-        ModelShape("llama3.2-1b", 16, 2048, 8192, 32, 8, 128256, untie_embeddings_and_output_weights=False,
-                   max_position_embeddings=131072, rotary_base=500000, rope_scaling=True, rope_scaling_factor=32.0),
+        ModelShape(
+            "llama3.2-1b",
+            16,
+            2048,
+            8192,
+            32,
+            8,
+            128256,
+            untie_embeddings_and_output_weights=False,
+            max_position_embeddings=131072,
+            rotary_base=500000,
+            rope_scaling=True,
+            rope_scaling_factor=32.0,
+        ),
         # The model `mcore-flash pretrain --model tiny` trains (its default CPU job): 2 layers,
         # h 128, ffn 352, 4 heads, 2 groups, 256 positions; the byte-level tokenizer's 258 ids
         # padded to 384 rows (--make-vocab-size-divisible-by 128 at TP 1).

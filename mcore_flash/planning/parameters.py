@@ -35,7 +35,13 @@ def _div(n: int, t: int, what: str) -> int:
 
 def layer_parameters(model: ModelShape, tp: int = 1) -> dict[str, int]:
     """Parameters of one transformer layer on one TP rank, by submodule."""
-    h, d, a, g, f = model.hidden_size, model.head_dim, model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size
+    h, d, a, g, f = (
+        model.hidden_size,
+        model.head_dim,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.ffn_hidden_size,
+    )
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
     qkv_out = _div((a + 2 * g) * d, tp, "query/key/value projection width")
     fc1_out = _div((2 if model.gated else 1) * f, tp, "linear_fc1 width")
@@ -70,14 +76,18 @@ def stage_parameters(model: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0
     ``pp > 1`` the last stage holds a copy of the word embeddings, as Megatron does).
     """
     if model.num_layers % pp:
-        raise ValueError(f"num_layers ({model.num_layers}) must be divisible by the pipeline-parallel size {pp}")
+        raise ValueError(
+            f"num_layers ({model.num_layers}) must be divisible by the pipeline-parallel size {pp}"
+        )
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
     parts = {"layers": sum(layer_parameters(model, tp).values()) * (model.num_layers // pp)}
     if stage == 0:
         parts["embedding"] = _embedding_parameters(model, tp)
     if stage == pp - 1:
-        parts["final_layernorm"] = model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
+        parts["final_layernorm"] = model.hidden_size * (
+            2 if model.normalization == "LayerNorm" else 1
+        )
         if model.untie_embeddings_and_output_weights or pp > 1:
             parts["output_layer"] = _div(model.vocab_size, tp, "vocab_size") * model.hidden_size
     return parts
@@ -159,7 +169,12 @@ def meta_parameter_count(model: ModelShape, tp: int = 1, vp_stage: Optional[int]
 
     with torch.device("meta"):  # use_cpu_initialization: allocations without a device -> meta
         gpt = build_flash_gpt(
-            model, tp, vp_stage, params_dtype=torch.bfloat16, bf16=True, perform_initialization=False
+            model,
+            tp,
+            vp_stage,
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            perform_initialization=False,
         )
     params = list(gpt.parameters())
     off_meta = [p for p in params if p.device.type != "meta"]

@@ -21,7 +21,12 @@ from .memory import MemoryPlan, plan_memory
 from .models import ModelShape, get_model
 from .units import parse_bytes
 
-__all__ = ["RECIPE_70B_128K", "plan_for_recipe", "plan_for_pretrain_args", "model_shape_for_pretrain_args"]
+__all__ = [
+    "RECIPE_70B_128K",
+    "plan_for_recipe",
+    "plan_for_pretrain_args",
+    "model_shape_for_pretrain_args",
+]
 
 RECIPE_70B_128K = dict(
     model="llama2-70b",
@@ -63,8 +68,12 @@ def plan_for_recipe(
     if seq_length is not None:
         settings["seq_length"] = seq_length
     layout_keys = {f for f in Layout.__dataclass_fields__}
-    plan_kwargs = {k: v for k, v in overrides.items() if k not in layout_keys and k != "device_memory"}
-    settings.update({k: v for k, v in overrides.items() if k in layout_keys or k == "device_memory"})
+    plan_kwargs = {
+        k: v for k, v in overrides.items() if k not in layout_keys and k != "device_memory"
+    }
+    settings.update(
+        {k: v for k, v in overrides.items() if k in layout_keys or k == "device_memory"}
+    )
     if num_devices is not None:
         unit = settings["tp"] * settings["pp"] * settings["cp"]
         if num_devices % unit:

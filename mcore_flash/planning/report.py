@@ -17,7 +17,14 @@ from .search import Candidate
 from .step_time import BREAKDOWN_KEYS, StepTime
 from .units import format_bytes
 
-__all__ = ["verdict", "documents_line", "format_plan", "format_step_time", "format_candidate", "format_compare"]
+__all__ = [
+    "verdict",
+    "documents_line",
+    "format_plan",
+    "format_step_time",
+    "format_candidate",
+    "format_compare",
+]
 
 
 def verdict(plan: MemoryPlan) -> str:
@@ -72,7 +79,9 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  {name:<26} {format_bytes(worst.bytes[name]):>12}{mark}")
     lines.append(f"  {'total':<26} {format_bytes(worst.total):>12}")
     if lay.pp > 1:
-        lines.append("stages: " + ", ".join(f"{st.stage}: {format_bytes(st.total)}" for st in plan.stages))
+        lines.append(
+            "stages: " + ", ".join(f"{st.stage}: {format_bytes(st.total)}" for st in plan.stages)
+        )
     lines += [
         "",
         f"compute overhead: recompute +{plan.recompute_overhead:.1%}, pipeline bubble +{plan.pipeline_bubble:.1%}",

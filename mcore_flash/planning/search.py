@@ -40,7 +40,9 @@ class Candidate:
         return {**self.plan.to_dict(), "step_time": self.step.to_dict()}
 
 
-def default_global_batch_size(seq_length: int, micro_batch_size: int = 1, dp: int = 1, tokens: int = DEFAULT_TOKENS_PER_STEP) -> int:
+def default_global_batch_size(
+    seq_length: int, micro_batch_size: int = 1, dp: int = 1, tokens: int = DEFAULT_TOKENS_PER_STEP
+) -> int:
     """Sequences per step for ``tokens`` tokens, rounded up to a multiple of ``micro_batch_size * dp``."""
     unit = micro_batch_size * dp
     sequences = max(1, -(-tokens // seq_length))
@@ -95,10 +97,29 @@ def search_layouts(
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
     ``mean_document_length`` ...).
     """
-    step_kwargs = {"mean_document_length": plan_kwargs.get("mean_document_length"), **(step_options or {})}
-    tps = list(tp_choices) if tp_choices else [t for t in _divisors(model.num_query_groups) if t <= max_tp and model.num_attention_heads % t == 0]
-    pps = list(pp_choices) if pp_choices else [p for p in _divisors(model.num_layers) if p <= num_devices]
-    cps = list(cp_choices) if cp_choices else [c for c in _powers_of_two(num_devices) if seq_length % (2 * c) == 0 or c == 1]
+    step_kwargs = {
+        "mean_document_length": plan_kwargs.get("mean_document_length"),
+        **(step_options or {}),
+    }
+    tps = (
+        list(tp_choices)
+        if tp_choices
+        else [
+            t
+            for t in _divisors(model.num_query_groups)
+            if t <= max_tp and model.num_attention_heads % t == 0
+        ]
+    )
+    pps = (
+        list(pp_choices)
+        if pp_choices
+        else [p for p in _divisors(model.num_layers) if p <= num_devices]
+    )
+    cps = (
+        list(cp_choices)
+        if cp_choices
+        else [c for c in _powers_of_two(num_devices) if seq_length % (2 * c) == 0 or c == 1]
+    )
     found = []
     for tp in tps:
         for pp in pps:
@@ -110,11 +131,17 @@ def search_layouts(
                     continue
                 if sequence_parallel and tp > 1 and (seq_length // cp) % tp:
                     continue
-                gbs = global_batch_size or default_global_batch_size(seq_length, micro_batch_size, dp)
+                gbs = global_batch_size or default_global_batch_size(
+                    seq_length, micro_batch_size, dp
+                )
                 if gbs % (micro_batch_size * dp):
                     continue
                 for vp in vp_choices:
-                    if vp > 1 and (pp == 1 or model.num_layers % (pp * vp) or (gbs // (micro_batch_size * dp)) % pp):
+                    if vp > 1 and (
+                        pp == 1
+                        or model.num_layers % (pp * vp)
+                        or (gbs // (micro_batch_size * dp)) % pp
+                    ):
                         continue
                     for recompute in recompute_choices:
                         layout = Layout(
@@ -129,7 +156,9 @@ def search_layouts(
                             global_batch_size=gbs,
                             distributed_optimizer=distributed_optimizer,
                         )
-                        plan = plan_memory(model, seq_length, layout, device_memory=device_memory, **plan_kwargs)
+                        plan = plan_memory(
+                            model, seq_length, layout, device_memory=device_memory, **plan_kwargs
+                        )
                         if not plan.fits and partial_recompute and recompute != "full":
                             plan = _least_partial_recompute(plan, plan_kwargs) or plan
                         layout = plan.layout
@@ -138,7 +167,14 @@ def search_layouts(
                                 f"tight: less than {safety_margin:.0%} of the device memory left free"
                             )
                         if plan.fits or include_non_fitting:
-                            step = predict_step_time(model, seq_length, layout, hardware, dtype_bytes=plan.dtype_bytes, **step_kwargs)
+                            step = predict_step_time(
+                                model,
+                                seq_length,
+                                layout,
+                                hardware,
+                                dtype_bytes=plan.dtype_bytes,
+                                **step_kwargs,
+                            )
                             found.append(Candidate(plan, step))
     found.sort(key=lambda candidate: rank_key(candidate, safety_margin))
     return found
@@ -152,7 +188,11 @@ def _least_partial_recompute(plan: MemoryPlan, plan_kwargs: dict) -> Optional[Me
     while low <= high:
         mid = (low + high) // 2
         candidate = plan_memory(
-            plan.model, plan.seq_length, replace(lay, recompute_num_layers=mid), device_memory=plan.device_memory, **plan_kwargs
+            plan.model,
+            plan.seq_length,
+            replace(lay, recompute_num_layers=mid),
+            device_memory=plan.device_memory,
+            **plan_kwargs,
         )
         if candidate.fits:
             best, high = candidate, mid - 1
@@ -164,7 +204,9 @@ def _least_partial_recompute(plan: MemoryPlan, plan_kwargs: dict) -> Optional[Me
 def rank_key(candidate: Candidate, safety_margin: float = 0.05):
     """Sort key: tight?, predicted step time (ms), cp, pp, tp, -headroom."""
     plan, lay = candidate.plan, candidate.plan.layout
-    tight = plan.device_memory is not None and (plan.headroom or 0) < safety_margin * plan.device_memory
+    tight = (
+        plan.device_memory is not None and (plan.headroom or 0) < safety_margin * plan.device_memory
+    )
     return (
         tight,
         round(candidate.step.step_time_s, 3),

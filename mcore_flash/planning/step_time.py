@@ -41,7 +41,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .flops import FUSED_ATTENTION_BACKWARD, GEMM_BACKWARD, forward_flops, pipeline_bubble, recompute_overhead, step_flops
+from .flops import (
+    FUSED_ATTENTION_BACKWARD,
+    GEMM_BACKWARD,
+    forward_flops,
+    pipeline_bubble,
+    recompute_overhead,
+    step_flops,
+)
 from .hardware import HardwareProfile
 from .layout import Layout
 from .models import ModelShape
@@ -58,7 +65,9 @@ RECOMPUTE_COMMUNICATION = {
     "attention": (2, True),  # the attention sub-block: all-gather in, reduce-scatter out
     "full": (4, True),  # the whole layer
 }
-TP_COLLECTIVES_PER_LAYER = 8  # all-gather before QKV and fc1, reduce-scatter after proj and fc2; x2 for backward
+TP_COLLECTIVES_PER_LAYER = (
+    8  # all-gather before QKV and fc1, reduce-scatter after proj and fc2; x2 for backward
+)
 BREAKDOWN_KEYS = (
     "gemm",
     "attention_kernel",
@@ -84,7 +93,9 @@ class StepTime:
     hardware: HardwareProfile
     num_microbatches: int
     breakdown: dict[str, float]
-    model_flops_per_step: float  # forward + backward without recompute, all devices (our convention)
+    model_flops_per_step: (
+        float  # forward + backward without recompute, all devices (our convention)
+    )
     megatron_flops_per_step: float  # 6 x parameters x tokens + 12 L a d s D per sequence
     details: dict[str, float] = field(default_factory=dict)
     mean_document_length: Optional[float] = None
@@ -95,14 +106,18 @@ class StepTime:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.num_microbatches * self.layout.micro_batch_size * self.layout.dp * self.seq_length
+        return (
+            self.num_microbatches * self.layout.micro_batch_size * self.layout.dp * self.seq_length
+        )
 
     @property
     def tokens_per_s_per_device(self) -> float:
         return self.tokens_per_step / self.step_time_s / self.layout.num_devices
 
     def _utilisation(self, flops: float) -> float:
-        return flops / (self.step_time_s * self.layout.num_devices * self.hardware.peak_bf16_tflops * 1e12)
+        return flops / (
+            self.step_time_s * self.layout.num_devices * self.hardware.peak_bf16_tflops * 1e12
+        )
 
     @property
     def mfu(self) -> float:
@@ -130,9 +145,12 @@ class StepTime:
             "details": dict(self.details),
         }
 
+
 def _bandwidth(hw: HardwareProfile, ranks_spanned: int) -> float:
     """Bytes/s per device for a group whose ranks span ``ranks_spanned`` consecutive ranks."""
-    return hw.intra_node_bandwidth if ranks_spanned <= hw.devices_per_node else hw.inter_node_bandwidth
+    return (
+        hw.intra_node_bandwidth if ranks_spanned <= hw.devices_per_node else hw.inter_node_bandwidth
+    )
 
 
 def _ring(n: int, nbytes: float, bandwidth: float) -> float:
@@ -161,9 +179,13 @@ def predict_step_time(
     """
     m, hw, lay = model, hardware, layout
     if lay.recompute not in RECOMPUTE_COMMUNICATION:
-        raise ValueError(f"recompute {lay.recompute!r}: the step-time model knows {tuple(RECOMPUTE_COMMUNICATION)}")
+        raise ValueError(
+            f"recompute {lay.recompute!r}: the step-time model knows {tuple(RECOMPUTE_COMMUNICATION)}"
+        )
     if m.num_layers % (lay.pp * lay.vp):
-        raise ValueError(f"num_layers ({m.num_layers}) must be divisible by pp x vp = {lay.pp * lay.vp}")
+        raise ValueError(
+            f"num_layers ({m.num_layers}) must be divisible by pp x vp = {lay.pp * lay.vp}"
+        )
     b, s, L, B = lay.micro_batch_size, seq_length, m.num_layers, dtype_bytes
     shards, s_c = lay.tp * lay.cp, seq_length / lay.cp
     speed = hw.achievable_flops
@@ -175,7 +197,10 @@ def predict_step_time(
     gemm_fwd = (fl["attention_projections"] + fl["mlp"]) / shards / speed
     kernel_fwd = fl["attention_kernel"] / shards / speed
     shares = lay.recompute_shares(L)  # partial recompute: some layers full, the rest lay.recompute
-    overhead = sum(weight * recompute_overhead(m, s, mode, True, mean_document_length) for weight, mode in shares)
+    overhead = sum(
+        weight * recompute_overhead(m, s, mode, True, mean_document_length)
+        for weight, mode in shares
+    )
     recompute = overhead * step_flops(m, s, True, mean_document_length) * b / L / shards / speed
     logits = (1 + GEMM_BACKWARD) * fl["logits"] / shards / speed
     gemm = (1 + GEMM_BACKWARD) * gemm_fwd
@@ -223,14 +248,24 @@ def predict_step_time(
     n, bandwidth = lay.dp * lay.cp, _bandwidth(hw, shards * lay.dp)
     grad_reduce = _ring(n, params * 4, bandwidth) * (1 if lay.distributed_optimizer else 2)
     param_gather = _ring(n, params * B, bandwidth) if lay.distributed_optimizer else 0.0
-    backward = stage_layers * ((gemm - gemm_fwd) + (kernel - kernel_fwd) + recompute) + logits * GEMM_BACKWARD / 3
+    backward = (
+        stage_layers * ((gemm - gemm_fwd) + (kernel - kernel_fwd) + recompute)
+        + logits * GEMM_BACKWARD / 3
+    )
     forward = stage_layers * (gemm_fwd + kernel_fwd) + logits / 3
-    breakdown["dp_grad_reduce_exposed"] = max(0.0, grad_reduce - backward) if overlap_grad_reduce else grad_reduce
-    breakdown["dp_param_gather_exposed"] = max(0.0, param_gather - forward) if overlap_param_gather else param_gather
+    breakdown["dp_grad_reduce_exposed"] = (
+        max(0.0, grad_reduce - backward) if overlap_grad_reduce else grad_reduce
+    )
+    breakdown["dp_param_gather_exposed"] = (
+        max(0.0, param_gather - forward) if overlap_param_gather else param_gather
+    )
 
     tokens = micro * b * lay.dp  # sequences per step
     one = forward_flops(m, s, 1, mean_document_length)  # one sequence; the kernel counted dense: x2
-    megatron = (1 + GEMM_BACKWARD) * (L * (one["attention_projections"] + one["mlp"] + 2 * one["attention_kernel"]) + one["logits"])
+    megatron = (1 + GEMM_BACKWARD) * (
+        L * (one["attention_projections"] + one["mlp"] + 2 * one["attention_kernel"])
+        + one["logits"]
+    )
     details = {
         "tp_collective_s": collective,
         "cp_hop_forward_s": hop_fwd,

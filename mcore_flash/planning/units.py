@@ -35,7 +35,9 @@ def parse_bytes(text) -> int:
         return int(text)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 64GB, 80GiB or 65536MB")
+        raise ValueError(
+            f"cannot read a memory size from {text!r}; write e.g. 64GB, 80GiB or 65536MB"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 

@@ -34,17 +34,29 @@ from ._common import applied
 from .checkpoint_without_output import checkpoint_without_output_no_te
 from .megatron_cpu_rng import megatron_cpu_rng
 from .megatron_tensor_methods import megatron_npu_tensor_type, megatron_tensor_methods
-from .megatron_torch_view import ViewFinder, megatron_torch_view
+from .megatron_torch_view import megatron_torch_view
 from .npu_device_capability import npu_device_capability
 
-__all__ = ["setup", "device_type", "torch_device", "peak_memory_bytes", "applied_adaptations", "DEVICES"]
+__all__ = [
+    "setup",
+    "device_type",
+    "torch_device",
+    "peak_memory_bytes",
+    "applied_adaptations",
+    "DEVICES",
+]
 
 DEVICES = ("npu", "cuda", "cpu")
 
 _ADAPTATIONS = {
     "npu": (npu_device_capability, megatron_npu_tensor_type, checkpoint_without_output_no_te),
     "cuda": (checkpoint_without_output_no_te,),
-    "cpu": (megatron_torch_view, megatron_tensor_methods, megatron_cpu_rng, checkpoint_without_output_no_te),
+    "cpu": (
+        megatron_torch_view,
+        megatron_tensor_methods,
+        megatron_cpu_rng,
+        checkpoint_without_output_no_te,
+    ),
 }
 
 _state = {"device": None}

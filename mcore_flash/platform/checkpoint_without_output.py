@@ -34,7 +34,9 @@ def checkpoint_without_output_no_te():
     @functools.wraps(megatron_init)
     def __init__(self, *args, **kwargs):
         megatron_init(self, *args, **kwargs)
-        fp8 = inspect.signature(megatron_init).bind(self, *args, **kwargs).arguments.get("fp8", False)
+        fp8 = (
+            inspect.signature(megatron_init).bind(self, *args, **kwargs).arguments.get("fp8", False)
+        )
         if fp8 is None or fp8 is False:
             self.fp8 = False
 

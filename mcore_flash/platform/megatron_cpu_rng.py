@@ -49,7 +49,11 @@ def megatron_cpu_rng():
     except ImportError:
         return False
     tracker = getattr(mrandom, "CudaRNGStatesTracker", None)
-    if tracker is None or not hasattr(mrandom, "_get_cuda_rng_state") or not hasattr(mrandom, "_set_cuda_rng_state"):
+    if (
+        tracker is None
+        or not hasattr(mrandom, "_get_cuda_rng_state")
+        or not hasattr(mrandom, "_set_cuda_rng_state")
+    ):
         return False
 
     def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):

@@ -36,9 +36,14 @@ def _wrap_type(device_type: str) -> None:
 
     @functools.wraps(torch_type)
     def type_(self, dtype=None, non_blocking=False, **kwargs):
-        if dtype is None and not kwargs and self.device.type == device_type and called_from_megatron():
+        if (
+            dtype is None
+            and not kwargs
+            and self.device.type == device_type
+            and called_from_megatron()
+        ):
             name = torch_type(self)
-            return "torch.cuda." + name[len(prefix):] if name.startswith(prefix) else name
+            return "torch.cuda." + name[len(prefix) :] if name.startswith(prefix) else name
         return torch_type(self, dtype, non_blocking, **kwargs)
 
     type_.__mcore_flash__ = True

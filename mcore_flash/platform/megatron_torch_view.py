@@ -55,9 +55,22 @@ _CPU = torch.device("cpu")
 
 # Tensor factories megatron calls with device="cuda" / pin_memory=True.
 _FACTORIES = (
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
-    "randint", "zeros_like", "ones_like", "empty_like", "full_like", "empty_strided",
-)  # fmt: skip
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "empty_strided",
+)
 
 
 def _cpu_device(device):
@@ -137,7 +150,9 @@ def _make_cuda_standin() -> types.ModuleType:
     for namespace in (cuda, random):
         namespace.get_rng_state = lambda device="cuda": generator.get_state()
         namespace.set_rng_state = lambda new_state, device="cuda": generator.set_state(new_state)
-        namespace.manual_seed = namespace.manual_seed_all = lambda seed: generator.manual_seed(int(seed))
+        namespace.manual_seed = namespace.manual_seed_all = lambda seed: generator.manual_seed(
+            int(seed)
+        )
         namespace.initial_seed = generator.initial_seed
     cuda.random = random
     cuda.default_generators = (generator,)

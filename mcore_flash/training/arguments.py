@@ -24,33 +24,75 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     model = p.add_argument_group("model")
-    model.add_argument("--model", choices=sorted(MODELS), default=None, help=f"preset shape (default {DEFAULT_PRESET})")
-    for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups"):
+    model.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help=f"preset shape (default {DEFAULT_PRESET})",
+    )
+    for flag in (
+        "--num-layers",
+        "--hidden-size",
+        "--ffn-hidden-size",
+        "--num-attention-heads",
+        "--num-query-groups",
+    ):
         model.add_argument(flag, type=int)
     model.add_argument("--group-query-attention", action="store_true")
     model.add_argument("--seq-length", type=int)
     model.add_argument("--max-position-embeddings", type=int)
-    model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], help="(default rope)")
-    model.add_argument("--rotary-base", type=int, help="RoPE base (raise it to extend the context: 'ABF')")
-    model.add_argument("--use-rope-scaling", action="store_true", default=None,
-                       help="Llama-3.1's RoPE frequency scaling (over 8192 original positions)")
-    model.add_argument("--rope-scaling-factor", type=float, help="factor of --use-rope-scaling (Llama-3.1: 8)")
-    model.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
-                       help="linear position interpolation: positions are divided by this factor")
-    model.add_argument("--norm-epsilon", type=float, help="epsilon of RMSNorm/LayerNorm (default: the preset's)")
-    model.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], help="(default RMSNorm)")
+    model.add_argument(
+        "--position-embedding-type", choices=["rope", "learned_absolute"], help="(default rope)"
+    )
+    model.add_argument(
+        "--rotary-base", type=int, help="RoPE base (raise it to extend the context: 'ABF')"
+    )
+    model.add_argument(
+        "--use-rope-scaling",
+        action="store_true",
+        default=None,
+        help="Llama-3.1's RoPE frequency scaling (over 8192 original positions)",
+    )
+    model.add_argument(
+        "--rope-scaling-factor", type=float, help="factor of --use-rope-scaling (Llama-3.1: 8)"
+    )
+    model.add_argument(
+        "--rotary-seq-len-interpolation-factor",
+        type=int,
+        default=None,
+        help="linear position interpolation: positions are divided by this factor",
+    )
+    model.add_argument(
+        "--norm-epsilon", type=float, help="epsilon of RMSNorm/LayerNorm (default: the preset's)"
+    )
+    model.add_argument(
+        "--normalization", choices=["RMSNorm", "LayerNorm"], help="(default RMSNorm)"
+    )
     model.add_argument("--swiglu", action="store_true", default=None)
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     model.add_argument("--disable-bias-linear", action="store_true", default=None)
     model.add_argument("--attention-dropout", type=float, default=0.0)
     model.add_argument("--hidden-dropout", type=float, default=0.0)
-    model.add_argument("--attention-backend", choices=["npu", "cuda", "cpu", "reference"], default=None,
-                       help="fused attention backend (default: by device)")  # fmt: skip
-    model.add_argument("--window-size", type=_window_size, default=None, metavar="LEFT,RIGHT",
-                       help="sliding-window attention: each token sees LEFT earlier and RIGHT later tokens "
-                       "(-1 = unbounded; the right side is 0 under causal attention), e.g. 4095,0")  # fmt: skip
-    model.add_argument("--window-attn-skip-freq", type=int, default=None,
-                       help="every N-th layer uses full attention, the others the window (megatron's meaning)")
+    model.add_argument(
+        "--attention-backend",
+        choices=["npu", "cuda", "cpu", "reference"],
+        default=None,
+        help="fused attention backend (default: by device)",
+    )
+    model.add_argument(
+        "--window-size",
+        type=_window_size,
+        default=None,
+        metavar="LEFT,RIGHT",
+        help="sliding-window attention: each token sees LEFT earlier and RIGHT later tokens "
+        "(-1 = unbounded; the right side is 0 under causal attention), e.g. 4095,0",
+    )
+    model.add_argument(
+        "--window-attn-skip-freq",
+        type=int,
+        default=None,
+        help="every N-th layer uses full attention, the others the window (megatron's meaning)",
+    )
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -84,55 +126,101 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--seed", type=int, default=1234)
 
     data = p.add_argument_group("data")
-    data.add_argument("--data-path", nargs="*", help="indexed-dataset prefixes (default: the built-in long-range task)")
+    data.add_argument(
+        "--data-path",
+        nargs="*",
+        help="indexed-dataset prefixes (default: the built-in long-range task)",
+    )
     data.add_argument("--split", default="98,2,0")
     data.add_argument("--tokenizer-type", default=None)
     data.add_argument("--tokenizer-model", default=None)
-    data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                      help="pad the vocabulary to a multiple of this x TP (Megatron-LM's rule)")  # fmt: skip
+    data.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this x TP (Megatron-LM's rule)",
+    )
     data.add_argument("--mock-data", action="store_true")
-    data.add_argument("--reset-attention-mask", action="store_true",
-                      help="document masking: no token attends across an EOD (packed THD batches, any CP size)")
-    data.add_argument("--reset-position-ids", action="store_true", help="positions restart after every EOD")
+    data.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="document masking: no token attends across an EOD (packed THD batches, any CP size)",
+    )
+    data.add_argument(
+        "--reset-position-ids", action="store_true", help="positions restart after every EOD"
+    )
     data.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
     data.add_argument("--data-cache-path", default=None)
 
     device = p.add_argument_group("device")
-    device.add_argument("--emulate-npu", action="store_true",
-                        help="rehearse the Ascend NPU code path on CPU processes: an emulated npu device, "
-                             "HCCL-strict process groups and contract doubles of the torch_npu ops")  # fmt: skip
+    device.add_argument(
+        "--emulate-npu",
+        action="store_true",
+        help="rehearse the Ascend NPU code path on CPU processes: an emulated npu device, "
+        "HCCL-strict process groups and contract doubles of the torch_npu ops",
+    )
 
     ckpt = p.add_argument_group("checkpoints and logging")
-    ckpt.add_argument("--save", default=None, help="checkpoint + metrics directory (default runs/<model>)")
+    ckpt.add_argument(
+        "--save", default=None, help="checkpoint + metrics directory (default runs/<model>)"
+    )
     ckpt.add_argument("--load", default=None)
-    ckpt.add_argument("--finetune", action="store_true",
-                      help="load the weights only from --load and start at iteration 0 (no optimizer, scheduler or RNG "
-                           "state): continued pretraining from a converted checkpoint")  # fmt: skip
-    ckpt.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer and scheduler state")
+    ckpt.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load the weights only from --load and start at iteration 0 (no optimizer, scheduler or RNG "
+        "state): continued pretraining from a converted checkpoint",
+    )
+    ckpt.add_argument(
+        "--no-load-optim", action="store_true", help="do not load the optimizer and scheduler state"
+    )
     ckpt.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
-    ckpt.add_argument("--use-checkpoint-args", action="store_true",
-                      help="take the model flags not given on the command line from the checkpoint in --load")  # fmt: skip
+    ckpt.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="take the model flags not given on the command line from the checkpoint in --load",
+    )
     ckpt.add_argument("--save-interval", type=int, default=None)
-    ckpt.add_argument("--exit-interval", type=int, default=None, help="save and exit after iteration N (same schedule)")
+    ckpt.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="save and exit after iteration N (same schedule)",
+    )
     ckpt.add_argument("--log-interval", type=int, default=10)
     ckpt.add_argument("--tensorboard-dir", default=None)
-    ckpt.add_argument("--hardware", default=None, metavar="NAME|FILE.json",
-                      help=f"device profile ({', '.join(HARDWARE_PROFILES)} or a JSON file, as for `mcore-flash plan "
-                           "--hardware`): adds MFU (model TFLOP/s per device / the profile's BF16 peak) to the log")  # fmt: skip
-    ckpt.add_argument("--device-memory", default="64GB", help="per-device memory the --dry-run plan checks against")
-    ckpt.add_argument("--dry-run", action="store_true",
-                      help="validate flags and build one rank's model on the meta device (WORLD_SIZE from env)")  # fmt: skip
+    ckpt.add_argument(
+        "--hardware",
+        default=None,
+        metavar="NAME|FILE.json",
+        help=f"device profile ({', '.join(HARDWARE_PROFILES)} or a JSON file, as for `mcore-flash plan "
+        "--hardware`): adds MFU (model TFLOP/s per device / the profile's BF16 peak) to the log",
+    )
+    ckpt.add_argument(
+        "--device-memory",
+        default="64GB",
+        help="per-device memory the --dry-run plan checks against",
+    )
+    ckpt.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate flags and build one rank's model on the meta device (WORLD_SIZE from env)",
+    )
     return p
 
 
-def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> TrainingConfig:
+def parse_config(
+    argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
+) -> TrainingConfig:
     """The trainer's config for ``argv``, checked against ``world_size`` (default: env
     WORLD_SIZE, else 1, or TP x PP x CP for ``--dry-run``); ValueError names the flag."""
     return resolve_config(vars(build_parser().parse_args(argv)), world_size)
 
 
 def parse_args(
-    argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None, parser: Optional[argparse.ArgumentParser] = None
+    argv: Optional[Sequence[str]] = None,
+    world_size: Optional[int] = None,
+    parser: Optional[argparse.ArgumentParser] = None,
 ) -> argparse.Namespace:
     """For the tools that add flags to :func:`build_parser`'s (``parser``: evaluate, generate):
     the fields of the checked :class:`TrainingConfig` plus the tool's own flags, as one namespace
@@ -146,7 +234,11 @@ def _window_size(text: str) -> tuple[int, int]:
     try:
         left, right = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two integers, e.g. 4095,0), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected LEFT,RIGHT (two integers, e.g. 4095,0), got {text!r}"
+        ) from None
     if min(left, right) < -1:
-        raise argparse.ArgumentTypeError(f"LEFT and RIGHT must be -1 (unbounded) or >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"LEFT and RIGHT must be -1 (unbounded) or >= 0, got {text!r}"
+        )
     return left, right

@@ -72,14 +72,23 @@ def latest_iteration(root: str) -> Optional[int]:
     with open(marker) as f:
         text = f.read().strip()
     if not text.isdigit() or not os.path.isdir(checkpoint_dir(root, int(text))):
-        raise ValueError(f"--load {root}: {marker} says {text!r} but that checkpoint is missing or unreadable")
+        raise ValueError(
+            f"--load {root}: {marker} says {text!r} but that checkpoint is missing or unreadable"
+        )
     return int(text)
 
 
 def save_checkpoint(
-    root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, padded_vocab_size: int,
-    model_args: dict, provenance: Optional[dict] = None,
-) -> str:  # fmt: skip
+    root: str,
+    iteration: int,
+    model,
+    optimizer,
+    scheduler,
+    consumed_samples: int,
+    padded_vocab_size: int,
+    model_args: dict,
+    provenance: Optional[dict] = None,
+) -> str:
     """Write checkpoint ``iteration`` under ``root`` atomically (collective over all ranks)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -94,8 +103,14 @@ def save_checkpoint(
     dist.barrier()
     faults.point("save-begin", iteration)
     state = _sharded_state(model, optimizer, scheduler, is_loading=False)
-    state.update(iteration=iteration, consumed_samples=consumed_samples, padded_vocab_size=padded_vocab_size,
-                 model_args=model_args, optimizer_layout=optimizer_layout(optimizer), **(provenance or {}))  # fmt: skip
+    state.update(
+        iteration=iteration,
+        consumed_samples=consumed_samples,
+        padded_vocab_size=padded_vocab_size,
+        model_args=model_args,
+        optimizer_layout=optimizer_layout(optimizer),
+        **(provenance or {}),
+    )
     try:
         dist_checkpointing.save(state, tmp)
         faults.point("save-shards", iteration)
@@ -104,7 +119,9 @@ def save_checkpoint(
         dist.barrier()
         manifest.write_manifest(tmp)
     except (Exception, CheckpointException) as error:
-        message = _save_failure(root, iteration, error)  # measures the free space before the partial files go
+        message = _save_failure(
+            root, iteration, error
+        )  # measures the free space before the partial files go
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back
         raise CheckpointSaveError(message) from error
@@ -122,9 +139,16 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    root: str, model, optimizer, scheduler, padded_vocab_size: int, model_args: dict,
-    finetune: bool = False, load_optim: bool = True, load_rng: bool = True,
-) -> tuple[int, int, dict]:  # fmt: skip
+    root: str,
+    model,
+    optimizer,
+    scheduler,
+    padded_vocab_size: int,
+    model_args: dict,
+    finetune: bool = False,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> tuple[int, int, dict]:
     """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples,
     provenance)`` (``PROVENANCE_KEYS`` of the checkpoint, for :func:`save_checkpoint`).
 
@@ -147,7 +171,9 @@ def load_checkpoint(
     if load_optim:
         _check_optimizer_layout(root, common, optimizer)
         _materialise_optimizer_state(optimizer)
-        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
+        loaded = dist_checkpointing.load(
+            _sharded_state(model, optimizer, scheduler, is_loading=True), path
+        )
         _unwrap(model).load_state_dict(loaded["model"])
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
             optimizer.load_state_dict(loaded["optimizer"])
@@ -163,7 +189,9 @@ def load_checkpoint(
     if not load_optim:
         scheduler.step(increment=consumed)
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
-    if load_rng and os.path.exists(rng_file):  # a run resumed on another world size draws fresh RNG streams
+    if load_rng and os.path.exists(
+        rng_file
+    ):  # a run resumed on another world size draws fresh RNG streams
         _set_rng_state(safe_pickles.load_rng_file(rng_file))
     return int(common["iteration"]), consumed, provenance
 
@@ -183,8 +211,10 @@ def _open_checkpoint(root: str, padded_vocab_size: int, model_args: dict) -> tup
 
     path, common = read_latest(root)
     if not manifest.verify_checkpoint(path, platform.torch_device()) and dist.get_rank() == 0:
-        print(f"note: {path} has no {manifest.MANIFEST} (not written by mcore-flash): its files are not verified",
-              file=sys.stderr)
+        print(
+            f"note: {path} has no {manifest.MANIFEST} (not written by mcore-flash): its files are not verified",
+            file=sys.stderr,
+        )
     _check_same_model(root, common, padded_vocab_size, model_args)
     return path, common
 
@@ -196,7 +226,9 @@ def read_latest(root: str, verify_all: bool = False) -> tuple[str, dict]:
     outside training such as the export) and every pickle before reading any."""
     iteration = latest_iteration(root)
     if iteration is None:
-        raise ValueError(f"--load {root}: no {MARKER} there; point --load at a --save directory of an earlier run")
+        raise ValueError(
+            f"--load {root}: no {MARKER} there; point --load at a --save directory of an earlier run"
+        )
     path = checkpoint_dir(root, iteration)
     manifest.verify_files(path, None if verify_all else COMMON_FILES)
     return path, safe_pickles.load_common_state(path)
@@ -213,7 +245,9 @@ def read_model_args(root: str) -> dict:
     """The ``model_args`` stored with the latest checkpoint under ``root`` (``--use-checkpoint-args``)."""
     saved = read_latest(root)[1].get("model_args")
     if saved is None:
-        raise ValueError(f"--use-checkpoint-args: the checkpoint in --load {root} predates stored model flags; pass them")
+        raise ValueError(
+            f"--use-checkpoint-args: the checkpoint in --load {root} predates stored model flags; pass them"
+        )
     return saved
 
 
@@ -268,11 +302,15 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
     if saved is None:  # written before the layout was recorded
         return
     now = optimizer_layout(optimizer)
-    fresh = "or pass --no-load-optim to load the weights, iteration and schedule with a fresh optimizer"
+    fresh = (
+        "or pass --no-load-optim to load the weights, iteration and schedule with a fresh optimizer"
+    )
     if saved["distributed"] != now["distributed"]:
         which = "with" if saved["distributed"] else "without"
-        raise ValueError(f"--load {root}: its optimizer state was saved {which} --use-distributed-optimizer; "
-                         f"resume {which} it, {fresh}")  # fmt: skip
+        raise ValueError(
+            f"--load {root}: its optimizer state was saved {which} --use-distributed-optimizer; "
+            f"resume {which} it, {fresh}"
+        )
     if now["distributed"]:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if saved[name] != now[name]:
@@ -296,7 +334,9 @@ def _sharded_state(model, optimizer, scheduler, is_loading: bool) -> dict:
         # apex/TE (it drops torch Adam's per-parameter 'step'). So a distributed-optimizer
         # run resumes with any DP size but the same TP/PP; the plain optimizer reshards freely.
         "optimizer": optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+            model_state,
+            is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "dp_reshardable"},
         ),
         "scheduler": scheduler.state_dict(),
     }
@@ -326,7 +366,9 @@ def _restore_adam_steps(optimizer, loaded_state: dict) -> None:
     inners = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [loaded_state] if len(inners) == 1 else [loaded_state[i] for i in range(len(inners))]
     for inner, state in zip(inners, states):
-        groups = state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []
+        groups = (
+            state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []
+        )
         steps = {group["step"] for group in groups if "step" in group}
         if not hasattr(inner, "_init_optimizer_states_with_dummy_values") or len(steps) != 1:
             continue  # the plain optimizer restores torch's own state dict, steps included
@@ -371,10 +413,16 @@ def _save_failure(root: str, iteration: int, error: BaseException) -> str:
     else:
         reason = f"{type(error).__name__}: {error}"
     previous = _marker_iteration(root)
-    kept = f"the checkpoint of iteration {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+    kept = (
+        f"the checkpoint of iteration {previous} is intact"
+        if previous is not None
+        else "no earlier checkpoint exists"
+    )
     advice = "free space on the disk of --save, then" if full else "then"
-    return (f"saving iteration {iteration} to {checkpoint_dir(root, iteration)} failed: {str(reason)[:500]}; "
-            f"its partial files were removed and {kept}; {advice} resume with --load {root}")  # fmt: skip
+    return (
+        f"saving iteration {iteration} to {checkpoint_dir(root, iteration)} failed: {str(reason)[:500]}; "
+        f"its partial files were removed and {kept}; {advice} resume with --load {root}"
+    )
 
 
 _FULL_DISK_BYTES = 1 << 20  # less free than this after a failed save: the disk is full
@@ -393,7 +441,9 @@ def _os_error(error: BaseException) -> Optional[OSError]:
             return current
         stack.extend([current.__cause__, current.__context__])
         failures = current.failures if isinstance(getattr(current, "failures", None), dict) else {}
-        stack.extend(failure[0] if isinstance(failure, tuple) else failure for failure in failures.values())
+        stack.extend(
+            failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()
+        )
     return None
 
 
@@ -406,7 +456,13 @@ def _rng_state() -> dict:
     state = {
         "python": random.getstate(),
         # numpy's state as tensors and numbers: the file loads with weights_only=True
-        "numpy": (algorithm, torch.from_numpy(key.astype(numpy.int64)), position, has_gauss, cached_gaussian),
+        "numpy": (
+            algorithm,
+            torch.from_numpy(key.astype(numpy.int64)),
+            position,
+            has_gauss,
+            cached_gaussian,
+        ),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }

@@ -34,12 +34,22 @@ DEFAULT_PRESET = "tiny"
 # (:func:`preset_shape`). "tiny" is the default CPU job: a few hundred steps in minutes on
 # 2 cores, deep enough to learn the built-in long-range copy task.
 TRAINING_DEFAULTS = dict(
-    seq_length=4096, micro_batch_size=1, global_batch_size=None, train_iters=1000, lr=3e-4, min_lr=3e-5,
+    seq_length=4096,
+    micro_batch_size=1,
+    global_batch_size=None,
+    train_iters=1000,
+    lr=3e-4,
+    min_lr=3e-5,
     lr_warmup_iters=100,
 )
 TRAINING_PRESETS = {
     "tiny": dict(
-        seq_length=256, micro_batch_size=8, global_batch_size=8, train_iters=1000, lr=3e-3, min_lr=3e-4,
+        seq_length=256,
+        micro_batch_size=8,
+        global_batch_size=8,
+        train_iters=1000,
+        lr=3e-3,
+        min_lr=3e-4,
         lr_warmup_iters=30,
     ),
 }
@@ -144,7 +154,9 @@ class TrainingConfig:
 
 DERIVED = ("world_size", "data_parallel_size", "num_micro_batches", "recompute")
 # The flags a TrainingConfig holds: every field but the derived ones.
-FLAG_NAMES = tuple(field.name for field in dataclasses.fields(TrainingConfig) if field.name not in DERIVED)
+FLAG_NAMES = tuple(
+    field.name for field in dataclasses.fields(TrainingConfig) if field.name not in DERIVED
+)
 
 
 def resolve_config(flags: Mapping[str, Any], world_size: Optional[int] = None) -> TrainingConfig:
@@ -159,7 +171,9 @@ def resolve_config(flags: Mapping[str, Any], world_size: Optional[int] = None) -
         values.update(_checkpoint_model_flags(values))
     values.update(_preset_values(values))
     if world_size is None:
-        model_parallel = values["tensor_model_parallel_size"] * values["pipeline_model_parallel_size"]
+        model_parallel = (
+            values["tensor_model_parallel_size"] * values["pipeline_model_parallel_size"]
+        )
         model_parallel *= values["context_parallel_size"]
         world_size = int(os.environ.get("WORLD_SIZE", model_parallel if values["dry_run"] else 1))
     values.update(_checked_and_derived(SimpleNamespace(**values), world_size))
@@ -180,7 +194,9 @@ def _checkpoint_model_flags(values: Mapping[str, Any]) -> dict[str, Any]:
     saved = read_model_args(values["load"])
     filled = {}
     for name, value in saved.items():
-        if name == "vocab_size" or (name == "rope_scaling_factor" and not saved["use_rope_scaling"]):
+        if name == "vocab_size" or (
+            name == "rope_scaling_factor" and not saved["use_rope_scaling"]
+        ):
             continue  # the vocabulary comes from the tokenizer; a factor without scaling means nothing
         if values[name] is None:
             filled[name] = value
@@ -211,12 +227,17 @@ def _preset_values(values: Mapping[str, Any]) -> dict[str, Any]:
         **TRAINING_DEFAULTS,
     )
     defaults.update(TRAINING_PRESETS.get(name, {}))
-    if values["rope_scaling_factor"] is not None and not (values["use_rope_scaling"] or shape.rope_scaling):
+    if values["rope_scaling_factor"] is not None and not (
+        values["use_rope_scaling"] or shape.rope_scaling
+    ):
         raise ValueError(
             f"--rope-scaling-factor {values['rope_scaling_factor']} has no effect without --use-rope-scaling "
             f"(the {name} preset does not scale RoPE); add --use-rope-scaling"
         )
-    filled = {"model": name, **{key: value for key, value in defaults.items() if values[key] is None}}
+    filled = {
+        "model": name,
+        **{key: value for key, value in defaults.items() if values[key] is None},
+    }
     resolved = {**values, **filled}
     if values["lr_warmup_iters"] is None:  # a short run keeps 10% warm-up rather than failing
         filled["lr_warmup_iters"] = min(resolved["lr_warmup_iters"], resolved["train_iters"] // 10)
@@ -231,7 +252,11 @@ def _preset_values(values: Mapping[str, Any]) -> dict[str, Any]:
 def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, Any]:
     """Raise ValueError naming the flag for settings that cannot work (before any allocation);
     returns the derived values and the flags resolved on the way (batch size, hardware)."""
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
     at_least_one = {
         "--tensor-model-parallel-size": tp,
         "--pipeline-model-parallel-size": pp,
@@ -252,27 +277,39 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         )
     dp = world_size // (tp * pp * cp)
     _check_model_layout(args, tp, pp, cp)
-    global_batch_size = args.micro_batch_size * dp if args.global_batch_size is None else args.global_batch_size
+    global_batch_size = (
+        args.micro_batch_size * dp if args.global_batch_size is None else args.global_batch_size
+    )
     if global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(
             f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {dp}"
         )
     if not 0 <= args.lr_warmup_iters < args.train_iters:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --train-iters {args.train_iters})")
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --train-iters {args.train_iters})"
+        )
     if args.emulate_npu and args.dry_run:
-        raise ValueError("--emulate-npu and --dry-run exclude each other: the dry run builds on the meta device")
+        raise ValueError(
+            "--emulate-npu and --dry-run exclude each other: the dry run builds on the meta device"
+        )
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 exclude each other; pick one")
     _check_positions(args)
     for flag in ("finetune", "no_load_optim", "no_load_rng"):
         if getattr(args, flag) and not args.load:
-            raise ValueError(f"--{flag.replace('_', '-')} needs --load (the checkpoint to start from)")
-    hardware = load_hardware(args.hardware) if args.hardware else None  # ValueError names --hardware
+            raise ValueError(
+                f"--{flag.replace('_', '-')} needs --load (the checkpoint to start from)"
+            )
+    hardware = (
+        load_hardware(args.hardware) if args.hardware else None
+    )  # ValueError names --hardware
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
     _check_document_flags(args)
-    if args.window_attn_skip_freq is not None and (args.window_size is None or args.window_attn_skip_freq < 1):
+    if args.window_attn_skip_freq is not None and (
+        args.window_size is None or args.window_attn_skip_freq < 1
+    ):
         raise ValueError("--window-attn-skip-freq needs --window-size and a value >= 1")
     if args.data_path:
         prefixes, _ = parse_data_path(args.data_path)
@@ -280,15 +317,22 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
             check_indexed_dataset(prefix, arg="--data-path", scan_tokens=0)
     recompute = _recompute(args, pp)
     return dict(
-        world_size=world_size, data_parallel_size=dp, global_batch_size=global_batch_size,
-        num_micro_batches=global_batch_size // (args.micro_batch_size * dp), hardware=hardware, recompute=recompute,
+        world_size=world_size,
+        data_parallel_size=dp,
+        global_batch_size=global_batch_size,
+        num_micro_batches=global_batch_size // (args.micro_batch_size * dp),
+        hardware=hardware,
+        recompute=recompute,
     )
 
 
 def _recompute(args: SimpleNamespace, pp: int) -> RecomputeSettings:
     """What the ``--recompute-*`` flags mean; full recompute of at most the layers of one stage."""
     recompute = recompute_settings(
-        args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules
+        args.recompute_granularity,
+        args.recompute_method,
+        args.recompute_num_layers,
+        args.recompute_modules,
     )
     if recompute.config.get("recompute_granularity") == "full":
         per_stage = args.num_layers // pp
@@ -311,9 +355,13 @@ def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> Non
             f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads {args.num_attention_heads}"
         )
     if args.num_query_groups >= tp and args.num_query_groups % tp:
-        raise ValueError(f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
+        raise ValueError(
+            f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}"
+        )
     if args.num_layers % pp:
-        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        raise ValueError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"
+        )
     if cp > 1 and args.seq_length % (2 * cp):
         raise ValueError(
             f"--seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp} "
@@ -322,7 +370,9 @@ def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> Non
     if args.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.sequence_parallel and args.seq_length % (tp * cp):
-        raise ValueError(f"--seq-length {args.seq_length} must be divisible by --tensor-model-parallel-size {tp} with --sequence-parallel")
+        raise ValueError(
+            f"--seq-length {args.seq_length} must be divisible by --tensor-model-parallel-size {tp} with --sequence-parallel"
+        )
 
 
 def _check_positions(args: SimpleNamespace) -> None:
@@ -340,20 +390,31 @@ def _check_positions(args: SimpleNamespace) -> None:
         )
     if args.rope_scaling_factor <= 0:
         raise ValueError(f"--rope-scaling-factor must be > 0, got {args.rope_scaling_factor}")
-    if args.rotary_seq_len_interpolation_factor is not None and args.rotary_seq_len_interpolation_factor < 1:
+    if (
+        args.rotary_seq_len_interpolation_factor is not None
+        and args.rotary_seq_len_interpolation_factor < 1
+    ):
         raise ValueError(
             f"--rotary-seq-len-interpolation-factor must be >= 1, got {args.rotary_seq_len_interpolation_factor}"
         )
     if args.norm_epsilon <= 0:
         raise ValueError(f"--norm-epsilon must be > 0, got {args.norm_epsilon}")
-    if args.max_position_embeddings < args.seq_length and args.position_embedding_type == "learned_absolute":
-        raise ValueError("--max-position-embeddings must be >= --seq-length with learned_absolute positions")
+    if (
+        args.max_position_embeddings < args.seq_length
+        and args.position_embedding_type == "learned_absolute"
+    ):
+        raise ValueError(
+            "--max-position-embeddings must be >= --seq-length with learned_absolute positions"
+        )
 
 
 def _check_document_flags(args: SimpleNamespace) -> None:
     """RoPE positions come from the packed layout (megatron-core's THD RoPE restarts them per
     document), so with RoPE the two reset flags only make sense together."""
-    if args.position_embedding_type != "rope" or args.reset_attention_mask == args.reset_position_ids:
+    if (
+        args.position_embedding_type != "rope"
+        or args.reset_attention_mask == args.reset_position_ids
+    ):
         return
     if args.reset_attention_mask:
         raise ValueError(

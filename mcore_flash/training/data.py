@@ -37,7 +37,10 @@ def build_train_dataset(config: TrainingConfig, tokenizer):
 
     data_path, split = config.data_path, config.split
     if not data_path and not config.mock_data:
-        data_path, split = [_built_in_dataset(config.save, config.seq_length, config.seed)], "100,0,0"
+        data_path, split = (
+            [_built_in_dataset(config.save, config.seq_length, config.seed)],
+            "100,0,0",
+        )
     train, _, _ = build_datasets(
         data_path,
         config.mock_data,
@@ -71,7 +74,12 @@ def _built_in_dataset(save: str, seq_length: int, seed: int) -> str:
 
 
 def micro_batches(
-    dataset, micro_batch_size: int, global_batch_size: int, consumed_samples: int, dp_rank: int, dp_size: int
+    dataset,
+    micro_batch_size: int,
+    global_batch_size: int,
+    consumed_samples: int,
+    dp_rank: int,
+    dp_size: int,
 ) -> Iterator[dict]:
     """This data-parallel rank's micro-batches (``micro_batch_size`` samples each) from
     ``consumed_samples`` on (endless); an iteration takes ``global_batch_size`` samples."""
@@ -79,7 +87,9 @@ def micro_batches(
     start = consumed_samples
     while True:
         for first in range(start, start + global_batch_size, per_step):
-            indices = range(first + dp_rank * micro_batch_size, first + (dp_rank + 1) * micro_batch_size)
+            indices = range(
+                first + dp_rank * micro_batch_size, first + (dp_rank + 1) * micro_batch_size
+            )
             yield _collate([dataset[i % len(dataset)] for i in indices])
         start += global_batch_size
 

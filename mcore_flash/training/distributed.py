@@ -29,7 +29,9 @@ def init_distributed(config: TrainingConfig, timeout_minutes: int = 10) -> str:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != config.world_size:
-        raise ValueError(f"WORLD_SIZE={world_size} but the flags were validated for {config.world_size} ranks")
+        raise ValueError(
+            f"WORLD_SIZE={world_size} but the flags were validated for {config.world_size} ranks"
+        )
     if not dist.is_initialized():
         dist.init_process_group(
             _BACKENDS[device],

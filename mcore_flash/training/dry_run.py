@@ -32,6 +32,9 @@ def dry_run(config: TrainingConfig) -> dict:
             model = build_model(config, model_config, vocab)
         per_stage.append(sum(p.numel() for p in model.parameters()))
         tp = config.tensor_model_parallel_size
-        total += sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters())
+        total += sum(
+            p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+            for p in model.parameters()
+        )
     parallel_state.set_pipeline_model_parallel_rank(0)
     return {"per_stage": per_stage, "total": total, "padded_vocab_size": vocab}

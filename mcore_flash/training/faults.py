@@ -46,7 +46,9 @@ def parse(spec: str) -> Fault:
     point, _, rest = spec.partition("@")
     iteration, _, rank = rest.partition(":")
     if point not in POINTS or not iteration.isdigit() or not (rank or "0").isdigit():
-        raise ValueError(f"{ENV}={spec!r}: expected POINT@ITERATION[:RANK], POINT one of {', '.join(POINTS)}")
+        raise ValueError(
+            f"{ENV}={spec!r}: expected POINT@ITERATION[:RANK], POINT one of {', '.join(POINTS)}"
+        )
     return Fault(point, int(iteration), int(rank or 0))
 
 
@@ -66,7 +68,11 @@ def point(name: str, iteration: Optional[int] = None) -> None:
         return
     iteration = _iteration if iteration is None else iteration
     if iteration == _FAULT.iteration and _rank() == _FAULT.rank:
-        print(f"fault injection: SIGKILL at {name}, iteration {iteration}, rank {_FAULT.rank}", file=sys.stderr, flush=True)
+        print(
+            f"fault injection: SIGKILL at {name}, iteration {iteration}, rank {_FAULT.rank}",
+            file=sys.stderr,
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -79,15 +79,26 @@ class PretrainRecipe:
         config, iteration, consumed, provenance = self.config, 0, 0, {}
         if config.load and checkpointing.latest_iteration(config.load) is not None:
             iteration, consumed, provenance = checkpointing.load_checkpoint(
-                config.load, self.model, self.optimizer, self.scheduler, self.padded_vocab_size, self.model_args,
-                finetune=config.finetune, load_optim=not config.no_load_optim, load_rng=not config.no_load_rng,
+                config.load,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.padded_vocab_size,
+                self.model_args,
+                finetune=config.finetune,
+                load_optim=not config.no_load_optim,
+                load_rng=not config.no_load_rng,
             )
             how = "fine-tuning from" if config.finetune else "resumed from"
-            self.logger.note(f"{how} {config.load} at iteration {iteration} ({consumed} samples consumed)")
+            self.logger.note(
+                f"{how} {config.load} at iteration {iteration} ({consumed} samples consumed)"
+            )
         elif config.load:
             self.logger.note(f"no checkpoint in --load {config.load} yet: starting from scratch")
         for stale in checkpointing.unfinished_saves(config.load):
-            self.logger.note(f"ignoring {stale}: a save that did not finish (the next save removes it)")
+            self.logger.note(
+                f"ignoring {stale}: a save that did not finish (the next save removes it)"
+            )
         return iteration, consumed, provenance
 
     def _micro_batches(self):
@@ -152,9 +163,16 @@ class PretrainRecipe:
                 self.save()
             if stop_reason:
                 resume = f"resume with --load {config.save}"
-                self.logger.note(f"stopped by {stop_reason} after iteration {self.iteration}; {resume}")
+                self.logger.note(
+                    f"stopped by {stop_reason} after iteration {self.iteration}; {resume}"
+                )
                 break
-        return {"iteration": self.iteration, "first_loss": first_loss, "last_loss": last_loss, "save": config.save}
+        return {
+            "iteration": self.iteration,
+            "first_loss": first_loss,
+            "last_loss": last_loss,
+            "save": config.save,
+        }
 
     def _stop_reason(self) -> Optional[str]:
         """Why to stop after this iteration: "a signal" (SIGTERM on any rank; a collective, so
@@ -168,8 +186,15 @@ class PretrainRecipe:
     def save(self) -> None:
         """Checkpoint the current iteration under ``--save`` (collective)."""
         path = checkpointing.save_checkpoint(
-            self.config.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
-            self.padded_vocab_size, self.model_args, self.provenance,
+            self.config.save,
+            self.iteration,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.consumed_samples,
+            self.padded_vocab_size,
+            self.model_args,
+            self.provenance,
         )
         self.logger.note(f"saved checkpoint {path}")
 
@@ -268,7 +293,11 @@ def _forward_step(split_batch, data_iterator, model):
     batch = {key: value.to(device) for key, value in next(data_iterator).items()}
     batch, packed_seq_params = split_batch(batch)
     output = model(
-        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed_seq_params
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        packed_seq_params=packed_seq_params,
     )
     return output, functools.partial(_loss_func, batch["loss_mask"])
 

@@ -64,7 +64,10 @@ def write_manifest(directory: str) -> None:
                 entries.update(json.load(f))
             os.remove(partial)
         files = dict(sorted(entries.items()))
-        _write_json(os.path.join(directory, MANIFEST), {"format": 1, "files": files, "files_sha256": _self_hash(files)})
+        _write_json(
+            os.path.join(directory, MANIFEST),
+            {"format": 1, "files": files, "files_sha256": _self_hash(files)},
+        )
 
 
 def read_manifest(directory: str) -> Optional[dict]:
@@ -82,8 +85,15 @@ def read_manifest(directory: str) -> Optional[dict]:
             raise ValueError("an entry without bytes and sha256")
         if _self_hash(files) != payload["files_sha256"]:
             raise ValueError("its entries do not match its own files_sha256")
-    except (ValueError, KeyError, TypeError, AttributeError) as error:  # UnicodeDecodeError is a ValueError
-        raise CorruptCheckpoint(f"{path} is damaged ({error}): the checkpoint cannot be verified") from error
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ) as error:  # UnicodeDecodeError is a ValueError
+        raise CorruptCheckpoint(
+            f"{path} is damaged ({error}): the checkpoint cannot be verified"
+        ) from error
     return files
 
 
@@ -115,7 +125,14 @@ def verify_checkpoint(directory: str, device: torch.device) -> bool:
         return False
     rank, world = _rank_and_world()
     names = sorted(files)
-    bad = next((i for i in range(rank, len(names), world) if _problem(directory, names[i], files[names[i]])), len(names))
+    bad = next(
+        (
+            i
+            for i in range(rank, len(names), world)
+            if _problem(directory, names[i], files[names[i]])
+        ),
+        len(names),
+    )
     if world > 1:
         first = torch.tensor([bad], device=device)
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
@@ -150,7 +167,9 @@ def _files(directory: str) -> list[str]:
     for root, _, files in os.walk(directory):
         for name in files:
             relative = os.path.relpath(os.path.join(root, name), directory)
-            if relative != MANIFEST and not (relative.startswith("manifest.rank") and relative.endswith(".json")):
+            if relative != MANIFEST and not (
+                relative.startswith("manifest.rank") and relative.endswith(".json")
+            ):
                 names.append(relative)
     return sorted(names)
 

@@ -56,7 +56,9 @@ def _packed_pipeline_settings(config: TrainingConfig) -> dict:
     return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
 
 
-def build_model(config: TrainingConfig, model_config, padded_vocab_size: int, parallel_output: bool = True):
+def build_model(
+    config: TrainingConfig, model_config, padded_vocab_size: int, parallel_output: bool = True
+):
     """This rank's pipeline stage of the GPT (on the current default device) for ``model_config``
     (:func:`transformer_config`'s), with ``padded_vocab_size`` embedding rows; with
     ``parallel_output=False`` the logits are gathered over TP (full vocabulary on every rank)."""
@@ -91,14 +93,25 @@ def build_model(config: TrainingConfig, model_config, padded_vocab_size: int, pa
 # loads only into a model with the same values. The others (RoPE, positions, eps) may change
 # between runs: that is how a context is extended.
 SHAPE_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "untie_embeddings_and_output_weights", "swiglu", "disable_bias_linear", "normalization",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "untie_embeddings_and_output_weights",
+    "swiglu",
+    "disable_bias_linear",
+    "normalization",
     "position_embedding_type",
-)  # fmt: skip
+)
 POSITION_ARGS = (
-    "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
-    "rotary_seq_len_interpolation_factor", "norm_epsilon",
-)  # fmt: skip
+    "max_position_embeddings",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor",
+    "norm_epsilon",
+)
 
 
 def model_args(config: TrainingConfig, vocab_size: int) -> dict:

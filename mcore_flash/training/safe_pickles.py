@@ -21,6 +21,7 @@ The RNG files are ours and are loaded with ``weights_only=True`` directly.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -55,7 +56,9 @@ def load_common_state(path: str) -> dict:
     check_pickles(path)
     common = os.path.join(path, "common.pt")
     if os.path.exists(common):
-        return _weights_only(common, lambda: torch.load(common, map_location="cpu", weights_only=True))
+        return _weights_only(
+            common, lambda: torch.load(common, map_location="cpu", weights_only=True)
+        )
     from megatron.core import dist_checkpointing
 
     return dist_checkpointing.load_common_state_dict(path)
@@ -76,12 +79,16 @@ def check_pickles(path: str) -> None:
             continue
         item = os.path.join(path, info.relative_path)
         if info.transform_descriptors:
-            raise UnsafeCheckpoint(f"{item}: item {index.fqn!r} is stored through transforms "
-                                   f"{list(info.transform_descriptors)}, which cannot be checked before loading")  # fmt: skip
+            raise UnsafeCheckpoint(
+                f"{item}: item {index.fqn!r} is stored through transforms "
+                f"{list(info.transform_descriptors)}, which cannot be checked before loading"
+            )
         with open(item, "rb") as f:
             f.seek(info.offset)
             data = io.BytesIO(f.read(info.length))
-        _weights_only(f"{item} (item {index.fqn!r})", lambda: torch.load(data, weights_only=True))
+        _weights_only(
+            f"{item} (item {index.fqn!r})", functools.partial(torch.load, data, weights_only=True)
+        )
 
 
 def load_rng_file(path: str) -> dict:
@@ -94,10 +101,14 @@ def _weights_only(name: str, load):
     try:
         return load()
     except pickle.UnpicklingError as error:
-        raise UnsafeCheckpoint(f"{name} holds a pickle that torch's weights_only loader refuses ({str(error)[:300]}); "
-                               "a checkpoint written by mcore-flash never does: refusing to load it") from error  # fmt: skip
+        raise UnsafeCheckpoint(
+            f"{name} holds a pickle that torch's weights_only loader refuses ({str(error)[:300]}); "
+            "a checkpoint written by mcore-flash never does: refusing to load it"
+        ) from error
     except (RuntimeError, EOFError, ValueError) as error:  # not a torch.save stream: damaged bytes
-        raise CorruptCheckpoint(f"{name} cannot be read ({str(error)[:200]}): the checkpoint is damaged") from error
+        raise CorruptCheckpoint(
+            f"{name} cannot be read ({str(error)[:200]}): the checkpoint is damaged"
+        ) from error
 
 
 def _is_bytes_item(metadata, fqn: str) -> bool:
@@ -120,5 +131,7 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
                 return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsafeCheckpoint(f"{self._name} asks to unpickle {module}.{name}, which DCP's metadata never holds: "
-                               "refusing to load the checkpoint (a pickle can run code)")  # fmt: skip
+        raise UnsafeCheckpoint(
+            f"{self._name} asks to unpickle {module}.{name}, which DCP's metadata never holds: "
+            "refusing to load the checkpoint (a pickle can run code)"
+        )

@@ -22,9 +22,15 @@ class SwiGLU(MegatronModule):
     def __init__(self, config, **kwargs):
         super().__init__(config=config)
         if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
-            raise ValueError("the fused SwiGLU needs gated_linear_unit=True and activation_func=F.silu (--swiglu)")
-        if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):
-            raise ValueError("the fused SwiGLU supports neither activation_func_clamp_value nor glu_linear_offset")
+            raise ValueError(
+                "the fused SwiGLU needs gated_linear_unit=True and activation_func=F.silu (--swiglu)"
+            )
+        if getattr(config, "activation_func_clamp_value", None) is not None or getattr(
+            config, "glu_linear_offset", 0.0
+        ):
+            raise ValueError(
+                "the fused SwiGLU supports neither activation_func_clamp_value nor glu_linear_offset"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x)

@@ -70,7 +70,9 @@ from mcore_flash.ops.context_parallel import (
 
 Tensor = torch.Tensor
 
-_CAUSAL_TYPES = tuple(t for t in (AttnMaskType.causal, getattr(AttnMaskType, "causal_bottom_right", None)) if t)
+_CAUSAL_TYPES = tuple(
+    t for t in (AttnMaskType.causal, getattr(AttnMaskType, "causal_bottom_right", None)) if t
+)
 
 
 class FlashDotProductAttention(MegatronModule):
@@ -91,7 +93,10 @@ class FlashDotProductAttention(MegatronModule):
     ):
         super().__init__(config=config)
         tp_size = _tensor_parallel_size(pg_collection)
-        heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+        heads, groups = (
+            config.num_attention_heads,
+            config.num_query_groups or config.num_attention_heads,
+        )
         _check_heads(heads, groups, tp_size)
         self.cp_group, self.cp_comm_type = None, None
         if config.context_parallel_size > 1:
@@ -100,9 +105,13 @@ class FlashDotProductAttention(MegatronModule):
             if self.cp_comm_type == "a2a":
                 _check_a2a_heads(heads, groups, tp_size, config.context_parallel_size)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the fused kernel; use 'vanilla'")
+            raise ValueError(
+                f"softmax_type={config.softmax_type!r} is not supported by the fused kernel; use 'vanilla'"
+            )
         if backend is not None and backend not in backend_names():
-            raise ValueError(f"attention backend {backend!r} is unknown; choose one of {backend_names()} or None")
+            raise ValueError(
+                f"attention backend {backend!r} is unknown; choose one of {backend_names()} or None"
+            )
 
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
@@ -111,8 +120,12 @@ class FlashDotProductAttention(MegatronModule):
         self.num_attention_heads_per_partition = heads // tp_size
         self.num_query_groups_per_partition = max(1, groups // tp_size)
         self.hidden_size_per_attention_head = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
         self.window_size = _layer_window_size(config, self.layer_number)
         # set by FlashTransformerLayer while a forward runs under the qkv recompute boundary
         self.qkv_recompute = None
@@ -135,9 +148,13 @@ class FlashDotProductAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout_p):
             if packed_seq_params is not None:
-                return self._packed_forward(query, key, value, attention_mask, causal_type, dropout_p, packed_seq_params)
+                return self._packed_forward(
+                    query, key, value, attention_mask, causal_type, dropout_p, packed_seq_params
+                )
             if self.cp_group is not None:
-                return self._context_parallel_forward(query, key, value, attention_mask, causal_type, dropout_p)
+                return self._context_parallel_forward(
+                    query, key, value, attention_mask, causal_type, dropout_p
+                )
             return self._dense_forward(query, key, value, attention_mask, causal_type, dropout_p)
 
     def _dense_forward(self, query, key, value, attention_mask, causal_type, dropout_p) -> Tensor:
@@ -162,7 +179,9 @@ class FlashDotProductAttention(MegatronModule):
             )  # [sq, b, np, hn]
         return out.reshape(sq, b, np_ * hn)
 
-    def _packed_forward(self, query, key, value, attention_mask, causal_type, dropout_p, params) -> Tensor:
+    def _packed_forward(
+        self, query, key, value, attention_mask, causal_type, dropout_p, params
+    ) -> Tensor:
         cu_seqlens = _packed_layout(params, attention_mask, causal_type)
         # as in the dense path: [t, n, d] copies out of the fused QKV buffer, the NPU's "TND"
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
@@ -233,7 +252,9 @@ def _layer_window_size(config, layer_number: int) -> tuple[int, int]:
     megatron's ``is_layer_window_attention`` (``window_attn_skip_freq``) makes it a
     sliding-window layer, else unbounded. Under a causal mask type the right side is 0."""
     window = getattr(config, "window_size", None)
-    if window is None or not is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
+    if window is None or not is_layer_window_attention(
+        window, getattr(config, "window_attn_skip_freq", None), layer_number
+    ):
         return (-1, -1)
     try:
         return checks.check_window_size(window)
@@ -249,7 +270,9 @@ def _packed_layout(params, attention_mask: Optional[Tensor], causal: bool) -> Te
     under causal attention (no real row sees it); self-attention only (q and kv alike).
     """
     if getattr(params, "qkv_format", "thd") != "thd":
-        raise ValueError(f"packed_seq_params.qkv_format={params.qkv_format!r}: only 'thd' is supported")
+        raise ValueError(
+            f"packed_seq_params.qkv_format={params.qkv_format!r}: only 'thd' is supported"
+        )
     if attention_mask is not None:
         raise ValueError(
             "packed sequences (THD) take no attention_mask: document boundaries come from cu_seqlens "
@@ -266,7 +289,9 @@ def _packed_layout(params, attention_mask: Optional[Tensor], causal: bool) -> Te
             )
         layouts.append(actual if padded is None else padded)
     if not torch.equal(layouts[0].cpu(), layouts[1].cpu()):
-        raise ValueError("packed sequences: cu_seqlens of q and kv must be equal (self-attention over one pack)")
+        raise ValueError(
+            "packed sequences: cu_seqlens of q and kv must be equal (self-attention over one pack)"
+        )
     return layouts[0]
 
 
@@ -346,7 +371,9 @@ def _check_a2a_heads(heads: int, groups: int, tp_size: int, cp_size: int) -> Non
         )
 
 
-def _resolve_cp_mask(mask: Optional[Tensor], causal_type: bool, b: int, sq: int, cp_size: int, cp_rank: int) -> bool:
+def _resolve_cp_mask(
+    mask: Optional[Tensor], causal_type: bool, b: int, sq: int, cp_size: int, cp_rank: int
+) -> bool:
     """Whether the context-parallel attention is causal; only masks the ring can honour pass.
 
     ``None`` -> the mask type decides. Otherwise the mask must be the causal one: either the
@@ -358,7 +385,11 @@ def _resolve_cp_mask(mask: Optional[Tensor], causal_type: bool, b: int, sq: int,
         return causal_type
     total = sq * cp_size
     shape_ok = mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == 1
-    if mask.dtype != torch.bool or not shape_ok or tuple(mask.shape[-2:]) not in ((sq, total), (total, total)):
+    if (
+        mask.dtype != torch.bool
+        or not shape_ok
+        or tuple(mask.shape[-2:]) not in ((sq, total), (total, total))
+    ):
         raise ValueError(
             f"attention_mask of dtype {mask.dtype} and shape {tuple(mask.shape)} cannot be honoured with "
             f"context parallelism (--context-parallel-size {cp_size}): the ring computes causal or unmasked "
@@ -369,7 +400,9 @@ def _resolve_cp_mask(mask: Optional[Tensor], causal_type: bool, b: int, sq: int,
     if not mask.any():
         return False
     positions = torch.arange(total, device=mask.device)
-    rows = positions if mask.shape[-2] == total else split_for_cp_rank(positions, 0, cp_size, cp_rank)
+    rows = (
+        positions if mask.shape[-2] == total else split_for_cp_rank(positions, 0, cp_size, cp_rank)
+    )
     causal = positions.unsqueeze(0) > rows.unsqueeze(-1)
     if bool((mask == causal).all()):
         return True
@@ -392,7 +425,13 @@ def _resolve_mask(
         return causal_type, None
     if mask.dtype != torch.bool:
         raise TypeError(f"attention_mask must be bool (True = masked out), got {mask.dtype}")
-    if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, heads) or mask.shape[2] not in (1, sq) or mask.shape[3] != sk:
+    if (
+        mask.dim() != 4
+        or mask.shape[0] not in (1, b)
+        or mask.shape[1] not in (1, heads)
+        or mask.shape[2] not in (1, sq)
+        or mask.shape[3] != sk
+    ):
         raise ValueError(
             f"attention_mask shape {tuple(mask.shape)} is not supported: use [b|1, 1, sq|1, sk] = "
             f"[{b}|1, 1, {sq}|1, {sk}] (True = masked out)"

@@ -54,7 +54,9 @@ def get_batch_on_this_cp_rank(
             continue
         seq_dim = _SEQ_DIM.get(key, 1)
         if value.dim() <= seq_dim:
-            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}: expected a sequence dim {seq_dim}")
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(value.shape)}: expected a sequence dim {seq_dim}"
+            )
         seq = value.shape[seq_dim]
         if seq % (2 * cp_size):
             raise ValueError(
@@ -72,10 +74,15 @@ def cp_size_and_rank(cp_group, cp_size: Optional[int], cp_rank: Optional[int]) -
         if cp_size is None or cp_rank is None:
             raise ValueError("pass both cp_size and cp_rank, or neither")
         if cp_size < 1 or not 0 <= cp_rank < cp_size:
-            raise ValueError(f"cp_rank={cp_rank} is outside a context-parallel group of size {cp_size}")
+            raise ValueError(
+                f"cp_rank={cp_rank} is outside a context-parallel group of size {cp_size}"
+            )
         return cp_size, cp_rank
     if cp_group is not None:
         return cp_group.size(), cp_group.rank()
     from megatron.core import parallel_state
 
-    return parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    return (
+        parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_context_parallel_rank(),
+    )

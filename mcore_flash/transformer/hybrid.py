@@ -87,7 +87,9 @@ def get_hybrid_flash_stack_spec(
             mlp_layer=ModuleSpec(
                 module=MLPLayer,
                 submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=get_bias_dropout_add
+                    pre_mlp_layernorm=parts.pre_mlp_layernorm,
+                    mlp=parts.mlp,
+                    mlp_bda=get_bias_dropout_add,
                 ),
             ),
         ),

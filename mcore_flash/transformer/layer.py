@@ -49,7 +49,9 @@ class FlashTransformerLayer(TransformerLayer):
     """``TransformerLayer`` whose ``core_attn`` selective recompute covers the attention sub-block,
     with the ``qkv`` module and partial recompute's selective modules (``layer_recompute_modules``)."""
 
-    def __init__(self, config, submodules, *args, layer_recompute_modules: Sequence[str] = (), **kwargs):
+    def __init__(
+        self, config, submodules, *args, layer_recompute_modules: Sequence[str] = (), **kwargs
+    ):
         super().__init__(config, submodules, *args, **kwargs)
         own = set(layer_recompute_modules)
         if own and config.recompute_granularity == "full" and config.recompute_method != "block":
@@ -59,7 +61,9 @@ class FlashTransformerLayer(TransformerLayer):
             )
         unknown = own - set(LAYER_MODULES)
         if unknown:
-            raise ValueError(f"--recompute-modules {sorted(unknown)}: this layer recomputes {LAYER_MODULES}")
+            raise ValueError(
+                f"--recompute-modules {sorted(unknown)}: this layer recomputes {LAYER_MODULES}"
+            )
         selective = config.recompute_granularity == "selective"
         modules = own | set((config.recompute_modules or []) if selective else [])
         if {"qkv", "core_attn"} <= modules:
@@ -86,11 +90,15 @@ class FlashTransformerLayer(TransformerLayer):
         contexts = []
 
         def attention_block(layer_input):
-            output, context = TransformerLayer._forward_attention(self, layer_input, *args, **kwargs)
+            output, context = TransformerLayer._forward_attention(
+                self, layer_input, *args, **kwargs
+            )
             contexts.append(context)
             return output
 
-        output = tensor_parallel.checkpoint(attention_block, self.config.distribute_saved_activations, hidden_states)
+        output = tensor_parallel.checkpoint(
+            attention_block, self.config.distribute_saved_activations, hidden_states
+        )
         return output, contexts[0]
 
     def _forward_attention_keeping_output(self, hidden_states, *args, **kwargs):

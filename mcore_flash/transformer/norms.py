@@ -33,7 +33,11 @@ class _Norm(MegatronModule):
         self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
         init = torch.zeros if self.zero_centered_gamma else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)) if self.has_bias else None
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+            if self.has_bias
+            else None
+        )
         for param in self.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)
 
@@ -63,5 +67,7 @@ NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 def norm_class(normalization: str) -> type[_Norm]:
     """The norm module for Megatron's ``normalization`` setting."""
     if normalization not in NORMS:
-        raise ValueError(f"normalization={normalization!r} is not supported; choose one of {list(NORMS)}")
+        raise ValueError(
+            f"normalization={normalization!r} is not supported; choose one of {list(NORMS)}"
+        )
     return NORMS[normalization]

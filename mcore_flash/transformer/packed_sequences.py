@@ -137,7 +137,9 @@ def pack_documents(
     return local, params
 
 
-def _pack_rows(lengths: list[int], padded: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pack_rows(
+    lengths: list[int], padded: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of the padded pack: its row in the flattened batch (-1: padding), the batch
     row of its document's first token (-1: the all-padding document) and its offset in the
     document. Each int64 ``[sum(padded)]``."""
@@ -147,6 +149,8 @@ def _pack_rows(lengths: list[int], padded: list[int]) -> tuple[torch.Tensor, tor
         starts.append(starts[-1] + n)
     padded_t = torch.tensor(padded, dtype=torch.int64)
     offset = concat_ranges([0] * len(padded), padded)
-    first = torch.repeat_interleave(torch.tensor([s if n else -1 for s, n in zip(starts, real)]), padded_t)
+    first = torch.repeat_interleave(
+        torch.tensor([s if n else -1 for s, n in zip(starts, real)]), padded_t
+    )
     is_real = offset < torch.repeat_interleave(torch.tensor(real, dtype=torch.int64), padded_t)
     return torch.where(is_real, first + offset, -1), first, offset

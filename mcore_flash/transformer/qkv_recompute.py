@@ -105,7 +105,10 @@ class QKVRecompute:
     def _pack(self, tensor: Tensor):
         if self._phase == "prelude":
             index, self._saves = self._saves, self._saves + 1
-            if isinstance(tensor, torch.nn.Parameter) or tensor.untyped_storage().data_ptr() == self._input_storage:
+            if (
+                isinstance(tensor, torch.nn.Parameter)
+                or tensor.untyped_storage().data_ptr() == self._input_storage
+            ):
                 return self._keep(tensor)
             return ("prelude", index)
         if self._phase == "kernel":
@@ -132,13 +135,18 @@ class QKVRecompute:
 
             self._phase = "replay"
             layer_input = self._input.detach().requires_grad_(self._input.requires_grad)
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor),
+            ):
                 try:
                     self._run_prelude(layer_input)
                 except _PreludeRecomputed:
                     pass
                 else:
-                    raise RuntimeError("qkv recompute: the replayed prelude never reached the fused kernel")
+                    raise RuntimeError(
+                        "qkv recompute: the replayed prelude never reached the fused kernel"
+                    )
             if len(saved) != self._saves:
                 raise RuntimeError(
                     f"qkv recompute: the replayed prelude saved {len(saved)} tensors, the forward {self._saves}; "

@@ -72,7 +72,11 @@ def recompute_settings(
                 "recompute: the modules apply to the layers after the first --recompute-num-layers); with uniform "
                 "every layer is recomputed whole, drop --recompute-modules"
             )
-        config = {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": num_layers}
+        config = {
+            "recompute_granularity": "full",
+            "recompute_method": method,
+            "recompute_num_layers": num_layers,
+        }
         return RecomputeSettings(config, _check_modules(modules or ()))
     if method is not None or num_layers is not None:
         raise ValueError(
@@ -84,7 +88,9 @@ def recompute_settings(
     megatron_modules = [name for name in modules if name != QKV]
     if not megatron_modules:  # qkv alone: nothing for megatron's selective recompute to do
         return RecomputeSettings({"recompute_granularity": None}, layer_modules)
-    return RecomputeSettings({"recompute_granularity": "selective", "recompute_modules": megatron_modules}, layer_modules)
+    return RecomputeSettings(
+        {"recompute_granularity": "selective", "recompute_modules": megatron_modules}, layer_modules
+    )
 
 
 def _check_modules(modules: Sequence[str]) -> tuple[str, ...]:

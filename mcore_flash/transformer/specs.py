@@ -26,7 +26,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
@@ -66,7 +69,9 @@ def get_gpt_layer_flash_spec(
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(module=FlashDotProductAttention, params={"backend": attention_backend}),
+                    core_attention=ModuleSpec(
+                        module=FlashDotProductAttention, params={"backend": attention_backend}
+                    ),
                     linear_proj=RowParallelLinear,
                     q_layernorm=norm if qk_layernorm else IdentityOp,
                     k_layernorm=norm if qk_layernorm else IdentityOp,
@@ -86,7 +91,9 @@ def get_gpt_layer_flash_spec(
 
 def _mlp_submodules() -> MLPSubmodules:
     """Megatron's MLP with our fused SwiGLU in its activation hook."""
-    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU)
+    return MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU
+    )
 
 
 def get_gpt_decoder_block_flash_spec(
@@ -118,4 +125,3 @@ def get_gpt_decoder_block_flash_spec(
         layer_specs=[whole_spec] * whole + [layer_spec] * (num_layers - whole),
         layer_norm=norm_class(normalization),
     )
-

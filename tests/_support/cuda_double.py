@@ -43,7 +43,13 @@ def _check_with_meta(op, args, kwargs, results) -> None:
     expected = op(*map(_meta, args), **{k: _meta(v) for k, v in kwargs.items()})
     for got, want in zip(results, expected):
         if isinstance(want, Tensor) and isinstance(got, Tensor):
-            assert got.shape == want.shape and got.dtype == want.dtype, (op, got.shape, want.shape, got.dtype, want.dtype)
+            assert got.shape == want.shape and got.dtype == want.dtype, (
+                op,
+                got.shape,
+                want.shape,
+                got.dtype,
+                want.dtype,
+            )
 
 
 def _flash_allowed(sq: int, sk: int, causal: bool, left, right, max_k: int) -> Tensor:
@@ -114,7 +120,9 @@ class AtenDouble:
 
     def __init__(self):
         self.calls: list[tuple[str, tuple[int, ...]]] = []  # (op, key shape as passed)
-        self.masks: dict[int, list[Tensor]] = {}  # seed -> a keep mask per sequence (scaled by 1 / (1 - p))
+        self.masks: dict[
+            int, list[Tensor]
+        ] = {}  # seed -> a keep mask per sequence (scaled by 1 / (1 - p))
         self._seeds = itertools.count(1)
 
     def last_keep_mask(self) -> Tensor:
@@ -135,7 +143,9 @@ class AtenDouble:
         return keep
 
     # ---- flash -------------------------------------------------------------------------
-    def _flash_attention_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, **kw):
+    def _flash_attention_forward(
+        self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, **kw
+    ):
         self.calls.append(("flash_forward", tuple(k.shape)))
         assert not return_debug_mask
         seed = self._new_seed()
@@ -144,8 +154,12 @@ class AtenDouble:
             q4 = _take(q, qs)
             k4, v4 = (_take(x, ks) for x in (k, v))
             b, h, sq, sk = q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2]
-            allowed = _flash_allowed(sq, sk, is_causal, kw.get("window_size_left"), kw.get("window_size_right"), max_k)
-            out, lse = _forward(q4, k4, v4, allowed, kw["scale"], self._draw(seed, (b, h, sq, sk), dropout_p))
+            allowed = _flash_allowed(
+                sq, sk, is_causal, kw.get("window_size_left"), kw.get("window_size_right"), max_k
+            )
+            out, lse = _forward(
+                q4, k4, v4, allowed, kw["scale"], self._draw(seed, (b, h, sq, sk), dropout_p)
+            )
             outs.append(out.transpose(1, 2))
             lses.append(lse)
         if cu_q is None:
@@ -153,11 +167,39 @@ class AtenDouble:
         else:
             out, lse = torch.cat([o[0] for o in outs]), torch.cat([x[0] for x in lses], dim=-1)
         rng = torch.tensor([seed, 0], dtype=torch.uint64)
-        results = (torch.empty_like(q).copy_(out), lse.float(), rng, torch.empty((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
-        _check_with_meta(aten._flash_attention_forward, (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, False), kw, results)
+        results = (
+            torch.empty_like(q).copy_(out),
+            lse.float(),
+            rng,
+            torch.empty((), dtype=torch.uint64),
+            torch.empty(0, dtype=q.dtype),
+        )
+        _check_with_meta(
+            aten._flash_attention_forward,
+            (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, False),
+            kw,
+            results,
+        )
         return results
 
-    def _flash_attention_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, **kw):
+    def _flash_attention_backward(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        rng,
+        unused,
+        **kw,
+    ):
         self.calls.append(("flash_backward", tuple(k.shape)))
         keeps = self.masks[int(rng[0].item())]
         grads = [torch.zeros_like(x, dtype=torch.float64) for x in (q, k, v)]
@@ -171,34 +213,99 @@ class AtenDouble:
             for acc, rows, grad in zip(grads, (qs, ks, ks), (dq4, dk4, dv4)):
                 _put(acc, rows, grad)
         results = tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
-        args = (dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused)
+        args = (
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+            rng,
+            unused,
+        )
         _check_with_meta(aten._flash_attention_backward, args, kw, results)
         return results
 
     # ---- cudnn -------------------------------------------------------------------------
-    def _scaled_dot_product_cudnn_attention(self, q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, **kw):
+    def _scaled_dot_product_cudnn_attention(
+        self, q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, **kw
+    ):
         self.calls.append(("cudnn_forward", tuple(k.shape)))
         assert attn_bias is None and compute_log_sumexp and not return_debug_mask
         seed = self._new_seed()
         keep = self._draw(seed, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p)
-        out, lse = _forward(*_f64(q, k, v), _top_left_allowed(q.shape[2], k.shape[2], is_causal), kw["scale"], keep)
+        out, lse = _forward(
+            *_f64(q, k, v), _top_left_allowed(q.shape[2], k.shape[2], is_causal), kw["scale"], keep
+        )
         seed_t, offset_t = torch.tensor(seed), torch.tensor(0)
-        results = (torch.empty_like(q).copy_(out), lse.float().unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed_t, offset_t, None)
+        results = (
+            torch.empty_like(q).copy_(out),
+            lse.float().unsqueeze(-1),
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            seed_t,
+            offset_t,
+            None,
+        )
         args = (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask)
         _check_with_meta(aten._scaled_dot_product_cudnn_attention, args, kw, results)
         return results
 
     def _scaled_dot_product_cudnn_attention_backward(
-        self, dout, q, k, v, out, lse, seed, offset, attn_bias, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, **kw
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        offset,
+        attn_bias,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        **kw,
     ):
         self.calls.append(("cudnn_backward", tuple(k.shape)))
-        assert dout.stride() == out.stride() == torch.empty_like(q).stride(), "out / dout not in q's layout (graph cache)"
+        assert dout.stride() == out.stride() == torch.empty_like(q).stride(), (
+            "out / dout not in q's layout (graph cache)"
+        )
         assert lse.shape == (q.shape[0], q.shape[1], q.shape[2], 1), lse.shape
         allowed = _top_left_allowed(q.shape[2], k.shape[2], is_causal)
         keep = self.masks[int(seed)][0]
-        grads = _backward(*_f64(dout, q, k, v, out), lse[..., 0].double(), allowed, kw["scale"], keep)
+        grads = _backward(
+            *_f64(dout, q, k, v, out), lse[..., 0].double(), allowed, kw["scale"], keep
+        )
         results = tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
-        args = (dout, q, k, v, out, lse, seed, offset, attn_bias, cu_q, cu_k, max_q, max_k, dropout_p, is_causal)
+        args = (
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            seed,
+            offset,
+            attn_bias,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+        )
         _check_with_meta(aten._scaled_dot_product_cudnn_attention_backward, args, kw, results)
         return results
 
@@ -228,4 +335,6 @@ def _segments(q, cu_q, cu_k, max_q, max_k, k) -> list[tuple[Optional[slice], Opt
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
     assert max_q == max(b - a for a, b in zip(starts_q, starts_q[1:]))
     assert max_k == max(b - a for a, b in zip(starts_k, starts_k[1:]))
-    return [(slice(*starts_q[i : i + 2]), slice(*starts_k[i : i + 2])) for i in range(len(starts_q) - 1)]
+    return [
+        (slice(*starts_q[i : i + 2]), slice(*starts_k[i : i + 2])) for i in range(len(starts_q) - 1)
+    ]

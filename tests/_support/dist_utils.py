@@ -87,7 +87,13 @@ def _worker(rank, world_size, port, timeout, fn, args, results, emulate_npu, bin
 
 
 def run_distributed(
-    fn, world_size: int, *args, timeout: float = 180, emulate_npu: bool = False, bind_device: bool = True, threads: int = 1
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 180,
+    emulate_npu: bool = False,
+    bind_device: bool = True,
+    threads: int = 1,
 ):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
 
@@ -103,7 +109,18 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device, threads),
+            args=(
+                rank,
+                world_size,
+                port,
+                timeout,
+                fn,
+                args,
+                results,
+                emulate_npu,
+                bind_device,
+                threads,
+            ),
             daemon=False,  # workers may start processes (dist-ckpt save does)
         )
         for rank in range(world_size)

@@ -106,7 +106,9 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
 
     assert parallel_state.get_tensor_model_parallel_world_size() == 1, "full_weights needs TP=1"
-    return {name.removeprefix("module."): p.detach().clone() for name, p in model.named_parameters()}
+    return {
+        name.removeprefix("module."): p.detach().clone() for name, p in model.named_parameters()
+    }
 
 
 def load_full_weights(model, weights: dict[str, torch.Tensor]) -> None:

@@ -17,7 +17,11 @@ import torch
 
 
 def visible(
-    sq: int, sk: int, causal: bool, attn_mask: Optional[torch.Tensor] = None, window: tuple[int, int] = (-1, -1)
+    sq: int,
+    sk: int,
+    causal: bool,
+    attn_mask: Optional[torch.Tensor] = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
     """Bool ``[.., sq, sk]``: True where query i may attend to key j.
 
@@ -120,11 +124,11 @@ def varlen_attention_with_grads(q, k, v, dout, cu_q, cu_k, **kwargs):
     """
     outs, lses, dqs, dks, dvs = [], [], [], [], []
     for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])):
-        o, l, dq, dk, dv = attention_with_grads(
+        o, lse, dq, dk, dv = attention_with_grads(
             q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], dout[q0:q1][None], **kwargs
         )
         outs.append(o[0])
-        lses.append(l[0])
+        lses.append(lse[0])
         dqs.append(dq[0])
         dks.append(dk[0])
         dvs.append(dv[0])

@@ -17,7 +17,10 @@ from mcore_flash.benchmarks.common import MIB
 
 def _bench(command: str, *argv: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "mcore_flash.cli", command, *argv], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "mcore_flash.cli", command, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.strip(), "progress goes to stderr"
@@ -35,25 +38,62 @@ def _rows(table: str, first_column: str) -> list[list[str]]:
 def test_bench_attention_saves_exactly_qkv_out_lse():
     b, heads, kv_heads, d, s = 1, 4, 2, 64, 1024
     out = _bench(
-        "bench-attention", "--seq-lengths", str(s), "--heads", str(heads), "--kv-heads", str(kv_heads),
-        "--head-dim", str(d), "--repeats", "1", "--threads", "1", "--impls", "stock,cpu,reference",
-    )  # fmt: skip
-    rows = {row[0]: row for row in _rows(out, "stock") + _rows(out, "cpu") + _rows(out, "reference")}
-    expected = 4 * b * s * d * (2 * heads + 2 * kv_heads) + 4 * b * heads * s  # fp32 q, out, k, v; lse
+        "bench-attention",
+        "--seq-lengths",
+        str(s),
+        "--heads",
+        str(heads),
+        "--kv-heads",
+        str(kv_heads),
+        "--head-dim",
+        str(d),
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--impls",
+        "stock,cpu,reference",
+    )
+    rows = {
+        row[0]: row for row in _rows(out, "stock") + _rows(out, "cpu") + _rows(out, "reference")
+    }
+    expected = (
+        4 * b * s * d * (2 * heads + 2 * kv_heads) + 4 * b * heads * s
+    )  # fp32 q, out, k, v; lse
     for impl in ("cpu", "reference"):
         assert float(rows[impl][3]) == round(expected / MIB, 1), rows[impl]
-    assert float(rows["stock"][3]) > 4 * float(rows["cpu"][3])  # keeps the [b, h, s, s] probabilities
+    assert float(rows["stock"][3]) > 4 * float(
+        rows["cpu"][3]
+    )  # keeps the [b, h, s, s] probabilities
 
 
 def test_bench_recompute_reports_bytes_calls_and_exact_gradients():
     out = _bench(
-        "bench-recompute", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "128",
-        "--seq-lengths", "64,128", "--repeats", "1",
-    )  # fmt: skip
-    rows = {(row[0], int(row[1])): row for mode in ("none", "qkv", "attention", "full") for row in _rows(out, mode)}
+        "bench-recompute",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--ffn-hidden-size",
+        "128",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--vocab-size",
+        "128",
+        "--seq-lengths",
+        "64,128",
+        "--repeats",
+        "1",
+    )
+    rows = {
+        (row[0], int(row[1])): row
+        for mode in ("none", "qkv", "attention", "full")
+        for row in _rows(out, mode)
+    }
     assert len(rows) == 8
-    for (mode, s), row in rows.items():
+    for (mode, _), row in rows.items():
         # kernel forward calls per layer: once, plus once more where recompute re-runs it; never the fallback
         assert row[9] == f"{1 if mode in ('none', 'qkv') else 2}, 1 (0)", row
         assert row[10] == "0"  # no [.., s, s] tensor saved in forward or recompute
@@ -65,7 +105,9 @@ def test_bench_recompute_reports_bytes_calls_and_exact_gradients():
     assert len(attention) == len(full) == 2
     for s, line in zip((64, 128), attention):
         layer_input = s * 64 * 4 / MIB
-        assert f"attention sub-block keeps 0.000 MiB + checkpoint input {layer_input:.3f} MiB" in line
+        assert (
+            f"attention sub-block keeps 0.000 MiB + checkpoint input {layer_input:.3f} MiB" in line
+        )
         assert float(re.search(r"saved bytes cut ([\d.]+)%", line).group(1)) >= 25
     assert all("only inputs + shared RoPE table" in line for line in full)
     qkv = [v for v in verdicts if v.startswith("- qkv")]
@@ -74,13 +116,26 @@ def test_bench_recompute_reports_bytes_calls_and_exact_gradients():
 
 def test_bench_cp_halves_saved_bytes_at_cp2():
     out = _bench(
-        "bench-cp", "--seq-length", "512", "--cp-sizes", "1,2", "--heads", "4", "--kv-heads", "2",
-        "--head-dim", "16", "--repeats", "1",
-    )  # fmt: skip
+        "bench-cp",
+        "--seq-length",
+        "512",
+        "--cp-sizes",
+        "1,2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--repeats",
+        "1",
+    )
     rows = _rows(out, "1") + _rows(out, "2")
     assert [(row[0], row[1]) for row in rows] == [("1", "-"), ("2", "p2p"), ("2", "a2a")]
     for row in rows[1:]:
-        assert float(row[7]) == 0.5  # saved bytes per rank vs cp=1 (kv heads >= cp: a2a needs no K/V copies)
+        assert (
+            float(row[7]) == 0.5
+        )  # saved bytes per rank vs cp=1 (kv heads >= cp: a2a needs no K/V copies)
         assert float(row[8]) > 0  # K/V travelled
 
 
@@ -91,7 +146,9 @@ def test_bench_convert_round_trips_and_reports_peak_rss():
     import-only baseline."""
     import json
 
-    result = json.loads(_bench("bench-convert", "--model", "tiny", "--json").strip().splitlines()[-1])
+    result = json.loads(
+        _bench("bench-convert", "--model", "tiny", "--json").strip().splitlines()[-1]
+    )
     h, ffn, kv, vocab = 128, 352, 64, 384
     per_layer = 2 * h + h * h + 2 * kv * h + h * h + 3 * ffn * h
     assert result["parameters"] == 2 * vocab * h + 2 * per_layer + h
@@ -109,8 +166,22 @@ def test_bench_packed_reports_documents_and_sum_of_squares_prediction():
     import json
 
     s, mean, repeats = 256, 16, 2
-    argv = ("--seq-length", str(s), "--mean-document-length", str(mean), "--heads", "2", "--head-dim", "16",
-            "--repeats", str(repeats), "--threads", "1", "--seed", "3")  # fmt: skip
+    argv = (
+        "--seq-length",
+        str(s),
+        "--mean-document-length",
+        str(mean),
+        "--heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--repeats",
+        str(repeats),
+        "--threads",
+        "1",
+        "--seed",
+        "3",
+    )
     result = json.loads(_bench("bench-packed", *argv, "--json").strip().splitlines()[-1])
     lengths = result["document_lengths"]
     assert sum(lengths) == s and result["num_documents"] == len(lengths) > 1
@@ -119,7 +190,9 @@ def test_bench_packed_reports_documents_and_sum_of_squares_prediction():
     assert len(result["dense_runs_ms"]) == len(result["packed_runs_ms"]) == repeats
     assert result["measured_ratio"] == result["packed_ms"] / result["dense_ms"]
     assert result["measured_cpu_ratio"] == result["packed_cpu_ms"] / result["dense_cpu_ms"]
-    assert result["first_document_max_diff"] < 1e-5  # fp32: document masking leaves a prefix unchanged
+    assert (
+        result["first_document_max_diff"] < 1e-5
+    )  # fp32: document masking leaves a prefix unchanged
 
     table = _bench("bench-packed", *argv)
     (dense,), (packed,) = _rows(table, "dense"), _rows(table, "packed")
@@ -134,16 +207,28 @@ def test_bench_window_reports_pairs_predictions_and_both_levels():
     the medians, and the first W rows (which see the same keys either way) agree exactly."""
     import json
 
-    from _support import oracle
-
     from mcore_flash.benchmarks.window import attended_pairs, computed_pairs
+
+    from _support import oracle
 
     s, w = 384, 96
     visible = oracle.visible(s, s, causal=True, window=(w - 1, 0))
-    assert attended_pairs(s, w) == int(visible.sum()) and attended_pairs(s, None) == s * (s + 1) // 2
+    assert (
+        attended_pairs(s, w) == int(visible.sum()) and attended_pairs(s, None) == s * (s + 1) // 2
+    )
     assert computed_pairs(s, w, 64) >= attended_pairs(s, w)
-    argv = ("--seq-length", str(s), "--window", str(w), "--hidden-size", "64", "--ffn-hidden-size", "96",
-            "--repeats", "1")  # fmt: skip
+    argv = (
+        "--seq-length",
+        str(s),
+        "--window",
+        str(w),
+        "--hidden-size",
+        "64",
+        "--ffn-hidden-size",
+        "96",
+        "--repeats",
+        "1",
+    )
     result = json.loads(_bench("bench-window", *argv, "--json").strip().splitlines()[-1])
     assert result["predicted_attention_ratio"] == attended_pairs(s, w) / attended_pairs(s, None)
     assert result["predicted_attention_ratio"] < result["predicted_layer_ratio"] < 1

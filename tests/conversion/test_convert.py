@@ -23,10 +23,16 @@ import torch
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.hf_models import make_hf_llama
 
+
 def convert(*argv, check=True):
     """`mcore-flash convert ...` in a fresh process; returns the CompletedProcess."""
-    run = subprocess.run([sys.executable, "-m", "mcore_flash.cli", "convert", *map(str, argv)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "mcore_flash.cli", "convert", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if check:
         assert run.returncode == 0, run.stderr[-3000:]
     return run
@@ -50,40 +56,102 @@ def _w_main(rank, world_size, module, argv):
 
 
 def pretrain(world_size, *argv):
-    results = run_distributed(_w_main, world_size, "mcore_flash.pretrain", [*map(str, argv)], timeout=400)
+    results = run_distributed(
+        _w_main, world_size, "mcore_flash.pretrain", [*map(str, argv)], timeout=400
+    )
     assert [code for code, _ in results] == [0] * world_size
     return results
 
 
-TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--log-interval", "1"]
+TRAIN = [
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+    "--log-interval",
+    "1",
+]
 
 
-@pytest.mark.parametrize("tp,pp,tie", [
-    pytest.param(1, 1, False, marks=pytest.mark.slow), (1, 1, True),
-    pytest.param(2, 2, False, marks=pytest.mark.slow), pytest.param(2, 2, True, marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tp,pp,tie",
+    [
+        pytest.param(1, 1, False, marks=pytest.mark.slow),
+        (1, 1, True),
+        pytest.param(2, 2, False, marks=pytest.mark.slow),
+        pytest.param(2, 2, True, marks=pytest.mark.slow),
+    ],
+)
 def test_round_trip_through_the_trainer_is_bit_exact(tmp_path, tp, pp, tie):
     """hf -> mcore -> (loaded, one lr-0 step, saved at TP/PP) -> hf: every tensor bit-identical,
     the vocabulary padding removed, and transformers loads the result with the same config."""
     src = make_hf_llama(tmp_path / "hf", tie=tie)
-    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc", "--tensor-model-parallel-size", tp,
-            "--pipeline-model-parallel-size", pp)  # fmt: skip
-    pretrain(tp * pp, "--load", tmp_path / "mc", "--finetune", "--use-checkpoint-args", "--save", tmp_path / "run",
-             "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp, "--train-iters", 1,
-             "--lr", 0, "--min-lr", 0, "--lr-warmup-iters", 0, *TRAIN)  # fmt: skip
-    convert("mcore-to-hf", "--load", tmp_path / "run", "--save-hf", tmp_path / "out", "--max-shard-size", "150KB")
+    convert(
+        "hf-to-mcore",
+        "--hf-dir",
+        src,
+        "--save",
+        tmp_path / "mc",
+        "--tensor-model-parallel-size",
+        tp,
+        "--pipeline-model-parallel-size",
+        pp,
+    )
+    pretrain(
+        tp * pp,
+        "--load",
+        tmp_path / "mc",
+        "--finetune",
+        "--use-checkpoint-args",
+        "--save",
+        tmp_path / "run",
+        "--tensor-model-parallel-size",
+        tp,
+        "--pipeline-model-parallel-size",
+        pp,
+        "--train-iters",
+        1,
+        "--lr",
+        0,
+        "--min-lr",
+        0,
+        "--lr-warmup-iters",
+        0,
+        *TRAIN,
+    )
+    convert(
+        "mcore-to-hf",
+        "--load",
+        tmp_path / "run",
+        "--save-hf",
+        tmp_path / "out",
+        "--max-shard-size",
+        "150KB",
+    )
 
     before, after = hf_tensors(src), hf_tensors(tmp_path / "out")
     assert sorted(before) == sorted(after) and ("lm_head.weight" in after) == (not tie)
     for name in before:
-        assert after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]), name
+        assert after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]), (
+            name
+        )
     assert os.path.exists(tmp_path / "out" / "model.safetensors.index.json")
 
     from transformers import AutoConfig
 
     a, b = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(tmp_path / "out")
-    for field in ("vocab_size", "hidden_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
-                  "max_position_embeddings", "bos_token_id", "eos_token_id"):  # fmt: skip
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert getattr(a, field) == getattr(b, field), field
     assert a.rope_parameters == b.rope_parameters
 
@@ -96,7 +164,9 @@ def test_direct_round_trip_bf16_single_file(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
     before, after = hf_tensors(src), hf_tensors(tmp_path / "out")
     for name in before:
-        assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], before[name].bfloat16()), name
+        assert after[name].dtype == torch.bfloat16 and torch.equal(
+            after[name], before[name].bfloat16()
+        ), name
 
 
 def _w_loss(rank, world_size, load, tokens):
@@ -125,17 +195,24 @@ FAMILIES = {
     # name: (vocabulary, config overrides)
     "llama3.1 (GQA, llama3 scaling)": (512, {}),
     "llama3.1, padded vocabulary": (258, {}),
-    "llama2 (MHA, base 10000, eps 1e-5)": (512, dict(num_key_value_heads=4, rope_theta=10000.0, rope_scaling=None,
-                                                     rms_norm_eps=1e-5)),  # fmt: skip
+    "llama2 (MHA, base 10000, eps 1e-5)": (
+        512,
+        dict(num_key_value_heads=4, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5),
+    ),
     "linear interpolation x2": (512, dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "llama3.2 (tied)": (512, dict(tie_word_embeddings=True)),
 }
 
 
-@pytest.mark.parametrize("family", [
-    family if family in ("llama3.1 (GQA, llama3 scaling)", "llama3.2 (tied)") else pytest.param(family, marks=pytest.mark.slow)
-    for family in FAMILIES
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family",
+    [
+        family
+        if family in ("llama3.1 (GQA, llama3 scaling)", "llama3.2 (tied)")
+        else pytest.param(family, marks=pytest.mark.slow)
+        for family in FAMILIES
+    ],
+)
 def test_loss_after_conversion_equals_transformers(tmp_path, family):
     """fp32 per-token loss of the converted model = transformers' (1e-5 relative), for each
     family's config. With 258 tokens the vocabulary is padded to 384 rows of zeros: their
@@ -158,12 +235,16 @@ def test_loss_after_conversion_equals_transformers(tmp_path, family):
         logits = hf(tokens[:, :-1]).logits.double()
     padded = -(-vocab // 128) * 128
     logits = torch.cat([logits, logits.new_zeros(*logits.shape[:2], padded - vocab)], dim=-1)
-    oracle = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    oracle = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
+    )
     torch.testing.assert_close(ours.double().flatten(), oracle, rtol=1e-5, atol=0)
     if vocab == 258:
         with torch.no_grad():
             hf_loss = hf(tokens, labels=tokens).loss.item()
-        assert abs(ours.double().mean().item() - hf_loss) > 0.1  # the padding really is in the softmax
+        assert (
+            abs(ours.double().mean().item() - hf_loss) > 0.1
+        )  # the padding really is in the softmax
 
 
 def _hf_greedy(src, prompt, n):
@@ -181,11 +262,33 @@ def test_generate_equals_transformers_greedy(tmp_path, tp):
     """`mcore-flash generate --json` from the converted checkpoint = transformers'
     `generate(do_sample=False)` token for token (GQA, llama3 RoPE scaling), at TP1 and TP2."""
     src = make_hf_llama(tmp_path / "hf", vocab=258)
-    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc", "--tensor-model-parallel-size", tp)
+    convert(
+        "hf-to-mcore",
+        "--hf-dir",
+        src,
+        "--save",
+        tmp_path / "mc",
+        "--tensor-model-parallel-size",
+        tp,
+    )
     prompt = [1, 17, 99, 4, 250, 31]
-    results = run_distributed(_w_main, tp, "mcore_flash.generate", [
-        "--load", str(tmp_path / "mc"), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "12",
-        "--json", "--tensor-model-parallel-size", str(tp)], timeout=300)  # fmt: skip
+    results = run_distributed(
+        _w_main,
+        tp,
+        "mcore_flash.generate",
+        [
+            "--load",
+            str(tmp_path / "mc"),
+            "--prompt-ids",
+            ",".join(map(str, prompt)),
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--tensor-model-parallel-size",
+            str(tp),
+        ],
+        timeout=300,
+    )
     code, stdout = results[0]
     assert code == 0
     printed = json.loads(stdout.strip().splitlines()[-1])
@@ -196,9 +299,23 @@ def test_generate_pipeline_parallel_and_text_prompt(tmp_path):
     """PP2 gives the same tokens; --prompt text goes through the (byte) tokenizer."""
     src = make_hf_llama(tmp_path / "hf", vocab=258)
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
-    results = run_distributed(_w_main, 2, "mcore_flash.generate", [
-        "--load", str(tmp_path / "mc"), "--prompt", "abc", "--max-new-tokens", "5", "--json",
-        "--pipeline-model-parallel-size", "2"], timeout=300)  # fmt: skip
+    results = run_distributed(
+        _w_main,
+        2,
+        "mcore_flash.generate",
+        [
+            "--load",
+            str(tmp_path / "mc"),
+            "--prompt",
+            "abc",
+            "--max-new-tokens",
+            "5",
+            "--json",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],
+        timeout=300,
+    )
     printed = json.loads(results[0][1].strip().splitlines()[-1])
     assert printed["prompt_ids"] == [97, 98, 99]
     assert printed["output_ids"] == _hf_greedy(src, [97, 98, 99], 5)
@@ -216,29 +333,83 @@ def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
     uninterrupted one bit for bit, losses and final weights (dropout on, so RNG is restored)."""
     src = make_hf_llama(tmp_path / "hf", vocab=258)
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
-    common = ["--finetune", "--load", tmp_path / "mc", "--use-checkpoint-args", "--train-iters", 4,
-              "--hidden-dropout", 0.1, "--attention-dropout", 0.1, *TRAIN]  # fmt: skip
+    common = [
+        "--finetune",
+        "--load",
+        tmp_path / "mc",
+        "--use-checkpoint-args",
+        "--train-iters",
+        4,
+        "--hidden-dropout",
+        0.1,
+        "--attention-dropout",
+        0.1,
+        *TRAIN,
+    ]
     pretrain(1, *common, "--save", tmp_path / "full")
     pretrain(1, *common, "--save", tmp_path / "part", "--exit-interval", 2)
     shutil.copytree(tmp_path / "part", tmp_path / "part_at_2")
     shutil.copytree(tmp_path / "part", tmp_path / "optim_at_2")
-    pretrain(1, "--load", tmp_path / "part", "--use-checkpoint-args", "--train-iters", 4, "--hidden-dropout", 0.1,
-             "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "part")  # fmt: skip
+    pretrain(
+        1,
+        "--load",
+        tmp_path / "part",
+        "--use-checkpoint-args",
+        "--train-iters",
+        4,
+        "--hidden-dropout",
+        0.1,
+        "--attention-dropout",
+        0.1,
+        *TRAIN,
+        "--save",
+        tmp_path / "part",
+    )
     full, part = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
     assert sorted(full) == [1, 2, 3, 4] and full == part
     # --no-load-rng resumes the weights and optimizer but draws other dropout masks
-    pretrain(1, "--load", tmp_path / "part_at_2", "--no-load-rng", "--use-checkpoint-args", "--train-iters", 4,
-             "--hidden-dropout", 0.1, "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "part_at_2")  # fmt: skip
+    pretrain(
+        1,
+        "--load",
+        tmp_path / "part_at_2",
+        "--no-load-rng",
+        "--use-checkpoint-args",
+        "--train-iters",
+        4,
+        "--hidden-dropout",
+        0.1,
+        "--attention-dropout",
+        0.1,
+        *TRAIN,
+        "--save",
+        tmp_path / "part_at_2",
+    )
     no_rng = _metrics(tmp_path / "part_at_2")
     assert no_rng[2] == full[2] and no_rng[3] != full[3]
     # --no-load-optim: the checkpoint's iteration, a fresh optimizer, the lr schedule where it was
-    pretrain(1, "--load", tmp_path / "optim_at_2", "--no-load-optim", "--use-checkpoint-args", "--train-iters", 4,
-             "--hidden-dropout", 0.1, "--attention-dropout", 0.1, *TRAIN, "--save", tmp_path / "optim_at_2")  # fmt: skip
+    pretrain(
+        1,
+        "--load",
+        tmp_path / "optim_at_2",
+        "--no-load-optim",
+        "--use-checkpoint-args",
+        "--train-iters",
+        4,
+        "--hidden-dropout",
+        0.1,
+        "--attention-dropout",
+        0.1,
+        *TRAIN,
+        "--save",
+        tmp_path / "optim_at_2",
+    )
     with open(tmp_path / "full" / "metrics.jsonl") as f:
         full_lr = {r["iteration"]: r["lr"] for r in map(json.loads, f)}
     with open(tmp_path / "optim_at_2" / "metrics.jsonl") as f:
         fresh = [json.loads(line) for line in f]
-    assert [r["iteration"] for r in fresh] == [1, 2, 3, 4] and all(r["lr"] == full_lr[r["iteration"]] for r in fresh)
+    assert [r["iteration"] for r in fresh] == [1, 2, 3, 4] and all(
+        r["lr"] == full_lr[r["iteration"]] for r in fresh
+    )
     # iteration 3's loss is computed before its step (same weights and RNG: equal); iteration
     # 4 follows a step with fresh Adam moments: different
     assert fresh[2]["loss"] == full[3] and fresh[3]["loss"] != full[4]
@@ -246,7 +417,9 @@ def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
     convert("mcore-to-hf", "--load", tmp_path / "part", "--save-hf", tmp_path / "part_hf")
     a, b = hf_tensors(tmp_path / "full_hf"), hf_tensors(tmp_path / "part_hf")
     assert all(torch.equal(a[n], b[n]) for n in a)
-    assert not all(torch.equal(a[n], t) for n, t in hf_tensors(src).items())  # training moved the weights
+    assert not all(
+        torch.equal(a[n], t) for n, t in hf_tensors(src).items()
+    )  # training moved the weights
 
 
 def test_loading_rules_for_converted_checkpoints(tmp_path):
@@ -255,16 +428,39 @@ def test_loading_rules_for_converted_checkpoints(tmp_path):
     the checkpoint's iteration."""
     src = make_hf_llama(tmp_path / "hf", vocab=258)
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
-    base = [sys.executable, "-m", "mcore_flash.cli", "pretrain", "--load", str(tmp_path / "mc"), "--train-iters", "1",
-            *map(str, TRAIN), "--save", str(tmp_path / "x")]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "mcore_flash.cli",
+        "pretrain",
+        "--load",
+        str(tmp_path / "mc"),
+        "--train-iters",
+        "1",
+        *map(str, TRAIN),
+        "--save",
+        str(tmp_path / "x"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([*base, "--use-checkpoint-args"], capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [*base, "--use-checkpoint-args"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert run.returncode == 2 and "add --finetune" in run.stderr, run.stderr[-2000:]
-    run = subprocess.run([*base, "--use-checkpoint-args", "--hidden-size", "128", "--finetune"],
-                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    run = subprocess.run(
+        [*base, "--use-checkpoint-args", "--hidden-size", "128", "--finetune"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == 2 and "--hidden-size=64" in run.stderr, run.stderr[-2000:]
-    run = subprocess.run([*base, "--use-checkpoint-args", "--no-load-optim"], capture_output=True, text=True,
-                         timeout=300, env=env)  # fmt: skip
+    run = subprocess.run(
+        [*base, "--use-checkpoint-args", "--no-load-optim"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == 0 and "resumed from" in run.stdout + run.stderr
 
 
@@ -286,11 +482,23 @@ def _edit_config(path, **changes):
 
 
 CONFIG_EDITS = {  # config.json changes the converter must refuse, and what its error names
-    "unknown architecture": (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+    "unknown architecture": (
+        dict(architectures=["MistralForCausalLM"], model_type="mistral"),
+        "MistralForCausalLM",
+    ),
     "vocab mismatch": (dict(vocab_size=300), "vocab_size"),
-    "yarn rope": (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None), "'yarn'"),
-    "dynamic rope": (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, rope_parameters=None), "'dynamic'"),
-    "longrope": (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}, rope_parameters=None), "'longrope'"),
+    "yarn rope": (
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None),
+        "'yarn'",
+    ),
+    "dynamic rope": (
+        dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, rope_parameters=None),
+        "'dynamic'",
+    ),
+    "longrope": (
+        dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}, rope_parameters=None),
+        "'longrope'",
+    ),
     "unsupported field": (dict(sliding_window=4096), "sliding_window"),
     "lm_head with tied config": (dict(tie_word_embeddings=True), "tie_word_embeddings=true"),
     "attention bias": (dict(attention_bias=True), "attention_bias=True"),
@@ -313,7 +521,11 @@ def test_bad_hf_inputs_are_clear_errors_and_write_nothing(tmp_path, capsys, case
     src = make_hf_llama(tmp_path / "hf")
     argv = ["hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc"]
     if case == "missing shard":
-        os.remove(os.path.join(src, next(f for f in sorted(os.listdir(src)) if f.startswith("model-00002-of-"))))
+        os.remove(
+            os.path.join(
+                src, next(f for f in sorted(os.listdir(src)) if f.startswith("model-00002-of-"))
+            )
+        )
     elif case == "tp does not divide heads":
         argv += ["--tensor-model-parallel-size", 3]
     elif case == "no config":
@@ -329,9 +541,13 @@ def test_existing_target_is_refused_and_untouched(tmp_path, capsys):
     src = make_hf_llama(tmp_path / "hf")
     (tmp_path / "mc").mkdir()
     (tmp_path / "mc" / "keep.txt").write_text("user data")
-    code, err = _convert_in_process(capsys, "hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    code, err = _convert_in_process(
+        capsys, "hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc"
+    )
     assert code == 2 and "already exists" in err
-    code, err = _convert_in_process(capsys, "mcore-to-hf", "--load", tmp_path / "nothing", "--save-hf", tmp_path / "out")
+    code, err = _convert_in_process(
+        capsys, "mcore-to-hf", "--load", tmp_path / "nothing", "--save-hf", tmp_path / "out"
+    )
     assert code == 2 and "--load" in err
     assert os.listdir(tmp_path / "mc") == ["keep.txt"] and not os.path.exists(tmp_path / "out")
 
@@ -349,7 +565,9 @@ def test_mcore_to_hf_names_a_changed_checkpoint_file_and_writes_nothing(tmp_path
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x01]))
-    code, err = _convert_in_process(capsys, "mcore-to-hf", "--load", tmp_path / "mc", "--save-hf", tmp_path / "out")
+    code, err = _convert_in_process(
+        capsys, "mcore-to-hf", "--load", tmp_path / "mc", "--save-hf", tmp_path / "out"
+    )
     assert code == 2 and shard in err and "Traceback" not in err, err
     assert not os.path.exists(tmp_path / "out")
 
@@ -377,13 +595,41 @@ def test_failure_mid_conversion_leaves_no_target(tmp_path):
     target nor its .tmp directory, in both directions (the target appears only by rename)."""
     src = make_hf_llama(tmp_path / "hf")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", _FAIL_MID_WRITE, "hf-to-mcore", "--hf-dir", src, "--save",
-                          str(tmp_path / "mc")], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FAIL_MID_WRITE,
+            "hf-to-mcore",
+            "--hf-dir",
+            src,
+            "--save",
+            str(tmp_path / "mc"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode != 0 and "injected" in run.stderr
     assert sorted(os.listdir(tmp_path)) == ["hf"]
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
-    run = subprocess.run([sys.executable, "-c", _FAIL_MID_WRITE, "mcore-to-hf", "--load", str(tmp_path / "mc"),
-                          "--save-hf", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FAIL_MID_WRITE,
+            "mcore-to-hf",
+            "--load",
+            str(tmp_path / "mc"),
+            "--save-hf",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode != 0 and "injected" in run.stderr
     assert sorted(os.listdir(tmp_path)) == ["hf", "mc"]
 
@@ -391,26 +637,64 @@ def test_failure_mid_conversion_leaves_no_target(tmp_path):
 # config.json of two published checkpoints as the Hub serves them (transformers 4.x names),
 # transcribed from meta-llama/Llama-2-70b-hf and meta-llama/Llama-3.1-8B.
 LLAMA2_70B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-    "hidden_size": 8192, "initializer_range": 0.02, "intermediate_size": 28672, "max_position_embeddings": 4096,
-    "model_type": "llama", "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False,
-    "torch_dtype": "float16", "transformers_version": "4.32.0.dev0", "use_cache": True, "vocab_size": 32000,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 8192,
+    "initializer_range": 0.02,
+    "intermediate_size": 28672,
+    "max_position_embeddings": 4096,
+    "model_type": "llama",
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.32.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
 LLAMA31_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
-    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
 
 
-@pytest.mark.parametrize("config,preset", [(LLAMA2_70B_CONFIG, "llama2-70b"), (LLAMA31_8B_CONFIG, "llama3.1-8b")])
+@pytest.mark.parametrize(
+    "config,preset", [(LLAMA2_70B_CONFIG, "llama2-70b"), (LLAMA31_8B_CONFIG, "llama3.1-8b")]
+)
 def test_published_configs_read_as_our_presets_and_export_back(config, preset):
     """A Hub config.json gives the model flags of our preset for that model (presets are
     written from the published shapes), and the config exported from them reads back in
@@ -423,12 +707,28 @@ def test_published_configs_read_as_our_presets_and_export_back(config, preset):
     from mcore_flash.training.model import model_args
 
     ours = model_args_from_hf(config)
-    expected = model_args(parse_args(["--model", preset, "--norm-epsilon", "1e-5"]), get_model(preset).vocab_size)
+    expected = model_args(
+        parse_args(["--model", preset, "--norm-epsilon", "1e-5"]), get_model(preset).vocab_size
+    )
     assert ours == expected
-    exported, original = LlamaConfig(**hf_config_from_model_args(ours, config)), LlamaConfig(**config)
-    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_parameters",
-                  "bos_token_id", "eos_token_id"):  # fmt: skip
+    exported, original = (
+        LlamaConfig(**hf_config_from_model_args(ours, config)),
+        LlamaConfig(**config),
+    )
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert getattr(exported, field) == getattr(original, field), field
 
 
@@ -440,9 +740,29 @@ def test_export_after_context_extension_carries_the_new_rope(tmp_path):
 
     src = make_hf_llama(tmp_path / "hf", vocab=258, bos_token_id=7, eos_token_id=9)
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
-    pretrain(1, "--load", tmp_path / "mc", "--finetune", "--use-checkpoint-args", "--rotary-base", 1000000,
-             "--max-position-embeddings", 512, "--train-iters", 1, *TRAIN, "--save", tmp_path / "run")  # fmt: skip
+    pretrain(
+        1,
+        "--load",
+        tmp_path / "mc",
+        "--finetune",
+        "--use-checkpoint-args",
+        "--rotary-base",
+        1000000,
+        "--max-position-embeddings",
+        512,
+        "--train-iters",
+        1,
+        *TRAIN,
+        "--save",
+        tmp_path / "run",
+    )
     convert("mcore-to-hf", "--load", tmp_path / "run", "--save-hf", tmp_path / "out")
     config = AutoConfig.from_pretrained(tmp_path / "out")
-    assert config.rope_parameters["rope_theta"] == 1e6 and config.rope_parameters["rope_type"] == "llama3"
-    assert config.max_position_embeddings == 512 and (config.bos_token_id, config.eos_token_id) == (7, 9)
+    assert (
+        config.rope_parameters["rope_theta"] == 1e6
+        and config.rope_parameters["rope_type"] == "llama3"
+    )
+    assert config.max_position_embeddings == 512 and (config.bos_token_id, config.eos_token_id) == (
+        7,
+        9,
+    )

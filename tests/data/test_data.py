@@ -13,15 +13,14 @@ import numpy
 import pytest
 import torch
 
-from _support.dist_utils import free_port
 from mcore_flash.data import DataError
 from mcore_flash.data.indexed import check_indexed_dataset
 from mcore_flash.data.preprocess import main as preprocess_main
 from mcore_flash.data.preprocess import preprocess
 from mcore_flash.data.synthetic import (
     QUERY,
-    START,
     SEP,
+    START,
     answer_loss_mask,
     generate_documents,
     make_task,
@@ -29,6 +28,8 @@ from mcore_flash.data.synthetic import (
     write_synthetic_dataset,
 )
 from mcore_flash.data.tokenizers import ByteTokenizer, build_tokenizer, padded_vocab_size
+
+from _support.dist_utils import free_port
 
 
 def _read(prefix):
@@ -104,21 +105,33 @@ def test_hf_tokenizer(tmp_path):
     hf = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     corpus = ["the quick brown fox", "jumps over the lazy dog"] * 20
-    hf.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(special_tokens=["<unk>", "</s>", "<pad>"]))
+    hf.train_from_iterator(
+        corpus, tokenizers.trainers.BpeTrainer(special_tokens=["<unk>", "</s>", "<pad>"])
+    )
     hf.save(str(tmp_path / "tokenizer.json"))
     tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))  # a directory with tokenizer.json
     assert (tok.eod, tok.pad) == (1, 2)
     src = tmp_path / "in.jsonl"
     _write_jsonl(src, [{"text": t} for t in corpus[:2]])
-    prefix = preprocess(str(src), str(tmp_path / "hf"), tokenizer_type="HuggingFaceTokenizer",
-                        tokenizer_model=str(tmp_path / "tokenizer.json"), append_eod=True, log=sys.stdout)["text"]
+    prefix = preprocess(
+        str(src),
+        str(tmp_path / "hf"),
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=str(tmp_path / "tokenizer.json"),
+        append_eod=True,
+        log=sys.stdout,
+    )["text"]
     assert _read(prefix)[0] == [tok.tokenize(t) + [1] for t in corpus[:2]]
 
 
 def test_sentencepiece_tokenizer(tmp_path):
     spm = pytest.importorskip("sentencepiece")
-    (tmp_path / "c.txt").write_text("\n".join(["the quick brown fox", "jumps over the lazy dog"] * 20))
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=30)
+    (tmp_path / "c.txt").write_text(
+        "\n".join(["the quick brown fox", "jumps over the lazy dog"] * 20)
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=30
+    )
     tok = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "sp.model"))
     assert tok.detokenize(tok.tokenize("the lazy fox")) == "the lazy fox"
     assert tok.eod == 2 and tok.vocab_size == 30
@@ -133,16 +146,33 @@ def test_preprocess_roundtrip(tmp_path, capsys):
     _write_jsonl(src, [{"text": t, "other": 1} for t in texts] + [""])  # trailing blank line
     out = tmp_path / "out" / "corpus"
     rc = preprocess_main(
-        ["--input", str(src), "--output-prefix", str(out), "--json-keys", "text", "--append-eod", "--log-interval", "1"]
+        [
+            "--input",
+            str(src),
+            "--output-prefix",
+            str(out),
+            "--json-keys",
+            "text",
+            "--append-eod",
+            "--log-interval",
+            "1",
+        ]
     )
     assert rc == 0
     err = capsys.readouterr().err
-    assert "processed 1 documents" in err and "done: 3 documents" in err and "1 empty documents skipped" in err
+    assert (
+        "processed 1 documents" in err
+        and "done: 3 documents" in err
+        and "1 empty documents skipped" in err
+    )
     prefix = str(out) + "_text_document"
     docs, dtype = _read(prefix)
     assert dtype == numpy.uint16
     assert docs == [list(t.encode("utf-8")) + [256] for t in texts if t]
-    assert sorted(os.listdir(out.parent)) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+    assert sorted(os.listdir(out.parent)) == [
+        "corpus_text_document.bin",
+        "corpus_text_document.idx",
+    ]
     assert check_indexed_dataset(prefix, vocab_size=258).num_tokens == sum(len(d) for d in docs)
 
     # gzip input, two workers, no eod: same token ids
@@ -159,7 +189,10 @@ def test_preprocess_roundtrip(tmp_path, capsys):
     "rows, needle",
     [
         ([{"text": "a"}, {"text": "b"}, '{"text": "c",'], "line 3: invalid JSON"),
-        ([{"text": "a"}, {"body": "b"}], "line 2: no key 'text' (keys present: 'body'); name the text field with --json-keys"),
+        (
+            [{"text": "a"}, {"body": "b"}],
+            "line 2: no key 'text' (keys present: 'body'); name the text field with --json-keys",
+        ),
         ([{"text": 5}], "line 1: key 'text' holds a int, expected a string"),
         ([[1, 2]], "line 1: expected a JSON object"),
         (["", ""], "no non-empty documents"),
@@ -197,13 +230,21 @@ def test_synthetic_structure(tmp_path):
     keys = set()
     for doc in docs:
         assert len(doc) == s
-        assert doc[0] == START and doc[1 + k] == SEP and doc[task.query_position] == QUERY and doc[-1] == 256
+        assert (
+            doc[0] == START
+            and doc[1 + k] == SEP
+            and doc[task.query_position] == QUERY
+            and doc[-1] == 256
+        )
         key = doc[1 : 1 + k]
         assert all(ord("a") <= t <= ord("z") for t in key)
         assert all(ord("0") <= t <= ord("9") for t in doc[2 + k : task.query_position])
         assert doc[task.answer_start : task.answer_start + k] == key
         # each answer token is the key token exactly `distance` back
-        assert all(doc[task.answer_start + j] == doc[task.answer_start + j - task.distance] for j in range(k))
+        assert all(
+            doc[task.answer_start + j] == doc[task.answer_start + j - task.distance]
+            for j in range(k)
+        )
         keys.add(tuple(key))
     assert len(keys) > 45  # random keys
     # floors: the answer part is the only gap between them
@@ -290,10 +331,21 @@ def test_build_datasets_synthetic(tmp_path, gloo_group):
     # weighted blend of two prefixes; valid split switched off
     prefix2, _ = synthetic_dataset(str(data_dir), 100, s, seed=1)
     train, valid, test = build_datasets(
-        ["0.7", prefix, "0.3", prefix2], False, "9,0,1", s, 1, ByteTokenizer(), 50, 0, 10, cache_dir=str(cache)
+        ["0.7", prefix, "0.3", prefix2],
+        False,
+        "9,0,1",
+        s,
+        1,
+        ByteTokenizer(),
+        50,
+        0,
+        10,
+        cache_dir=str(cache),
     )
     assert valid is None and len(train) == 50 and len(test) == 10
-    assert set(train[3]) == set(SAMPLE_KEYS) | {"dataset_id"}  # BlendedDataset adds the source index
+    assert set(train[3]) == set(SAMPLE_KEYS) | {
+        "dataset_id"
+    }  # BlendedDataset adds the source index
 
 
 def test_build_datasets_mock(tmp_path, gloo_group):
@@ -318,7 +370,14 @@ def _build(prefix, tmp_path, tokenizer=None, split="8,1,1", sizes=(10, 2, 2)):
     from mcore_flash.data.datasets import build_datasets
 
     return build_datasets(
-        [prefix], False, split, 32, 0, tokenizer or ByteTokenizer(), *sizes, cache_dir=str(tmp_path / "c")
+        [prefix],
+        False,
+        split,
+        32,
+        0,
+        tokenizer or ByteTokenizer(),
+        *sizes,
+        cache_dir=str(tmp_path / "c"),
     )
 
 
@@ -327,7 +386,7 @@ def _corrupt_idx(path, how):
     if how == "truncate":
         data = data[: len(data) // 2]
     elif how == "garbage":
-        data[: 64] = numpy.random.default_rng(0).integers(0, 256, 64, dtype=numpy.uint8).tobytes()
+        data[:64] = numpy.random.default_rng(0).integers(0, 256, 64, dtype=numpy.uint8).tobytes()
     elif how == "pointers":  # same size, garbage in the middle (sequence offsets)
         data[34 + 20 * 4 : 34 + 20 * 4 + 16] = b"\xff" * 16
     elif how == "empty":
@@ -360,7 +419,9 @@ def test_bad_data_paths(good_prefix, tmp_path):
     with pytest.raises(DataError, match="token id .* outside the vocabulary .*--tokenizer-type"):
         _build(good_prefix, tmp_path, tokenizer=build_tokenizer("NullTokenizer", vocab_size=50))
     # an empty split would make megatron loop forever
-    with pytest.raises(DataError, match="--split 98,1,1: the valid split .* gets none of its 20 documents"):
+    with pytest.raises(
+        DataError, match="--split 98,1,1: the valid split .* gets none of its 20 documents"
+    ):
         _build(good_prefix, tmp_path, split="98,1,1")
     train, valid, test = _build(good_prefix, tmp_path, split="98,1,1", sizes=(10, 0, None))
     assert len(train) >= 10 and len(valid) == 0 and len(test) == 0

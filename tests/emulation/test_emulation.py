@@ -32,9 +32,12 @@ def _train(device, steps=3):
     torch.manual_seed(0)
     torch.npu.manual_seed(0) if device == "npu" else None
     model = torch.nn.Sequential(
-        torch.nn.Embedding(50, 32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+        torch.nn.Embedding(50, 32),
+        torch.nn.Linear(32, 64),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(64),
         torch.nn.Linear(64, 50),
-    ).to(device)  # fmt: skip
+    ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     generator = torch.Generator().manual_seed(1)
     losses = []
@@ -55,7 +58,9 @@ def _w_device(rank, world_size):
     out["device"] = str(x.device)
     out["type"] = x.type()
     out["is_npu"] = x.is_npu
-    out["mixing"] = _raises(lambda: x + torch.ones(3), "Expected all tensors to be on the same device", "cpu")
+    out["mixing"] = _raises(
+        lambda: x + torch.ones(3), "Expected all tensors to be on the same device", "cpu"
+    )
     out["scalar_ok"] = (x + torch.tensor(2.0)).cpu().tolist()
     out["numpy"] = _raises(x.numpy, "Use Tensor.cpu()")
     out["other_index"] = _raises(lambda: torch.ones(1, device="npu:3"), "npu:3", "set_device")
@@ -68,9 +73,14 @@ def _w_device(rank, world_size):
     torch.npu.manual_seed(5)
     b = torch.nn.functional.dropout(torch.ones(4, device="npu"), 0.5)
     torch.npu.manual_seed(5)
-    out["rng"] = (torch.equal(a.cpu(), torch.randn(4, device="npu").cpu()), torch.equal(cpu_state, torch.get_rng_state()))
+    out["rng"] = (
+        torch.equal(a.cpu(), torch.randn(4, device="npu").cpu()),
+        torch.equal(cpu_state, torch.get_rng_state()),
+    )
     torch.npu.manual_seed(5)
-    out["dropout_is_seeded"] = torch.equal(b.cpu(), torch.nn.functional.dropout(torch.ones(4, device="npu"), 0.5).cpu())
+    out["dropout_is_seeded"] = torch.equal(
+        b.cpu(), torch.nn.functional.dropout(torch.ones(4, device="npu"), 0.5).cpu()
+    )
     # views and in-place ops alias device memory
     base = torch.zeros(6, device="npu")
     view = base[2:4]
@@ -81,7 +91,10 @@ def _w_device(rank, world_size):
     linear = torch.nn.Linear(3, 2)
     linear.weight.sequence_parallel = True
     linear.to("npu")
-    out["param_attr"] = (getattr(linear.weight, "sequence_parallel", None), str(linear.weight.device))
+    out["param_attr"] = (
+        getattr(linear.weight, "sequence_parallel", None),
+        str(linear.weight.device),
+    )
     # torch.save / torch.load of npu tensors, and .data assignment
     buffer = io.BytesIO()
     torch.save({"w": linear.weight.detach()}, buffer)
@@ -97,7 +110,12 @@ def _w_device(rank, world_size):
     _ = big[:10], big.t()
     with_views = torch.npu.memory_allocated() - before
     del big, _
-    out["memory"] = (grown, with_views, torch.npu.memory_allocated() - before, torch.npu.max_memory_allocated() >= grown)
+    out["memory"] = (
+        grown,
+        with_views,
+        torch.npu.memory_allocated() - before,
+        torch.npu.max_memory_allocated() >= grown,
+    )
     # two live storages are two, whatever addresses the allocator gives them (it reuses a freed one's)
     data_ptr = torch.UntypedStorage.data_ptr
     torch.UntypedStorage.data_ptr = lambda storage: 0x1000 if storage.nbytes() else 0
@@ -165,7 +183,10 @@ def _w_hccl(rank, world_size):
     t = torch.tensor([float(rank + 1)], device="npu")
     dist.all_reduce(t)
     out["all_reduce"] = t.cpu().tolist()
-    out["cpu_all_reduce"] = _raises(lambda: dist.all_reduce(torch.tensor([1.0])), "No backend type associated with device type cpu")
+    out["cpu_all_reduce"] = _raises(
+        lambda: dist.all_reduce(torch.tensor([1.0])),
+        "No backend type associated with device type cpu",
+    )
     out["cpu_barrier_ok"] = dist.barrier() is None
     gathered = torch.empty(4, device="npu")
     dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank), device="npu"))
@@ -176,15 +197,22 @@ def _w_hccl(rank, world_size):
     a2a = torch.empty(2, device="npu")
     dist.all_to_all_single(a2a, torch.tensor([rank * 10.0, rank * 10.0 + 1], device="npu"))
     received = torch.empty(1, device="npu")
-    ops = [dist.P2POp(dist.isend, torch.tensor([float(rank)], device="npu"), 1 - rank),
-           dist.P2POp(dist.irecv, received, 1 - rank)]  # fmt: skip
+    ops = [
+        dist.P2POp(dist.isend, torch.tensor([float(rank)], device="npu"), 1 - rank),
+        dist.P2POp(dist.irecv, received, 1 - rank),
+    ]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     objects = [None, None]
     dist.all_gather_object(objects, {"rank": rank})
-    out["results"] = [x.cpu().tolist() for x in (gathered, scattered, broadcast, a2a, received)] + [objects]
+    out["results"] = [x.cpu().tolist() for x in (gathered, scattered, broadcast, a2a, received)] + [
+        objects
+    ]
     group = dist.new_group([0, 1])
-    out["subgroup_cpu"] = _raises(lambda: dist.all_reduce(torch.ones(2), group=group), "No backend type associated with device type cpu")
+    out["subgroup_cpu"] = _raises(
+        lambda: dist.all_reduce(torch.ones(2), group=group),
+        "No backend type associated with device type cpu",
+    )
     return out
 
 
@@ -194,7 +222,14 @@ def test_hccl_groups_take_npu_tensors_only():
     assert r0["all_reduce"] == r1["all_reduce"] == [3.0]
     for r in (r0, r1):
         assert r["cpu_all_reduce"] and r["subgroup_cpu"] and r["cpu_barrier_ok"]
-    assert r0["results"] == [[0.0, 0.0, 1.0, 1.0], [0.0, 2.0], [1.0, 1.0], [0.0, 10.0], [1.0], [{"rank": 0}, {"rank": 1}]]
+    assert r0["results"] == [
+        [0.0, 0.0, 1.0, 1.0],
+        [0.0, 2.0],
+        [1.0, 1.0],
+        [0.0, 10.0],
+        [1.0],
+        [{"rank": 0}, {"rank": 1}],
+    ]
     assert r1["results"][:5] == [[0.0, 0.0, 1.0, 1.0], [4.0, 6.0], [1.0, 1.0], [1.0, 11.0], [0.0]]
 
 
@@ -204,7 +239,10 @@ def _w_nothing(rank, world_size):
 
 def test_ranks_sharing_an_npu_are_refused_like_hccl():
     """Ranks that never call set_device(LOCAL_RANK) all drive npu:0: HCCL builds no group."""
-    with pytest.raises(RuntimeError, match=r"ranks 0 and 1 of this group both drive .*npu:0.*set_device\(LOCAL_RANK\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"ranks 0 and 1 of this group both drive .*npu:0.*set_device\(LOCAL_RANK\)",
+    ):
         run_distributed(_w_nothing, 2, emulate_npu=True, bind_device=False)
 
 
@@ -239,7 +277,9 @@ def _w_transfer(rank, world_size):
 def test_transfer_to_npu_patches_like_torch_npu():
     out = run_distributed(_w_transfer, 1, emulate_npu=True)[0]
     assert out["same_module"] and out["current_device"] == 0 and out["available"]
-    assert out["factory"] == out["int_device"] == out["tensor_cuda"] == out["module_cuda"] == "npu:0"
+    assert (
+        out["factory"] == out["int_device"] == out["tensor_cuda"] == out["module_cuda"] == "npu:0"
+    )
     assert out["is_cuda"] and out["nccl_available"] and out["nccl_group"] == "hccl"
     assert out["type_untouched"] == "torch.npu.FloatTensor"  # transfer_to_npu leaves .type() alone
     assert out["generators"] and out["rng"] and out["jit_script_is_identity"]
@@ -271,7 +311,9 @@ def test_npu_rms_norm_double_matches_formula_and_contract():
     y.backward(dy)
     x64, g64 = x.detach().double().requires_grad_(), gamma.detach().double().requires_grad_()
     _rms_norm_f64(x64, g64, 1e-5).backward(dy.double())
-    torch.testing.assert_close(y.double(), _rms_norm_f64(x, gamma, 1e-5).detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        y.double(), _rms_norm_f64(x, gamma, 1e-5).detach(), atol=1e-6, rtol=1e-5
+    )
     torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gamma.grad.double(), g64.grad, atol=1e-5, rtol=1e-5)
     with pytest.raises(fusion_attention.NpuContractError, match="gamma dtype"):
@@ -318,24 +360,32 @@ def _w_windowed_ring_on_the_device(rank, world_size):
 
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(1, 32, h, 8, generator=g) for h in (4, 2, 2, 4))
-    local = [split_for_cp_rank(x, 1, world_size, rank).to("npu").requires_grad_() for x in (q, k, v)]
+    local = [
+        split_for_cp_rank(x, 1, world_size, rank).to("npu").requires_grad_() for x in (q, k, v)
+    ]
     out = context_parallel_attn_func(*local, dist.group.WORLD, causal=True, window_size=(5, 0))
     out.backward(split_for_cp_rank(dout, 1, world_size, rank).to("npu"))
     rows = thd_positions_for_cp_rank(PACKED_DOCS, world_size, rank)
     packed = [x[0, rows].to("npu").requires_grad_() for x in (q, k, v)]
     cu = torch.tensor(PACKED_DOCS)
-    packed_out = context_parallel_varlen_attn_func(*packed, cu, dist.group.WORLD, causal=True, window_size=(5, 0))
+    packed_out = context_parallel_varlen_attn_func(
+        *packed, cu, dist.group.WORLD, causal=True, window_size=(5, 0)
+    )
     packed_out.backward(dout[0, rows].to("npu"))
-    return dict(backend=last_used_backend(), device=str(out.device), rows=rows,
-                results=[x.detach().cpu() for x in (out, *(t.grad for t in local))],
-                packed=[x.detach().cpu() for x in (packed_out, *(t.grad for t in packed))])  # fmt: skip
+    return dict(
+        backend=last_used_backend(),
+        device=str(out.device),
+        rows=rows,
+        results=[x.detach().cpu() for x in (out, *(t.grad for t in local))],
+        packed=[x.detach().cpu() for x in (packed_out, *(t.grad for t in packed))],
+    )
 
 
 def test_windowed_ring_attention_runs_on_the_emulated_npu():
     """One sequence and packed documents, against the float64 oracle (per document)."""
-    from _support import oracle
-
     from mcore_flash.ops.context_parallel import gather_from_cp_ranks
+
+    from _support import oracle
 
     ranks = run_distributed(_w_windowed_ring_on_the_device, 2, emulate_npu=True)
     assert all(r["backend"] == "npu" and r["device"] == f"npu:{i}" for i, r in enumerate(ranks))
@@ -345,7 +395,9 @@ def test_windowed_ring_attention_runs_on_the_emulated_npu():
     for i, expected in enumerate((exact[0], *exact[2:])):
         got = gather_from_cp_ranks([r["results"][i] for r in ranks], 1)
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
-    packed = oracle.varlen_attention_with_grads(q[0], k[0], v[0], dout[0], PACKED_DOCS, PACKED_DOCS, causal=True, window=(5, 0))
+    packed = oracle.varlen_attention_with_grads(
+        q[0], k[0], v[0], dout[0], PACKED_DOCS, PACKED_DOCS, causal=True, window=(5, 0)
+    )
     for r in ranks:
         for got, expected in zip(r["packed"], (packed[0], *packed[2:])):
             torch.testing.assert_close(got.double(), expected[r["rows"]], atol=1e-5, rtol=1e-5)

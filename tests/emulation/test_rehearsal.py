@@ -22,38 +22,87 @@ import sys
 
 import pytest
 
-
 TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "1",
-    "--log-interval", "1", "--make-vocab-size-divisible-by", "256",
-]  # fmt: skip
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--make-vocab-size-divisible-by",
+    "256",
+]
 WORKER = os.path.join(os.path.dirname(__file__), "..", "_support", "rehearsal_worker.py")
 
 LAYOUTS = {
     # name: (processes, flags)
-    "tp2-sp-dp2-distopt-attention-recompute": (4, [
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
-        "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
-    ]),
-    "cp2-p2p-recompute-core_attn-layernorm-mlp": (2, [
-        "--context-parallel-size", "2", "--recompute-granularity", "selective",
-        "--recompute-modules", "core_attn", "layernorm", "mlp",
-    ]),
+    "tp2-sp-dp2-distopt-attention-recompute": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+            "--recompute-granularity",
+            "selective",
+            "--recompute-modules",
+            "core_attn",
+        ],
+    ),
+    "cp2-p2p-recompute-core_attn-layernorm-mlp": (
+        2,
+        [
+            "--context-parallel-size",
+            "2",
+            "--recompute-granularity",
+            "selective",
+            "--recompute-modules",
+            "core_attn",
+            "layernorm",
+            "mlp",
+        ],
+    ),
     "cp2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     "pp2-bf16": (2, ["--pipeline-model-parallel-size", "2", "--bf16"]),
-}  # fmt: skip
+}
 
 
-def torchrun(nproc: int, argv: list[str], script: str | None = None, timeout: int = 420) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, argv: list[str], script: str | None = None, timeout: int = 420
+) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone`` on 127.0.0.1 (its store binds a free port
     itself): ``mcore_flash.pretrain`` or ``script``."""
     target = [script] if script else ["-m", "mcore_flash.pretrain"]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
-        "--nproc-per-node", str(nproc), *target, *argv,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--local-addr",
+        "127.0.0.1",
+        "--nproc-per-node",
+        str(nproc),
+        *target,
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -75,9 +124,13 @@ def pretrain(nproc: int, save, *flags) -> dict:
 ON_BOTH_VERSIONS = "cp2-p2p-recompute-core_attn-layernorm-mlp"
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(name, marks=() if name == ON_BOTH_VERSIONS else pytest.mark.slow) for name in sorted(LAYOUTS)
-])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=() if name == ON_BOTH_VERSIONS else pytest.mark.slow)
+        for name in sorted(LAYOUTS)
+    ],
+)
 def layout_runs(request, tmp_path_factory):
     nproc, flags = LAYOUTS[request.param]
     root = tmp_path_factory.mktemp(request.param)
@@ -101,8 +154,16 @@ def test_every_rank_ran_the_npu_kernels_without_layout_copies(layout_runs):
     for rank, report in enumerate(npu["reports"]):
         assert report["device"] == f"npu:{rank}"  # platform.setup bound rank r to npu:LOCAL_RANK
         calls = report["op_calls"]
-        assert calls.get("npu_fusion_attention[SBH]", 0) > 0 and calls.get("npu_fusion_attention_grad[SBH]", 0) > 0
-        assert set(calls) <= {"npu_fusion_attention[SBH]", "npu_fusion_attention_grad[SBH]", "npu_rms_norm", "npu_swiglu"}
+        assert (
+            calls.get("npu_fusion_attention[SBH]", 0) > 0
+            and calls.get("npu_fusion_attention_grad[SBH]", 0) > 0
+        )
+        assert set(calls) <= {
+            "npu_fusion_attention[SBH]",
+            "npu_fusion_attention_grad[SBH]",
+            "npu_rms_norm",
+            "npu_swiglu",
+        }
         assert calls.get("npu_rms_norm", 0) > 0 and calls.get("npu_swiglu", 0) > 0, calls
         assert report["inputs_the_kernels_would_copy"] == {}, (name, rank)
         assert report["peak_memory_allocated_bytes"] > 0
@@ -116,7 +177,9 @@ def test_emulated_checkpoint_resumes_exactly(tmp_path):
     flags = ["--train-iters", "4", "--use-distributed-optimizer", "--emulate-npu"]
     straight = pretrain(2, tmp_path / "straight", *flags)["metrics"]
     pretrain(2, tmp_path / "resumed", *flags, "--exit-interval", "2")
-    resumed = pretrain(2, tmp_path / "resumed", *flags, "--load", str(tmp_path / "resumed"))["metrics"]
+    resumed = pretrain(2, tmp_path / "resumed", *flags, "--load", str(tmp_path / "resumed"))[
+        "metrics"
+    ]
     assert resumed[3] == straight[3] and resumed[4] == straight[4]
 
 
@@ -145,9 +208,17 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
     hf_dir = make_hf_llama(tmp_path / "hf", vocab=258, hidden=64, ffn=176, layers=4)
     save = tmp_path / "run"
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
-    env = {**os.environ, "PYTHON": sys.executable, "REHEARSAL_SAVE": str(save), "PYTHONWARNINGS": "ignore",
-           "HF_CHECKPOINT": hf_dir, "RECOMPUTE": "qkv"}  # fmt: skip
-    result = subprocess.run(["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env)
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "REHEARSAL_SAVE": str(save),
+        "PYTHONWARNINGS": "ignore",
+        "HF_CHECKPOINT": hf_dir,
+        "RECOMPUTE": "qkv",
+    }
+    result = subprocess.run(
+        ["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     output = result.stdout + result.stderr  # progress on stdout, the [mcore-flash] notes on stderr
     assert "(TP 2, PP 2, CP 2, DP 1)" in output and "iteration 2/2" in output
@@ -156,10 +227,17 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
         with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
             report = json.load(f)
         assert report["device"] == f"npu:{rank}" and report["inputs_the_kernels_would_copy"] == {}
-        assert report["op_calls"]["npu_fusion_attention_grad[TND]"] > 0  # DOCUMENT_MASKING=1: packed
+        assert (
+            report["op_calls"]["npu_fusion_attention_grad[TND]"] > 0
+        )  # DOCUMENT_MASKING=1: packed
 
-    again = subprocess.run(["bash", script, "--rehearse", "--train-iters", "3"], capture_output=True, text=True,
-                           timeout=600, env=env)  # fmt: skip
+    again = subprocess.run(
+        ["bash", script, "--rehearse", "--train-iters", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
     output = again.stdout + again.stderr
     assert f"resumed from {save} at iteration 2" in output and "iteration 3/3" in output

@@ -20,19 +20,49 @@ import torch
 
 from _support import oracle
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
-from _support.gpt_models import SEQ, assert_same_bits, batch, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
+from _support.gpt_models import (
+    SEQ,
+    assert_same_bits,
+    batch,
+    causal_mask,
+    flash_gpt,
+    full_grads,
+    full_weights,
+    load_full_weights,
+    tiny_config,
+)
 
 B, S, HQ, HKV, D = 2, 32, 4, 2, 8
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 against fp32 CP=1 / float64
-CASES = [(backend, comm, causal) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for causal in (True, False)]
+CASES = [
+    (backend, comm, causal)
+    for backend in ("cpu", "npu")
+    for comm in ("p2p", "a2a")
+    for causal in (True, False)
+]
 GPT_COMMS = ("p2p", "a2a")
 # sliding windows over the whole sequence: (window_size, causal); chunks are 8 (cp2) or 4 (cp4) rows
 WINDOWS = [((5, 0), True), ((3, 6), False), ((13, -1), False)]
-WINDOW_CASES = [(backend, comm, window, causal) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for window, causal in WINDOWS]
+WINDOW_CASES = [
+    (backend, comm, window, causal)
+    for backend in ("cpu", "npu")
+    for comm in ("p2p", "a2a")
+    for window, causal in WINDOWS
+]
 # softcap and ALiBi over the whole sequence on cpu and reference (npu refuses both, by name):
 # (causal, window_size, softcap, slopes: None, "heads" [hq] or "batch" [b, hq])
-SCORE_MODS = [(True, (-1, -1), 0.0, "heads"), (False, (3, 6), 0.0, "batch"), (True, (5, 0), 2.0, None), (True, (-1, -1), 1.5, "heads")]
-SCORE_CASES = [(backend, comm, *mod) for backend in ("cpu", "reference") for comm in ("p2p", "a2a") for mod in SCORE_MODS]
+SCORE_MODS = [
+    (True, (-1, -1), 0.0, "heads"),
+    (False, (3, 6), 0.0, "batch"),
+    (True, (5, 0), 2.0, None),
+    (True, (-1, -1), 1.5, "heads"),
+]
+SCORE_CASES = [
+    (backend, comm, *mod)
+    for backend in ("cpu", "reference")
+    for comm in ("p2p", "a2a")
+    for mod in SCORE_MODS
+]
 
 
 def _inputs(dtype=torch.float32, seed=0):
@@ -81,31 +111,65 @@ def _op_checks(rank, world_size, with_extras):
         out.backward(split_for_cp_rank(dout, 1, world_size, rank))
         results[backend, comm, causal] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
         calls[backend, comm, causal] = [
-            (c["name"], c["sparse_mode"], c["mask_shape"], c["q_shape"][1], c["k_shape"][1], c["score_shape"])
+            (
+                c["name"],
+                c["sparse_mode"],
+                c["mask_shape"],
+                c["q_shape"][1],
+                c["k_shape"][1],
+                c["score_shape"],
+            )
             for c in double.calls
         ]
     for backend, comm, window, causal in WINDOW_CASES:
         double.calls.clear()
         ql, kl, vl = local(q), local(k), local(v)
         out, lse = context_parallel_attn_func(
-            ql, kl, vl, group, causal=causal, comm_type=comm, backend=backend, return_lse=True, window_size=window
+            ql,
+            kl,
+            vl,
+            group,
+            causal=causal,
+            comm_type=comm,
+            backend=backend,
+            return_lse=True,
+            window_size=window,
         )
         out.backward(split_for_cp_rank(dout, 1, world_size, rank))
         results[backend, comm, window, causal] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
         calls[backend, comm, window, causal] = [
-            (c["name"], c["sparse_mode"], c["mask_shape"], c["q_shape"][1], c["k_shape"][1], c["pre_tockens"], c["next_tockens"])
+            (
+                c["name"],
+                c["sparse_mode"],
+                c["mask_shape"],
+                c["q_shape"][1],
+                c["k_shape"][1],
+                c["pre_tockens"],
+                c["next_tockens"],
+            )
             for c in double.calls
         ]
     for case in SCORE_CASES:
         backend, comm, causal, window, softcap, slopes = case
         ql, kl, vl = local(q), local(k), local(v)
         out, lse = context_parallel_attn_func(
-            ql, kl, vl, group, causal=causal, comm_type=comm, backend=backend, return_lse=True, window_size=window,
-            softcap=softcap, alibi_slopes=_slopes(slopes),
-        )  # fmt: skip
+            ql,
+            kl,
+            vl,
+            group,
+            causal=causal,
+            comm_type=comm,
+            backend=backend,
+            return_lse=True,
+            window_size=window,
+            softcap=softcap,
+            alibi_slopes=_slopes(slopes),
+        )
         out.backward(split_for_cp_rank(dout, 1, world_size, rank))
         results[case] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
-    extras = _op_extras(rank, world_size, group, local, measure_saved_bytes) if with_extras else None
+    extras = (
+        _op_extras(rank, world_size, group, local, measure_saved_bytes) if with_extras else None
+    )
     return results, calls, extras
 
 
@@ -131,7 +195,9 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
 
     real_hop, real_wait = ring._Ring.hop, ring._wait
     tags = {ring._KV_TAG: "send:kv", ring._DKV_TAG: "send:dkv"}
-    ring._Ring.hop = lambda self, send, recv, tag: events.append(tags[tag]) or real_hop(self, send, recv, tag)
+    ring._Ring.hop = lambda self, send, recv, tag: (
+        events.append(tags[tag]) or real_hop(self, send, recv, tag)
+    )
     ring._wait = lambda requests: events.append("wait") or real_wait(requests)
     try:
         ql, kl, vl = local(q), local(k), local(v)
@@ -145,7 +211,11 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
 
     # dropout: the backward replays each block's mask -> gradient = directional derivative
     q64, k64, v64, _ = _inputs(torch.float64, seed=3)
-    weight = split(torch.randn(B, S, HQ, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64), world_size, rank)
+    weight = split(
+        torch.randn(B, S, HQ, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64),
+        world_size,
+        rank,
+    )
     dirs = [split(x, world_size, rank) for x in _inputs(torch.float64, seed=5)[:3]]
 
     def objective(xs, dropout_p=0.25):
@@ -175,7 +245,9 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
         dist.all_reduce(t, group=group)
 
     ql, kl, vl = local(q), local(k), local(v)
-    _, saved = measure_saved_bytes(lambda: cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, backend="cpu"))
+    _, saved = measure_saved_bytes(
+        lambda: cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, backend="cpu")
+    )
 
     deterministic = {}  # what every kernel call was asked, per call
 
@@ -193,12 +265,22 @@ def _op_extras(rank, world_size, group, local, measure_saved_bytes):
     for comm in ("p2p", "a2a"):
         asked = deterministic[comm] = []
         ql, kl, vl = local(q), local(k), local(v)
-        out = cpmod.context_parallel_attn_func(ql, kl, vl, group, causal=True, comm_type=comm, backend=Asked(), deterministic=True)
+        out = cpmod.context_parallel_attn_func(
+            ql, kl, vl, group, causal=True, comm_type=comm, backend=Asked(), deterministic=True
+        )
         out.backward(split(dout, world_size, rank))
         asked = deterministic[f"packed {comm}"] = []
         ql, kl, vl = (x[0, : cu[-1]][rows].detach().requires_grad_() for x in (q, k, v))
         out = cpmod.context_parallel_varlen_attn_func(
-            ql, kl, vl, torch.tensor(cu), group, causal=True, comm_type=comm, backend=Asked(), deterministic=True
+            ql,
+            kl,
+            vl,
+            torch.tensor(cu),
+            group,
+            causal=True,
+            comm_type=comm,
+            backend=Asked(),
+            deterministic=True,
         )
         out.sum().backward()
     return dict(
@@ -221,20 +303,30 @@ def _gpt_run(tp, cp, comm, weights=None, with_mask_check=False, recompute_qkv=Fa
     at TP>1 over ``weights`` (the TP=1 reference's), copied into a model from another seed;
     ``recompute_qkv``: under the qkv recompute boundary."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
     from mcore_flash.memory import measure_saved_bytes
     from mcore_flash.ops.context_parallel import gather_from_cp_ranks
     from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
     config = tiny_config(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm)
-    model = flash_gpt(config, seed=0 if weights is None else 7, layer_recompute_modules=("qkv",) if recompute_qkv else ())
+    model = flash_gpt(
+        config,
+        seed=0 if weights is None else 7,
+        layer_recompute_modules=("qkv",) if recompute_qkv else (),
+    )
     if weights is not None:
         load_full_weights(model, weights)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     tokens, labels, positions = batch()
     loss_mask = torch.ones(labels.shape)
-    local = get_batch_on_this_cp_rank(dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=positions))
+    local = get_batch_on_this_cp_rank(
+        dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=positions)
+    )
     losses, saved = measure_saved_bytes(
         lambda: model(local["tokens"], local["position_ids"], None, labels=local["labels"]), model
     )
@@ -257,7 +349,10 @@ def _gpt_run(tp, cp, comm, weights=None, with_mask_check=False, recompute_qkv=Fa
     if with_mask_check:  # Megatron-split causal mask, whole causal mask, no mask: same logits
         mask_rows = get_batch_on_this_cp_rank(dict(attention_mask=causal_mask()))["attention_mask"]
         with torch.no_grad():
-            result["logits"] = [model(local["tokens"], local["position_ids"], m) for m in (None, mask_rows, causal_mask())]
+            result["logits"] = [
+                model(local["tokens"], local["position_ids"], m)
+                for m in (None, mask_rows, causal_mask())
+            ]
     return result
 
 
@@ -332,10 +427,14 @@ def _check_op(per_rank_results):
         cp1, exact = references[case[2]]
         for i, name in enumerate(names):
             seq_dim = 2 if name == "lse" else 1
-            got = gather_from_cp_ranks([results[case][i] for results, _, _ in per_rank_results], seq_dim)
+            got = gather_from_cp_ranks(
+                [results[case][i] for results, _, _ in per_rank_results], seq_dim
+            )
             assert got.dtype == cp1[i].dtype
             torch.testing.assert_close(got, cp1[i], **TOL, msg=f"{case} {name} vs CP=1")
-            torch.testing.assert_close(got.double(), exact[i].double(), **TOL, msg=f"{case} {name} vs float64")
+            torch.testing.assert_close(
+                got.double(), exact[i].double(), **TOL, msg=f"{case} {name} vs float64"
+            )
 
 
 def _check_npu_calls(per_rank_results, cp):
@@ -354,7 +453,13 @@ def _check_npu_calls(per_rank_results, cp):
             assert unmasked == [(0, None, local, local)] * cp
         a2a = [c[1:5] for c in calls["npu", "a2a", True]]
         assert a2a == [(3, (2048, 2048), S, S)] * 2  # one fused call on the whole sequence
-        work.append(sum(c[5][-1] * c[5][-2] for c in calls["npu", "p2p", True] if c[0] == "npu_fusion_attention"))
+        work.append(
+            sum(
+                c[5][-1] * c[5][-2]
+                for c in calls["npu", "p2p", True]
+                if c[0] == "npu_fusion_attention"
+            )
+        )
     assert len(set(work)) == 1, f"causal work per rank is unbalanced: {work}"
 
 
@@ -373,7 +478,11 @@ def _check_windows(per_rank_results, cp):
             continue
         visible = oracle.visible(S, S, causal, window=window)[0, 0]
         for rank, (_, calls, _) in enumerate(per_rank_results):
-            pairs = [visible[a * c : (a + 1) * c, b * c : (b + 1) * c] for a in cp_chunk_ids(cp, rank) for b in range(2 * cp)]
+            pairs = [
+                visible[a * c : (a + 1) * c, b * c : (b + 1) * c]
+                for a in cp_chunk_ids(cp, rank)
+                for b in range(2 * cp)
+            ]
             reached = [p for p in pairs if p.any()]
             forward = [call for call in calls[case] if call[0] == "npu_fusion_attention"]
             assert len(forward) == len(reached), (case, rank)
@@ -392,7 +501,14 @@ def _check_score_mods(per_rank_results):
     whole sequence: ALiBi's distances are global positions, not local ones."""
     for case in SCORE_CASES:
         _, _, causal, window, softcap, slopes = case
-        _assert_equals_oracle(per_rank_results, case, causal=causal, window=window, softcap=softcap, alibi_slopes=_slopes(slopes))
+        _assert_equals_oracle(
+            per_rank_results,
+            case,
+            causal=causal,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=_slopes(slopes),
+        )
 
 
 def _assert_equals_oracle(per_rank_results, case, **oracle_kwargs):
@@ -406,7 +522,9 @@ def _assert_equals_oracle(per_rank_results, case, **oracle_kwargs):
     out.backward(dout.double())
     exact = (out.detach(), lse.detach(), *(x.grad for x in leaves))
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        got = gather_from_cp_ranks([results[case][i] for results, _, _ in per_rank_results], 2 if name == "lse" else 1)
+        got = gather_from_cp_ranks(
+            [results[case][i] for results, _, _ in per_rank_results], 2 if name == "lse" else 1
+        )
         torch.testing.assert_close(got.double(), exact[i], **TOL, msg=f"{case} {name} vs float64")
 
 
@@ -438,7 +556,16 @@ def test_ring_overlaps_communication_with_compute(cp2_run):
         assert extras["forward_events"] == ["send:kv", "fwd", "wait", "fwd"]
         # backward: K/V ahead, dK/dV one hop behind (waited after the next block's kernel),
         # and a last hop that delivers each rank its own complete dK/dV
-        assert extras["backward_events"] == ["send:kv", "bwd", "send:dkv", "wait", "bwd", "wait", "send:dkv", "wait"]
+        assert extras["backward_events"] == [
+            "send:kv",
+            "bwd",
+            "send:dkv",
+            "wait",
+            "bwd",
+            "wait",
+            "send:dkv",
+            "wait",
+        ]
 
 
 def test_ring_replays_dropout_in_backward(cp2_run):
@@ -453,7 +580,10 @@ def test_deterministic_reaches_every_kernel_call_under_cp(cp2_run):
     for (_, _, extras), _ in cp2_run:
         assert sorted(extras["deterministic"]) == ["a2a", "p2p", "packed a2a", "packed p2p"]
         for call, asked in extras["deterministic"].items():
-            assert len(asked) >= 2 and all(asked), (call, asked)  # forward and backward kernels, each told
+            assert len(asked) >= 2 and all(asked), (
+                call,
+                asked,
+            )  # forward and backward kernels, each told
 
 
 def test_pair_cut_is_the_tight_square_of_what_the_band_sees():
@@ -484,10 +614,15 @@ def test_pair_cut_is_the_tight_square_of_what_the_band_sees():
                     if not visible.any():
                         assert cut is None, where
                         continue
-                    rows, keys = slice(cut.first_row, cut.first_row + cut.n), slice(cut.first_key, cut.first_key + cut.n)
+                    rows, keys = (
+                        slice(cut.first_row, cut.first_row + cut.n),
+                        slice(cut.first_key, cut.first_key + cut.n),
+                    )
                     block = visible[rows, keys]
                     assert block.sum() == visible.sum(), where  # nothing visible left out
-                    assert block.any(1).all() and block.any(0).all(), where  # nothing computed for nothing
+                    assert block.any(1).all() and block.any(0).all(), (
+                        where
+                    )  # nothing computed for nothing
                     offset = j[:, : cut.n] - i[: cut.n]
                     band_lo, band_hi = cut.band
                     inside = torch.ones_like(block)
@@ -496,10 +631,15 @@ def test_pair_cut_is_the_tight_square_of_what_the_band_sees():
                     if band_hi is not None:
                         inside &= offset <= band_hi
                     assert torch.equal(inside, block), where
-                    assert torch.equal((offset - cut.alibi_shift).abs(), distance[rows, keys].abs()), where
+                    assert torch.equal(
+                        (offset - cut.alibi_shift).abs(), distance[rows, keys].abs()
+                    ), where
                     block_params = params.with_band(*cut.band)
                     q = torch.zeros(1, cut.n, 1, 8, dtype=torch.bfloat16)
-                    assert FlashKernel(None).misfit(q, q, block_params, CudaDevice((9, 0), 91600)) is None, where
+                    assert (
+                        FlashKernel(None).misfit(q, q, block_params, CudaDevice((9, 0), 91600))
+                        is None
+                    ), where
 
 
 def test_op_saved_bytes_per_rank_are_half_at_cp2(cp2_run):
@@ -517,10 +657,14 @@ def test_op_saved_bytes_per_rank_are_half_at_cp2(cp2_run):
 
 def _check_gpt(run, reference, what):
     torch.testing.assert_close(run["loss"], reference["loss"], atol=1e-6, rtol=1e-6, msg=what)
-    torch.testing.assert_close(run["token_losses"], reference["token_losses"], atol=1e-5, rtol=1e-5, msg=what)
+    torch.testing.assert_close(
+        run["token_losses"], reference["token_losses"], atol=1e-5, rtol=1e-5, msg=what
+    )
     assert run["grads"].keys() == reference["grads"].keys()
     for name, grad in reference["grads"].items():
-        torch.testing.assert_close(run["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=f"{what} {name}")
+        torch.testing.assert_close(
+            run["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=f"{what} {name}"
+        )
 
 
 @pytest.mark.parametrize("comm", GPT_COMMS + tuple(f"{comm}+qkv" for comm in GPT_COMMS))
@@ -590,13 +734,21 @@ def test_batch_helper_matches_megatron_split(monkeypatch, cp):
     size, rank_of = torch.distributed.get_world_size, torch.distributed.get_rank
     monkeypatch.setattr(mutils, "get_pg_size", lambda group=None: group.size())
     monkeypatch.setattr(mutils, "get_pg_rank", lambda group=None: group.rank())
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: _fake_or(group, size).size())
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: _fake_or(group, rank_of).rank())
+    monkeypatch.setattr(
+        torch.distributed, "get_world_size", lambda group=None: _fake_or(group, size).size()
+    )
+    monkeypatch.setattr(
+        torch.distributed, "get_rank", lambda group=None: _fake_or(group, rank_of).rank()
+    )
     tokens, labels, positions = batch(seq=SEQ)
     full = dict(
-        tokens=tokens, labels=labels, loss_mask=torch.rand(labels.shape), position_ids=positions,
-        attention_mask=causal_mask(), unused=None,
-    )  # fmt: skip
+        tokens=tokens,
+        labels=labels,
+        loss_mask=torch.rand(labels.shape),
+        position_ids=positions,
+        attention_mask=causal_mask(),
+        unused=None,
+    )
     for rank in range(cp):
         group = types.SimpleNamespace(size=lambda: cp, rank=lambda r=rank: r)
         ours = get_batch_on_this_cp_rank(full, group)
@@ -608,14 +760,18 @@ def test_batch_helper_matches_megatron_split(monkeypatch, cp):
             else:
                 assert torch.equal(ours[key], value), (rank, key)
         assert ours["tokens"].shape[1] == SEQ // cp
-        assert ours["position_ids"][0].tolist()[: SEQ // (2 * cp)] == list(range(rank * SEQ // (2 * cp), (rank + 1) * SEQ // (2 * cp)))
+        assert ours["position_ids"][0].tolist()[: SEQ // (2 * cp)] == list(
+            range(rank * SEQ // (2 * cp), (rank + 1) * SEQ // (2 * cp))
+        )
 
 
 def test_batch_helper_rejects_length_not_divisible():
     from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
     with pytest.raises(ValueError, match="--seq-length as a multiple of 8"):
-        get_batch_on_this_cp_rank({"tokens": torch.zeros(2, 36, dtype=torch.long)}, cp_size=4, cp_rank=1)
+        get_batch_on_this_cp_rank(
+            {"tokens": torch.zeros(2, 36, dtype=torch.long)}, cp_size=4, cp_rank=1
+        )
 
 
 # ---- bad input (no process group needed: every check runs before communication) -----------
@@ -633,7 +789,11 @@ def _cp_attention(cp=2, tp=1, comm=None, **overrides):
     pg = types.SimpleNamespace(tp=_fake_group(tp), cp=_fake_group(cp))
     config = tiny_config(context_parallel_size=cp, **overrides)
     return FlashDotProductAttention(
-        config, layer_number=1, attn_mask_type=AttnMaskType.causal, cp_comm_type=comm, pg_collection=pg
+        config,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        cp_comm_type=comm,
+        pg_collection=pg,
     )
 
 
@@ -643,7 +803,9 @@ def test_unsupported_cp_comm_type_names_the_flag():
 
 
 def test_a2a_heads_not_divisible_by_tp_times_cp():
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size x --context-parallel-size = 1 x 8"):
+    with pytest.raises(
+        ValueError, match="--tensor-model-parallel-size x --context-parallel-size = 1 x 8"
+    ):
         _cp_attention(cp=8, comm="a2a")
     with pytest.raises(ValueError, match="--num-query-groups"):
         _cp_attention(cp=2, comm="a2a", num_attention_heads=6, num_query_groups=3, kv_channels=16)
@@ -667,7 +829,9 @@ def test_npu_refuses_softcap_and_alibi_under_cp_by_name(monkeypatch, comm, keywo
     monkeypatch.setitem(sys.modules, "torch_npu", op_double())
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match=f"npu.*{keyword}"):
-        context_parallel_attn_func(q, k, v, _fake_group(2), comm_type=comm, backend="npu", **{keyword: value})
+        context_parallel_attn_func(
+            q, k, v, _fake_group(2), comm_type=comm, backend="npu", **{keyword: value}
+        )
 
 
 def test_cp_group_size_must_match_config():
@@ -677,13 +841,17 @@ def test_cp_group_size_must_match_config():
 
     pg = types.SimpleNamespace(tp=_fake_group(1), cp=_fake_group(4))
     with pytest.raises(ValueError, match="same --context-parallel-size"):
-        FlashDotProductAttention(tiny_config(context_parallel_size=2), 1, AttnMaskType.causal, pg_collection=pg)
+        FlashDotProductAttention(
+            tiny_config(context_parallel_size=2), 1, AttnMaskType.causal, pg_collection=pg
+        )
 
 
 def test_odd_local_length_names_seq_length():
     attention = _cp_attention(cp=2)
     q, k = torch.randn(7, 1, 4, 16), torch.randn(7, 1, 2, 16)
-    with pytest.raises(ValueError, match="--seq-length must be divisible by 2 x --context-parallel-size = 4"):
+    with pytest.raises(
+        ValueError, match="--seq-length must be divisible by 2 x --context-parallel-size = 4"
+    ):
         attention(q, k, k, None)
 
 
@@ -696,4 +864,3 @@ def test_arbitrary_mask_is_refused_under_cp():
         attention(q, k, k, padding)
     with pytest.raises(ValueError, match="cannot be honoured.*--context-parallel-size 1"):
         attention(q, k, k, torch.zeros(1, 1, 8, 8, dtype=torch.bool))  # a local-only mask
-

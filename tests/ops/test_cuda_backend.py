@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import logging
 
-from _support import oracle
 import pytest
 import torch
-from _support.cuda_double import AtenDouble
 
 from mcore_flash.ops import flash_attn_func, flash_attn_varlen_func
 from mcore_flash.ops.api import resolve_call
 from mcore_flash.ops.backends.cuda import ENV_VAR, CudaBackend, CudaDevice
+
+from _support import oracle
+from _support.cuda_double import AtenDouble
 
 H200 = CudaDevice((9, 0), 91600)  # torch prefers cuDNN attention here
 H200_OLD_CUDNN = CudaDevice((9, 0), 91500)
@@ -87,11 +88,21 @@ def _choice(device, preference=None, causal=True, band=None, shape=None, **kwarg
         (H200, None, dict(causal=False, window_size=(8, -1), shape=dict(sq=160, sk=96)), None),
         (H200, None, dict(causal=False, window_size=(8, 100), shape=dict(sq=160, sk=96)), None),
         (CudaDevice((8, 6), 91600), None, dict(shape=dict(d=192)), "flash"),
-        (CudaDevice((8, 6), 91600), None, dict(shape=dict(d=256)), None),  # its flash backward: d <= 192
+        (
+            CudaDevice((8, 6), 91600),
+            None,
+            dict(shape=dict(d=256)),
+            None,
+        ),  # its flash backward: d <= 192
         (CudaDevice((9, 0), 91600, cudnn_deprioritized=True), None, {}, "flash"),
         (CudaDevice((10, 1), 91600, cuda_major=12), None, {}, "flash"),
         (CudaDevice((10, 1), 91600, cuda_major=13), None, {}, "cudnn"),
-        (CudaDevice((9, 0), 91200), "cudnn", dict(dropout_p=0.125), "flash"),  # cuDNN 9.11-9.13: no dropout
+        (
+            CudaDevice((9, 0), 91200),
+            "cudnn",
+            dict(dropout_p=0.125),
+            "flash",
+        ),  # cuDNN 9.11-9.13: no dropout
         (T4, None, {}, None),
     ],
 )
@@ -131,10 +142,17 @@ CASES = [  # (q/k/v shapes, keywords, whether a torch kernel runs: False = the r
     pytest.param(dict(sq=96, sk=160, hq=4, hkv=2), dict(causal=True), True, id="gqa-causal-sq<sk"),
     pytest.param(dict(sq=160, sk=96), dict(causal=True), True, id="causal-sq>sk-empty-rows"),
     pytest.param(dict(hq=8, hkv=2), dict(window_size=(24, 8)), True, id="gqa-window"),
-    pytest.param(dict(hq=8, hkv=2, dtype=torch.bfloat16), dict(causal=True, window_size=(40, 0)), True, id="bf16-causal-window"),
+    pytest.param(
+        dict(hq=8, hkv=2, dtype=torch.bfloat16),
+        dict(causal=True, window_size=(40, 0)),
+        True,
+        id="bf16-causal-window",
+    ),
     pytest.param(dict(sq=160, sk=96), dict(window_size=(30, 20)), True, id="window-sq>sk"),
     pytest.param(dict(sq=96, sk=160), dict(window_size=(30, -1)), True, id="window-sq<sk-no-right"),
-    pytest.param(dict(sq=160, sk=96), dict(window_size=(8, -1)), False, id="window-sq>sk+1-no-right"),
+    pytest.param(
+        dict(sq=160, sk=96), dict(window_size=(8, -1)), False, id="window-sq>sk+1-no-right"
+    ),
 ]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -150,7 +168,9 @@ def test_backend_equals_the_oracle_without_expanding_kv(device, shape, kwargs, o
     backend, double = _backend(device)
     to = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(0, 1).contiguous())
     q_, k_, v_ = (to(x).requires_grad_(True) for x in (q, k, v))
-    out, lse = flash_attn_func(q_, k_, v_, backend=backend, return_lse=True, layout=layout, **kwargs)
+    out, lse = flash_attn_func(
+        q_, k_, v_, backend=backend, return_lse=True, layout=layout, **kwargs
+    )
     out.backward(to(dout))
     want = oracle.attention_with_grads(q, k, v, dout, **_oracle_kwargs(kwargs))
     back = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(0, 1))
@@ -163,8 +183,13 @@ def test_backend_equals_the_oracle_without_expanding_kv(device, shape, kwargs, o
         assert not double.calls
         return
     kernels = {name.split("_")[0] for name, _ in double.calls}
-    assert len(kernels) == 1 and {name.split("_")[1] for name, _ in double.calls} == {"forward", "backward"}
-    assert {shape[-2] if "flash" in kernels else shape[1] for _, shape in double.calls} == {k.shape[2]}
+    assert len(kernels) == 1 and {name.split("_")[1] for name, _ in double.calls} == {
+        "forward",
+        "backward",
+    }
+    assert {shape[-2] if "flash" in kernels else shape[1] for _, shape in double.calls} == {
+        k.shape[2]
+    }
 
 
 def _oracle_kwargs(kwargs):
@@ -186,7 +211,9 @@ def test_dropout_state_reaches_the_backward_kernel(device, kernel):
     mask = double.last_keep_mask()
     assert 0.6 < mask.double().mean() < 0.9
     out.backward(dout)
-    want = oracle.attention_with_grads(q, k, v, dout, causal=True, dropout_mask=mask, dropout_p=0.25)
+    want = oracle.attention_with_grads(
+        q, k, v, dout, causal=True, dropout_mask=mask, dropout_p=0.25
+    )
     for g, w in zip((out, q_.grad, k_.grad, v_.grad), (want[0], *want[2:])):
         torch.testing.assert_close(g.double(), w, atol=2e-3, rtol=2e-3)
     assert {name for name, _ in double.calls} == {f"{kernel}_forward", f"{kernel}_backward"}
@@ -205,9 +232,13 @@ def test_packed_sequences_run_in_one_flash_call(causal, window):
     backend, double = _backend(H200)
     q_, k_, v_ = (x.clone().requires_grad_(True) for x in (q, k, v))
     cu = lambda c: torch.tensor(c, dtype=torch.int32)  # noqa: E731
-    out = flash_attn_varlen_func(q_, k_, v_, cu(cu_q), cu(cu_k), 81, 81, causal=causal, window_size=window, backend=backend)
+    out = flash_attn_varlen_func(
+        q_, k_, v_, cu(cu_q), cu(cu_k), 81, 81, causal=causal, window_size=window, backend=backend
+    )
     out.backward(dout)
-    want = oracle.varlen_attention_with_grads(q, k, v, dout, cu_q, cu_k, causal=causal, window=window)
+    want = oracle.varlen_attention_with_grads(
+        q, k, v, dout, cu_q, cu_k, causal=causal, window=window
+    )
     for g_, w in zip((out, q_.grad, k_.grad, v_.grad), (want[0], *want[2:])):
         torch.testing.assert_close(g_.double(), w, atol=2e-3, rtol=2e-3)
     assert double.calls == [("flash_forward", (140, 2, 64)), ("flash_backward", (140, 2, 64))]
@@ -245,7 +276,9 @@ def test_saved_for_backward_is_exactly_q_k_v_out_lse(device, hkv):
     assert sum(storages.values()) == sum(x.numel() * x.element_size() for x in (q, k, v, out, lse))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by scripts/gpu_check.sh on one)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run by scripts/gpu_check.sh on one)"
+)
 @pytest.mark.parametrize("preference", ["flash", "cudnn"])
 @pytest.mark.parametrize("shape,kwargs,on_a_kernel", CASES)
 def test_torchs_kernels_on_a_gpu_equal_the_oracle(preference, shape, kwargs, on_a_kernel):
@@ -253,11 +286,17 @@ def test_torchs_kernels_on_a_gpu_equal_the_oracle(preference, shape, kwargs, on_
     q, k, v = (x.cuda() for x in _qkv(**shape))
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype).cuda()
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out, lse = flash_attn_func(*leaves, backend=CudaBackend(preference=preference), return_lse=True, **kwargs)
+    out, lse = flash_attn_func(
+        *leaves, backend=CudaBackend(preference=preference), return_lse=True, **kwargs
+    )
     out.backward(dout)
-    want = oracle.attention_with_grads(*(x.cpu() for x in (q, k, v, dout)), **_oracle_kwargs(kwargs))
+    want = oracle.attention_with_grads(
+        *(x.cpu() for x in (q, k, v, dout)), **_oracle_kwargs(kwargs)
+    )
     tol = TOLERANCE[q.dtype]
-    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *(x.grad for x in leaves)), want):
+    for name, g, w in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, *(x.grad for x in leaves)), want
+    ):
         torch.testing.assert_close(g.cpu().double(), w, atol=tol, rtol=tol, msg=name)
 
 
@@ -274,4 +313,8 @@ def test_cudnn_backward_takes_out_and_its_gradient_in_any_strides():
     got = backend.backward(other(dout), q, k, v, other(out), stats, state, params)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
-    assert [name for name, _ in double.calls] == ["cudnn_forward", "cudnn_backward", "cudnn_backward"]
+    assert [name for name, _ in double.calls] == [
+        "cudnn_forward",
+        "cudnn_backward",
+        "cudnn_backward",
+    ]

@@ -27,6 +27,7 @@ from mcore_flash.ops import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+
 from _support import oracle
 
 pytestmark = pytest.mark.slow
@@ -43,13 +44,17 @@ HEAD_DIMS = [32, 59, 128]
 FLOOR = 1e-5
 
 
-def assert_within(name: str, got: torch.Tensor, same_dtype: torch.Tensor, exact: torch.Tensor, factor: float = 2.0):
+def assert_within(
+    name: str, got: torch.Tensor, same_dtype: torch.Tensor, exact: torch.Tensor, factor: float = 2.0
+):
     """flash-attn's tolerance: ``|got - exact| <= factor * |same_dtype - exact|`` (max norms),
     plus :data:`FLOOR` so that a tensor whose exact value is 0 and which the same-dtype
     reference hits exactly (dq of a row that sees one key) does not make the bound 0."""
     err = (got.double() - exact).abs().max().item()
     bound = factor * (same_dtype.double() - exact).abs().max().item() + FLOOR
-    assert err <= bound, f"{name}: error {err:.3e} > {factor} x PyTorch same-dtype error ({bound / factor:.3e})"
+    assert err <= bound, (
+        f"{name}: error {err:.3e} > {factor} x PyTorch same-dtype error ({bound / factor:.3e})"
+    )
 
 
 def _seed(*parts) -> int:
@@ -68,14 +73,34 @@ def _window(local: bool, sk: int, seed: int) -> tuple[int, int]:
 
 def _inputs(b, sq, sk, hq, hkv, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, s, h, d, generator=g).to(dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    q, k, v = (
+        torch.randn(b, s, h, d, generator=g).to(dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv))
+    )
     dout = torch.randn(b, sq, hq, d, generator=g).to(dtype)
     return q, k, v, dout
 
 
-def _check_case(backend, dtype, hq, hkv, d, sq, sk, causal, window, seed, softcap=0.0, alibi=False, dropout_p=0.0):
+def _check_case(
+    backend,
+    dtype,
+    hq,
+    hkv,
+    d,
+    sq,
+    sk,
+    causal,
+    window,
+    seed,
+    softcap=0.0,
+    alibi=False,
+    dropout_p=0.0,
+):
     q, k, v, dout = _inputs(2, sq, sk, hq, hkv, d, dtype, seed)
-    slopes = torch.rand(2, hq, generator=torch.Generator().manual_seed(seed + 1)) * 0.3 if alibi else None
+    slopes = (
+        torch.rand(2, hq, generator=torch.Generator().manual_seed(seed + 1)) * 0.3
+        if alibi
+        else None
+    )
     kwargs = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
     qx, kx, vx = (x.clone().requires_grad_(True) for x in (q, k, v))
     out, lse, probs = flash_attn_func(
@@ -87,17 +112,23 @@ def _check_case(backend, dtype, hq, hkv, d, sq, sk, causal, window, seed, softca
     dq, dk, dv = torch.autograd.grad(out, (qx, kx, vx), dout)
     exact = oracle.attention_with_grads(q, k, v, dout, **kwargs)
     same = oracle.attention_with_grads(q, k, v, dout, dtype=dtype, **kwargs)
-    for name, got, s, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), same[:1] + same[2:], exact[:1] + exact[2:]):
+    for name, got, s, e in zip(
+        ("out", "dq", "dk", "dv"), (out, dq, dk, dv), same[:1] + same[2:], exact[:1] + exact[2:]
+    ):
         assert_within(name, got, s, e)
     has_key = torch.isfinite(exact[1])
     torch.testing.assert_close(lse[has_key], exact[1][has_key].float(), atol=1e-4, rtol=1e-4)
-    assert bool(torch.isposinf(lse[~has_key]).all()), "flash-attn's lse is +inf on rows that see no key"
+    assert bool(torch.isposinf(lse[~has_key]).all()), (
+        "flash-attn's lse is +inf on rows that see no key"
+    )
     if keep is None:  # the probabilities themselves (flash-attn's S_dmask without dropout)
         p_exact = oracle.probabilities(q, k, **kwargs)
         torch.testing.assert_close(probs.double(), p_exact, atol=2e-2, rtol=0)
 
 
-OUTPUT_GRID = list(itertools.product(DTYPES, HEADS, HEAD_DIMS, SEQLENS, [False, True], [False, True]))
+OUTPUT_GRID = list(
+    itertools.product(DTYPES, HEADS, HEAD_DIMS, SEQLENS, [False, True], [False, True])
+)
 # the cpu backend's bf16 forward as CPUs without bf16 units run it (in float32); backend="cpu"
 # runs whichever this machine picks (``compute_dtype``)
 CPU_FLOAT32_FORWARD = "cpu-float32-forward"
@@ -109,9 +140,12 @@ OUTPUT_CASES = [(backend, *case) for case in OUTPUT_GRID for backend in BACKENDS
 @pytest.mark.parametrize(
     "backend,dtype,mha_type,d,seqlens,causal,local",
     OUTPUT_CASES,
-    ids=[f"{b}-{str(t).split('.')[-1]}-{m}-d{d}-{sq}x{sk}-{'causal' if c else 'full'}-"
-         f"{'local' if w else 'global'}" for b, t, m, d, (sq, sk), c, w in OUTPUT_CASES],
-)  # fmt: skip
+    ids=[
+        f"{b}-{str(t).split('.')[-1]}-{m}-d{d}-{sq}x{sk}-{'causal' if c else 'full'}-"
+        f"{'local' if w else 'global'}"
+        for b, t, m, d, (sq, sk), c, w in OUTPUT_CASES
+    ],
+)
 def test_flash_attn_output(backend, dtype, mha_type, d, seqlens, causal, local):
     from mcore_flash.ops.backends.cpu import CpuBackend
 
@@ -122,25 +156,51 @@ def test_flash_attn_output(backend, dtype, mha_type, d, seqlens, causal, local):
     _check_case(backend, dtype, hq, hkv, d, sq, sk, causal, _window(local, sk, seed), seed)
 
 
-FEATURE_GRID = list(itertools.product(DTYPES, ["mha", "gqa"], [(113, 203), (203, 113), (127, 127)], [False, True], [False, True], ["softcap", "alibi", "both"]))
+FEATURE_GRID = list(
+    itertools.product(
+        DTYPES,
+        ["mha", "gqa"],
+        [(113, 203), (203, 113), (127, 127)],
+        [False, True],
+        [False, True],
+        ["softcap", "alibi", "both"],
+    )
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "dtype,mha_type,seqlens,causal,local,feature",
     FEATURE_GRID,
-    ids=[f"{str(t).split('.')[-1]}-{m}-{sq}x{sk}-{'causal' if c else 'full'}-{'local' if w else 'global'}-{f}"
-         for t, m, (sq, sk), c, w, f in FEATURE_GRID],
-)  # fmt: skip
+    ids=[
+        f"{str(t).split('.')[-1]}-{m}-{sq}x{sk}-{'causal' if c else 'full'}-{'local' if w else 'global'}-{f}"
+        for t, m, (sq, sk), c, w, f in FEATURE_GRID
+    ],
+)
 def test_flash_attn_softcap_and_alibi(backend, dtype, mha_type, seqlens, causal, local, feature):
     """flash-attn's softcap (50.0 there; 5.0 here so the cap bites at d=64) and alibi cases."""
     (hq, hkv), (sq, sk) = HEADS[mha_type], seqlens
     seed = _seed(sq, sk, causal, local, mha_type, feature)
     softcap = 5.0 if feature in ("softcap", "both") else 0.0
-    _check_case(backend, dtype, hq, hkv, 64, sq, sk, causal, _window(local, sk, seed), seed, softcap, feature != "softcap")
+    _check_case(
+        backend,
+        dtype,
+        hq,
+        hkv,
+        64,
+        sq,
+        sk,
+        causal,
+        _window(local, sk, seed),
+        seed,
+        softcap,
+        feature != "softcap",
+    )
 
 
-DROPOUT_GRID = list(itertools.product(DTYPES, [(113, 203), (127, 127)], [False, True], [False, True]))
+DROPOUT_GRID = list(
+    itertools.product(DTYPES, [(113, 203), (127, 127)], [False, True], [False, True])
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -150,7 +210,9 @@ def test_flash_attn_dropout(backend, dtype, seqlens, causal, local):
     sq, sk = seqlens
     seed = _seed(sq, sk, causal, local)
     torch.manual_seed(seed)
-    _check_case(backend, dtype, 4, 2, 32, sq, sk, causal, _window(local, sk, seed), seed, dropout_p=0.17)
+    _check_case(
+        backend, dtype, 4, 2, 32, sq, sk, causal, _window(local, sk, seed), seed, dropout_p=0.17
+    )
 
 
 def _varlen_lengths(n: int, longest: int, seed: int) -> list[int]:
@@ -158,7 +220,9 @@ def _varlen_lengths(n: int, longest: int, seed: int) -> list[int]:
     return [int(x) for x in torch.randint(1, longest + 1, (n,), generator=g)]
 
 
-VARLEN_GRID = list(itertools.product(DTYPES, ["mha", "mqa"], [32, 59], [False, True], [False, True], [False, True]))
+VARLEN_GRID = list(
+    itertools.product(DTYPES, ["mha", "mqa"], [32, 59], [False, True], [False, True], [False, True])
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -178,22 +242,51 @@ def test_flash_attn_varlen_output(backend, dtype, mha_type, d, causal, local, al
     window = _window(local, min(lens_k), seed)
     qx, kx, vx = (x.clone().requires_grad_(True) for x in (q, k, v))
     out, lse, probs = flash_attn_varlen_func(
-        qx, kx, vx, cu_q, cu_k, max(lens_q), max(lens_k), 0.0, None, causal, window, 0.0, slopes, False, True,
+        qx,
+        kx,
+        vx,
+        cu_q,
+        cu_k,
+        max(lens_q),
+        max(lens_k),
+        0.0,
+        None,
+        causal,
+        window,
+        0.0,
+        slopes,
+        False,
+        True,
         backend=backend,
-    )  # fmt: skip
+    )
     assert probs is None
     grads = torch.autograd.grad(out, (qx, kx, vx), dout)
     per_seq = []
     for dtype_ in (torch.float64, dtype):
         results = [[], [], [], [], []]
-        for i, ((q0, q1), (k0, k1)) in enumerate(zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:]))):
-            kwargs = dict(causal=causal, window=window, alibi_slopes=None if slopes is None else slopes[i : i + 1])
-            parts = oracle.attention_with_grads(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], dout[q0:q1][None], dtype=dtype_, **kwargs)
+        for i, ((q0, q1), (k0, k1)) in enumerate(
+            zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:]))
+        ):
+            kwargs = dict(
+                causal=causal,
+                window=window,
+                alibi_slopes=None if slopes is None else slopes[i : i + 1],
+            )
+            parts = oracle.attention_with_grads(
+                q[q0:q1][None],
+                k[k0:k1][None],
+                v[k0:k1][None],
+                dout[q0:q1][None],
+                dtype=dtype_,
+                **kwargs,
+            )
             for acc, part in zip(results, parts):
                 acc.append(part[0])
         per_seq.append([torch.cat(r, dim=-1 if j == 1 else 0) for j, r in enumerate(results)])
     exact, same = per_seq
-    for name, got, s, e in zip(("out", "dq", "dk", "dv"), (out, *grads), same[:1] + same[2:], exact[:1] + exact[2:]):
+    for name, got, s, e in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), same[:1] + same[2:], exact[:1] + exact[2:]
+    ):
         assert_within(name, got, s, e)
     has_key = torch.isfinite(exact[1])
     torch.testing.assert_close(lse[has_key], exact[1][has_key].float(), atol=1e-4, rtol=1e-4)
@@ -229,7 +322,9 @@ def test_packed_forms_equal_the_unpacked_call(backend):
     expected.backward(dout[0])
     got = flash_attn_varlen_qkvpacked_func(flat, cu, 37, *args, backend=backend)
     got.backward(dout[0])
-    assert torch.equal(got, expected) and torch.equal(flat.grad, torch.stack([fq.grad, fk.grad, fv.grad], dim=1))
+    assert torch.equal(got, expected) and torch.equal(
+        flat.grad, torch.stack([fq.grad, fk.grad, fv.grad], dim=1)
+    )
     fkv = torch.stack([fk.detach(), fv.detach()], dim=1).requires_grad_(True)
     got = flash_attn_varlen_kvpacked_func(fq.detach(), fkv, cu, cu, 37, 37, *args, backend=backend)
     assert torch.equal(got, expected)
@@ -239,7 +334,10 @@ def test_packed_forms_equal_the_unpacked_call(backend):
 def test_deterministic_backward_is_bit_identical(backend):
     """``deterministic=True``: two backward passes give the same bits (flash-attn's check)."""
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(2, 300, h, 64, generator=g, dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+    q, k, v = (
+        torch.randn(2, 300, h, 64, generator=g, dtype=torch.bfloat16, requires_grad=True)
+        for h in (8, 2, 2)
+    )
     dout = torch.randn(2, 300, 8, 64, generator=g, dtype=torch.bfloat16)
     runs = []
     for _ in range(2):

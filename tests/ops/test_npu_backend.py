@@ -73,9 +73,15 @@ def varlen_oracle(q, k, v, cu_q, cu_k, scale, causal, keep=None, keep_prob=1.0, 
         vis = causal_visible(q1 - q0, k1 - k0) if causal else None
         kp = None if keep is None else keep[:, :, q0:q1, k0:k1]
         out, lse, grads = oracle(
-            q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], scale, vis, kp, keep_prob,
+            q[q0:q1][None],
+            k[k0:k1][None],
+            v[k0:k1][None],
+            scale,
+            vis,
+            kp,
+            keep_prob,
             None if dout is None else dout[q0:q1][None],
-        )  # fmt: skip
+        )
         outs.append(out[0])
         lses.append(lse[0])
         if grads:
@@ -91,7 +97,8 @@ def rand_qkv(b, sq, sk, hq, hkv, d, dtype=torch.float32, seed=0):
     shape_q = (b, sq, hq, d) if b else (sq, hq, d)
     shape_k = (b, sk, hkv, d) if b else (sk, hkv, d)
     q, k, v, do = (
-        torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q)
+        torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)
+        for s in (shape_q, shape_k, shape_k, shape_q)
     )
     return q, k, v, do
 
@@ -108,7 +115,13 @@ def grads_of(fn, q, k, v, dout):
 
 
 def api(backend, q, k, v, dout, **kw):
-    return grads_of(lambda a, b, c: flash_attn_func(a, b, c, backend=backend, return_lse=True, **kw), q, k, v, dout)
+    return grads_of(
+        lambda a, b, c: flash_attn_func(a, b, c, backend=backend, return_lse=True, **kw),
+        q,
+        k,
+        v,
+        dout,
+    )
 
 
 def api_varlen(backend, q, k, v, dout, cu_q, cu_k, **kw):
@@ -116,9 +129,14 @@ def api_varlen(backend, q, k, v, dout, cu_q, cu_k, **kw):
     mq = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     mk = max(b - a for a, b in zip(cu_k, cu_k[1:]))
     return grads_of(
-        lambda a, b, c: flash_attn_varlen_func(a, b, c, cq, ck, mq, mk, backend=backend, return_lse=True, **kw),
-        q, k, v, dout,
-    )  # fmt: skip
+        lambda a, b, c: flash_attn_varlen_func(
+            a, b, c, cq, ck, mq, mk, backend=backend, return_lse=True, **kw
+        ),
+        q,
+        k,
+        v,
+        dout,
+    )
 
 
 def assert_same_result(res, expected, tol_out=FP32, tol_grad=FP32):
@@ -154,18 +172,34 @@ def test_double_layouts_causal_gqa_match_oracle(layout):
     q, k, v, do = rand_qkv(2, 6, 9, 4, 2, 8)
     scale = 0.37
     out, smax, ssum, sout, seed, offset, numels = torch_npu.npu_fusion_attention(
-        _to_layout(q, layout), _to_layout(k, layout), _to_layout(v, layout), 4, layout,
-        atten_mask=MASK2048, scale=scale, sparse_mode=3,
-    )  # fmt: skip
+        _to_layout(q, layout),
+        _to_layout(k, layout),
+        _to_layout(v, layout),
+        4,
+        layout,
+        atten_mask=MASK2048,
+        scale=scale,
+        sparse_mode=3,
+    )
     e_out, e_lse, e_grads = oracle(q, k, v, scale, causal_visible(6, 9), dout=do)
     close(out, _to_layout(e_out, layout), **FP32)
     assert out.dtype == q.dtype and out.shape == _to_layout(q, layout).shape
     close(smax[..., 0] + torch.log(ssum[..., 0]), e_lse, **FP32)
     assert (seed, offset, numels) == (0, 0, 0) and sout.numel() == 0
     grads = torch_npu.npu_fusion_attention_grad(
-        _to_layout(q, layout), _to_layout(k, layout), _to_layout(v, layout), _to_layout(do, layout), 4, layout,
-        atten_mask=MASK2048, softmax_max=smax, softmax_sum=ssum, attention_in=out, scale_value=scale, sparse_mode=3,
-    )  # fmt: skip
+        _to_layout(q, layout),
+        _to_layout(k, layout),
+        _to_layout(v, layout),
+        _to_layout(do, layout),
+        4,
+        layout,
+        atten_mask=MASK2048,
+        softmax_max=smax,
+        softmax_sum=ssum,
+        attention_in=out,
+        scale_value=scale,
+        sparse_mode=3,
+    )
     assert len(grads) == 5
     for g, e in zip(grads[:3], e_grads):
         close(g, _to_layout(e, layout), **FP32)
@@ -174,8 +208,12 @@ def test_double_layouts_causal_gqa_match_oracle(layout):
 def test_double_causal_modes_2_and_3_differ_when_sq_ne_sk():
     torch_npu = op_double()
     q, k, v, _ = rand_qkv(1, 5, 8, 2, 2, 4)
-    out2 = torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", atten_mask=MASK2048, sparse_mode=2, scale=0.5)[0]
-    out3 = torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", atten_mask=MASK2048, sparse_mode=3, scale=0.5)[0]
+    out2 = torch_npu.npu_fusion_attention(
+        q, k, v, 2, "BSND", atten_mask=MASK2048, sparse_mode=2, scale=0.5
+    )[0]
+    out3 = torch_npu.npu_fusion_attention(
+        q, k, v, 2, "BSND", atten_mask=MASK2048, sparse_mode=3, scale=0.5
+    )[0]
     close(out2, oracle(q, k, v, 0.5, causal_visible(5, 8, bottom_right=False))[0], **FP32)
     close(out3, oracle(q, k, v, 0.5, causal_visible(5, 8, bottom_right=True))[0], **FP32)
     assert (out2 - out3).abs().max() > 1e-2
@@ -190,7 +228,9 @@ def test_double_causal_modes_2_and_3_differ_when_sq_ne_sk():
 def test_double_no_mask_is_full_attention_whatever_sparse_mode(sparse_mode):
     torch_npu = op_double()
     q, k, v, _ = rand_qkv(1, 7, 7, 2, 1, 8)
-    out = torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", atten_mask=None, sparse_mode=sparse_mode, scale=0.3)[0]
+    out = torch_npu.npu_fusion_attention(
+        q, k, v, 2, "BSND", atten_mask=None, sparse_mode=sparse_mode, scale=0.3
+    )[0]
     close(out, oracle(q, k, v, 0.3)[0], **FP32)
     assert (out - oracle(q, k, v, 0.3, causal_visible(7, 7))[0]).abs().max() > 1e-2
 
@@ -203,9 +243,13 @@ def test_double_rejects_non_compressed_mask_for_causal_modes(sparse_mode):
     with pytest.raises(nd.NpuContractError, match="compressed"):
         torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", atten_mask=ss, sparse_mode=sparse_mode)
     with pytest.raises(nd.NpuContractError, match="triu"):  # right size, wrong content
-        torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", atten_mask=~MASK2048, sparse_mode=sparse_mode)
+        torch_npu.npu_fusion_attention(
+            q, k, v, 2, "BSND", atten_mask=~MASK2048, sparse_mode=sparse_mode
+        )
     with pytest.raises(nd.NpuContractError, match="compressed"):
-        torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", atten_mask=MASK2048[None, None], sparse_mode=sparse_mode)
+        torch_npu.npu_fusion_attention(
+            q, k, v, 2, "BSND", atten_mask=MASK2048[None, None], sparse_mode=sparse_mode
+        )
     assert torch_npu.calls == []
 
 
@@ -237,13 +281,22 @@ def test_double_tnd_statistics_are_shaped_tnd_but_ordered_ntd():
     e_lse = varlen_oracle(qt, kt, vt, [0, 4, 9], [0, 4, 9], 0.3, False)[1]  # [N, T]
     _, smax, ssum, *_ = torch_npu.npu_fusion_attention(qt, kt, vt, 4, "TND", **kw)
     assert smax.shape == ssum.shape == (9, 4, 8) and smax.dtype == torch.float32
-    ntd_max, ntd_sum = smax.view(4, 9, 8)[..., 0], ssum.view(4, 9, 8)[..., 0]  # the bytes in N-major order
+    ntd_max, ntd_sum = (
+        smax.view(4, 9, 8)[..., 0],
+        ssum.view(4, 9, 8)[..., 0],
+    )  # the bytes in N-major order
     close(ntd_max + torch.log(ntd_sum), e_lse, **FP32)
-    assert not torch.allclose(smax[..., 0].transpose(0, 1), ntd_max)  # read as [T, N] they are scrambled
-    _, smax, ssum, *_ = torch_npu.npu_fusion_attention(qt, kt, vt, 4, "TND", softmax_layout="TND", **kw)
+    assert not torch.allclose(
+        smax[..., 0].transpose(0, 1), ntd_max
+    )  # read as [T, N] they are scrambled
+    _, smax, ssum, *_ = torch_npu.npu_fusion_attention(
+        qt, kt, vt, 4, "TND", softmax_layout="TND", **kw
+    )
     close((smax[..., 0] + torch.log(ssum[..., 0])).transpose(0, 1), e_lse, **FP32)
     with pytest.raises(nd.NpuContractError, match="softmax_layout=TND only"):
-        torch_npu.npu_fusion_attention(qt[None], kt[None], vt[None], 4, "BSND", softmax_layout="TND")
+        torch_npu.npu_fusion_attention(
+            qt[None], kt[None], vt[None], 4, "BSND", softmax_layout="TND"
+        )
 
 
 def test_double_tnd_per_sequence_bottom_right_causal_and_grads():
@@ -251,14 +304,28 @@ def test_double_tnd_per_sequence_bottom_right_causal_and_grads():
     cu_q, cu_k = [0, 3, 6, 10], [0, 6, 9, 17]  # Sq <= Skv for every sequence, as TND causal needs
     q, k, v, do = rand_qkv(0, 10, 17, 4, 2, 8)
     kw = dict(scale=0.3, actual_seq_qlen=cu_q[1:], actual_seq_kvlen=cu_k[1:])
-    out, smax, ssum, *_ = torch_npu.npu_fusion_attention(q, k, v, 4, "TND", atten_mask=MASK2048, sparse_mode=3, **kw)
+    out, smax, ssum, *_ = torch_npu.npu_fusion_attention(
+        q, k, v, 4, "TND", atten_mask=MASK2048, sparse_mode=3, **kw
+    )
     e_out, e_lse, e_grads = varlen_oracle(q, k, v, cu_q, cu_k, 0.3, True, dout=do)
     close(out, e_out, **FP32)
     close(smax.view(4, 10, 8)[..., 0] + torch.log(ssum.view(4, 10, 8)[..., 0]), e_lse, **FP32)
     grads = torch_npu.npu_fusion_attention_grad(
-        q, k, v, do, 4, "TND", atten_mask=MASK2048, softmax_max=smax, softmax_sum=ssum, attention_in=out,
-        scale_value=0.3, sparse_mode=3, actual_seq_qlen=cu_q[1:], actual_seq_kvlen=cu_k[1:],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        do,
+        4,
+        "TND",
+        atten_mask=MASK2048,
+        softmax_max=smax,
+        softmax_sum=ssum,
+        attention_in=out,
+        scale_value=0.3,
+        sparse_mode=3,
+        actual_seq_qlen=cu_q[1:],
+        actual_seq_kvlen=cu_k[1:],
+    )
     for g, e in zip(grads[:3], e_grads):
         close(g, e, **FP32)
     # no mask in TND: full attention inside each sequence, never across sequences
@@ -272,9 +339,17 @@ def test_double_tnd_has_no_inner_precise():
     q, k, v, _ = rand_qkv(0, 10, 7, 4, 2, 8)
     with pytest.raises(nd.NpuContractError, match="Sq=4 > Skv=1"):
         torch_npu.npu_fusion_attention(
-            q, k, v, 4, "TND", atten_mask=MASK2048, sparse_mode=3, inner_precise=2,
-            actual_seq_qlen=[6, 10], actual_seq_kvlen=[6, 7],
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            4,
+            "TND",
+            atten_mask=MASK2048,
+            sparse_mode=3,
+            inner_precise=2,
+            actual_seq_qlen=[6, 10],
+            actual_seq_kvlen=[6, 7],
+        )
     with pytest.raises(nd.NpuContractError, match="see no key in TND"):  # queries without keys
         torch_npu.npu_fusion_attention(
             q, k, v, 4, "TND", inner_precise=2, actual_seq_qlen=[6, 10], actual_seq_kvlen=[7, 7]
@@ -287,8 +362,12 @@ def test_double_grad_uses_the_given_statistics():
     q, k, v, do = rand_qkv(1, 6, 6, 2, 2, 8)
     out, smax, ssum, *_ = torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", scale=0.5)
     kw = dict(attention_in=out, scale_value=0.5)
-    g_own = torch_npu.npu_fusion_attention_grad(q, k, v, do, 2, "BSND", softmax_max=smax, softmax_sum=ssum, **kw)
-    g_bad = torch_npu.npu_fusion_attention_grad(q, k, v, do, 2, "BSND", softmax_max=smax, softmax_sum=ssum * 2, **kw)
+    g_own = torch_npu.npu_fusion_attention_grad(
+        q, k, v, do, 2, "BSND", softmax_max=smax, softmax_sum=ssum, **kw
+    )
+    g_bad = torch_npu.npu_fusion_attention_grad(
+        q, k, v, do, 2, "BSND", softmax_max=smax, softmax_sum=ssum * 2, **kw
+    )
     for a, e in zip(g_own, oracle(q, k, v, 0.5, dout=do)[2]):
         close(a, e, **FP32)
     assert (g_bad[0] - g_own[0]).abs().max() > 1e-3
@@ -304,13 +383,19 @@ def test_double_grad_rejects_statistics_that_are_not_max_sum_pairs():
     kw = dict(attention_in=out, scale_value=0.5)
     lse = smax + torch.log(ssum)
     with pytest.raises(nd.NpuContractError, match="not a row maximum"):
-        torch_npu.npu_fusion_attention_grad(q, k, v, do, 2, "BSND", softmax_max=lse, softmax_sum=torch.ones_like(ssum), **kw)
+        torch_npu.npu_fusion_attention_grad(
+            q, k, v, do, 2, "BSND", softmax_max=lse, softmax_sum=torch.ones_like(ssum), **kw
+        )
     with pytest.raises(nd.NpuContractError, match="below the largest score"):
-        torch_npu.npu_fusion_attention_grad(q, k, v, do, 2, "BSND", softmax_max=smax - 1, softmax_sum=ssum, **kw)
+        torch_npu.npu_fusion_attention_grad(
+            q, k, v, do, 2, "BSND", softmax_max=smax - 1, softmax_sum=ssum, **kw
+        )
     uneven = smax.clone()
     uneven[..., 3] += 1.0
     with pytest.raises(nd.NpuContractError, match="identical copies"):
-        torch_npu.npu_fusion_attention_grad(q, k, v, do, 2, "BSND", softmax_max=uneven, softmax_sum=ssum, **kw)
+        torch_npu.npu_fusion_attention_grad(
+            q, k, v, do, 2, "BSND", softmax_max=uneven, softmax_sum=ssum, **kw
+        )
     with pytest.raises(nd.NpuContractError, match="softmax_max"):  # stats without the 8 copies
         torch_npu.npu_fusion_attention_grad(
             q, k, v, do, 2, "BSND", softmax_max=smax[..., 0], softmax_sum=ssum[..., 0], **kw
@@ -324,18 +409,31 @@ def test_double_grad_takes_statistics_merged_over_key_blocks():
     torch_npu = op_double()
     q, k, v, do = rand_qkv(1, 6, 10, 2, 2, 8)
     halves = (slice(0, 5), slice(5, 10))
-    parts = [torch_npu.npu_fusion_attention(q, k[:, h], v[:, h], 2, "BSND", scale=0.5) for h in halves]
+    parts = [
+        torch_npu.npu_fusion_attention(q, k[:, h], v[:, h], 2, "BSND", scale=0.5) for h in halves
+    ]
     (o1, m1, s1, *_), (o2, m2, s2, *_) = parts
     m = torch.maximum(m1, m2)
     w1, w2 = s1 * torch.exp(m1 - m), s2 * torch.exp(m2 - m)
     total = w1 + w2
-    out = (o1 * (w1 / total)[..., 0].transpose(1, 2).unsqueeze(-1) + o2 * (w2 / total)[..., 0].transpose(1, 2).unsqueeze(-1))
+    out = o1 * (w1 / total)[..., 0].transpose(1, 2).unsqueeze(-1) + o2 * (w2 / total)[
+        ..., 0
+    ].transpose(1, 2).unsqueeze(-1)
     e_out, _, (e_dq, e_dk, e_dv) = oracle(q, k, v, 0.5, dout=do)
     close(out, e_out, **FP32)
     dq = torch.zeros_like(q)
     for h in halves:
         g = torch_npu.npu_fusion_attention_grad(
-            q, k[:, h], v[:, h], do, 2, "BSND", softmax_max=m, softmax_sum=total, attention_in=out, scale_value=0.5
+            q,
+            k[:, h],
+            v[:, h],
+            do,
+            2,
+            "BSND",
+            softmax_max=m,
+            softmax_sum=total,
+            attention_in=out,
+            scale_value=0.5,
         )
         dq += g[0]
         close(g[1], e_dk[:, h], **FP32)
@@ -358,7 +456,15 @@ def test_double_dropout_reproducible_and_replayed():
     e_out, e_lse, e_grads = oracle(q, k, v, 0.5, keep=keep, keep_prob=0.6, dout=do)
     close(out, e_out, **FP32)
     close(smax[..., 0] + torch.log(ssum[..., 0]), e_lse, **FP32)  # stats are pre-dropout
-    kw = dict(softmax_max=smax, softmax_sum=ssum, attention_in=out, scale_value=0.5, keep_prob=0.6, seed=seed, offset=offset)
+    kw = dict(
+        softmax_max=smax,
+        softmax_sum=ssum,
+        attention_in=out,
+        scale_value=0.5,
+        keep_prob=0.6,
+        seed=seed,
+        offset=offset,
+    )
     grads = torch_npu.npu_fusion_attention_grad(q, k, v, do, 4, "BSND", numels=numels, **kw)
     for g, e in zip(grads[:3], e_grads):
         close(g, e, **FP32)
@@ -373,7 +479,9 @@ def test_double_fully_masked_rows_need_inner_precise_2():
     mask[..., 1, :] = True  # query 1 sees nothing
     with pytest.raises(nd.NpuContractError, match="inner_precise=2"):
         torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", atten_mask=mask, sparse_mode=1)
-    out, smax, ssum, *_ = torch_npu.npu_fusion_attention(q, k, v, 2, "BSND", atten_mask=mask, sparse_mode=1, inner_precise=2)
+    out, smax, ssum, *_ = torch_npu.npu_fusion_attention(
+        q, k, v, 2, "BSND", atten_mask=mask, sparse_mode=1, inner_precise=2
+    )
     assert bool((out[:, 1] == 0).all()) and bool((ssum[:, :, 1] == 0).all())
     close(out, oracle(q, k, v, 1.0, ~mask)[0], **FP32)
     # sparse_mode=3 with Sq > Skv handles empty rows by itself
@@ -404,14 +512,30 @@ def test_double_rejects_wrong_calls():
     with pytest.raises(err, match="input_layout"):
         op(q, k, v, 4, "BSHD")
     with pytest.raises(err, match="not accepted"):  # 1NSS is not an accepted mask shape
-        op(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), 4, "BSND",
-           atten_mask=torch.zeros(1, 4, 4, 4, dtype=torch.bool), sparse_mode=1)  # fmt: skip
+        op(
+            q.expand(2, -1, -1, -1),
+            k.expand(2, -1, -1, -1),
+            v.expand(2, -1, -1, -1),
+            4,
+            "BSND",
+            atten_mask=torch.zeros(1, 4, 4, 4, dtype=torch.bool),
+            sparse_mode=1,
+        )
     with pytest.raises(err, match="bool/uint8"):
         op(q, k, v, 4, "BSND", atten_mask=torch.zeros(4, 4), sparse_mode=1)
     with pytest.raises(NotImplementedError, match="unsupported in the double"):
         op(q, k, v, 4, "BSND", atten_mask=MASK2048, sparse_mode=5)
     with pytest.raises(err, match="tockens"):  # band disagrees with an all-visible mask
-        op(q, k, v, 4, "BSND", atten_mask=torch.zeros(4, 4, dtype=torch.bool), pre_tockens=1, next_tockens=0)
+        op(
+            q,
+            k,
+            v,
+            4,
+            "BSND",
+            atten_mask=torch.zeros(4, 4, dtype=torch.bool),
+            pre_tockens=1,
+            next_tockens=0,
+        )
     qt, kt, vt = q[0], k[0], v[0]
     with pytest.raises(err, match="requires actual_seq"):
         op(qt, kt, vt, 4, "TND")
@@ -462,11 +586,17 @@ def _check_dense_calls(calls, q, k, causal, dropout_p=0.0, scale=None, mask_shap
         else:
             assert c["mask_shape"] is None  # full attention
     fwd, grad = calls
-    assert (grad["seed"], grad["offset"], grad["numels"]) == (fwd["seed"], fwd["offset"], fwd["numels"])
+    assert (grad["seed"], grad["offset"], grad["numels"]) == (
+        fwd["seed"],
+        fwd["offset"],
+        fwd["numels"],
+    )
 
 
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal", DENSE_CASES)
-def test_flash_attn_func_fp32_matches_oracle_and_other_backends(npu_double, b, sq, sk, hq, hkv, d, causal):
+def test_flash_attn_func_fp32_matches_oracle_and_other_backends(
+    npu_double, b, sq, sk, hq, hkv, d, causal
+):
     q, k, v, do = rand_qkv(b, sq, sk, hq, hkv, d)
     res = api("npu", q, k, v, do, causal=causal)
     _check_dense_calls(npu_double.calls, q, k, causal)
@@ -474,7 +604,11 @@ def test_flash_attn_func_fp32_matches_oracle_and_other_backends(npu_double, b, s
     assert_same_result(res, oracle(q, k, v, 1.0 / math.sqrt(d), visible, dout=do))
     for other in ("cpu", "reference"):
         assert_same_result(res, api(other, q, k, v, do, causal=causal))
-    assert res[0].dtype == torch.float32 and res[1].dtype == torch.float32 and res[1].shape == (b, hq, sq)
+    assert (
+        res[0].dtype == torch.float32
+        and res[1].dtype == torch.float32
+        and res[1].shape == (b, hq, sq)
+    )
 
 
 def test_flash_attn_func_custom_scale(npu_double):
@@ -486,7 +620,10 @@ def test_flash_attn_func_custom_scale(npu_double):
 
 @pytest.mark.parametrize(
     "b,sq,sk,hq,hkv,d,causal",
-    [pytest.param(2, 16, 16, 4, 2, 64, True, id="gqa-causal"), pytest.param(1, 10, 14, 2, 1, 40, False, id="mqa-d40")],
+    [
+        pytest.param(2, 16, 16, 4, 2, 64, True, id="gqa-causal"),
+        pytest.param(1, 10, 14, 2, 1, 40, False, id="mqa-d40"),
+    ],
 )
 def test_flash_attn_func_bf16(npu_double, b, sq, sk, hq, hkv, d, causal):
     q, k, v, do = rand_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16)
@@ -494,7 +631,9 @@ def test_flash_attn_func_bf16(npu_double, b, sq, sk, hq, hkv, d, causal):
     assert res[0].dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in res[2])
     _check_dense_calls(npu_double.calls, q, k, causal)
     visible = causal_visible(sq, sk) if causal else None
-    assert_same_result(res, oracle(q, k, v, 1.0 / math.sqrt(d), visible, dout=do), BF16_OUT, BF16_GRAD)
+    assert_same_result(
+        res, oracle(q, k, v, 1.0 / math.sqrt(d), visible, dout=do), BF16_OUT, BF16_GRAD
+    )
     assert_same_result(res, api("reference", q, k, v, do, causal=causal), BF16_OUT, BF16_GRAD)
 
 
@@ -547,7 +686,9 @@ def test_flash_attn_func_mask_with_fully_masked_rows(npu_double, sq, sk, causal,
 
 
 @pytest.mark.parametrize("backend", ["npu", "cpu", "reference"])
-def test_sbhd_layout_equals_bshd_and_reaches_the_npu_kernel_as_sbh_without_copies(npu_double, backend):
+def test_sbhd_layout_equals_bshd_and_reaches_the_npu_kernel_as_sbh_without_copies(
+    npu_double, backend
+):
     """Megatron's [s, b, h, d]: the npu kernel takes it as "SBH" (a view, no copy); the
     other backends take it as transposed views. Same results as flash-attn's [b, s, h, d]."""
     q, k, v, do = rand_qkv(2, 12, 12, 4, 2, 16)
@@ -558,15 +699,18 @@ def test_sbhd_layout_equals_bshd_and_reaches_the_npu_kernel_as_sbh_without_copie
     assert_same_result((out.transpose(0, 1), lse, [g.transpose(0, 1) for g in grads]), expected)
     if backend == "npu":
         assert [(c["name"], c["layout"], c["noncontiguous"]) for c in npu_double.calls] == [
-            ("npu_fusion_attention", "SBH", []), ("npu_fusion_attention_grad", "SBH", []),
-        ]  # fmt: skip
+            ("npu_fusion_attention", "SBH", []),
+            ("npu_fusion_attention_grad", "SBH", []),
+        ]
 
 
 def test_causal_long_sequence_uses_compressed_mask(npu_double):
     q, k, v, do = rand_qkv(1, 3000, 3000, 1, 1, 4)
     res = api("npu", q, k, v, do, causal=True)
     _check_dense_calls(npu_double.calls, q, k, True)  # (2048, 2048), never 3000 x 3000
-    assert_same_result(res, oracle(q, k, v, 0.5, causal_visible(3000, 3000), dout=do))  # out, lse and dq, dk, dv
+    assert_same_result(
+        res, oracle(q, k, v, 0.5, causal_visible(3000, 3000), dout=do)
+    )  # out, lse and dq, dk, dv
 
 
 VARLEN_CASES = [
@@ -590,11 +734,17 @@ def _check_varlen_calls(calls, q, k, cu_q, cu_k, causal, dropout_p=0.0):
         else:
             assert c["mask_shape"] is None
     fwd, grad = calls
-    assert (grad["seed"], grad["offset"], grad["numels"]) == (fwd["seed"], fwd["offset"], fwd["numels"])
+    assert (grad["seed"], grad["offset"], grad["numels"]) == (
+        fwd["seed"],
+        fwd["offset"],
+        fwd["numels"],
+    )
 
 
 @pytest.mark.parametrize("cu_q,cu_k,hq,hkv,d,causal", VARLEN_CASES)
-def test_flash_attn_varlen_func_matches_oracle_and_other_backends(npu_double, cu_q, cu_k, hq, hkv, d, causal):
+def test_flash_attn_varlen_func_matches_oracle_and_other_backends(
+    npu_double, cu_q, cu_k, hq, hkv, d, causal
+):
     q, k, v, do = rand_qkv(0, cu_q[-1], cu_k[-1], hq, hkv, d)
     res = api_varlen("npu", q, k, v, do, cu_q, cu_k, causal=causal)
     _check_varlen_calls(npu_double.calls, q, k, cu_q, cu_k, causal)
@@ -653,7 +803,9 @@ def test_dropout_dense_reproducible_and_consistent_with_backward(npu_double):
     _check_dense_calls(calls1, q, k, True, dropout_p=p)
     keep = _recovered_keep(calls1[0])  # [b, hq, sq, sk]
     assert 0.6 < keep.double().mean() < 0.9
-    expected = oracle(q, k, v, 1.0 / math.sqrt(32), causal_visible(12, 16), keep=keep, keep_prob=1 - p, dout=do)
+    expected = oracle(
+        q, k, v, 1.0 / math.sqrt(32), causal_visible(12, 16), keep=keep, keep_prob=1 - p, dout=do
+    )
     assert_same_result(res1, expected)
 
 
@@ -687,12 +839,28 @@ def test_npu_backend_without_torch_npu_says_how_to_install(monkeypatch):
     "shape_q,shape_k,dtype,error,match",
     [
         pytest.param((1, 4, 2, 8), (1, 4, 2, 8), torch.float64, TypeError, "float64", id="float64"),
-        pytest.param((1, 2, 1, 800), (1, 2, 1, 800), torch.float32, ValueError, "head_dim 800", id="head_dim-800"),
-        pytest.param((1, 2, 300, 4), (1, 2, 1, 4), torch.float32, ValueError, "300 query heads", id="300-heads"),
+        pytest.param(
+            (1, 2, 1, 800),
+            (1, 2, 1, 800),
+            torch.float32,
+            ValueError,
+            "head_dim 800",
+            id="head_dim-800",
+        ),
+        pytest.param(
+            (1, 2, 300, 4),
+            (1, 2, 1, 4),
+            torch.float32,
+            ValueError,
+            "300 query heads",
+            id="300-heads",
+        ),
     ],
 )
 @pytest.mark.parametrize("varlen", [False, True])
-def test_npu_backend_rejects_inputs_beyond_the_op(npu_double, shape_q, shape_k, dtype, error, match, varlen):
+def test_npu_backend_rejects_inputs_beyond_the_op(
+    npu_double, shape_q, shape_k, dtype, error, match, varlen
+):
     q, k = torch.zeros(shape_q, dtype=dtype), torch.zeros(shape_k, dtype=dtype)
     with pytest.raises(error, match=match):
         if varlen:
@@ -754,9 +922,22 @@ def test_varlen_window_is_band_per_sequence(npu_double):
     res = api_varlen("npu", q, k, v, do, cu, cu, causal=True, window_size=(4, 0))
     assert [c["sparse_mode"] for c in npu_double.calls] == [4, 4]
     assert npu_double.calls[0]["layout"] == "TND"
-    parts = [oracle(q[a:b][None], k[a:b][None], v[a:b][None], 0.25, window_visible(b - a, b - a, 4, 0), dout=do[a:b][None]) for a, b in zip(cu, cu[1:])]
-    expected = (torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts], dim=-1),
-                tuple(torch.cat([p[2][i][0] for p in parts]) for i in range(3)))  # fmt: skip
+    parts = [
+        oracle(
+            q[a:b][None],
+            k[a:b][None],
+            v[a:b][None],
+            0.25,
+            window_visible(b - a, b - a, 4, 0),
+            dout=do[a:b][None],
+        )
+        for a, b in zip(cu, cu[1:])
+    ]
+    expected = (
+        torch.cat([p[0][0] for p in parts]),
+        torch.cat([p[1][0] for p in parts], dim=-1),
+        tuple(torch.cat([p[2][i][0] for p in parts]) for i in range(3)),
+    )
     assert_same_result(res, expected)
 
 
@@ -764,9 +945,31 @@ def test_double_band_rejects_tockens_that_do_not_overlap():
     forward, _ = nd.make_ops([])
     q, k, v, _ = rand_qkv(1, 8, 8, 2, 2, 16)
     with pytest.raises(nd.NpuContractError, match="do not overlap"):
-        forward(q, k, v, 2, "BSND", atten_mask=MASK2048, sparse_mode=4, pre_tockens=-3, next_tockens=1, scale=0.25)
+        forward(
+            q,
+            k,
+            v,
+            2,
+            "BSND",
+            atten_mask=MASK2048,
+            sparse_mode=4,
+            pre_tockens=-3,
+            next_tockens=1,
+            scale=0.25,
+        )
     with pytest.raises(nd.NpuContractError, match="must be < Skv"):
-        forward(q, k, v, 2, "BSND", atten_mask=MASK2048, sparse_mode=4, pre_tockens=20, next_tockens=-8, scale=0.25)
+        forward(
+            q,
+            k,
+            v,
+            2,
+            "BSND",
+            atten_mask=MASK2048,
+            sparse_mode=4,
+            pre_tockens=20,
+            next_tockens=-8,
+            scale=0.25,
+        )
 
 
 @pytest.mark.parametrize("keyword", [dict(softcap=30.0), dict(deterministic=True), "alibi"])

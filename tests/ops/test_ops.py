@@ -26,7 +26,6 @@ import sys
 import pytest
 import torch
 
-from _support import oracle
 from mcore_flash.ops import (
     BackendUnavailableError,
     available_backends,
@@ -39,6 +38,8 @@ from mcore_flash.ops import (
 from mcore_flash.ops.backends import ENV_VAR
 from mcore_flash.ops.backends.reference import ReferenceBackend
 
+from _support import oracle
+
 # (max-abs tolerance, Frobenius-relative tolerance or None) by dtype and kind of tensor
 TOL = {
     torch.float32: {"out": (1e-5, None), "grad": (1e-5, None)},
@@ -48,6 +49,7 @@ TOL = {
 
 def _tol(dtype, name):
     return TOL[dtype]["grad" if name.startswith("d") else "out"]
+
 
 _SMALL_BLOCKS = ReferenceBackend(block_q=16, block_k=32)
 BACKENDS = [
@@ -130,7 +132,9 @@ def check_dense(backend, q, k, v, dout, **kwargs):
     assert lse.shape == (b, hq, sq)
     for g, x in ((dq, q), (dk, k), (dv, v)):
         assert g.shape == x.shape and g.dtype == x.dtype
-    for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (e_out, e_lse, e_dq, e_dk, e_dv)):
+    for name, a, e in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (e_out, e_lse, e_dq, e_dk, e_dv)
+    ):
         assert_close(a, e, _tol(dtype, name), name)
     # rows without a visible key: exact zeros (out [b, sq, hq, d], lse [b, hq, sq])
     empty = torch.isneginf(e_lse).transpose(1, 2)  # [b, sq, hq]
@@ -246,8 +250,11 @@ def _mask(shape, seed, full_row=5):
     return m
 
 
-MASK_SHAPES = [pytest.param("b1", id="[b,1,sq,sk]"), pytest.param("1h", id="[1,h,sq,sk]"),
-               pytest.param("bh", id="[b,h,sq,sk]")]
+MASK_SHAPES = [
+    pytest.param("b1", id="[b,1,sq,sk]"),
+    pytest.param("1h", id="[1,h,sq,sk]"),
+    pytest.param("bh", id="[b,h,sq,sk]"),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -310,8 +317,12 @@ def check_varlen(backend, lq, lk, causal, dtype, hq=4, hkv=2, d=64):
     out.backward(dout)
     assert out.shape == (tq, hq, d) and out.dtype == dtype
     assert lse.shape == (hq, tq) and lse.dtype == torch.float32
-    e = oracle.varlen_attention_with_grads(q, k, v, dout, cu_q.tolist(), cu_k.tolist(), causal=causal)
-    for name, a, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, qq.grad, kk.grad, vv.grad), e):
+    e = oracle.varlen_attention_with_grads(
+        q, k, v, dout, cu_q.tolist(), cu_k.tolist(), causal=causal
+    )
+    for name, a, x in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, qq.grad, kk.grad, vv.grad), e
+    ):
         assert_close(a, x, _tol(dtype, name), name)
     return out, lse
 
@@ -410,7 +421,9 @@ def test_dropout_is_applied(backend):
     q, k, v, dout = _inputs(*DROPOUT_SHAPE, torch.float32, seed=7)
     plain = run_dense(backend, q, k, v, dout, causal=True)
     dropped = _dropout_run(backend, seed=5, p=0.5)
-    for name, x, y in zip(("out", "dq", "dk", "dv"), (plain[0],) + plain[2:], (dropped[0],) + dropped[2:]):
+    for name, x, y in zip(
+        ("out", "dq", "dk", "dv"), (plain[0],) + plain[2:], (dropped[0],) + dropped[2:]
+    ):
         assert (x - y).abs().max() > 1e-2, f"dropout_p=0.5 left {name} unchanged"
 
 
@@ -440,7 +453,9 @@ def test_dropout_unbiased_with_expected_variance(backend):
     outs = torch.stack(outs)
     # exact moments from the oracle's probabilities
     vis = oracle.visible(sq, sk, True)
-    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(hq // hkv, 2)) / math.sqrt(d)
+    s = torch.einsum(
+        "bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(hq // hkv, 2)
+    ) / math.sqrt(d)
     probs = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
     vf = v.double().repeat_interleave(hq // hkv, 2)
     mean = torch.einsum("bhij,bjhd->bihd", probs, vf)
@@ -453,8 +468,11 @@ def test_dropout_unbiased_with_expected_variance(backend):
 
 
 @pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
-@pytest.mark.parametrize("causal,sq,sk", [(False, 6, 9), (True, 7, 7), (True, 9, 6)],
-                         ids=["full-6x9", "causal-7x7", "causal-9x6"])
+@pytest.mark.parametrize(
+    "causal,sq,sk",
+    [(False, 6, 9), (True, 7, 7), (True, 9, 6)],
+    ids=["full-6x9", "causal-7x7", "causal-9x6"],
+)
 def test_dropout_gradcheck_float64(backend, causal, sq, sk):
     """Backward replays forward's dropout mask: gradcheck with the seed reset in the function."""
     q, k, v, _ = _inputs(1, sq, sk, 2, 1, 4, torch.float64, seed=41)
@@ -526,7 +544,10 @@ def test_backend_choice_is_logged_once_per_backend(caplog, monkeypatch):
             flash_attn_func(q, k, v, backend="reference")
             flash_attn_func(q, k, v)
     lines = [r.getMessage() for r in caplog.records if "using attention backend" in r.getMessage()]
-    assert lines == ["mcore_flash: using attention backend 'reference'", "mcore_flash: using attention backend 'cpu'"]
+    assert lines == [
+        "mcore_flash: using attention backend 'reference'",
+        "mcore_flash: using attention backend 'cpu'",
+    ]
 
 
 def test_last_used_backend_with_instance():
@@ -564,29 +585,63 @@ DENSE_ERRORS = [
     pytest.param(dict(q=_t(8, 4, 16)), ValueError, r"q must have 4 dims", id="q-rank3"),
     pytest.param(dict(k=_t(2, 8, 2, 16, 1)), ValueError, r"k must have 4 dims", id="k-rank5"),
     pytest.param(dict(v=_t(2, 8, 2)), ValueError, r"v must have 4 dims", id="v-rank3"),
-    pytest.param(dict(k=_t(2, 8, 3, 16), v=_t(2, 8, 3, 16)), ValueError,
-                 r"query heads \(4\).*key/value heads \(3\)", id="hq%hkv"),
-    pytest.param(dict(k=_t(2, 8, 2, 8), v=_t(2, 8, 2, 8)), ValueError, r"head_dim of q \(16\) and k \(8\)",
-                 id="head_dim"),
-    pytest.param(dict(v=_t(2, 9, 2, 16)), ValueError, r"k and v must have the same shape", id="kv-shape"),
+    pytest.param(
+        dict(k=_t(2, 8, 3, 16), v=_t(2, 8, 3, 16)),
+        ValueError,
+        r"query heads \(4\).*key/value heads \(3\)",
+        id="hq%hkv",
+    ),
+    pytest.param(
+        dict(k=_t(2, 8, 2, 8), v=_t(2, 8, 2, 8)),
+        ValueError,
+        r"head_dim of q \(16\) and k \(8\)",
+        id="head_dim",
+    ),
+    pytest.param(
+        dict(v=_t(2, 9, 2, 16)), ValueError, r"k and v must have the same shape", id="kv-shape"
+    ),
     pytest.param(dict(k=_t(3, 8, 2, 16), v=_t(3, 8, 2, 16)), ValueError, r"batch size", id="batch"),
-    pytest.param(dict(k=_t(2, 8, 2, 16, dtype=torch.bfloat16), v=_t(2, 8, 2, 16, dtype=torch.bfloat16)),
-                 TypeError, r"q, k, v must share one dtype", id="dtype-mismatch"),
-    pytest.param(dict(q=_t(2, 8, 4, 16, dtype=torch.int64)), TypeError, r"q has dtype torch.int64",
-                 id="int-dtype"),
+    pytest.param(
+        dict(k=_t(2, 8, 2, 16, dtype=torch.bfloat16), v=_t(2, 8, 2, 16, dtype=torch.bfloat16)),
+        TypeError,
+        r"q, k, v must share one dtype",
+        id="dtype-mismatch",
+    ),
+    pytest.param(
+        dict(q=_t(2, 8, 4, 16, dtype=torch.int64)),
+        TypeError,
+        r"q has dtype torch.int64",
+        id="int-dtype",
+    ),
     pytest.param(dict(q=[[1.0]]), TypeError, r"q must be a torch.Tensor", id="not-tensor"),
-    pytest.param(dict(backend="flashy"), ValueError, r"unknown attention backend 'flashy'", id="backend-name"),
+    pytest.param(
+        dict(backend="flashy"), ValueError, r"unknown attention backend 'flashy'", id="backend-name"
+    ),
     pytest.param(dict(dropout_p=1.0), ValueError, r"dropout_p", id="dropout=1"),
     pytest.param(dict(dropout_p=-0.1), ValueError, r"dropout_p", id="dropout<0"),
     pytest.param(dict(softmax_scale=0.0), ValueError, r"softmax_scale", id="scale=0"),
     pytest.param(dict(softmax_scale=float("nan")), ValueError, r"softmax_scale", id="scale=nan"),
-    pytest.param(dict(attn_mask=_t(2, 1, 8, 8)), TypeError, r"attn_mask must be a bool", id="mask-float"),
-    pytest.param(dict(attn_mask=torch.zeros(2, 3, 8, 8, dtype=torch.bool)), ValueError, r"attn_mask shape",
-                 id="mask-heads"),
-    pytest.param(dict(attn_mask=torch.zeros(8, 8, dtype=torch.bool)), ValueError, r"attn_mask shape",
-                 id="mask-rank2"),
-    pytest.param(dict(attn_mask=torch.zeros(2, 4, 8, 9, dtype=torch.bool)), ValueError, r"attn_mask shape",
-                 id="mask-sk"),
+    pytest.param(
+        dict(attn_mask=_t(2, 1, 8, 8)), TypeError, r"attn_mask must be a bool", id="mask-float"
+    ),
+    pytest.param(
+        dict(attn_mask=torch.zeros(2, 3, 8, 8, dtype=torch.bool)),
+        ValueError,
+        r"attn_mask shape",
+        id="mask-heads",
+    ),
+    pytest.param(
+        dict(attn_mask=torch.zeros(8, 8, dtype=torch.bool)),
+        ValueError,
+        r"attn_mask shape",
+        id="mask-rank2",
+    ),
+    pytest.param(
+        dict(attn_mask=torch.zeros(2, 4, 8, 9, dtype=torch.bool)),
+        ValueError,
+        r"attn_mask shape",
+        id="mask-sk",
+    ),
 ]
 
 
@@ -604,17 +659,39 @@ def _cu_t(values, dtype=torch.int32):
 
 VARLEN_ERRORS = [
     pytest.param(dict(q=_t(1, 10, 4, 16)), ValueError, r"q must have 3 dims", id="q-rank4"),
-    pytest.param(dict(cu_seqlens_q=_cu_t([0, 6, 4, 10])), ValueError, r"cu_seqlens_q must be non-decreasing",
-                 id="decreasing"),
-    pytest.param(dict(cu_seqlens_k=_cu_t([1, 4, 10])), ValueError, r"cu_seqlens_k must start at 0",
-                 id="not-from-0"),
-    pytest.param(dict(cu_seqlens_q=_cu_t([0, 4, 9])), ValueError, r"cu_seqlens_q\[-1\] = 9.*10",
-                 id="last!=total"),
-    pytest.param(dict(max_seqlen_k=5), ValueError, r"max_seqlen for cu_seqlens_k is 5.*6", id="max_seqlen"),
-    pytest.param(dict(cu_seqlens_k=_cu_t([0, 3, 7, 10])), ValueError,
-                 r"cu_seqlens_q and cu_seqlens_k.*same number of sequences", id="counts"),
-    pytest.param(dict(cu_seqlens_q=_cu_t([0.0, 4.0, 10.0], torch.float32)), TypeError, r"cu_seqlens_q",
-                 id="cu-float"),
+    pytest.param(
+        dict(cu_seqlens_q=_cu_t([0, 6, 4, 10])),
+        ValueError,
+        r"cu_seqlens_q must be non-decreasing",
+        id="decreasing",
+    ),
+    pytest.param(
+        dict(cu_seqlens_k=_cu_t([1, 4, 10])),
+        ValueError,
+        r"cu_seqlens_k must start at 0",
+        id="not-from-0",
+    ),
+    pytest.param(
+        dict(cu_seqlens_q=_cu_t([0, 4, 9])),
+        ValueError,
+        r"cu_seqlens_q\[-1\] = 9.*10",
+        id="last!=total",
+    ),
+    pytest.param(
+        dict(max_seqlen_k=5), ValueError, r"max_seqlen for cu_seqlens_k is 5.*6", id="max_seqlen"
+    ),
+    pytest.param(
+        dict(cu_seqlens_k=_cu_t([0, 3, 7, 10])),
+        ValueError,
+        r"cu_seqlens_q and cu_seqlens_k.*same number of sequences",
+        id="counts",
+    ),
+    pytest.param(
+        dict(cu_seqlens_q=_cu_t([0.0, 4.0, 10.0], torch.float32)),
+        TypeError,
+        r"cu_seqlens_q",
+        id="cu-float",
+    ),
     pytest.param(dict(dropout_p=1.0), ValueError, r"dropout_p", id="dropout=1"),
     pytest.param(dict(backend="cuda"), ValueError, r"'cuda'", id="backend-cuda"),
 ]
@@ -624,8 +701,15 @@ VARLEN_ERRORS = [
 def test_varlen_bad_input(override, exc, pattern):
     if override.get("backend") == "cuda" and torch.cuda.is_available():
         pytest.skip("cuda is available here")
-    kw = dict(q=PQ, k=PK, v=PK.clone(), cu_seqlens_q=_cu_t([0, 4, 10]), cu_seqlens_k=_cu_t([0, 4, 10]),
-              max_seqlen_q=6, max_seqlen_k=6)
+    kw = dict(
+        q=PQ,
+        k=PK,
+        v=PK.clone(),
+        cu_seqlens_q=_cu_t([0, 4, 10]),
+        cu_seqlens_k=_cu_t([0, 4, 10]),
+        max_seqlen_q=6,
+        max_seqlen_k=6,
+    )
     kw.update(override)
     with pytest.raises(exc, match=pattern):
         flash_attn_varlen_func(**kw)
@@ -635,7 +719,10 @@ def test_valid_inputs_of_the_error_tables_run():
     """The baselines the error tables perturb are themselves valid (so each error is due
     to exactly the perturbed argument)."""
     assert flash_attn_func(Q, K, V).shape == Q.shape
-    assert flash_attn_func(Q, K, V, attn_mask=torch.zeros(2, 4, 8, 8, dtype=torch.bool)).shape == Q.shape
+    assert (
+        flash_attn_func(Q, K, V, attn_mask=torch.zeros(2, 4, 8, 8, dtype=torch.bool)).shape
+        == Q.shape
+    )
     out = flash_attn_varlen_func(PQ, PK, PK.clone(), _cu_t([0, 4, 10]), _cu_t([0, 4, 10]), 6, 6)
     assert out.shape == PQ.shape
 
@@ -666,10 +753,21 @@ def test_reference_visits_only_blocks_the_band_reaches(monkeypatch, window, caus
 
     visited = []
     real = reference._masked_scores
-    monkeypatch.setattr(reference, "_masked_scores", lambda *a: visited.append((a[4], a[5])) or real(*a))
+    monkeypatch.setattr(
+        reference, "_masked_scores", lambda *a: visited.append((a[4], a[5])) or real(*a)
+    )
     sq, sk = 200, 260
     q, k, v = (torch.randn(1, s, 2, 16) for s in (sq, sk, sk))
-    flash_attn_func(q, k, v, 0.0, None, causal, window, backend=reference.ReferenceBackend(block_q=32, block_k=32))
+    flash_attn_func(
+        q,
+        k,
+        v,
+        0.0,
+        None,
+        causal,
+        window,
+        backend=reference.ReferenceBackend(block_q=32, block_k=32),
+    )
     visible = _visible_pairs(sq, sk, window, causal)
     covered = torch.zeros_like(visible)
     for (q0, q1), (k0, k1) in visited:
@@ -685,6 +783,7 @@ def test_cpu_chunks_call_the_kernel_on_the_band_keys_only(monkeypatch, window, c
 
     calls = []
     real = cpu._fused_forward
+
     def recording(q, k, *args, **kwargs):
         calls.append((q.shape[2], k.shape[2]))
         return real(q, k, *args, **kwargs)

@@ -57,8 +57,12 @@ def _dense(backend, s, h=8, hkv=None, d=64, dtype=torch.float32, **kwargs):
     k = torch.randn(1, s, hkv, d, generator=g).to(dtype)
     v = torch.randn(1, s, hkv, d, generator=g).to(dtype)
     return _measure(
-        lambda q, k, v: flash_attn_func(q, k, v, causal=True, backend=backend, return_lse=True, **kwargs),
-        q, k, v,
+        lambda q, k, v: flash_attn_func(
+            q, k, v, causal=True, backend=backend, return_lse=True, **kwargs
+        ),
+        q,
+        k,
+        v,
     )
 
 
@@ -66,14 +70,21 @@ def _check_bounds(saved, shapes, inputs, out, lse, sq, sk):
     q, k, v = inputs
     essential = _nbytes(q, k, v, out)
     # backward needs q, k, v, out and lse: if less is seen, the hooks saw nothing useful
-    assert saved >= essential + _nbytes(lse), f"saved {saved} B < q+k+v+out+lse; hooks not effective?"
+    assert saved >= essential + _nbytes(lse), (
+        f"saved {saved} B < q+k+v+out+lse; hooks not effective?"
+    )
     big = [shape for shape in shapes if torch.Size(shape).numel() >= sq * sk]
     assert not big, f"saved tensors with >= sq*sk = {sq * sk} elements: {big}"
     bound = 1.05 * essential + _nbytes(lse)
-    assert saved <= bound, f"saved {saved} B > 1.05*(q+k+v+out) + lse = {bound:.0f} B; shapes {shapes}"
+    assert saved <= bound, (
+        f"saved {saved} B > 1.05*(q+k+v+out) + lse = {bound:.0f} B; shapes {shapes}"
+    )
 
 
-@pytest.mark.parametrize("backend,h", [pytest.param("cpu", 8, id="cpu-h8"), pytest.param("reference", 2, id="reference-h2")])
+@pytest.mark.parametrize(
+    "backend,h",
+    [pytest.param("cpu", 8, id="cpu-h8"), pytest.param("reference", 2, id="reference-h2")],
+)
 def test_saved_tensors_are_linear_in_seqlen(backend, h):
     """b=1, d=64, causal, fp32: s = 1K .. 8K; each doubling doubles saved bytes (+-5%).
 
@@ -88,7 +99,9 @@ def test_saved_tensors_are_linear_in_seqlen(backend, h):
         saved.append(nbytes)
         del inputs, out, lse
     ratios = [b / a for a, b in zip(saved, saved[1:])]
-    assert all(1.9 <= r <= 2.1 for r in ratios), f"saved bytes {saved}, ratios per doubling {ratios}"
+    assert all(1.9 <= r <= 2.1 for r in ratios), (
+        f"saved bytes {saved}, ratios per doubling {ratios}"
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -127,9 +140,20 @@ def test_varlen_saved_tensors(backend):
     q, k, v = (torch.randn(2024, 4, 64, generator=g) for _ in range(3))
     nbytes, shapes, inputs, out, lse = _measure(
         lambda q, k, v: flash_attn_varlen_func(
-            q, k, v, cu, cu, max(lengths), max(lengths), causal=True, backend=backend, return_lse=True
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max(lengths),
+            max(lengths),
+            causal=True,
+            backend=backend,
+            return_lse=True,
         ),
-        q, k, v,
+        q,
+        k,
+        v,
     )
     assert lse.shape == (4, 2024)
     _check_bounds(nbytes, shapes, inputs, out, lse, 1000, 1000)
@@ -139,7 +163,12 @@ def test_varlen_saved_tensors(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "extra",
-    [dict(window_size=(256, 0)), dict(window_size=(100, 300)), dict(alibi_slopes="slopes"), dict(softcap=20.0)],
+    [
+        dict(window_size=(256, 0)),
+        dict(window_size=(100, 300)),
+        dict(alibi_slopes="slopes"),
+        dict(softcap=20.0),
+    ],
     ids=["window-256", "window-100-300", "alibi", "softcap"],
 )
 def test_windows_alibi_and_softcap_save_exactly_what_plain_causal_saves(backend, dtype, extra):
@@ -160,6 +189,9 @@ def test_qkvpacked_saves_the_packed_buffer_once(backend):
 
     qkv = torch.randn(1, 1024, 3, 4, 64)
     nbytes, shapes, (leaf,), out, lse = _measure(
-        lambda x: flash_attn_qkvpacked_func(x, 0.0, None, True, (256, 0), backend=backend, return_lse=True), qkv
+        lambda x: flash_attn_qkvpacked_func(
+            x, 0.0, None, True, (256, 0), backend=backend, return_lse=True
+        ),
+        qkv,
     )
     assert nbytes == _nbytes(leaf, out, lse)

@@ -16,9 +16,6 @@ from fractions import Fraction
 import pytest
 import torch
 
-from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
-from _support.gpt_models import VOCAB, build_gpt, tiny_config
-
 from mcore_flash.planning import (
     MODELS,
     PROFILES,
@@ -33,8 +30,8 @@ from mcore_flash.planning import (
     non_layer_terms,
     plan_for_recipe,
     plan_memory,
-    search_layouts,
     recompute_overhead,
+    search_layouts,
     stage_parameters,
     step_flops,
     sum_terms,
@@ -44,16 +41,39 @@ from mcore_flash.planning.cli import main as plan_main
 from mcore_flash.planning.flops import FUSED_ATTENTION_BACKWARD
 from mcore_flash.planning.report import format_plan
 
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import VOCAB, build_gpt, tiny_config
+
 RECOMPUTE = ("none", "qkv", "attention", "full")
 # the tests' tiny model (tests/_support/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
 TINY = ModelShape("tiny-test", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
 ODD = ModelShape("odd", 3, 96, 160, 6, 3, VOCAB, max_position_embeddings=128)
 
 
-def _case(name, shape=TINY, recompute="none", b=2, s=256, dtype="fp32", sp=False, attention="fused", whole=0, **extra):
+def _case(
+    name,
+    shape=TINY,
+    recompute="none",
+    b=2,
+    s=256,
+    dtype="fp32",
+    sp=False,
+    attention="fused",
+    whole=0,
+    **extra,
+):
     """``whole`` > 0: partial recompute, that many layers recomputed whole, ``recompute`` for the rest."""
     return dict(
-        name=name, shape=shape, recompute=recompute, b=b, s=s, dtype=dtype, sp=sp, attention=attention, whole=whole, extra=extra
+        name=name,
+        shape=shape,
+        recompute=recompute,
+        b=b,
+        s=s,
+        dtype=dtype,
+        sp=sp,
+        attention=attention,
+        whole=whole,
+        extra=extra,
     )
 
 
@@ -73,7 +93,11 @@ TP1_CASES = [
     _case("standard-fp32", attention="standard"),
     _case("standard-bf16-dropout", attention="standard", dtype="bf16", attention_dropout=0.1),
 ]
-TP2_CASES = [_case(f"{mode}-sp{int(sp)}", recompute=mode, sp=sp) for sp in (False, True) for mode in RECOMPUTE]
+TP2_CASES = [
+    _case(f"{mode}-sp{int(sp)}", recompute=mode, sp=sp)
+    for sp in (False, True)
+    for mode in RECOMPUTE
+]
 
 
 def _build(case, tp):
@@ -123,8 +147,14 @@ def _w_measure(rank, world_size, cases, meta_models):
             saved = measure_activation_bytes(model, tokens, positions, None, labels=tokens)
             out["cases"][case["name"]] = (saved.per_layer(), saved.by_module, saved.total)
             out["params"].setdefault(case["shape"].name, sum(p.numel() for p in model.parameters()))
-            if case["recompute"] == "none" and case["dtype"] == "fp32" and case["attention"] == "fused":
-                out.setdefault("flops", {})[case["name"]] = _count_gemm_flops(model, tokens, positions)
+            if (
+                case["recompute"] == "none"
+                and case["dtype"] == "fp32"
+                and case["attention"] == "fused"
+            ):
+                out.setdefault("flops", {})[case["name"]] = _count_gemm_flops(
+                    model, tokens, positions
+                )
         out["meta"] = {name: meta_parameter_count(name, tp=world_size) for name in meta_models}
         if world_size == 1:
             out["trainer_tiny"] = _trainer_parameter_count("tiny")
@@ -159,7 +189,9 @@ def _count_gemm_flops(model, tokens, positions):
         gemms = sum(n for op, n in ops.items() if "scaled_dot_product" not in str(op))
         if module == "Global":
             step = gemms
-        elif module.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")):
+        elif module.endswith(
+            ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+        ):
             per_module[module] = gemms
     model.zero_grad()
     return per_module, step
@@ -187,7 +219,9 @@ def _predict(case, tp, cp=1, device="cpu"):
 
 def _exact(predicted, measured, what):
     """The planner's bytes equal the measured saved bytes exactly."""
-    assert float(predicted) == measured, f"{what}: predicted {float(predicted)}, measured {measured}"
+    assert float(predicted) == measured, (
+        f"{what}: predicted {float(predicted)}, measured {measured}"
+    )
 
 
 def _check_case(case, measured, tp, table):
@@ -206,11 +240,19 @@ def _check_case(case, measured, tp, table):
         _exact(decoder, modules["decoder"], f"{case['name']} tp{tp}: decoder")
         assert per_layer == {}
         rope = float(decoder - layers * sum_terms(layer))
-        table.append((f"tp{tp} {case['name']}", float(sum_terms(layer)), (modules["decoder"] - rope) / layers))
+        table.append(
+            (
+                f"tp{tp} {case['name']}",
+                float(sum_terms(layer)),
+                (modules["decoder"] - rope) / layers,
+            )
+        )
         return
     predicted = by_module(layer)
     for module in set(predicted) | set(per_layer):
-        _exact(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']} tp{tp}: {module}")
+        _exact(
+            predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']} tp{tp}: {module}"
+        )
     _exact(sum_terms(layer), sum(per_layer.values()), f"{case['name']} tp{tp}: layer total")
     table.append((f"tp{tp} {case['name']}", float(sum_terms(layer)), sum(per_layer.values())))
 
@@ -221,18 +263,29 @@ def _check_partial(case, total, tp, table):
     layers, whole = case["shape"].num_layers, case["whole"]
     selective, _ = _predict(case, tp)
     full, outside = _predict(dict(case, recompute="full"), tp)
-    predicted = whole * sum_terms(full) + (layers - whole) * sum_terms(selective) + sum_terms(outside)
+    predicted = (
+        whole * sum_terms(full) + (layers - whole) * sum_terms(selective) + sum_terms(outside)
+    )
     _exact(predicted, total, f"{case['name']} tp{tp}: whole model")
     table.append((f"tp{tp} {case['name']} (whole model)", float(predicted), total))
     plan = plan_memory(
         case["shape"],
         case["s"],
-        Layout(tp=tp, recompute=case["recompute"], recompute_num_layers=whole, micro_batch_size=case["b"]),
+        Layout(
+            tp=tp,
+            recompute=case["recompute"],
+            recompute_num_layers=whole,
+            micro_batch_size=case["b"],
+        ),
         activation_profile=PROFILES["cpu"].with_(swiglu_fused=False),
         dtype_bytes=4,
     )
-    mean = (whole * sum_terms(full) + (layers - whole) * sum_terms(selective, "activations")) / layers
-    assert plan.per_device["activations"] == math.ceil(layers * mean + sum_terms(o for o in outside if o.module == "decoder"))
+    mean = (
+        whole * sum_terms(full) + (layers - whole) * sum_terms(selective, "activations")
+    ) / layers
+    assert plan.per_device["activations"] == math.ceil(
+        layers * mean + sum_terms(o for o in outside if o.module == "decoder")
+    )
 
 
 CP2_CASES = [_case(f"cp2-{mode}", recompute=mode) for mode in RECOMPUTE] + [
@@ -253,8 +306,12 @@ def _w_measure_cp(rank, world_size, cases):
             model = _build(case, 1).train()
             generator = torch.Generator().manual_seed(3)
             tokens = torch.randint(0, VOCAB, (case["b"], case["s"]), generator=generator)
-            batch = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": torch.arange(case["s"]).expand_as(tokens)})
-            saved = measure_activation_bytes(model, batch["tokens"], batch["position_ids"], None, labels=batch["tokens"])
+            batch = get_batch_on_this_cp_rank(
+                {"tokens": tokens, "position_ids": torch.arange(case["s"]).expand_as(tokens)}
+            )
+            saved = measure_activation_bytes(
+                model, batch["tokens"], batch["position_ids"], None, labels=batch["tokens"]
+            )
             out[case["name"]] = (saved.per_layer(), saved.by_module, saved.total)
         return out
     finally:
@@ -268,11 +325,15 @@ def test_predicted_activation_bytes_match_measured_under_context_parallel():
             per_layer, modules, _ = rank_result[case["name"]]
             layer, _ = _predict(case, 1, cp=2)
             if case["recompute"] == "full":
-                assert per_layer == {} and modules["decoder"] >= case["shape"].num_layers * sum_terms(layer)
+                assert per_layer == {} and modules["decoder"] >= case[
+                    "shape"
+                ].num_layers * sum_terms(layer)
                 continue
             predicted = by_module(layer)
             for module in set(predicted) | set(per_layer):
-                _exact(predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}")
+                _exact(
+                    predicted.get(module, 0), per_layer.get(module, 0), f"{case['name']}: {module}"
+                )
 
 
 NPU_CASES = [
@@ -311,7 +372,10 @@ def test_predicted_activation_bytes_match_measured_on_the_emulated_npu():
     NPU path really keeps, measured on npu tensors."""
     measured = run_distributed(_w_measure_npu, 1, NPU_CASES, emulate_npu=True, timeout=300)[0]
     npu, cpu = (by_module(_predict(NPU_CASES[0], 1, device=d)[0]) for d in ("npu", "cpu"))
-    assert npu["self_attention.core_attention"] - cpu["self_attention.core_attention"] == 2 * 4 * 256 * 60
+    assert (
+        npu["self_attention.core_attention"] - cpu["self_attention.core_attention"]
+        == 2 * 4 * 256 * 60
+    )
     for case in NPU_CASES:
         per_layer, _, _ = measured[case["name"]]
         predicted = by_module(_predict(case, 1, device="npu")[0])
@@ -321,7 +385,9 @@ def test_predicted_activation_bytes_match_measured_on_the_emulated_npu():
 
 @pytest.fixture(scope="module")
 def measured():
-    tp1 = run_distributed(_w_measure, 1, TP1_CASES, ("llama2-70b", "llama3-70b", "tiny-test"), timeout=300)[0]
+    tp1 = run_distributed(
+        _w_measure, 1, TP1_CASES, ("llama2-70b", "llama3-70b", "tiny-test"), timeout=300
+    )[0]
     tp2 = run_distributed(_w_measure, 2, TP2_CASES, ("llama2-70b",), timeout=300)
     return tp1, tp2
 
@@ -342,7 +408,9 @@ def test_predicted_activation_bytes_match_measured(measured):
 def test_attention_recompute_keeps_only_the_layer_input(measured):
     """Guards the premise of the 'attention' terms: our spec's selective core_attn."""
     per_layer = measured[0]["cases"]["attention"][0]
-    assert not any(k.startswith(("self_attention", "input_layernorm")) for k in per_layer), per_layer
+    assert not any(k.startswith(("self_attention", "input_layernorm")) for k in per_layer), (
+        per_layer
+    )
     assert per_layer["<layer>"] == 256 * 2 * 64 * 4
 
 
@@ -359,17 +427,27 @@ def test_flop_model_matches_torch_flop_counter(measured):
         shape, s, b = case["shape"], case["s"], case["b"]
         per_module, step = counted[case["name"]]
         predicted = forward_flops(shape, s, b)
-        group = lambda *names: sum(n for m, n in per_module.items() if m.endswith(names))  # noqa: E731
-        assert group("linear_qkv", "linear_proj") == 3 * shape.num_layers * predicted["attention_projections"]
+
+        def group(*names, per_module=per_module):
+            return sum(n for m, n in per_module.items() if m.endswith(names))
+
+        assert (
+            group("linear_qkv", "linear_proj")
+            == 3 * shape.num_layers * predicted["attention_projections"]
+        )
         assert group("linear_fc1", "linear_fc2") == 3 * shape.num_layers * predicted["mlp"]
         assert group("output_layer") == 3 * predicted["logits"]
-        kernel_step = (1 + FUSED_ATTENTION_BACKWARD) * shape.num_layers * predicted["attention_kernel"]
+        kernel_step = (
+            (1 + FUSED_ATTENTION_BACKWARD) * shape.num_layers * predicted["attention_kernel"]
+        )
         assert step == b * step_flops(shape, s) - kernel_step
 
         a, g, d = shape.num_attention_heads, shape.num_query_groups, shape.head_dim
         q, kv = (b, a, s, d), (b, g, s, d)
         assert sdpa_flop_count(q, kv, kv) == 2 * predicted["attention_kernel"]  # no causal skip
-        assert sdpa_backward_flop_count(q, q, kv, kv) == FUSED_ATTENTION_BACKWARD * sdpa_flop_count(q, kv, kv)
+        assert sdpa_backward_flop_count(q, q, kv, kv) == FUSED_ATTENTION_BACKWARD * sdpa_flop_count(
+            q, kv, kv
+        )
 
 
 def test_recompute_overhead_by_mode():
@@ -377,12 +455,22 @@ def test_recompute_overhead_by_mode():
     fl = forward_flops("llama2-70b", 131072)
     step = step_flops("llama2-70b", 131072)
     full = recompute_overhead("llama2-70b", 131072, "full")
-    assert full == pytest.approx(80 * (fl["attention_projections"] + fl["attention_kernel"] + fl["mlp"]) / step)
-    assert 0 < recompute_overhead("llama2-70b", 131072, "core_attention") < recompute_overhead(
+    assert full == pytest.approx(
+        80 * (fl["attention_projections"] + fl["attention_kernel"] + fl["mlp"]) / step
+    )
+    assert (
+        0
+        < recompute_overhead("llama2-70b", 131072, "core_attention")
+        < recompute_overhead("llama2-70b", 131072, "attention")
+        < full
+        < 1 / 3
+    )
+    assert recompute_overhead("llama2-70b", 131072, "full", fused_attention=False) == pytest.approx(
+        1 / 3, rel=0.02
+    )
+    assert recompute_overhead("llama2-70b", 4096, "attention") < recompute_overhead(
         "llama2-70b", 131072, "attention"
-    ) < full < 1 / 3
-    assert recompute_overhead("llama2-70b", 131072, "full", fused_attention=False) == pytest.approx(1 / 3, rel=0.02)
-    assert recompute_overhead("llama2-70b", 4096, "attention") < recompute_overhead("llama2-70b", 131072, "attention")
+    )
     with pytest.raises(ValueError, match="recompute 'selective'"):
         recompute_overhead("llama2-70b", 4096, "selective")
 
@@ -392,11 +480,15 @@ def test_parameter_counts_match_megatron(measured):
     assert tp1["meta"]["llama2-70b"] == total_parameters("llama2-70b") == 68_976_648_192
     assert tp1["meta"]["llama3-70b"] == total_parameters("llama3-70b")
     assert tp1["meta"]["tiny-test"] == tp1["params"]["tiny-test"] == total_parameters(TINY)
-    assert tp1["trainer_tiny"] == total_parameters("tiny")  # the model `pretrain --model tiny` trains
+    assert tp1["trainer_tiny"] == total_parameters(
+        "tiny"
+    )  # the model `pretrain --model tiny` trains
     assert tp1["params"]["odd"] == total_parameters(ODD)
     for rank_result in tp2:  # per TP rank: split weights, replicated norms
         assert rank_result["params"]["tiny-test"] == sum(stage_parameters(TINY, tp=2).values())
-        assert rank_result["meta"]["llama2-70b"] == sum(stage_parameters("llama2-70b", tp=2).values())
+        assert rank_result["meta"]["llama2-70b"] == sum(
+            stage_parameters("llama2-70b", tp=2).values()
+        )
 
 
 def test_planner_tiny_is_the_model_pretrain_trains():
@@ -415,7 +507,9 @@ def test_planner_tiny_is_the_model_pretrain_trains():
     args = parse_args(["--model", "tiny", "--save", "/tmp/unused"])
     config = transformer_config(args)
     _, vocab = tokenizer_and_vocab(args)
-    gpt_defaults = {name: p.default for name, p in inspect.signature(GPTModel.__init__).parameters.items()}
+    gpt_defaults = {
+        name: p.default for name, p in inspect.signature(GPTModel.__init__).parameters.items()
+    }
     trained = {
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
@@ -425,13 +519,17 @@ def test_planner_tiny_is_the_model_pretrain_trains():
         "vocab_size": vocab,
         "head_dim": config.kv_channels,
         "normalization": config.normalization,
-        "activation": "swiglu" if config.gated_linear_unit and config.activation_func is F.silu else "gelu",
+        "activation": "swiglu"
+        if config.gated_linear_unit and config.activation_func is F.silu
+        else "gelu",
         "add_bias_linear": config.add_bias_linear,
         "qk_layernorm": config.qk_layernorm,
         "norm_epsilon": config.layernorm_epsilon,
         "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights,
         "position_embedding_type": args.position_embedding_type,
-        "max_position_embeddings": max(args.max_position_embeddings, args.seq_length),  # build_model's rule
+        "max_position_embeddings": max(
+            args.max_position_embeddings, args.seq_length
+        ),  # build_model's rule
         "rotary_percent": gpt_defaults["rotary_percent"],  # build_model leaves GPTModel's default
         "rotary_base": args.rotary_base,
         "rope_scaling": bool(args.use_rope_scaling),
@@ -440,37 +538,62 @@ def test_planner_tiny_is_the_model_pretrain_trains():
     assert {name: getattr(shape, name) for name in trained} == trained
     assert (vocab, config.hidden_size, config.ffn_hidden_size) == (384, 128, 352)
     # every field is compared (kv_channels as head_dim); the factor means nothing without scaling
-    assert {f.name for f in fields(ModelShape)} - set(trained) == {"name", "kv_channels", "rope_scaling_factor"}
+    assert {f.name for f in fields(ModelShape)} - set(trained) == {
+        "name",
+        "kv_channels",
+        "rope_scaling_factor",
+    }
 
 
 def test_public_functions_resolve_names_and_sizes_once():
     """``mcore_flash.planning``'s functions take preset names and sizes such as "1GiB" (also
     among the keywords search_layouts passes on); the stack below takes the typed values."""
-    from mcore_flash.planning import memory, search
+    from mcore_flash.planning import memory
 
     layout = Layout(tp=8, pp=2, cp=16, global_batch_size=32)
     named = plan_memory("llama2-70b", 131072, layout, device_memory="64GB", runtime_reserve="1GiB")
-    typed = memory.plan_memory(MODELS["llama2-70b"], 131072, layout, device_memory=64 * 2**30, runtime_reserve=2**30)
+    typed = memory.plan_memory(
+        MODELS["llama2-70b"], 131072, layout, device_memory=64 * 2**30, runtime_reserve=2**30
+    )
     assert named.per_device["runtime_reserve"] == 2**30 and named.device_memory == 64 * 2**30
     assert named.to_dict() == typed.to_dict()
-    options = dict(tp_choices=[8], pp_choices=[2], cp_choices=[16], recompute_choices=["none"], global_batch_size=32)
-    (found,) = search_layouts("llama2-70b", 131072, 256, "64GB", hardware="h100-80g", runtime_reserve="1GiB", **options)
-    assert found.step.hardware.name == "h100-80g" and found.plan.per_device["runtime_reserve"] == 2**30
+    options = dict(
+        tp_choices=[8],
+        pp_choices=[2],
+        cp_choices=[16],
+        recompute_choices=["none"],
+        global_batch_size=32,
+    )
+    (found,) = search_layouts(
+        "llama2-70b", 131072, 256, "64GB", hardware="h100-80g", runtime_reserve="1GiB", **options
+    )
+    assert (
+        found.step.hardware.name == "h100-80g" and found.plan.per_device["runtime_reserve"] == 2**30
+    )
 
 
 def test_llama2_70b_parameter_count():
     assert total_parameters("llama2-70b") == 68_976_648_192
     assert total_parameters("llama3-70b") == 70_553_706_496
     parts = stage_parameters("llama2-70b", tp=8, pp=2, stage=0)
-    assert parts["layers"] == 40 * (855_654_400 - 16384) // 8 + 40 * 16384 and parts["embedding"] == 32000 * 8192 // 8
+    assert (
+        parts["layers"] == 40 * (855_654_400 - 16384) // 8 + 40 * 16384
+        and parts["embedding"] == 32000 * 8192 // 8
+    )
 
 
-@pytest.mark.parametrize("s,b,h,a,t", [(2048, 1, 12288, 96, 8), (4096, 2, 8192, 64, 4), (512, 3, 1024, 16, 1)])
+@pytest.mark.parametrize(
+    "s,b,h,a,t", [(2048, 1, 12288, 96, 8), (4096, 2, 8192, 64, 4), (512, 3, 1024, 16, 1)]
+)
 def test_korthikanti_table2_reproduced_term_by_term(s, b, h, a, t):
     model, profile = korthikanti_model(h, a), PROFILES["korthikanti"]
 
     def ours(tp, sp, recompute):
-        return sum_terms(layer_terms(model, s, b, tp=tp, sequence_parallel=sp, recompute=recompute, profile=profile))
+        return sum_terms(
+            layer_terms(
+                model, s, b, tp=tp, sequence_parallel=sp, recompute=recompute, profile=profile
+            )
+        )
 
     assert ours(1, False, "none") == korthikanti_table2(s, b, h, a, 1, "none")
     assert ours(t, False, "none") == korthikanti_table2(s, b, h, a, t, "tp")
@@ -486,23 +609,31 @@ def test_qkv_recompute_on_the_70b_128k_recipe_layout():
     """Issue 14's target: the qkv boundary costs <= 3% more compute and keeps <= 85% of a
     layer's activations at TP8 PP2 CP16, 128K tokens (npu profile: 64-byte statistics)."""
     plans = {
-        mode: plan_memory("llama2-70b", 131072, Layout(tp=8, pp=2, cp=16, recompute=mode), device_memory="64GB")
+        mode: plan_memory(
+            "llama2-70b", 131072, Layout(tp=8, pp=2, cp=16, recompute=mode), device_memory="64GB"
+        )
         for mode in ("none", "qkv", "attention")
     }
     assert plans["qkv"].recompute_overhead <= 0.03 < plans["attention"].recompute_overhead
     assert plans["qkv"].layer_bytes <= 0.85 * plans["none"].layer_bytes
-    assert plans["attention"].layer_bytes < plans["qkv"].layer_bytes  # attention-only cuts more, costs more
+    assert (
+        plans["attention"].layer_bytes < plans["qkv"].layer_bytes
+    )  # attention-only cuts more, costs more
     # the FLOPs of the QKV projection alone, written out: 2 * s * h * (a + 2g) * d per layer
     s, h, a, g, d, layers = 131072, 8192, 64, 8, 128, 80
     qkv = layers * 2 * s * h * (a + 2 * g) * d
-    assert plans["qkv"].recompute_overhead == pytest.approx(qkv / step_flops("llama2-70b", s), rel=1e-12)
+    assert plans["qkv"].recompute_overhead == pytest.approx(
+        qkv / step_flops("llama2-70b", s), rel=1e-12
+    )
 
 
 def test_context_parallel_divides_the_local_sequence():
     """Per CP rank, a layer keeps what a layer of an s/cp-token sequence keeps (no cp-only terms)."""
     for recompute in ("none", "attention", "full"):
         kwargs = dict(tp=8, sequence_parallel=True, recompute=recompute, profile="npu")
-        assert layer_terms("llama2-70b", 131072, 1, cp=16, **kwargs) == layer_terms("llama2-70b", 8192, 1, cp=1, **kwargs)
+        assert layer_terms("llama2-70b", 131072, 1, cp=16, **kwargs) == layer_terms(
+            "llama2-70b", 8192, 1, cp=1, **kwargs
+        )
 
 
 def test_fused_layer_has_no_quadratic_term():
@@ -510,7 +641,9 @@ def test_fused_layer_has_no_quadratic_term():
         return sum_terms(layer_terms("llama2-70b", seq, 1, tp=8, cp=1, profile="npu"))
 
     assert layer(131072) == 32 * layer(4096)  # linear in s
-    rows = {r["seq_length"]: r for r in compare_standard("llama2-7b", [4096, 131072], profile="cuda")}
+    rows = {
+        r["seq_length"]: r for r in compare_standard("llama2-7b", [4096, 131072], profile="cuda")
+    }
     assert rows[4096]["scores_bytes"] == 2**30  # B*H*S^2*2 bytes at 32 heads, 4K: 1 GiB, not 4 GB
     assert rows[131072]["ratio"] > 100
 
@@ -523,7 +656,12 @@ def test_optimizer_and_weight_bytes_per_parameter():
     d = 2 * 16  # the distributed optimizer shards over dp x cp
     assert dist.per_device["weights"] + dist.per_device["gradients"] == 6 * params
     assert dist.per_device["optimizer_state"] == -(-12 * params // d)
-    assert plain.per_device["weights"] + plain.per_device["gradients"] + plain.per_device["optimizer_state"] == 18 * params
+    assert (
+        plain.per_device["weights"]
+        + plain.per_device["gradients"]
+        + plain.per_device["optimizer_state"]
+        == 18 * params
+    )
 
 
 def test_in_flight_microbatches_1f1b_and_interleaved():
@@ -558,10 +696,19 @@ def test_the_recipe_figures_the_readme_and_docs_quote():
     """README "The 70B / 128K recipe" and docs/step-time.md quote the planner's output for the
     recipe layout: 52.6 GiB (11.4 free), and with qkv 49.1 GiB, 84.3% of a layer's bytes, +1.3%."""
     none = plan_for_recipe()
-    qkv = plan_memory("llama2-70b", 131072, replace(none.layout, recompute="qkv"), device_memory="64GB")
+    qkv = plan_memory(
+        "llama2-70b", 131072, replace(none.layout, recompute="qkv"), device_memory="64GB"
+    )
     gib = 2**30
-    assert (round(none.total / gib, 1), round(none.headroom / gib, 1), round(qkv.total / gib, 1)) == (52.6, 11.4, 49.1)
-    assert round(qkv.layer_bytes / none.layer_bytes, 3) == 0.843 and round(qkv.recompute_overhead, 3) == 0.013
+    assert (
+        round(none.total / gib, 1),
+        round(none.headroom / gib, 1),
+        round(qkv.total / gib, 1),
+    ) == (52.6, 11.4, 49.1)
+    assert (
+        round(qkv.layer_bytes / none.layer_bytes, 3) == 0.843
+        and round(qkv.recompute_overhead, 3) == 0.013
+    )
 
 
 def test_search_recomputes_just_enough_layers_when_a_selective_mode_does_not_fit():
@@ -569,15 +716,26 @@ def test_search_recomputes_just_enough_layers_when_a_selective_mode_does_not_fit
     between the needs of k - 1 and k layers recomputed whole, the search offers qkv with
     exactly k (the least that fits), and without partial recompute it offers no qkv at all."""
     layout = Layout(tp=8, pp=2, cp=16, dp=1, recompute="qkv", global_batch_size=32)
-    need = [plan_memory("llama2-70b", 131072, replace(layout, recompute_num_layers=k)).total for k in range(40)]
+    need = [
+        plan_memory("llama2-70b", 131072, replace(layout, recompute_num_layers=k)).total
+        for k in range(40)
+    ]
     k = 3
     assert need[0] > need[k - 1] > need[k]  # each layer recomputed whole frees memory
     capacity = (need[k - 1] + need[k]) // 2
-    search = dict(tp_choices=[8], pp_choices=[2], cp_choices=[16], recompute_choices=["qkv"], global_batch_size=32)
+    search = dict(
+        tp_choices=[8],
+        pp_choices=[2],
+        cp_choices=[16],
+        recompute_choices=["qkv"],
+        global_batch_size=32,
+    )
     (found,) = search_layouts("llama2-70b", 131072, 256, capacity, **search)
     assert found.plan.fits and found.plan.layout == replace(layout, recompute_num_layers=k)
     assert found.plan.total == need[k]
-    assert search_layouts("llama2-70b", 131072, 256, capacity, partial_recompute=False, **search) == []
+    assert (
+        search_layouts("llama2-70b", 131072, 256, capacity, partial_recompute=False, **search) == []
+    )
 
 
 def test_cli_plan_json(capsys):
@@ -588,9 +746,17 @@ def test_cli_plan_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] is True
     assert out["total_parameters"] == 68_976_648_192
-    assert set(out["per_device_bytes"]) >= {"weights", "gradients", "optimizer_state", "activations", "attention_statistics"}
+    assert set(out["per_device_bytes"]) >= {
+        "weights",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "attention_statistics",
+    }
     assert out["total_bytes_per_device"] == sum(out["per_device_bytes"].values())
-    assert "--recompute-granularity selective --recompute-modules core_attn" in out["launch_command"]
+    assert (
+        "--recompute-granularity selective --recompute-modules core_attn" in out["launch_command"]
+    )
 
 
 def test_cli_plan_verdict_does_not_fit(capsys):
@@ -627,7 +793,12 @@ def _hand_linear_flops(shape, s):
     """Forward FLOPs of TINY's matmuls for one s-token sequence, from the weight shapes:
     2 * tokens * in * out per linear layer."""
     h, a, g, d, f, V = 64, 4, 2, 16, 128, VOCAB
-    assert (shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, shape.head_dim) == (h, a, g, d)
+    assert (
+        shape.hidden_size,
+        shape.num_attention_heads,
+        shape.num_query_groups,
+        shape.head_dim,
+    ) == (h, a, g, d)
     assert (shape.ffn_hidden_size, shape.vocab_size, shape.gated) == (f, V, True)
     projections = 2 * s * (h * (a + 2 * g) * d + a * d * h)  # linear_qkv, linear_proj
     mlp = 2 * s * (h * 2 * f + f * h)  # linear_fc1 (gate and up), linear_fc2
@@ -646,11 +817,14 @@ def test_attention_flops_follow_the_mean_document_length():
             k: v for k, v in dense.items() if k != "attention_kernel"
         }
     assert forward_flops(TINY, s, b, mean_document_length=s) == dense
-    assert forward_flops(TINY, s, b, mean_document_length=16)["attention_kernel"] == dense["attention_kernel"] / 16
-    # equal lengths are a lower bound: the same mean, unequal lengths cost more
-    assert forward_flops(TINY, s, b, mean_document_length=16)["attention_kernel"] < _hand_attention_kernel_flops(
-        TINY, b, [8, 24] * 8
+    assert (
+        forward_flops(TINY, s, b, mean_document_length=16)["attention_kernel"]
+        == dense["attention_kernel"] / 16
     )
+    # equal lengths are a lower bound: the same mean, unequal lengths cost more
+    assert forward_flops(TINY, s, b, mean_document_length=16)[
+        "attention_kernel"
+    ] < _hand_attention_kernel_flops(TINY, b, [8, 24] * 8)
 
 
 def test_step_flops_and_recompute_overhead_with_packed_documents():
@@ -661,19 +835,35 @@ def test_step_flops_and_recompute_overhead_with_packed_documents():
     kernel = _hand_attention_kernel_flops(TINY, 1, [D] * (s // D))
     step = 3 * (L * (projections + mlp) + logits) + 3.5 * L * kernel
     assert step_flops(TINY, s, mean_document_length=D) == pytest.approx(step, rel=1e-12)
-    expected = {"none": 0.0, "attention": L * (projections + kernel) / step, "full": L * (projections + kernel + mlp) / step}
+    expected = {
+        "none": 0.0,
+        "attention": L * (projections + kernel) / step,
+        "full": L * (projections + kernel + mlp) / step,
+    }
     for mode, overhead in expected.items():
-        assert recompute_overhead(TINY, s, mode, mean_document_length=D) == pytest.approx(overhead, rel=1e-12)
+        assert recompute_overhead(TINY, s, mode, mean_document_length=D) == pytest.approx(
+            overhead, rel=1e-12
+        )
         layout = Layout(recompute=mode, global_batch_size=4)
         packed = plan_memory(TINY, s, layout, mean_document_length=D)
         one_document = plan_memory(TINY, s, layout)
-        assert packed.per_device == one_document.per_device and packed.layer_terms == one_document.layer_terms
+        assert (
+            packed.per_device == one_document.per_device
+            and packed.layer_terms == one_document.layer_terms
+        )
         assert packed.recompute_overhead == pytest.approx(overhead, rel=1e-12)
-        assert packed.to_dict()["mean_document_length"] == D and one_document.to_dict()["mean_document_length"] is None
-    assert recompute_overhead(TINY, s, "attention", mean_document_length=D) < recompute_overhead(TINY, s, "attention")
+        assert (
+            packed.to_dict()["mean_document_length"] == D
+            and one_document.to_dict()["mean_document_length"] is None
+        )
+    assert recompute_overhead(TINY, s, "attention", mean_document_length=D) < recompute_overhead(
+        TINY, s, "attention"
+    )
 
 
-RECIPE_ARGS = "--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split()
+RECIPE_ARGS = (
+    "--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split()
+)
 
 
 def test_cli_mean_document_length_in_text_and_json(capsys):
@@ -683,7 +873,9 @@ def test_cli_mean_document_length_in_text_and_json(capsys):
     packed = json.loads(capsys.readouterr().out)
     assert one_document["mean_document_length"] is None and packed["mean_document_length"] == 8192
     assert packed["per_device_bytes"] == one_document["per_device_bytes"]
-    assert packed["recompute_overhead"] == recompute_overhead("llama2-70b", 131072, "attention", mean_document_length=8192)
+    assert packed["recompute_overhead"] == recompute_overhead(
+        "llama2-70b", 131072, "attention", mean_document_length=8192
+    )
     assert packed["recompute_overhead"] < one_document["recompute_overhead"]
     # the launch command asks the trainer for the document masking the plan assumes
     assert "--reset-attention-mask --reset-position-ids" in packed["launch_command"]
@@ -694,24 +886,40 @@ def test_cli_mean_document_length_in_text_and_json(capsys):
     assert "documents: packed, mean 8,192 tokens" in out and "x 0.0625" in out
     assert f"recompute +{packed['recompute_overhead']:.1%}" in out
 
-    search = "--search --num-devices 256 --device-memory 64GB --top 2 --mean-document-length 8K".split()
+    search = (
+        "--search --num-devices 256 --device-memory 64GB --top 2 --mean-document-length 8K".split()
+    )
     assert plan_main(search) == 0
     assert "131,072 tokens (documents of mean 8,192)" in capsys.readouterr().out
     assert plan_main(search + ["--json"]) == 0
-    assert {p["mean_document_length"] for p in json.loads(capsys.readouterr().out)["layouts"]} == {8192}
+    assert {p["mean_document_length"] for p in json.loads(capsys.readouterr().out)["layouts"]} == {
+        8192
+    }
 
 
 @pytest.mark.parametrize(
     "argv,problem,fix",
     [
-        ("--mean-document-length 0", "--mean-document-length 0: a document has at least 1 token", "or omit the flag"),
-        ("--mean-document-length -5", "--mean-document-length -5: a document has at least 1 token", "or omit the flag"),
+        (
+            "--mean-document-length 0",
+            "--mean-document-length 0: a document has at least 1 token",
+            "or omit the flag",
+        ),
+        (
+            "--mean-document-length -5",
+            "--mean-document-length -5: a document has at least 1 token",
+            "or omit the flag",
+        ),
         (
             "--seq-length 4K --mean-document-length 8K",
             "--mean-document-length 8192 is longer than --seq-length 4096",
             "give at most 4096",
         ),
-        ("--compare-standard --mean-document-length 4K", "--mean-document-length changes FLOPs, not the saved bytes", "drop it"),
+        (
+            "--compare-standard --mean-document-length 4K",
+            "--mean-document-length changes FLOPs, not the saved bytes",
+            "drop it",
+        ),
     ],
 )
 def test_cli_mean_document_length_errors(capsys, argv, problem, fix):
@@ -722,7 +930,9 @@ def test_cli_mean_document_length_errors(capsys, argv, problem, fix):
 
 
 def test_mean_document_length_is_checked_in_the_api():
-    with pytest.raises(ValueError, match="--mean-document-length 512 is longer than --seq-length 256"):
+    with pytest.raises(
+        ValueError, match="--mean-document-length 512 is longer than --seq-length 256"
+    ):
         forward_flops(TINY, 256, mean_document_length=512)
     with pytest.raises(ValueError, match="at least 1 token"):
         plan_memory(TINY, 256, Layout(), mean_document_length=0.5)
@@ -733,16 +943,26 @@ def test_cli_partial_recompute_plan_and_its_launch_flags(capsys):
     the rest; the overhead mixes the modes by layer share and the launch flags parse back."""
     from mcore_flash.transformer.recompute import recompute_settings
 
-    rc = plan_main(RECIPE_ARGS[:-4] + "--recompute qkv --recompute-num-layers 4 --device-memory 64GB --json".split())
+    rc = plan_main(
+        RECIPE_ARGS[:-4]
+        + "--recompute qkv --recompute-num-layers 4 --device-memory 64GB --json".split()
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["layout"]["recompute_num_layers"] == 4
     s = 131072
-    mixed = 0.1 * recompute_overhead("llama2-70b", s, "full") + 0.9 * recompute_overhead("llama2-70b", s, "qkv")
+    mixed = 0.1 * recompute_overhead("llama2-70b", s, "full") + 0.9 * recompute_overhead(
+        "llama2-70b", s, "qkv"
+    )
     assert out["recompute_overhead"] == pytest.approx(mixed, rel=1e-12)
     flags = out["recompute_flags"]
     assert " ".join(flags) in out["launch_command"]
-    assert flags == "--recompute-granularity full --recompute-method block --recompute-num-layers 4 --recompute-modules qkv".split()
+    assert (
+        flags
+        == "--recompute-granularity full --recompute-method block --recompute-num-layers 4 --recompute-modules qkv".split()
+    )
     settings = recompute_settings(flags[1], flags[3], int(flags[5]), flags[7:])
     assert settings.config["recompute_method"] == "block" and settings.layer_modules == ("qkv",)
-    qkv_only = plan_memory("llama2-70b", s, Layout(tp=8, pp=2, cp=16, recompute="qkv"), device_memory="64GB")
+    qkv_only = plan_memory(
+        "llama2-70b", s, Layout(tp=8, pp=2, cp=16, recompute="qkv"), device_memory="64GB"
+    )
     assert out["total_bytes_per_device"] < qkv_only.total

@@ -42,13 +42,18 @@ def planning_imports(directory: str) -> dict[str, set[str]]:
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level > 1:
-                    raise AssertionError(f"{module}: relative import above the package ({'.' * node.level})")
+                    raise AssertionError(
+                        f"{module}: relative import above the package ({'.' * node.level})"
+                    )
                 if node.level:
                     base = PACKAGE + (f".{node.module}" if node.module else "")
                 else:
                     base = node.module or ""
                 # `from package import x` imports module x when x is one, else the package
-                targets = [f"{base}.{a.name}" if base == PACKAGE and a.name in modules else base for a in node.names]
+                targets = [
+                    f"{base}.{a.name}" if base == PACKAGE and a.name in modules else base
+                    for a in node.names
+                ]
             else:
                 continue
             for target in targets:
@@ -69,7 +74,9 @@ def layer_violations(imports: dict[str, set[str]], layers: list[list[str]]) -> l
             if target not in level:
                 problems.append(f"{module} imports {target}, which has no layer in LAYERS")
             elif level[target] >= level[module]:
-                problems.append(f"{module} (layer {level[module]}) imports {target} (layer {level[target]})")
+                problems.append(
+                    f"{module} (layer {level[module]}) imports {target} (layer {level[target]})"
+                )
     return problems
 
 

@@ -16,7 +16,12 @@ import pytest
 
 from mcore_flash.planning import Layout, predict_step_time, stage_parameters
 from mcore_flash.planning.cli import main as plan_main
-from mcore_flash.planning.hardware import HARDWARE_PROFILES, REQUIRED_FIELDS, HardwareProfile, load_hardware
+from mcore_flash.planning.hardware import (
+    HARDWARE_PROFILES,
+    REQUIRED_FIELDS,
+    HardwareProfile,
+    load_hardware,
+)
 from mcore_flash.planning.step_time import BREAKDOWN_KEYS
 
 # ---- hardware profiles ------------------------------------------------------------------
@@ -27,12 +32,24 @@ def test_builtin_profiles_have_a_source_for_every_number():
     for profile in HARDWARE_PROFILES.values():
         assert set(REQUIRED_FIELDS) <= set(profile.sources), profile.name
         assert all(profile.sources[k].strip() for k in REQUIRED_FIELDS)
-    h100, h200, ascend = (HARDWARE_PROFILES[k] for k in ("h100-80g", "h200-141g", "ascend-910b-64g"))
+    h100, h200, ascend = (
+        HARDWARE_PROFILES[k] for k in ("h100-80g", "h200-141g", "ascend-910b-64g")
+    )
     assert h100.peak_bf16_tflops == h200.peak_bf16_tflops == 989  # datasheets: 1,979 with sparsity
-    assert h100.intra_node_bandwidth == 450e9 and h100.inter_node_bandwidth == 50e9  # 900 GB/s bidir.; 400 Gb/s
-    assert (h100.hbm_bytes, h200.hbm_bytes, ascend.hbm_bytes) == (80 * 2**30, 141 * 2**30, 64 * 2**30)
-    assert ascend.peak_bf16_tflops == 354 and ascend.inter_node_bandwidth == 25e9  # MindSpeed-LLM; 200GE per NPU
-    assert {p.achievable_fraction for p in HARDWARE_PROFILES.values()} == {0.55}  # the one calibrated number
+    assert (
+        h100.intra_node_bandwidth == 450e9 and h100.inter_node_bandwidth == 50e9
+    )  # 900 GB/s bidir.; 400 Gb/s
+    assert (h100.hbm_bytes, h200.hbm_bytes, ascend.hbm_bytes) == (
+        80 * 2**30,
+        141 * 2**30,
+        64 * 2**30,
+    )
+    assert (
+        ascend.peak_bf16_tflops == 354 and ascend.inter_node_bandwidth == 25e9
+    )  # MindSpeed-LLM; 200GE per NPU
+    assert {p.achievable_fraction for p in HARDWARE_PROFILES.values()} == {
+        0.55
+    }  # the one calibrated number
     assert "ASSUMPTION" in ascend.sources["intra_node_bandwidth"]
 
 
@@ -74,7 +91,10 @@ def test_bad_custom_profiles_name_the_flag_and_the_fix(tmp_path, content, messag
 
 
 def test_unknown_profile_name_lists_the_choices():
-    with pytest.raises(ValueError, match="--hardware a100: unknown profile; choose one of ascend-910b-64g, h100-80g"):
+    with pytest.raises(
+        ValueError,
+        match="--hardware a100: unknown profile; choose one of ascend-910b-64g, h100-80g",
+    ):
         load_hardware("a100")
 
 
@@ -109,7 +129,9 @@ def test_tiny_step_time_equals_the_hand_computation():
     # 64 + 64*128/2 + 4*16*64/2 + 64 + 64*256/2 + 128*64/2 (norm, qkv, proj, norm, fc1, fc2)
     # + final norm 64 + output layer 128*64/2
     params = (64 + 4096 + 2048 + 64 + 8192 + 4096) + 64 + 4096
-    assert params == max(sum(stage_parameters("tiny-test", 2, 2, stage).values()) for stage in (0, 1))
+    assert params == max(
+        sum(stage_parameters("tiny-test", 2, 2, stage).values()) for stage in (0, 1)
+    )
     grad_reduce = 0.5 * params * 4 / 1e6  # fp32 reduce-scatter, overlapped with one backward:
     backward = 2 * gemm_fwd + 2.5 * kernel_fwd + logits * 2 / 3
     param_gather = 0.5 * params * 2 / 1e6  # bf16 all-gather, not overlapped by default
@@ -139,7 +161,9 @@ def test_recompute_adds_its_flops_and_re_run_communication():
         assert st.mfu < none.mfu  # model FLOPs exclude the recompute
     reruns = predict_step_time("tiny-test", 256, replace(lay, recompute="attention"), HAND)
     fwd_exposed = 4096 * 2 / 1e6 - 8_388_608 / 4 / 5e8 / 2
-    assert reruns.breakdown["cp_ring_exposed"] - none.breakdown["cp_ring_exposed"] == pytest.approx(4 * fwd_exposed)
+    assert reruns.breakdown["cp_ring_exposed"] - none.breakdown["cp_ring_exposed"] == pytest.approx(
+        4 * fwd_exposed
+    )
 
 
 def test_short_ranks_expose_the_ring_and_long_ranks_hide_it():
@@ -147,7 +171,9 @@ def test_short_ranks_expose_the_ring_and_long_ranks_hide_it():
     block compute; CP16 (1K per rank, K/V hops over RoCE) cannot."""
     ascend = HARDWARE_PROFILES["ascend-910b-64g"]
     short = predict_step_time("llama2-70b", 16384, Layout(tp=8, cp=16, global_batch_size=8), ascend)
-    long = predict_step_time("llama2-70b", 16384, Layout(tp=8, cp=2, dp=8, global_batch_size=8), ascend)
+    long = predict_step_time(
+        "llama2-70b", 16384, Layout(tp=8, cp=2, dp=8, global_batch_size=8), ascend
+    )
     assert long.breakdown["cp_ring_exposed"] == 0
     assert short.breakdown["cp_ring_exposed"] > 0.05 * short.step_time_s
     assert short.details["cp_hop_forward_s"] > short.details["cp_block_forward_s"]
@@ -157,9 +183,15 @@ def test_overlap_options_hide_communication():
     ascend = HARDWARE_PROFILES["ascend-910b-64g"]
     lay = Layout(tp=8, pp=2, cp=16, global_batch_size=32, recompute="attention")
     plain = predict_step_time("llama2-70b", 131072, lay, ascend, overlap_grad_reduce=False)
-    hidden = predict_step_time("llama2-70b", 131072, lay, ascend, tp_comm_overlap=True, overlap_param_gather=True)
+    hidden = predict_step_time(
+        "llama2-70b", 131072, lay, ascend, tp_comm_overlap=True, overlap_param_gather=True
+    )
     assert plain.breakdown["dp_grad_reduce_exposed"] == plain.details["dp_grad_reduce_s"] > 0
-    assert hidden.breakdown["dp_grad_reduce_exposed"] == hidden.breakdown["dp_param_gather_exposed"] == 0
+    assert (
+        hidden.breakdown["dp_grad_reduce_exposed"]
+        == hidden.breakdown["dp_param_gather_exposed"]
+        == 0
+    )
     assert hidden.breakdown["tp_communication"] == 0  # the GEMMs of a 128K layer hide it
 
 
@@ -173,8 +205,12 @@ def _nvidia_llama31_70b(gpus):
     """NVIDIA dgxc-benchmarking, llama3.1/README_70b.md (NeMo 24.09 = Megatron-Core, BF16):
     Llama-3.1-70B, seq 8192, TP4 PP4 CP2 VP5, MBS 1, GA 64, GBS = 2 x GPUs, distributed
     optimizer with overlapped gradient reduce and parameter gather, TP comm overlap."""
-    lay = Layout(tp=4, pp=4, cp=2, vp=5, dp=gpus // 32, micro_batch_size=1, global_batch_size=2 * gpus)
-    return predict_step_time("llama3.1-70b", 8192, lay, H100, tp_comm_overlap=True, overlap_param_gather=True)
+    lay = Layout(
+        tp=4, pp=4, cp=2, vp=5, dp=gpus // 32, micro_batch_size=1, global_batch_size=2 * gpus
+    )
+    return predict_step_time(
+        "llama3.1-70b", 8192, lay, H100, tp_comm_overlap=True, overlap_param_gather=True
+    )
 
 
 def test_calibration_nvidia_llama31_70b_bf16_64_h100():
@@ -182,7 +218,9 @@ def test_calibration_nvidia_llama31_70b_bf16_64_h100():
     NVIDIA's convention); fitting the achievable fraction to it gives 0.553, stored as 0.55."""
     st = _nvidia_llama31_70b(64)
     assert st.step_time_s == pytest.approx(14.72, rel=0.01)
-    assert st.mfu_megatron == pytest.approx(0.5410, rel=0.01)  # our Megatron convention = NVIDIA's formula
+    assert st.mfu_megatron == pytest.approx(
+        0.5410, rel=0.01
+    )  # our Megatron convention = NVIDIA's formula
 
 
 @pytest.mark.parametrize(
@@ -194,10 +232,22 @@ def test_calibration_nvidia_llama31_70b_bf16_64_h100():
         (
             "mindspeed 32 NPUs MFU",
             0.441,
-            lambda: predict_step_time(
-                "llama2-70b", 4096, Layout(tp=8, pp=4, vp=4, micro_batch_size=1, global_batch_size=128,
-                                           distributed_optimizer=False), ASCEND, overlap_grad_reduce=False,
-            ).mfu_megatron,
+            lambda: (
+                predict_step_time(
+                    "llama2-70b",
+                    4096,
+                    Layout(
+                        tp=8,
+                        pp=4,
+                        vp=4,
+                        micro_batch_size=1,
+                        global_batch_size=128,
+                        distributed_optimizer=False,
+                    ),
+                    ASCEND,
+                    overlap_grad_reduce=False,
+                ).mfu_megatron
+            ),
             0.08,
         ),
         # MindSpeed-LLM (then ModelLink) README (commit 46bc1b9dba3e, 2024-03): LLaMA2 70B, 8x8 NPUs,
@@ -206,24 +256,37 @@ def test_calibration_nvidia_llama31_70b_bf16_64_h100():
         (
             "mindspeed 64 NPUs tokens/s",
             350,
-            lambda: predict_step_time(
-                "llama2-70b", 4096, Layout(tp=8, pp=8, micro_batch_size=2, global_batch_size=1024,
-                                           distributed_optimizer=False), ASCEND, overlap_grad_reduce=False,
-            ).tokens_per_s_per_device,
+            lambda: (
+                predict_step_time(
+                    "llama2-70b",
+                    4096,
+                    Layout(
+                        tp=8,
+                        pp=8,
+                        micro_batch_size=2,
+                        global_batch_size=1024,
+                        distributed_optimizer=False,
+                    ),
+                    ASCEND,
+                    overlap_grad_reduce=False,
+                ).tokens_per_s_per_device
+            ),
             0.08,
         ),
         # NVIDIA dgxc-benchmarking llama3.1/README_70b.md: the same recipe weak-scaled to 2048
         # H100s (GBS 4096): 14.98 s per step (DP 64: the gradient reduction crosses nodes)
         ("nvidia 2048 H100 step time", 14.98, lambda: _nvidia_llama31_70b(2048).step_time_s, 0.08),
     ],
-)  # fmt: skip
+)
 def test_published_figures_reproduced_within_8_percent(name, published, predicted, tolerance):
     assert predicted() == pytest.approx(published, rel=tolerance), name
 
 
 # ---- CLI ---------------------------------------------------------------------------------
 
-RECIPE = "--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split()
+RECIPE = (
+    "--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split()
+)
 
 
 def test_cli_plan_json_has_the_step_time(capsys):
@@ -231,7 +294,13 @@ def test_cli_plan_json_has_the_step_time(capsys):
     out = json.loads(capsys.readouterr().out)
     step = out["step_time"]
     assert step["hardware"] == "ascend-910b-64g"
-    assert set(step) >= {"step_time_s", "tokens_per_s_per_device", "mfu", "mfu_megatron", "breakdown_s"}
+    assert set(step) >= {
+        "step_time_s",
+        "tokens_per_s_per_device",
+        "mfu",
+        "mfu_megatron",
+        "breakdown_s",
+    }
     assert set(step["breakdown_s"]) == set(BREAKDOWN_KEYS)
     assert step["step_time_s"] == pytest.approx(sum(step["breakdown_s"].values()))
     assert step["tokens_per_s_per_device"] == pytest.approx(32 * 131072 / step["step_time_s"] / 256)
@@ -241,9 +310,15 @@ def test_cli_plan_json_has_the_step_time(capsys):
 def test_cli_plan_text_and_hardware_flag(capsys, tmp_path):
     assert plan_main(RECIPE + ["--hardware", "h100-80g"]) == 0
     out = capsys.readouterr().out
-    assert "step time on 256 x h100-80g (989 TFLOP/s peak x 0.55 achievable)" in out and "attention_kernel" in out
+    assert (
+        "step time on 256 x h100-80g (989 TFLOP/s peak x 0.55 achievable)" in out
+        and "attention_kernel" in out
+    )
     assert plan_main(RECIPE + ["--hardware", "tpu-v9"]) == 2
-    assert "mcore-flash plan: --hardware tpu-v9: unknown profile; choose one of" in capsys.readouterr().err
+    assert (
+        "mcore-flash plan: --hardware tpu-v9: unknown profile; choose one of"
+        in capsys.readouterr().err
+    )
     slow = {k: v for k, v in HARDWARE_PROFILES["h100-80g"].to_dict().items() if k != "name"}
     path = tmp_path / "half-h100.json"
     path.write_text(json.dumps({**slow, "peak_bf16_tflops": 494.5}))
@@ -255,16 +330,22 @@ def test_cli_search_ranks_by_predicted_step_time(capsys):
     assert plan_main("--search --num-devices 256 --device-memory 64GB --top 50 --json".split()) == 0
     out = json.loads(capsys.readouterr().out)
     layouts = out["layouts"]
-    assert out["hardware"]["name"] == "ascend-910b-64g" and len(layouts) == min(50, out["num_fitting"])
+    assert out["hardware"]["name"] == "ascend-910b-64g" and len(layouts) == min(
+        50, out["num_fitting"]
+    )
     roomy = [lay for lay in layouts if not any(n.startswith("tight") for n in lay["notes"])]
     times = [lay["step_time"]["step_time_s"] for lay in roomy]
     assert times == sorted(times) and layouts[: len(roomy)] == roomy  # tight layouts last
     assert {lay["layout"]["recompute"] for lay in layouts} >= {"none", "qkv", "attention", "full"}
     best = layouts[0]["layout"]
-    assert (best["tp"], best["pp"], best["cp"], best["recompute"]) == (8, 2, 16, "none")  # scripts/pretrain_70b.sh
+    assert (best["tp"], best["pp"], best["cp"], best["recompute"]) == (
+        8,
+        2,
+        16,
+        "none",
+    )  # scripts/pretrain_70b.sh
 
     assert plan_main("--search --num-devices 256 --device-memory 64GB --top 2".split()) == 0
     text = capsys.readouterr().out
     assert "best 2 by predicted step time" in text and text.count("tokens/s per device") == 2
     assert "attention_kernel" in text and text.count("mcore-flash pretrain") == 2
-

@@ -16,10 +16,11 @@ import traceback
 import pytest
 import torch
 
-from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
-from _support.gpt_models import full_weights, load_full_weights
 from mcore_flash import platform
 from mcore_flash.training.distributed import set_random_seed
+
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.gpt_models import full_weights, load_full_weights
 
 HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, LAYERS = 64, 4, 2, 128, 128, 32, 2
 SEED = 1234
@@ -81,7 +82,9 @@ def single():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, single):
-    return run_distributed(_pair_worker, 2, str(tmp_path_factory.mktemp("dist_ckpt")), _get(single, "gpt")["weights"])
+    return run_distributed(
+        _pair_worker, 2, str(tmp_path_factory.mktemp("dist_ckpt")), _get(single, "gpt")["weights"]
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -141,6 +144,8 @@ def _setup_section():
     from megatron.core.models.gpt import gpt_model  # first imported after setup()
     from megatron.core.transformer import utils as mutils  # imported before setup()
 
+    from mcore_flash.platform.megatron_torch_view import ViewFinder
+
     x = torch.ones(3)
     out = dict(
         first=first,
@@ -149,7 +154,7 @@ def _setup_section():
             torch.Tensor.cuda is tensor_cuda
             and mrandom._get_cuda_rng_state is rng_get
             and before is not tensor_cuda
-            and sum(isinstance(f, platform.ViewFinder) for f in sys.meta_path) == 1
+            and sum(isinstance(f, ViewFinder) for f in sys.meta_path) == 1
         ),
         switch_error=with_switch,
         device_type=platform.device_type(),
@@ -241,10 +246,9 @@ def test_megatron_seeding_leaves_the_users_cpu_generator_alone(single):
 def _w_npu_setup(rank, world_size):
     import os
 
+    from megatron.core import parallel_state
     from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
-
-    from megatron.core import parallel_state
 
     from mcore_flash.training.distributed import set_random_seed
 
@@ -255,7 +259,9 @@ def _w_npu_setup(rank, world_size):
     seeds = (torch.initial_seed(), torch.npu.initial_seed())
     param = torch.nn.Parameter(torch.ones(4, device=platform.torch_device()))
     param.grad = torch.full((4,), 2.0, device=param.device)
-    clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=4.0)  # asserts .type()
+    clip_grads.clip_grad_by_total_norm_fp32(
+        [param], max_norm=1.0, total_norm=4.0
+    )  # asserts .type()
     return dict(
         device=device,
         applied=platform.applied_adaptations(),
@@ -274,7 +280,12 @@ def _draws(tracker_states):
 
     import numpy
 
-    return random.random(), float(numpy.random.rand()), torch.rand(3), {k: v.clone() for k, v in tracker_states().items()}
+    return (
+        random.random(),
+        float(numpy.random.rand()),
+        torch.rand(3),
+        {k: v.clone() for k, v in tracker_states().items()},
+    )
 
 
 def _w_seeding_per_pipeline_rank(rank, world_size):
@@ -313,10 +324,20 @@ def test_seeding_is_megatron_lms_seed_plus_100_per_pipeline_rank():
 def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
     out = run_distributed(_w_npu_setup, 1, emulate_npu=True, bind_device=False)[0]
     assert out["device"] == "npu"
-    assert out["applied"] == ["npu_device_capability", "megatron_npu_tensor_type", "checkpoint_without_output_no_te"]
-    assert out["torch_device"] == out["tensor_device"] == "npu:3"  # set_device(LOCAL_RANK), defect 10
-    assert out["clipped"] == pytest.approx([2.0 / (4.0 + 1e-6)] * 4)  # megatron's 'torch.cuda.FloatTensor' assert passed
-    assert out["our_type"] == "torch.npu.FloatTensor"  # everyone else: torch's own answer (defect 8)
+    assert out["applied"] == [
+        "npu_device_capability",
+        "megatron_npu_tensor_type",
+        "checkpoint_without_output_no_te",
+    ]
+    assert (
+        out["torch_device"] == out["tensor_device"] == "npu:3"
+    )  # set_device(LOCAL_RANK), defect 10
+    assert out["clipped"] == pytest.approx(
+        [2.0 / (4.0 + 1e-6)] * 4
+    )  # megatron's 'torch.cuda.FloatTensor' assert passed
+    assert (
+        out["our_type"] == "torch.npu.FloatTensor"
+    )  # everyone else: torch's own answer (defect 8)
     assert out["no_te_fp8"] is False  # CheckpointWithoutOutput without TE (defect 2)
     assert out["capability"] == (8, 0)  # torch's broadcast can index it
     # Megatron-LM's seeding: the CPU generator the weights come from and the device's
@@ -453,15 +474,21 @@ def test_gpt_tp2_sequence_parallel_matches_tp1(single, pair):
 def _recompute_section():
     """GPT with hidden dropout: selective (core_attn, layernorm -> CheckpointWithoutOutput,
     mlp) and full recompute give the loss and gradients of no recompute."""
-    from megatron.core import tensor_parallel
 
     runs = {}
     for name, kw in (
         ("none", {}),
-        ("selective", dict(recompute_granularity="selective",
-                           recompute_modules=["core_attn", "layernorm", "mlp"])),
-        ("full", dict(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=1)),
+        (
+            "selective",
+            dict(
+                recompute_granularity="selective",
+                recompute_modules=["core_attn", "layernorm", "mlp"],
+            ),
+        ),
+        (
+            "full",
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        ),
     ):
         set_random_seed(SEED)
         model = _gpt(_config(tp=1, hidden_dropout=0.2, **kw))
@@ -494,8 +521,6 @@ def _ddp_section(rank, world_size):
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron.core import tensor_parallel
-
     set_random_seed(SEED)
     config = _config(tp=1)
     model = DistributedDataParallel(
@@ -506,9 +531,7 @@ def _ddp_section(rank, world_size):
         _gpt(config),
     )
     opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=1e-2, use_distributed_optimizer=True, clip_grad=1.0
-        ),
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, clip_grad=1.0),
         [model],
     )
     tokens, pos, labels = _batch(batch=2)
@@ -628,7 +651,7 @@ def test_checkpoint_replays_dropout_exactly(pair):
 
 
 def _dist_ckpt_section(tp, ckpt_dir):
-    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import dist_checkpointing
 
     set_random_seed(SEED)
     model = _gpt(_config(tp=tp))
@@ -640,7 +663,9 @@ def _dist_ckpt_section(tp, ckpt_dir):
     loaded = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)
     model.load_state_dict(loaded, strict=False)
     after = model.state_dict()
-    mismatched = [k for k, v in saved.items() if torch.is_tensor(v) and not torch.equal(v, after[k])]
+    mismatched = [
+        k for k, v in saved.items() if torch.is_tensor(v) and not torch.equal(v, after[k])
+    ]
     return mismatched, len(saved)
 
 

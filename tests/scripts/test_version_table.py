@@ -34,34 +34,67 @@ def junit(tmp_path_factory):
     shutil.copy(ROOT / "tests" / "conftest.py", root / "conftest.py")
     (root / "test_sample.py").write_text(SAMPLE)
     xml = root / "py3x.xml"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root), f"--junitxml={xml}"],
-                         capture_output=True, text=True, timeout=120, cwd=root)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(root),
+            f"--junitxml={xml}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
     assert run.returncode == 1, run.stdout + run.stderr  # test_c fails
     return xml
 
 
 def _table(*argv):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, argv)], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_table_row_has_versions_and_counts(junit):
     run = _table(junit)
     assert run.returncode == 0, run.stderr
     header, rule, row = run.stdout.strip().splitlines()
-    cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
+    cells = dict(
+        zip(
+            [c.strip() for c in header.strip("|").split("|")],
+            [c.strip() for c in row.strip("|").split("|")],
+        )
+    )
     python = ".".join(map(str, sys.version_info[:3]))
     assert cells == {
-        "job": "py3x", "Python": python, "megatron-core": version("megatron-core"), "torch": version("torch"),
-        "tests": "4", "passed": "2", "failed": "1", "errors": "0", "skipped": "1", "minutes": cells["minutes"],
-    }  # fmt: skip
+        "job": "py3x",
+        "Python": python,
+        "megatron-core": version("megatron-core"),
+        "torch": version("torch"),
+        "tests": "4",
+        "passed": "2",
+        "failed": "1",
+        "errors": "0",
+        "skipped": "1",
+        "minutes": cells["minutes"],
+    }
 
 
 def test_write_replaces_only_the_marked_table(junit, tmp_path):
     doc = tmp_path / "versions.md"
-    doc.write_text("intro\n<!-- version-table:begin -->\nold table\n<!-- version-table:end -->\noutro\n")
+    doc.write_text(
+        "intro\n<!-- version-table:begin -->\nold table\n<!-- version-table:end -->\noutro\n"
+    )
     assert _table(junit, "--write", doc).returncode == 0
     text = doc.read_text()
-    assert text.startswith("intro\n<!-- version-table:begin -->\n| job |") and text.endswith("<!-- version-table:end -->\noutro\n")
+    assert text.startswith("intro\n<!-- version-table:begin -->\n| job |") and text.endswith(
+        "<!-- version-table:end -->\noutro\n"
+    )
     assert "old table" not in text and "| py3x |" in text
 
 

@@ -20,12 +20,15 @@ import sys
 import pytest
 import torch
 
-from _support.dist_utils import free_port, run_distributed
 from mcore_flash.training import faults
 from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
 
+from _support.dist_utils import free_port, run_distributed
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-fault_drill = importlib.import_module("fault_drill")  # scripts/fault_drill.py: a CI harness, not in the package
+fault_drill = importlib.import_module(
+    "fault_drill"
+)  # scripts/fault_drill.py: a CI harness, not in the package
 
 LAST = fault_drill.ITERATIONS
 
@@ -37,7 +40,9 @@ def reference(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("free,full", [(1000, True), (2 << 30, False)])
-def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(tmp_path, monkeypatch, free, full):
+def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(
+    tmp_path, monkeypatch, free, full
+):
     """torch's C++ writer reports a full disk as "unexpected pos" without an errno: under 1 MiB
     free that is said to be a full disk, with more free space the error is passed on as is;
     either way the message names the checkpoint that is intact and how to resume."""
@@ -47,7 +52,9 @@ def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(tmp_path
     os.makedirs(checkpoint_dir(str(tmp_path), 2))
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: usage._replace(free=free))
-    message = checkpointing._save_failure(str(tmp_path), 4, RuntimeError("unexpected pos 512 vs 256"))
+    message = checkpointing._save_failure(
+        str(tmp_path), 4, RuntimeError("unexpected pos 512 vs 256")
+    )
     assert ("No space left on device" in message) == full
     assert ("RuntimeError: unexpected pos 512 vs 256" in message) != full
     assert "the checkpoint of iteration 2 is intact" in message and f"--load {tmp_path}" in message
@@ -61,11 +68,18 @@ def test_fault_drill_table(reference, tmp_path):
     rows = fault_drill.run_drill(str(tmp_path), reference)
     assert [row.fault.split("@")[0] for row in rows] == [*faults.POINTS, "disk full"]
     logs = sorted((tmp_path / "launches").iterdir())  # the chain's launches, in order
-    for index, row in enumerate(rows[:-1]):  # the launch killed at the row's point, and the next one
-        assert row.ok, (row, *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in logs[index : index + 2]))
+    for index, row in enumerate(
+        rows[:-1]
+    ):  # the launch killed at the row's point, and the next one
+        assert row.ok, (
+            row,
+            *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in logs[index : index + 2]),
+        )
     assert rows[-1].ok, (rows[-1], (tmp_path / "disk_full" / "first.log").read_text()[-2000:])
     assert [row.resumed_from for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 2]
-    docs = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fault-tolerance.md")).read()
+    docs = open(
+        os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fault-tolerance.md")
+    ).read()
     table = docs.split(fault_drill.BEGIN)[1].split(fault_drill.END)[0].strip()
     assert table == fault_drill.markdown(rows)  # regenerate: python scripts/fault_drill.py --write
 
@@ -145,12 +159,22 @@ def test_a_flipped_byte_in_each_file_kind_is_named_at_load(reference, tmp_path):
     """One bit changed in any file of a checkpoint (or the tracker, or the manifest), or a
     file cut short, fails the load with exit 2 and a message naming that file."""
     cases, runs = [], []
-    for kind in (*_present(reference, "common.pt"), "metadata.json", ".metadata", "__0_0.distcp", "rng_rank00001.pt",
-                 "manifest.json", MARKER, "truncated __1_0.distcp"):  # fmt: skip
+    for kind in (
+        *_present(reference, "common.pt"),
+        "metadata.json",
+        ".metadata",
+        "__0_0.distcp",
+        "rng_rank00001.pt",
+        "manifest.json",
+        MARKER,
+        "truncated __1_0.distcp",
+    ):
         load = _copy_checkpoint(reference, LAST, tmp_path / re.sub(r"\W", "_", kind))
         if kind == MARKER:
             path = os.path.join(load, MARKER)
-            _flip_byte(path, os.path.getsize(path) - 1)  # "12" -> "13": a checkpoint that is not there
+            _flip_byte(
+                path, os.path.getsize(path) - 1
+            )  # "12" -> "13": a checkpoint that is not there
         elif kind.startswith("truncated"):
             path = os.path.join(checkpoint_dir(load, LAST), kind.split()[1])
             os.truncate(path, os.path.getsize(path) // 2)
@@ -197,8 +221,11 @@ def test_pickles_that_would_run_code_are_refused(reference, tmp_path):
         elif kind == "byte item":  # append a pickle to a .distcp file and point an item at it
             with open(os.path.join(path, ".metadata"), "rb") as f:
                 metadata = pickle.load(f)  # our own reference run's: trusted
-            index, info = next((i, s) for i, s in metadata.storage_data.items()
-                               if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))  # fmt: skip
+            index, info = next(
+                (i, s)
+                for i, s in metadata.storage_data.items()
+                if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)
+            )
             named = os.path.join(path, info.relative_path)
             payload = io.BytesIO()
             torch.save(planted, payload)
@@ -248,14 +275,18 @@ def test_distributed_optimizer_reshards_over_dp_and_refuses_tp_pp(tmp_path):
     _pretrain(tmp_path / "dp2", *distributed, "--exit-interval", "2", world_size=2)
     _pretrain(tmp_path / "dp1", *distributed, "--exit-interval", "2")
     for name in ("dp2_to_dp1", "dp2_refusals"):
-        shutil.copytree(tmp_path / "dp2", tmp_path / name, ignore=shutil.ignore_patterns("metrics.jsonl"))
+        shutil.copytree(
+            tmp_path / "dp2", tmp_path / name, ignore=shutil.ignore_patterns("metrics.jsonl")
+        )
     resumed = [
         _pretrain(tmp_path / "dp2", *distributed, "--load", str(tmp_path / "dp2"), world_size=2),
         _pretrain(tmp_path / "dp2_to_dp1", *distributed, "--load", str(tmp_path / "dp2_to_dp1")),
         _pretrain(tmp_path / "dp1", *distributed, "--load", str(tmp_path / "dp1"), world_size=2),
     ]
     for losses in resumed:
-        assert {k: losses[k] for k in (3, 4)} == pytest.approx({k: one[k] for k in (3, 4)}, abs=2e-5)
+        assert {k: losses[k] for k in (3, 4)} == pytest.approx(
+            {k: one[k] for k in (3, 4)}, abs=2e-5
+        )
 
     def argv(load, *flags):
         return [*TINY, "--train-iters", "4", "--save", str(load), "--load", str(load), *flags]
@@ -267,8 +298,14 @@ def test_distributed_optimizer_reshards_over_dp_and_refuses_tp_pp(tmp_path):
     ]
     one_rank = [
         (argv(refused), "with --use-distributed-optimizer"),
-        (argv(tmp_path / "one", "--use-distributed-optimizer"), "without --use-distributed-optimizer"),
-        (argv(tmp_path / "one", "--make-vocab-size-divisible-by", "128"), "--make-vocab-size-divisible-by"),
+        (
+            argv(tmp_path / "one", "--use-distributed-optimizer"),
+            "without --use-distributed-optimizer",
+        ),
+        (
+            argv(tmp_path / "one", "--make-vocab-size-divisible-by", "128"),
+            "--make-vocab-size-divisible-by",
+        ),
     ]
     results = [run_distributed(_w_mains, 2, [a], timeout=400)[0][0] for a, _ in two_ranks]
     results += _mains([a for a, _ in one_rank])

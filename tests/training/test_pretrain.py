@@ -21,11 +21,33 @@ import pytest
 from _support.dist_utils import run_distributed
 
 TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "1",
-    "--log-interval", "1", "--make-vocab-size-divisible-by", "256",  # 258 -> 512 rows at TP 1 and 2
-]  # fmt: skip
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--make-vocab-size-divisible-by",
+    "256",  # 258 -> 512 rows at TP 1 and 2
+]
 
 
 def _losses(save_dir: str) -> dict[int, float]:
@@ -83,34 +105,70 @@ def test_resume_matches_uninterrupted_run_and_reshards_to_tp_sp_pp_and_cp(tmp_pa
     resumed = _pretrain(first, "--train-iters", "4", "--load", str(first))
     assert resumed[3] == straight[3] and resumed[4] == straight[4]  # exact, not approximate
     tp2 = _pretrain(
-        tmp_path / "tp2", "--train-iters", "4", "--load", str(tmp_path / "tp2"),
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", world_size=2,
-    )  # fmt: skip
+        tmp_path / "tp2",
+        "--train-iters",
+        "4",
+        "--load",
+        str(tmp_path / "tp2"),
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        world_size=2,
+    )
     pp2 = _pretrain(
-        tmp_path / "pp2", "--train-iters", "4", "--load", str(tmp_path / "pp2"),
-        "--pipeline-model-parallel-size", "2", world_size=2,
-    )  # fmt: skip
+        tmp_path / "pp2",
+        "--train-iters",
+        "4",
+        "--load",
+        str(tmp_path / "pp2"),
+        "--pipeline-model-parallel-size",
+        "2",
+        world_size=2,
+    )
     cp2 = _pretrain(
-        tmp_path / "cp2", "--train-iters", "4", "--load", str(tmp_path / "cp2"),
-        "--context-parallel-size", "2", world_size=2,
-    )  # fmt: skip
+        tmp_path / "cp2",
+        "--train-iters",
+        "4",
+        "--load",
+        str(tmp_path / "cp2"),
+        "--context-parallel-size",
+        "2",
+        world_size=2,
+    )
     for other in (tp2, pp2, cp2):
-        assert {k: other[k] for k in (3, 4)} == pytest.approx({k: straight[k] for k in (3, 4)}, abs=2e-5)
+        assert {k: other[k] for k in (3, 4)} == pytest.approx(
+            {k: straight[k] for k in (3, 4)}, abs=2e-5
+        )
 
 
 def _cli(*argv, cwd=None, **kwargs):
     return subprocess.run(
         [sys.executable, "-m", "mcore_flash.pretrain", *argv],
-        capture_output=True, text=True, cwd=cwd, timeout=300, **kwargs,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     save = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mcore_flash.pretrain", *TINY, "--save", str(save), "--train-iters", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mcore_flash.pretrain",
+            *TINY,
+            "--save",
+            str(save),
+            "--train-iters",
+            "100000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     for line in proc.stdout:
         if line.startswith("iteration") or time.monotonic() > deadline:
@@ -124,7 +182,9 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
 
 
 def test_nan_loss_stops_with_clear_message(tmp_path):
-    result = _cli(*TINY, "--save", str(tmp_path), "--train-iters", "20", "--lr", "1e30", "--clip-grad", "0")
+    result = _cli(
+        *TINY, "--save", str(tmp_path), "--train-iters", "20", "--lr", "1e30", "--clip-grad", "0"
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     assert "training diverged" in result.stderr and "--lr" in result.stderr
 
@@ -152,7 +212,9 @@ def test_window_size_flags_reach_the_config(tmp_path):
     from mcore_flash.training.arguments import parse_config
     from mcore_flash.training.model import transformer_config
 
-    args = parse_config([*TINY, "--save", str(tmp_path), "--window-size", "15,0", "--window-attn-skip-freq", "2"])
+    args = parse_config(
+        [*TINY, "--save", str(tmp_path), "--window-size", "15,0", "--window-attn-skip-freq", "2"]
+    )
     config = transformer_config(args)
     assert config.window_size == (15, 0) and config.window_attn_skip_freq == 2
     with pytest.raises(SystemExit):
@@ -167,8 +229,17 @@ def test_config_is_frozen_and_derives_the_layout_once(tmp_path):
 
     from mcore_flash.training.arguments import parse_config
 
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "3"]
-    config = parse_config([*TINY, "--save", str(tmp_path), *layout, "--global-batch-size", "12"], world_size=8)
+    layout = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "3",
+    ]
+    config = parse_config(
+        [*TINY, "--save", str(tmp_path), *layout, "--global-batch-size", "12"], world_size=8
+    )
     assert (config.world_size, config.data_parallel_size, config.num_micro_batches) == (8, 2, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.lr = 1.0
@@ -185,7 +256,12 @@ def test_tools_extending_the_parser_get_the_config_and_their_own_flags(tmp_path)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     argv = ["--model", "llama2-7b", "--save", str(tmp_path), "--max-new-tokens", "5"]
     args = parse_args(argv, world_size=2, parser=parser)
-    assert (args.max_new_tokens, args.hidden_size, args.data_parallel_size, args.global_batch_size) == (5, 4096, 2, 2)
+    assert (
+        args.max_new_tokens,
+        args.hidden_size,
+        args.data_parallel_size,
+        args.global_batch_size,
+    ) == (5, 4096, 2, 2)
 
 
 def test_tiny_preset_is_the_default_cpu_job(tmp_path):
@@ -196,14 +272,34 @@ def test_tiny_preset_is_the_default_cpu_job(tmp_path):
 
     config = parse_config([], world_size=1)
     heads = (config.num_attention_heads, config.num_query_groups)
-    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size, *heads) == (2, 128, 352, 4, 2)
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size, *heads) == (
+        2,
+        128,
+        352,
+        4,
+        2,
+    )
     assert config.max_position_embeddings == 256
-    assert (config.position_embedding_type, config.swiglu, config.group_query_attention) == ("rope", True, True)
+    assert (config.position_embedding_type, config.swiglu, config.group_query_attention) == (
+        "rope",
+        True,
+        True,
+    )
     assert (config.seq_length, config.micro_batch_size, config.global_batch_size) == (256, 8, 8)
-    assert (config.train_iters, config.lr, config.min_lr, config.lr_warmup_iters) == (1000, 3e-3, 3e-4, 30)
+    assert (config.train_iters, config.lr, config.min_lr, config.lr_warmup_iters) == (
+        1000,
+        3e-3,
+        3e-4,
+        30,
+    )
     assert (config.save, config.save_interval) == (os.path.join("runs", "tiny"), 1000)
     short = parse_config(["--hidden-size", "64", "--train-iters", "50"], world_size=1)
-    assert (short.hidden_size, short.num_layers, short.lr_warmup_iters, short.save_interval) == (64, 2, 5, 50)
+    assert (short.hidden_size, short.num_layers, short.lr_warmup_iters, short.save_interval) == (
+        64,
+        2,
+        5,
+        50,
+    )
 
 
 def test_bad_flags_cli_message_and_unknown_preset(tmp_path):
@@ -216,10 +312,22 @@ def test_bad_flags_cli_message_and_unknown_preset(tmp_path):
 
 def test_dry_run_llama2_70b_counts_parameters_on_meta_device():
     result = _cli(
-        "--model", "llama2-70b", "--seq-length", "4096", "--tensor-model-parallel-size", "8",
-        "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-        "--bf16", "--global-batch-size", "64", "--dry-run", env={**os.environ, "WORLD_SIZE": "128"},
-    )  # fmt: skip
+        "--model",
+        "llama2-70b",
+        "--seq-length",
+        "4096",
+        "--tensor-model-parallel-size",
+        "8",
+        "--sequence-parallel",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+        "--bf16",
+        "--global-batch-size",
+        "64",
+        "--dry-run",
+        env={**os.environ, "WORLD_SIZE": "128"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "total parameters: 68,976,648,192" in result.stdout
     assert "FITS" in result.stdout  # the planner's verdict for this layout
@@ -230,9 +338,12 @@ def test_70b_recipe_script_dry_run_fits_64gb():
     parameters on the meta device and asks the planner whether the layout fits 64 GB."""
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
     result = subprocess.run(
-        ["bash", script, "--dry-run"], capture_output=True, text=True, timeout=300,
+        ["bash", script, "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHON": sys.executable},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "total parameters: 68,976,648,192" in result.stdout
     assert "FITS" in result.stdout and "of 64.00 GiB" in result.stdout
@@ -261,17 +372,31 @@ def test_document_masking_same_losses_at_cp1_cp2_and_pp2(tmp_path):
     iteration-1 checkpoint continues it (a fresh PP=2 model is initialised differently)."""
     prefix = _short_documents(tmp_path)
     flags = [
-        "--train-iters", "3", "--data-path", prefix, "--split", "100,0,0",
-        "--data-cache-path", str(tmp_path / "cache"),
-        "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
-    ]  # fmt: skip
+        "--train-iters",
+        "3",
+        "--data-path",
+        prefix,
+        "--split",
+        "100,0,0",
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        "--reset-attention-mask",
+        "--reset-position-ids",
+        "--eod-mask-loss",
+    ]
     one_dir = tmp_path / "one"
     _pretrain(one_dir, *flags, "--exit-interval", "1")
     shutil.copytree(one_dir, tmp_path / "pp2", ignore=shutil.ignore_patterns("metrics.jsonl"))
     one = _pretrain(one_dir, *flags, "--load", str(one_dir))
     cp2 = _pretrain(tmp_path / "cp2", *flags, "--context-parallel-size", "2", world_size=2)
     pp2 = _pretrain(
-        tmp_path / "pp2", *flags, "--load", str(tmp_path / "pp2"), "--pipeline-model-parallel-size", "2", world_size=2
+        tmp_path / "pp2",
+        *flags,
+        "--load",
+        str(tmp_path / "pp2"),
+        "--pipeline-model-parallel-size",
+        "2",
+        world_size=2,
     )
     plain = _pretrain(tmp_path / "plain", *flags[:8])
     assert sorted(one) == [1, 2, 3] and sorted(pp2) == [2, 3]
@@ -288,17 +413,28 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path, hardware):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     extra = ["--hardware", hardware] if hardware else []
-    _pretrain(tmp_path / "run", "--train-iters", "2", "--tensorboard-dir", str(tmp_path / "tb"), *extra)
+    _pretrain(
+        tmp_path / "run", "--train-iters", "2", "--tensorboard-dir", str(tmp_path / "tb"), *extra
+    )
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    tags = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "iteration_time_s": "iteration-time",
-            "tokens_per_s": "tokens-per-second", "tokens_per_s_per_device": "tokens-per-second-per-device",
-            "tflops_per_device": "throughput", "peak_memory_bytes": "mem-max-allocated-bytes"}  # fmt: skip
+    tags = {
+        "loss": "lm loss",
+        "lr": "learning-rate",
+        "grad_norm": "grad-norm",
+        "iteration_time_s": "iteration-time",
+        "tokens_per_s": "tokens-per-second",
+        "tokens_per_s_per_device": "tokens-per-second-per-device",
+        "tflops_per_device": "throughput",
+        "peak_memory_bytes": "mem-max-allocated-bytes",
+    }
     if hardware:
         tags["mfu"] = "mfu"
-        assert [r["mfu"] for r in records] == pytest.approx([r["tflops_per_device"] / 989 for r in records], rel=1e-3)
+        assert [r["mfu"] for r in records] == pytest.approx(
+            [r["tflops_per_device"] / 989 for r in records], rel=1e-3
+        )
     assert set(events.Tags()["scalars"]) == set(tags.values())
     for key, tag in tags.items():
         points = events.Scalars(tag)

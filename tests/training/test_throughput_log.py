@@ -21,18 +21,43 @@ L, H, F, HEADS, GROUPS, S = 2, 64, 128, 4, 2, 64
 MICRO, GLOBAL = 2, 4
 PADDED_VOCAB = 512  # the byte tokenizer's 258 ids padded to a multiple of 256
 TINY = [
-    "--num-layers", str(L), "--hidden-size", str(H), "--ffn-hidden-size", str(F),
-    "--num-attention-heads", str(HEADS), "--num-query-groups", str(GROUPS),
-    "--seq-length", str(S), "--max-position-embeddings", str(S),
-    "--micro-batch-size", str(MICRO), "--global-batch-size", str(GLOBAL), "--lr", "1e-3", "--lr-warmup-iters", "1",
-    "--log-interval", "1", "--make-vocab-size-divisible-by", "256", "--train-iters", "2",
-]  # fmt: skip
+    "--num-layers",
+    str(L),
+    "--hidden-size",
+    str(H),
+    "--ffn-hidden-size",
+    str(F),
+    "--num-attention-heads",
+    str(HEADS),
+    "--num-query-groups",
+    str(GROUPS),
+    "--seq-length",
+    str(S),
+    "--max-position-embeddings",
+    str(S),
+    "--micro-batch-size",
+    str(MICRO),
+    "--global-batch-size",
+    str(GLOBAL),
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--make-vocab-size-divisible-by",
+    "256",
+    "--train-iters",
+    "2",
+]
 
 
 def _hand_flops_per_iteration() -> float:
     """6 x matmul weights x tokens + the causal flash-attention kernel, from the dimensions."""
     d = H // HEADS
-    per_layer = H * (HEADS + 2 * GROUPS) * d + HEADS * d * H + H * 2 * F + F * H  # QKV, proj, fc1 (SwiGLU), fc2
+    per_layer = (
+        H * (HEADS + 2 * GROUPS) * d + HEADS * d * H + H * 2 * F + F * H
+    )  # QKV, proj, fc1 (SwiGLU), fc2
     weights = L * per_layer + H * PADDED_VOCAB  # + the output layer
     tokens = GLOBAL * S
     causal_forward = 2 * S * S * HEADS * d  # QK^T and PV, half of the s x s scores masked
@@ -49,8 +74,12 @@ def _check_throughput(records, world_size):
     assert [r["iteration"] for r in records] == [1, 2]
     for r in records:
         seconds = r["iteration_time_s"]
-        rounding = 5e-5 / seconds + 0.05 / r["tokens_per_s"] + 1e-9  # iteration_time_s has 4 decimals, tokens_per_s 1
-        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / world_size, abs=0.1)
+        rounding = (
+            5e-5 / seconds + 0.05 / r["tokens_per_s"] + 1e-9
+        )  # iteration_time_s has 4 decimals, tokens_per_s 1
+        assert r["tokens_per_s_per_device"] == pytest.approx(
+            r["tokens_per_s"] / world_size, abs=0.1
+        )
         assert r["tokens_per_s"] == pytest.approx(GLOBAL * S / seconds, rel=rounding)
         expected = _hand_flops_per_iteration() / seconds / world_size / 1e12
         assert r["tflops_per_device"] == pytest.approx(expected, rel=rounding)
@@ -63,16 +92,28 @@ def test_model_flops_per_iteration_equals_hand_count():
     args = parse_config(TINY, world_size=1)
     assert model_flops_per_iteration(args, PADDED_VOCAB) == _hand_flops_per_iteration()
     # activation recompute is work redone, not model FLOPs
-    full = parse_config([*TINY, "--recompute-granularity", "full", "--recompute-method", "uniform",
-                       "--recompute-num-layers", "1"], world_size=1)  # fmt: skip
+    full = parse_config(
+        [
+            *TINY,
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+        world_size=1,
+    )
     assert model_flops_per_iteration(full, PADDED_VOCAB) == _hand_flops_per_iteration()
 
 
 def test_one_process_run_logs_throughput_without_mfu(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mcore_flash.pretrain", *TINY, "--save", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = _records(tmp_path)
     _check_throughput(records, world_size=1)
@@ -106,9 +147,14 @@ def test_hardware_is_resolved_at_parse_time_and_a_bad_name_names_the_flag(capsys
     from mcore_flash.pretrain import main
     from mcore_flash.training.arguments import parse_config
 
-    assert parse_config([*TINY, "--hardware", "H100-80G"], world_size=1).hardware.peak_bf16_tflops == 989.0
+    assert (
+        parse_config([*TINY, "--hardware", "H100-80G"], world_size=1).hardware.peak_bf16_tflops
+        == 989.0
+    )
     assert parse_config(TINY, world_size=1).hardware is None
-    with pytest.raises(ValueError, match=r"--hardware h100: unknown profile; choose one of .*h100-80g"):
+    with pytest.raises(
+        ValueError, match=r"--hardware h100: unknown profile; choose one of .*h100-80g"
+    ):
         parse_config([*TINY, "--hardware", "h100"], world_size=1)
     assert main([*TINY, "--hardware", "h100"]) == 2
     assert "error: --hardware h100: unknown profile" in capsys.readouterr().err

@@ -40,8 +40,11 @@ def _w_hybrid_vs_gpt(rank, world_size):
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from mcore_flash.transformer.hybrid import (
-        get_hybrid_flash_stack_spec, gpt_to_hybrid_state_dict, hybrid_config, hybrid_layer_pattern,
-    )  # fmt: skip
+        get_hybrid_flash_stack_spec,
+        gpt_to_hybrid_state_dict,
+        hybrid_config,
+        hybrid_layer_pattern,
+    )
 
     init_megatron(tp=1)
     records = _Records()
@@ -53,9 +56,13 @@ def _w_hybrid_vs_gpt(rank, world_size):
         records.messages.clear()
         torch.manual_seed(5)  # other initial weights: the copy below must make them equal
         hybrid = HybridModel(
-            hybrid_config(config), get_hybrid_flash_stack_spec(config), vocab_size=VOCAB, max_sequence_length=4 * SEQ,
-            hybrid_layer_pattern=hybrid_layer_pattern(config.num_layers), position_embedding_type="rope",
-        )  # fmt: skip
+            hybrid_config(config),
+            get_hybrid_flash_stack_spec(config),
+            vocab_size=VOCAB,
+            max_sequence_length=4 * SEQ,
+            hybrid_layer_pattern=hybrid_layer_pattern(config.num_layers),
+            position_embedding_type="rope",
+        )
         hybrid_warnings = [m for m in records.messages if any(w in m for w in WARNINGS)]
         hybrid.load_state_dict(gpt_to_hybrid_state_dict(gpt.state_dict()), strict=True)
         results = []
@@ -68,10 +75,14 @@ def _w_hybrid_vs_gpt(rank, world_size):
         teardown_megatron()
 
 
-@pytest.mark.skipif(not HAS_HYBRID_MODEL, reason="HybridModel is new in megatron-core 0.19 (see the test below)")
+@pytest.mark.skipif(
+    not HAS_HYBRID_MODEL, reason="HybridModel is new in megatron-core 0.19 (see the test below)"
+)
 def test_hybrid_model_with_our_spec_equals_gpt_model():
     out = run_distributed(_w_hybrid_vs_gpt, 1)[0]
-    assert any("GPTModel IS DEPRECATED" in m for m in out["gpt_warnings"])  # the log capture sees warnings
+    assert any(
+        "GPTModel IS DEPRECATED" in m for m in out["gpt_warnings"]
+    )  # the log capture sees warnings
     assert out["hybrid_warnings"] == []
     (gpt_loss, gpt_grads), (loss, grads) = out["results"]
     torch.testing.assert_close(loss, gpt_loss, atol=1e-6, rtol=1e-6)
@@ -87,5 +98,7 @@ def test_hybrid_model_with_our_spec_equals_gpt_model():
 def test_before_0_19_the_hybrid_spec_names_the_fix():
     from mcore_flash.transformer.hybrid import get_hybrid_flash_stack_spec
 
-    with pytest.raises(ImportError, match="needs megatron-core 0.19 or later .*get_gpt_decoder_block_flash_spec"):
+    with pytest.raises(
+        ImportError, match="needs megatron-core 0.19 or later .*get_gpt_decoder_block_flash_spec"
+    ):
         get_hybrid_flash_stack_spec(tiny_config())

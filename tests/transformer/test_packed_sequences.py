@@ -22,7 +22,15 @@ import torch
 
 from _support import oracle
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
-from _support.gpt_models import VOCAB, assert_same_bits, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
+from _support.gpt_models import (
+    VOCAB,
+    assert_same_bits,
+    flash_gpt,
+    full_grads,
+    full_weights,
+    load_full_weights,
+    tiny_config,
+)
 
 SEQ = 32
 EOD = VOCAB - 1
@@ -34,11 +42,26 @@ OP_DOCS = [5, 13, 1, 3, 30, 2]  # op-level document lengths (padded per CP size 
 # (causal, window_size): documents padded to 2*cp are 8, 16, 4, 4, 32, 4 tokens at cp 2 (chunks of
 # 2, 4, 1, 1, 8, 1) and 8, 16, 8, 8, 32, 8 at cp 4, so a window's shifted band differs between them
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (3, 6))]
-OP_CASES = [(backend, comm, causal, window) for backend in ("cpu", "npu") for comm in ("p2p", "a2a") for causal, window in MASKS]
+OP_CASES = [
+    (backend, comm, causal, window)
+    for backend in ("cpu", "npu")
+    for comm in ("p2p", "a2a")
+    for causal, window in MASKS
+]
 # softcap and ALiBi within each document on cpu and reference (npu refuses both):
 # (causal, window_size, softcap, slopes: None, "heads" [hq] or "docs" [num_docs, hq])
-SCORE_MODS = [(True, (-1, -1), 0.0, "docs"), (False, (3, 6), 0.0, "heads"), (True, (5, 0), 2.0, None), (True, (-1, -1), 1.5, "heads")]
-SCORE_CASES = [(backend, comm, *mod) for backend in ("cpu", "reference") for comm in ("p2p", "a2a") for mod in SCORE_MODS]
+SCORE_MODS = [
+    (True, (-1, -1), 0.0, "docs"),
+    (False, (3, 6), 0.0, "heads"),
+    (True, (5, 0), 2.0, None),
+    (True, (-1, -1), 1.5, "heads"),
+]
+SCORE_CASES = [
+    (backend, comm, *mod)
+    for backend in ("cpu", "reference")
+    for comm in ("p2p", "a2a")
+    for mod in SCORE_MODS
+]
 
 
 def _packed_batch():
@@ -56,7 +79,12 @@ def _packed_batch():
             start += n
     loss_mask = torch.ones(len(DOCS), SEQ)
     loss_mask[0, 5] = 0.0  # an arbitrary masked token
-    return dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(), loss_mask=loss_mask, position_ids=positions)
+    return dict(
+        tokens=tokens[:, :-1].contiguous(),
+        labels=tokens[:, 1:].contiguous(),
+        loss_mask=loss_mask,
+        position_ids=positions,
+    )
 
 
 # ---- workers -------------------------------------------------------------------------------
@@ -83,26 +111,45 @@ def _one_by_one(window_size=None):
     return dict(loss=total / count, grads=grads, weights=full_weights(model))
 
 
-def _packed_run(tp, cp, comm, sequence_parallel=False, weights=None, recompute_qkv=False, window_size=None):
+def _packed_run(
+    tp, cp, comm, sequence_parallel=False, weights=None, recompute_qkv=False, window_size=None
+):
     """Loss (token mean) and full grads of the packed batch at this TP x CP (+ SP); at TP>1
     over ``weights`` (the TP=1 model's), copied into a model initialised from another seed;
     ``recompute_qkv``: under the qkv recompute boundary; ``window_size``: a sliding window."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
     from mcore_flash.transformer.packed_sequences import pack_documents
 
     config = tiny_config(
-        tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm, sequence_parallel=sequence_parallel,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        cp_comm_type=comm,
+        sequence_parallel=sequence_parallel,
         window_size=window_size,
-    )  # fmt: skip
-    model = flash_gpt(config, seed=0 if weights is None else 7, layer_recompute_modules=("qkv",) if recompute_qkv else ())
+    )
+    model = flash_gpt(
+        config,
+        seed=0 if weights is None else 7,
+        layer_recompute_modules=("qkv",) if recompute_qkv else (),
+    )
     if weights is not None:
         load_full_weights(model, weights)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     batch = _packed_batch()
     local, params = pack_documents(batch, EOD, pad_to_multiple_of=tp if sequence_parallel else 1)
-    losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"], packed_seq_params=params)
+    losses = model(
+        local["tokens"],
+        local["position_ids"],
+        None,
+        labels=local["labels"],
+        packed_seq_params=params,
+    )
     count = batch["loss_mask"].sum()
     loss = (losses * local["loss_mask"]).sum()
     (loss / count * cp).backward()  # DDP averages over data x context parallel ranks
@@ -119,7 +166,10 @@ def _op_checks(rank, world_size):
     from mcore_flash.emulation import op_double
     from mcore_flash.memory import measure_saved_bytes
     from mcore_flash.ops.backends import get_backend
-    from mcore_flash.ops.context_parallel import context_parallel_varlen_attn_func, thd_positions_for_cp_rank
+    from mcore_flash.ops.context_parallel import (
+        context_parallel_varlen_attn_func,
+        thd_positions_for_cp_rank,
+    )
 
     double = op_double()
     sys.modules["torch_npu"] = double
@@ -131,12 +181,22 @@ def _op_checks(rank, world_size):
     for case in OP_CASES:
         backend, comm, causal, window = case
         double.calls.clear()
-        npu.__dict__.pop("_logged_reasons", None)  # each fallback reason is logged once per instance
+        npu.__dict__.pop(
+            "_logged_reasons", None
+        )  # each fallback reason is logged once per instance
         ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
         out, lse = context_parallel_varlen_attn_func(
-            ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=causal, comm_type=comm, backend=backend,
-            return_lse=True, window_size=window,
-        )  # fmt: skip
+            ql,
+            kl,
+            vl,
+            torch.tensor(cu),
+            dist.group.WORLD,
+            causal=causal,
+            comm_type=comm,
+            backend=backend,
+            return_lse=True,
+            window_size=window,
+        )
         out.backward(dout[rows])
         results[case] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
         calls[case] = {(c["name"], c["layout"], c["sparse_mode"]) for c in double.calls}
@@ -145,14 +205,26 @@ def _op_checks(rank, world_size):
         backend, comm, causal, window, softcap, slopes = case
         ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
         out, lse = context_parallel_varlen_attn_func(
-            ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=causal, comm_type=comm, backend=backend,
-            return_lse=True, window_size=window, softcap=softcap, alibi_slopes=_op_slopes(slopes),
-        )  # fmt: skip
+            ql,
+            kl,
+            vl,
+            torch.tensor(cu),
+            dist.group.WORLD,
+            causal=causal,
+            comm_type=comm,
+            backend=backend,
+            return_lse=True,
+            window_size=window,
+            softcap=softcap,
+            alibi_slopes=_op_slopes(slopes),
+        )
         out.backward(dout[rows])
         results[case] = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
     ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
     _, saved = measure_saved_bytes(
-        lambda: context_parallel_varlen_attn_func(ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=True, backend="cpu")
+        lambda: context_parallel_varlen_attn_func(
+            ql, kl, vl, torch.tensor(cu), dist.group.WORLD, causal=True, backend="cpu"
+        )
     )
     return rows, results, calls, saved.total
 
@@ -176,13 +248,17 @@ def _op_slopes(kind):
     if kind is None:
         return None
     generator = torch.Generator().manual_seed(9)
-    return torch.rand((4,) if kind == "heads" else (len(OP_DOCS), 4), generator=generator) * 0.5 + 0.1
+    return (
+        torch.rand((4,) if kind == "heads" else (len(OP_DOCS), 4), generator=generator) * 0.5 + 0.1
+    )
 
 
 def _w_single(rank, world_size):
     init_megatron(tp=1, cp=1)
     try:
-        return dict(one_by_one=_one_by_one(), cp1=_packed_run(1, 1, None), window=_one_by_one(WINDOW))
+        return dict(
+            one_by_one=_one_by_one(), cp1=_packed_run(1, 1, None), window=_one_by_one(WINDOW)
+        )
     finally:
         teardown_megatron()
 
@@ -212,7 +288,9 @@ def _w_cp4_and_tp2_cp2(rank, world_size, tp1_weights):
     try:
         for comm in ("p2p", "a2a"):
             runs[f"tp2 cp2 {comm}"] = _packed_run(2, 2, comm, weights=tp1_weights)
-        runs["tp2 sp cp2 p2p"] = _packed_run(2, 2, "p2p", sequence_parallel=True, weights=tp1_weights)
+        runs["tp2 sp cp2 p2p"] = _packed_run(
+            2, 2, "p2p", sequence_parallel=True, weights=tp1_weights
+        )
     finally:
         teardown_megatron()
     return ops, runs
@@ -237,7 +315,9 @@ def cp4_run(single_run):
 
 
 def _check_equal(run, reference, what):
-    assert abs(run["loss"].item() - reference["loss"].item()) <= REL * abs(reference["loss"].item()), what
+    assert abs(run["loss"].item() - reference["loss"].item()) <= REL * abs(
+        reference["loss"].item()
+    ), what
     assert run["grads"].keys() == reference["grads"].keys()
     for name, expected in reference["grads"].items():
         got = run["grads"][name]
@@ -265,9 +345,13 @@ def test_packed_qkv_recompute_under_cp2_gives_the_same_bits_as_no_recompute(cp2_
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 def test_packed_cp2_with_a_window_equals_documents_one_by_one(cp2_run, single_run, comm):
     """Megatron's config.window_size on packed documents under CP=2, ring and Ulysses."""
-    assert not torch.equal(single_run["window"]["loss"], single_run["one_by_one"]["loss"]), "the window changes nothing"
+    assert not torch.equal(single_run["window"]["loss"], single_run["one_by_one"]["loss"]), (
+        "the window changes nothing"
+    )
     for rank, (_, runs) in enumerate(cp2_run):
-        _check_equal(runs[f"{comm}+window"], single_run["window"], f"CP=2 {comm} window rank {rank}")
+        _check_equal(
+            runs[f"{comm}+window"], single_run["window"], f"CP=2 {comm} window rank {rank}"
+        )
 
 
 @pytest.mark.parametrize("what", ["cp4 p2p", "tp2 cp2 p2p", "tp2 cp2 a2a", "tp2 sp cp2 p2p"])
@@ -293,11 +377,16 @@ def _op_references(cp, causal, window, softcap=0.0, slopes=None):
     outs, lses = [], []
     all_slopes = _op_slopes(slopes)
     for doc, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
-        doc_slopes = None if all_slopes is None else all_slopes if all_slopes.dim() == 1 else all_slopes[doc]
+        doc_slopes = (
+            None if all_slopes is None else all_slopes if all_slopes.dim() == 1 else all_slopes[doc]
+        )
         out, lse = oracle.attention(
-            *(x[start:end].unsqueeze(0) for x in leaves), causal=causal, window=window, softcap=softcap,
+            *(x[start:end].unsqueeze(0) for x in leaves),
+            causal=causal,
+            window=window,
+            softcap=softcap,
             alibi_slopes=doc_slopes,
-        )  # fmt: skip
+        )
         outs.append(out[0])
         lses.append(lse[0])
     out = torch.cat(outs)
@@ -311,20 +400,34 @@ def test_packed_op_equals_oracle_per_document(spawn, request):
     pairs carry its own distance shift) under CP, each document against the float64 oracle."""
     per_rank = request.getfixturevalue(spawn)
     cp = len(per_rank)
-    references = {mods: _op_references(cp, *mods) for mods in MASKS + [case[2:] for case in SCORE_CASES]}
+    references = {
+        mods: _op_references(cp, *mods) for mods in MASKS + [case[2:] for case in SCORE_CASES]
+    }
     for rank, ((rows, results, _, _), _) in enumerate(per_rank):
         for case in OP_CASES + SCORE_CASES:
             expected = references[case[2:]]
-            picks = (expected[0][rows], expected[1][:, rows], expected[2][rows], expected[3][rows], expected[4][rows])
+            picks = (
+                expected[0][rows],
+                expected[1][:, rows],
+                expected[2][rows],
+                expected[3][rows],
+                expected[4][rows],
+            )
             for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), results[case], picks):
-                torch.testing.assert_close(g.double(), e, atol=2e-5, rtol=2e-5, msg=f"{name} {case} rank {rank}")
+                torch.testing.assert_close(
+                    g.double(), e, atol=2e-5, rtol=2e-5, msg=f"{name} {case} rank {rank}"
+                )
 
 
 # ---- the padding rule, memory, bad input (one process) --------------------------------------
 
 
 def test_documents_and_padding_rule():
-    from mcore_flash.transformer.packed_sequences import document_lengths, pack_documents, padded_lengths
+    from mcore_flash.transformer.packed_sequences import (
+        document_lengths,
+        pack_documents,
+        padded_lengths,
+    )
 
     batch = _packed_batch()
     assert document_lengths(batch["tokens"], EOD) == [n for lengths in DOCS for n in lengths]
@@ -337,7 +440,10 @@ def test_documents_and_padding_rule():
     cu = params.cu_seqlens_q_padded.tolist()
     assert cu == [0, 4, 8, 32, 40, 44, 56, 64, 80] and params.max_seqlen_q == 24
     # rank 1 of document 0 (1 token padded to 4): rows 1 and 2 of it -> both padding
-    assert local["loss_mask"][0, :2].tolist() == [0.0, 0.0] and local["tokens"][0, :2].tolist() == [0, 0]
+    assert local["loss_mask"][0, :2].tolist() == [0.0, 0.0] and local["tokens"][0, :2].tolist() == [
+        0,
+        0,
+    ]
     # padding continues its document's positions; real rows keep the dataset's
     assert local["position_ids"][0, :2].tolist() == [1, 2]
     # document 2 (21 tokens -> 24, chunks of 6): rank 1 holds positions 6..11 and 12..17
@@ -353,7 +459,9 @@ def test_saved_bytes_linear_in_length_with_many_documents():
     def saved(total, heads=4, dim=8):
         q, k, v = (torch.randn(total, heads, dim, requires_grad=True) for _ in range(3))
         cu = torch.arange(0, total + 1, 16, dtype=torch.int32)
-        _, measured = measure_saved_bytes(lambda: flash_attn_varlen_func(q, k, v, cu, cu, 16, 16, causal=True, backend="cpu"))
+        _, measured = measure_saved_bytes(
+            lambda: flash_attn_varlen_func(q, k, v, cu, cu, 16, 16, causal=True, backend="cpu")
+        )
         return measured.total
 
     small, large = saved(1024), saved(2048)
@@ -371,7 +479,9 @@ def _attention(cp=1):
     group = lambda size: types.SimpleNamespace(size=lambda: size, rank=lambda: 0)  # noqa: E731
     pg = types.SimpleNamespace(tp=group(1), cp=group(cp))
     config = tiny_config(context_parallel_size=cp)
-    return FlashDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, pg_collection=pg)
+    return FlashDotProductAttention(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, pg_collection=pg
+    )
 
 
 def _params(cu, padded=None):
@@ -379,8 +489,15 @@ def _params(cu, padded=None):
 
     cu = torch.tensor(cu, dtype=torch.int32)
     padded = None if padded is None else torch.tensor(padded, dtype=torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-                           cu_seqlens_kv_padded=padded, max_seqlen_q=8, max_seqlen_kv=8)  # fmt: skip
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=8,
+        max_seqlen_kv=8,
+    )
 
 
 def test_packed_batch_with_a_4d_mask_is_refused():
@@ -388,9 +505,13 @@ def test_packed_batch_with_a_4d_mask_is_refused():
 
     q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
     with pytest.raises(ValueError, match="no attention_mask.*--reset-attention-mask"):
-        _attention()(q, k, k, torch.zeros(1, 1, 8, 8, dtype=torch.bool), packed_seq_params=_params([0, 3, 8]))
+        _attention()(
+            q, k, k, torch.zeros(1, 1, 8, 8, dtype=torch.bool), packed_seq_params=_params([0, 3, 8])
+        )
     batch = dict(_packed_batch(), attention_mask=torch.zeros(1, 1, SEQ, SEQ, dtype=torch.bool))
-    with pytest.raises(ValueError, match="must not carry an attention_mask.*--reset-attention-mask"):
+    with pytest.raises(
+        ValueError, match="must not carry an attention_mask.*--reset-attention-mask"
+    ):
         pack_documents(batch, EOD, cp_size=1, cp_rank=0)
 
 
@@ -401,7 +522,9 @@ def test_unpadded_documents_under_cp_and_padding_without_causal_are_refused():
     with pytest.raises(ValueError, match=r"lengths \[3, 13\].*multiple of 4"):
         _attention(cp=2)(q, k, k, None, packed_seq_params=_params([0, 3, 16]))  # 8 rows per rank
     with pytest.raises(ValueError, match="padded documents need causal attention"):
-        _attention()(q, k, k, None, AttnMaskType.no_mask, packed_seq_params=_params([0, 3, 6], [0, 4, 8]))
+        _attention()(
+            q, k, k, None, AttnMaskType.no_mask, packed_seq_params=_params([0, 3, 6], [0, 4, 8])
+        )
 
 
 @pytest.mark.parametrize(
@@ -416,7 +539,17 @@ def test_document_flags_that_contradict_name_the_flag(flags, message):
 
     with pytest.raises(ValueError, match=message):
         parse_args(["--model", "tiny", "--save", "/tmp/unused", *flags])
-    parse_args(["--model", "tiny", "--save", "/tmp/unused", "--position-embedding-type", "learned_absolute", *flags])
+    parse_args(
+        [
+            "--model",
+            "tiny",
+            "--save",
+            "/tmp/unused",
+            "--position-embedding-type",
+            "learned_absolute",
+            *flags,
+        ]
+    )
 
 
 def test_reset_attention_mask_needs_an_eod_token():
@@ -425,8 +558,19 @@ def test_reset_attention_mask_needs_an_eod_token():
     from mcore_flash.training.arguments import parse_args
     from mcore_flash.training.loop import _batch_splitter
 
-    args = parse_args(["--model", "tiny", "--save", "/tmp/unused", "--reset-attention-mask", "--reset-position-ids"])
-    with pytest.raises(ValueError, match="--reset-attention-mask cuts documents at the tokenizer's EOD"):
+    args = parse_args(
+        [
+            "--model",
+            "tiny",
+            "--save",
+            "/tmp/unused",
+            "--reset-attention-mask",
+            "--reset-position-ids",
+        ]
+    )
+    with pytest.raises(
+        ValueError, match="--reset-attention-mask cuts documents at the tokenizer's EOD"
+    ):
         _batch_splitter(args, types.SimpleNamespace(eod=None))
 
 
@@ -444,10 +588,24 @@ def test_packed_op_on_npu_runs_tnd_calls(spawn, request):
             for causal, window, modes in cases:
                 got = calls["npu", comm, causal, window]
                 assert {layout for _, layout, _ in got} == {"TND"}, (comm, causal, got)
-                modes_used = {mode for _, _, mode in got}  # a window's pairs need not use every mode
-                assert modes_used <= modes if window != (-1, -1) else modes_used == modes, (comm, causal, window, got)
-                assert {name for name, _, _ in got} == {"npu_fusion_attention", "npu_fusion_attention_grad"}
-                assert calls[("npu", comm, causal, window), "fallbacks"] == [], (comm, causal, window)
+                modes_used = {
+                    mode for _, _, mode in got
+                }  # a window's pairs need not use every mode
+                assert modes_used <= modes if window != (-1, -1) else modes_used == modes, (
+                    comm,
+                    causal,
+                    window,
+                    got,
+                )
+                assert {name for name, _, _ in got} == {
+                    "npu_fusion_attention",
+                    "npu_fusion_attention_grad",
+                }
+                assert calls[("npu", comm, causal, window), "fallbacks"] == [], (
+                    comm,
+                    causal,
+                    window,
+                )
 
 
 @pytest.mark.parametrize("spawn", ["cp2_run", "cp4_run"])
@@ -478,8 +636,12 @@ def test_packed_ring_with_a_window_runs_exactly_the_pairs_it_reaches(cp, causal,
 
     cu = _op_cu(cp)
     local_cu = [n // cp for n in cu]
-    _, params = resolve_call(torch.zeros(1, 1, 8), causal, None, 0.0, "reference", window_size=window)
-    visible = [oracle.visible(b - a, b - a, causal, window=window)[0, 0] for a, b in zip(cu[:-1], cu[1:])]
+    _, params = resolve_call(
+        torch.zeros(1, 1, 8), causal, None, 0.0, "reference", window_size=window
+    )
+    visible = [
+        oracle.visible(b - a, b - a, causal, window=window)[0, 0] for a, b in zip(cu[:-1], cu[1:])
+    ]
 
     def sees(query, key):  # global positions in the pack
         doc = bisect.bisect_right(cu, query) - 1
@@ -498,9 +660,17 @@ def test_packed_ring_with_a_window_runs_exactly_the_pairs_it_reaches(cp, causal,
                 rows, cols = blocks.rows[q_key].tolist(), blocks.rows[kv_key].tolist()
                 cu_q, cu_k = blocks.cu[q_key], blocks.cu[kv_key]
                 for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
-                    inside = ~band_mask(*block_params.band(), (0, q1 - q0), (0, k1 - k0), q1 - q0, k1 - k0, "cpu")
-                    assert inside.any(1).all() and inside.any(0).all(), (rank, step, "a row or key with nothing to do")
+                    inside = ~band_mask(
+                        *block_params.band(), (0, q1 - q0), (0, k1 - k0), q1 - q0, k1 - k0, "cpu"
+                    )
+                    assert inside.any(1).all() and inside.any(0).all(), (
+                        rank,
+                        step,
+                        "a row or key with nothing to do",
+                    )
                     for i, j in inside.nonzero().tolist():
                         computed.append((q_positions[rows[q0 + i]], kv_positions[cols[k0 + j]]))
-            expected = [(query, key) for query in q_positions for key in kv_positions if sees(query, key)]
+            expected = [
+                (query, key) for query in q_positions for key in kv_positions if sees(query, key)
+            ]
             assert sorted(computed) == sorted(expected), (rank, step)

@@ -18,7 +18,9 @@ MODES = ("none", "qkv", "attention", "full", "attention+mlp", "qkv+mlp", "partia
 def _mode_settings(mode):
     from mcore_flash.transformer.recompute import recompute_mode_settings, recompute_settings
 
-    if mode == "partial":  # layer 1 of 2 recomputed whole, the other with qkv + megatron's mlp and layernorm
+    if (
+        mode == "partial"
+    ):  # layer 1 of 2 recomputed whole, the other with qkv + megatron's mlp and layernorm
         return recompute_settings("full", "block", 1, ["qkv", "mlp", "layernorm"])
     if mode.endswith("+mlp"):
         first = {"attention": "core_attn", "qkv": "qkv"}[mode.split("+")[0]]
@@ -28,7 +30,9 @@ def _mode_settings(mode):
 
 def _model(mode, **config):
     settings = _mode_settings(mode)
-    return flash_gpt(tiny_config(**settings.config, **config), layer_recompute_modules=settings.layer_modules)
+    return flash_gpt(
+        tiny_config(**settings.config, **config), layer_recompute_modules=settings.layer_modules
+    )
 
 
 def _w_recompute(rank, world_size, modes, sequence_parallel):
@@ -42,13 +46,17 @@ def _w_recompute(rank, world_size, modes, sequence_parallel):
         tokens, labels, positions = batch(seq=64)
         results = {}
         for mode in modes:
-            common = dict(tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel)
+            common = dict(
+                tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel
+            )
             model = _model(mode, attention_dropout=0.3, hidden_dropout=0.2, **common)
             torch.manual_seed(5)
             tensor_parallel.model_parallel_cuda_manual_seed(11)
             loss = model(tokens, positions, None, labels=labels)
             loss.mean().backward()
-            saved = measure_activation_bytes(_model(mode, **common), tokens, positions, None, labels=labels)
+            saved = measure_activation_bytes(
+                _model(mode, **common), tokens, positions, None, labels=labels
+            )
             results[mode] = (loss.detach(), full_grads(model), saved.per_layer())
         return results
     finally:
@@ -86,15 +94,23 @@ def test_qkv_recompute_keeps_the_input_the_kernel_output_and_its_statistics():
     _assert_same(results)
     none, qkv, qkv_mlp = (results[m][2] for m in ("none", "qkv", "qkv+mlp"))
     s, b, h, heads, d = 64, 2, 64, 4, 16
-    assert qkv["input_layernorm"] == s * b * h * 4  # the layer input, fp32 (its statistics are recomputed)
-    assert qkv["self_attention.core_attention"] == s * b * heads * d * 4 + b * heads * s * 4  # out + lse
-    assert not any(k.startswith(("self_attention.linear_qkv", "self_attention.linear_proj")) for k in qkv)
+    assert (
+        qkv["input_layernorm"] == s * b * h * 4
+    )  # the layer input, fp32 (its statistics are recomputed)
+    assert (
+        qkv["self_attention.core_attention"] == s * b * heads * d * 4 + b * heads * s * 4
+    )  # out + lse
+    assert not any(
+        k.startswith(("self_attention.linear_qkv", "self_attention.linear_proj")) for k in qkv
+    )
     assert "self_attention" not in qkv  # RoPE's cos/sin
     after_attention = ("mlp", "pre_mlp", "<layer>")
     assert {k: v for k, v in qkv.items() if k.startswith(after_attention)} == {
         k: v for k, v in none.items() if k.startswith(after_attention)
     }
-    assert none["self_attention.linear_qkv"] > 0 and none["self_attention"] > 0  # the baseline keeps them
+    assert (
+        none["self_attention.linear_qkv"] > 0 and none["self_attention"] > 0
+    )  # the baseline keeps them
     assert sum(qkv_mlp.values()) < sum(qkv.values())  # megatron's mlp module combines with qkv
 
 
@@ -113,7 +129,10 @@ def test_recompute_modes_under_tp2_sequence_parallel():
         (dict(granularity="selective", method="block"), "--recompute-method"),
         (dict(granularity="everything"), "--recompute-granularity"),
         (dict(granularity=None, modules=["core_attn"]), "--recompute-granularity"),
-        (dict(granularity="full", method="uniform", num_layers=1, modules=["mlp"]), "--recompute-modules"),
+        (
+            dict(granularity="full", method="uniform", num_layers=1, modules=["mlp"]),
+            "--recompute-modules",
+        ),
         (dict(granularity="selective", modules=["qkv", "core_attn"]), "qkv core_attn"),
     ],
 )

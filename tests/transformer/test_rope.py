@@ -15,9 +15,21 @@ import torch
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 
 SHAPE = [
-    "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "256", "--max-position-embeddings", "256",
-]  # fmt: skip
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "256",
+    "--max-position-embeddings",
+    "256",
+]
 POSITIONS = 2048
 
 CASES = {
@@ -27,10 +39,19 @@ CASES = {
     "llama3.1-scaling": (
         ["--rotary-base", "500000", "--use-rope-scaling", "--rope-scaling-factor", "8"],
         500000.0,
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8192},
-    ),  # fmt: skip
-    "linear-interpolation-4": (["--rotary-seq-len-interpolation-factor", "4"], 10000.0, {"rope_type": "linear", "factor": 4.0}),
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "linear-interpolation-4": (
+        ["--rotary-seq-len-interpolation-factor", "4"],
+        10000.0,
+        {"rope_type": "linear", "factor": 4.0},
+    ),
 }
 
 
@@ -59,9 +80,13 @@ def _hf_cos_sin(rope_theta, rope_scaling):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     config = LlamaConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
-        rope_theta=rope_theta, rope_scaling=rope_scaling,
-    )  # fmt: skip
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+    )
     rope = LlamaRotaryEmbedding(config)
     x = torch.zeros(1, POSITIONS, 64, dtype=torch.float64)
     return rope(x, torch.arange(POSITIONS).unsqueeze(0))
@@ -98,14 +123,21 @@ def test_llama31_presets_scale_rope_to_128k():
     for preset in ("llama3.1-8b", "llama3.1-70b"):
         args = parse_args(["--model", preset, "--seq-length", "131072", "--global-batch-size", "1"])
         assert args.use_rope_scaling and args.rope_scaling_factor == 8.0
-        assert (args.rotary_base, args.max_position_embeddings, args.norm_epsilon) == (500000, 131072, 1e-5)
+        assert (args.rotary_base, args.max_position_embeddings, args.norm_epsilon) == (
+            500000,
+            131072,
+            1e-5,
+        )
 
 
 @pytest.mark.parametrize(
     "flags,match",
     [
         (["--use-rope-scaling", "--rotary-seq-len-interpolation-factor", "4"], "pick one"),
-        (["--use-rope-scaling", "--position-embedding-type", "learned_absolute"], "--use-rope-scaling needs"),
+        (
+            ["--use-rope-scaling", "--position-embedding-type", "learned_absolute"],
+            "--use-rope-scaling needs",
+        ),
         (["--use-rope-scaling", "--rope-scaling-factor", "0"], "--rope-scaling-factor"),
         (["--rope-scaling-factor", "16"], "has no effect without --use-rope-scaling"),
         (["--rotary-seq-len-interpolation-factor", "0"], "--rotary-seq-len-interpolation-factor"),

@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
-from _support.gpt_models import batch, build_gpt, causal_mask, flash_gpt, full_grads, full_weights, load_full_weights, tiny_config
+from _support.gpt_models import (
+    batch,
+    build_gpt,
+    causal_mask,
+    flash_gpt,
+    full_grads,
+    full_weights,
+    load_full_weights,
+    tiny_config,
+)
 
 ATOL = 1e-5
 
@@ -44,7 +53,9 @@ def _w_stock_vs_flash(rank, world_size, with_mask, fused_swiglu):
     ids=["causal-mask", "mask-none", "mask-none-fused-swiglu"],
 )
 def test_matches_megatron_stock_local_spec(with_mask, fused_swiglu):
-    (stock_loss, stock_grads), (loss, grads) = run_distributed(_w_stock_vs_flash, 1, with_mask, fused_swiglu)[0]
+    (stock_loss, stock_grads), (loss, grads) = run_distributed(
+        _w_stock_vs_flash, 1, with_mask, fused_swiglu
+    )[0]
     torch.testing.assert_close(loss, stock_loss, atol=ATOL, rtol=1e-5)
     assert grads.keys() == stock_grads.keys()
     for name in grads:
@@ -56,19 +67,29 @@ def _w_tensor_parallel(rank, world_size, sequence_parallel, groups, use_ddp, wei
     run's own are returned) copied in over a model initialised from another seed."""
     init_megatron(tp=world_size)
     try:
-        config = tiny_config(tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel, num_query_groups=groups)
+        config = tiny_config(
+            tensor_model_parallel_size=world_size,
+            sequence_parallel=sequence_parallel,
+            num_query_groups=groups,
+        )
         model = flash_gpt(config, seed=0 if weights is None else 7)
         if weights is not None:
             load_full_weights(model, weights)
         if use_ddp:
-            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+            from megatron.core.distributed import (
+                DistributedDataParallel,
+                DistributedDataParallelConfig,
+                finalize_model_grads,
+            )
 
             model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         result = _loss_and_grads(model, causal_mask())
         if use_ddp:
             finalize_model_grads([model])
             result = (result[0], full_grads(model))
-        sp_norms = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
+        sp_norms = sorted(
+            n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)
+        )
         return result, sp_norms, full_weights(model) if weights is None else None
     finally:
         teardown_megatron()
@@ -80,8 +101,12 @@ def _w_tensor_parallel(rank, world_size, sequence_parallel, groups, use_ddp, wei
     ids=["tp2-gqa2", "tp2-sp-gqa2", "tp2-mqa", "tp2-sp-mha"],
 )
 def test_tensor_parallel_matches_single_rank(sequence_parallel, groups):
-    (ref_loss, ref_grads), _, weights = run_distributed(_w_tensor_parallel, 1, False, groups, False)[0]
-    results = run_distributed(_w_tensor_parallel, 2, sequence_parallel, groups, sequence_parallel, weights)
+    (ref_loss, ref_grads), _, weights = run_distributed(
+        _w_tensor_parallel, 1, False, groups, False
+    )[0]
+    results = run_distributed(
+        _w_tensor_parallel, 2, sequence_parallel, groups, sequence_parallel, weights
+    )
     for (loss, grads), sp_norms, _ in results:
         torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=1e-5)
         for name in ref_grads:
@@ -101,7 +126,11 @@ def _w_packed(rank, world_size, lengths):
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
         positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
         params = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max(lengths),
+            max_seqlen_kv=max(lengths),
         )
         with torch.no_grad():
             packed = model(tokens, positions, None, packed_seq_params=params)
@@ -132,16 +161,27 @@ def _w_npu_vs_cpu(rank, world_size):
         double = op_double()
         sys.modules["torch_npu"] = double
         config = tiny_config()
-        cpu, npu = flash_gpt(config, attention_backend="cpu"), flash_gpt(config, attention_backend="npu")
+        cpu, npu = (
+            flash_gpt(config, attention_backend="cpu"),
+            flash_gpt(config, attention_backend="npu"),
+        )
         npu.load_state_dict(cpu.state_dict())
         results = [_loss_and_grads(model, None) for model in (cpu, npu)]
         cu = torch.tensor([0, 7, 32], dtype=torch.int32)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=25, max_seqlen_kv=25)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=25, max_seqlen_kv=25
+        )
         tokens, _, _ = batch(batch_size=1)
         positions = torch.cat([torch.arange(7), torch.arange(25)]).unsqueeze(0)
         with torch.no_grad():
-            packed = [model(tokens, positions, None, packed_seq_params=params) for model in (cpu, npu)]
-        return results, packed, [(c["name"], c["layout"], c["sparse_mode"], c["noncontiguous"]) for c in double.calls]
+            packed = [
+                model(tokens, positions, None, packed_seq_params=params) for model in (cpu, npu)
+            ]
+        return (
+            results,
+            packed,
+            [(c["name"], c["layout"], c["sparse_mode"], c["noncontiguous"]) for c in double.calls],
+        )
     finally:
         teardown_megatron()
 
@@ -167,8 +207,12 @@ def _w_dropout(rank, world_size):
 
         from mcore_flash.transformer import FlashDotProductAttention
 
-        config = tiny_config(tensor_model_parallel_size=world_size, attention_dropout=0.5, num_query_groups=4)
-        attention = FlashDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal).train()
+        config = tiny_config(
+            tensor_model_parallel_size=world_size, attention_dropout=0.5, num_query_groups=4
+        )
+        attention = FlashDotProductAttention(
+            config, layer_number=1, attn_mask_type=AttnMaskType.causal
+        ).train()
         generator = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(16, 1, 2, 16, generator=generator) for _ in range(3))
         first = attention(q, k, v, None)
@@ -199,9 +243,12 @@ def _attention(tp_size=1, backend=None, layer_number=1, **overrides):
 
     pg = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: tp_size))
     return FlashDotProductAttention(
-        tiny_config(**overrides), layer_number=layer_number, attn_mask_type=AttnMaskType.causal, pg_collection=pg,
+        tiny_config(**overrides),
+        layer_number=layer_number,
+        attn_mask_type=AttnMaskType.causal,
+        pg_collection=pg,
         backend=backend,
-    )  # fmt: skip
+    )
 
 
 def test_heads_not_divisible_by_tp():
@@ -243,7 +290,9 @@ def test_padding_mask_is_honoured_and_causal_mask_takes_fused_path(monkeypatch):
 
     seen = []
     real = attention_module.flash_attn_func
-    monkeypatch.setattr(attention_module, "flash_attn_func", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(
+        attention_module, "flash_attn_func", lambda *a, **kw: seen.append(kw) or real(*a, **kw)
+    )
     attention = _attention()
     q, k, v = torch.randn(8, 2, 4, 16), torch.randn(8, 2, 2, 16), torch.randn(8, 2, 2, 16)
     attention(q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool).triu(1))
@@ -284,9 +333,15 @@ def test_window_size_matches_stock_attention_with_the_window_mask():
         torch.testing.assert_close(grads[name], stock_grads[name], atol=ATOL, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("skip_freq,expected", [(None, [(7, 0), (7, 0)]), (2, [(7, 0), (-1, -1)]), ([0, 1], [(-1, -1), (7, 0)])])
+@pytest.mark.parametrize(
+    "skip_freq,expected",
+    [(None, [(7, 0), (7, 0)]), (2, [(7, 0), (-1, -1)]), ([0, 1], [(-1, -1), (7, 0)])],
+)
 def test_window_attn_skip_freq_picks_the_sliding_window_layers(skip_freq, expected):
-    got = [_attention(layer_number=n, window_size=(7, 0), window_attn_skip_freq=skip_freq).window_size for n in (1, 2)]
+    got = [
+        _attention(layer_number=n, window_size=(7, 0), window_attn_skip_freq=skip_freq).window_size
+        for n in (1, 2)
+    ]
     assert got == expected
 
 

@@ -34,7 +34,8 @@ logger = logging.getLogger("mcore_flash")
 ENV_VAR = "MCORE_FLASH_ATTENTION_BACKEND"
 
 _BACKENDS: dict[str, AttentionBackend] = {
-    backend.name: backend for backend in (NpuBackend(), CudaBackend(), CpuBackend(), ReferenceBackend())
+    backend.name: backend
+    for backend in (NpuBackend(), CudaBackend(), CpuBackend(), ReferenceBackend())
 }
 _logged: set[str] = set()
 _last_used: Optional[str] = None
@@ -54,7 +55,9 @@ def available_backends() -> list[str]:
     return [name for name, backend in _BACKENDS.items() if backend.is_available()]
 
 
-def get_backend(name: Union[str, AttentionBackend, None] = None, device_type: str = "cpu") -> AttentionBackend:
+def get_backend(
+    name: Union[str, AttentionBackend, None] = None, device_type: str = "cpu"
+) -> AttentionBackend:
     """The backend called ``name``, or the automatic one for tensors on ``device_type``.
 
     An :class:`AttentionBackend` instance is returned as is (e.g. a reference backend with
@@ -66,7 +69,9 @@ def get_backend(name: Union[str, AttentionBackend, None] = None, device_type: st
         return name
     name = name or os.environ.get(ENV_VAR) or _auto_name(device_type)
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {backend_names()} (or None for auto)")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {backend_names()} (or None for auto)"
+        )
     backend = _BACKENDS[name]
     reason = backend.unavailable_reason()
     if reason:

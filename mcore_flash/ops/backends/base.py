@@ -77,7 +77,9 @@ class AttentionParams:
         return replace(self, causal=causal, window=window)
 
 
-def band(lo: Optional[int], hi: Optional[int]) -> tuple[bool, Optional[tuple[Optional[int], Optional[int]]]]:
+def band(
+    lo: Optional[int], hi: Optional[int]
+) -> tuple[bool, Optional[tuple[Optional[int], Optional[int]]]]:
     """``(causal, window)`` for the band ``lo <= j - i - (sk - sq) <= hi``: ``(None, 0)`` is
     causal, ``(None, None)`` full attention, anything else a window with causal False."""
     if lo is None and hi is None:
@@ -87,7 +89,9 @@ def band(lo: Optional[int], hi: Optional[int]) -> tuple[bool, Optional[tuple[Opt
     return False, (lo, hi)
 
 
-def band_rows(lo: Optional[int], hi: Optional[int], q0: int, q1: int, sq: int, sk: int) -> tuple[int, int]:
+def band_rows(
+    lo: Optional[int], hi: Optional[int], q0: int, q1: int, sq: int, sk: int
+) -> tuple[int, int]:
     """The key range ``[k0, k1)`` (clipped to ``[0, sk)``, possibly empty) that query rows
     ``[q0, q1)`` see under the band ``(lo, hi)``."""
     shift = sk - sq
@@ -102,7 +106,11 @@ Range = tuple[int, int]  # [start, end) of query rows or key columns
 def band_offsets(q_range: Range, k_range: Range, sq: int, sk: int, device) -> Tensor:
     """Int ``[q1 - q0, k1 - k0]``: ``j - i - (sk - sq)`` of each (query, key) pair of the block."""
     (q0, q1), (k0, k1) = q_range, k_range
-    return torch.arange(k0, k1, device=device) - torch.arange(q0, q1, device=device).unsqueeze(-1) - (sk - sq)
+    return (
+        torch.arange(k0, k1, device=device)
+        - torch.arange(q0, q1, device=device).unsqueeze(-1)
+        - (sk - sq)
+    )
 
 
 def inf_where_no_key(lse: Tensor) -> Tensor:
@@ -111,7 +119,9 @@ def inf_where_no_key(lse: Tensor) -> Tensor:
     return torch.where(torch.isneginf(lse), float("inf"), lse)
 
 
-def band_crosses(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Range, sq: int, sk: int) -> bool:
+def band_crosses(
+    lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Range, sq: int, sk: int
+) -> bool:
     """Whether the block ``q_range x k_range`` holds a key outside the band (needs masking)."""
     (q0, q1), (k0, k1) = q_range, k_range
     shift = sk - sq
@@ -120,7 +130,9 @@ def band_crosses(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: 
     return below or above
 
 
-def band_mask(lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Range, sq: int, sk: int, device) -> Tensor:
+def band_mask(
+    lo: Optional[int], hi: Optional[int], q_range: Range, k_range: Range, sq: int, sk: int, device
+) -> Tensor:
     """Bool ``[q1 - q0, k1 - k0]``: True where the key is OUTSIDE the band (masked out)."""
     offset = band_offsets(q_range, k_range, sq, sk, device)
     outside = torch.zeros(offset.shape, dtype=torch.bool, device=device)
@@ -209,11 +221,15 @@ class AttentionBackend(abc.ABC):
         logged = self.__dict__.setdefault("_logged_reasons", set())
         if reason not in logged:
             logged.add(reason)
-            logger.info("mcore_flash: %s backend runs the reference kernel for %s", self.name, reason)
+            logger.info(
+                "mcore_flash: %s backend runs the reference kernel for %s", self.name, reason
+            )
         return True
 
     @abc.abstractmethod
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams) -> tuple[Tensor, SoftmaxStats, Any]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams
+    ) -> tuple[Tensor, SoftmaxStats, Any]:
         """Return ``(out, stats, rng_state)`` for q, k, v in ``params.layout``.
 
         ``rng_state`` is whatever ``backward`` needs to replay dropout (None without dropout).
@@ -255,7 +271,10 @@ class AttentionBackend(abc.ABC):
         outs, stats, states = [], [], []
         for i, ((q0, q1), (k0, k1)) in enumerate(_segments(cu_seqlens_q, cu_seqlens_k)):
             out, stat, state = self.forward(
-                q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), _sequence_params(params, i)
+                q[q0:q1].unsqueeze(0),
+                k[k0:k1].unsqueeze(0),
+                v[k0:k1].unsqueeze(0),
+                _sequence_params(params, i),
             )
             outs.append(out.squeeze(0))
             stats.append(stat)
@@ -301,24 +320,38 @@ def _sequence_params(params: AttentionParams, index: int) -> AttentionParams:
     return replace(params, alibi_slopes=params.alibi_slopes[index : index + 1])
 
 
-def _segments(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def _segments(
+    cu_seqlens_q: list[int], cu_seqlens_k: list[int]
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """Pairs of (q range, k range) for each packed sequence."""
     q_ranges = list(zip(cu_seqlens_q[:-1], cu_seqlens_q[1:]))
     k_ranges = list(zip(cu_seqlens_k[:-1], cu_seqlens_k[1:]))
     return list(zip(q_ranges, k_ranges))
 
 
-def forward_kernel(backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams):
+def forward_kernel(
+    backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams
+):
     """``backend.forward`` for tensors in ``params.layout``, transposed (as views) into
     "bshd" for a backend whose kernels do not take that layout."""
     if params.layout in backend.layouts:
         return backend.forward(q, k, v, params)
-    out, stats, rng_state = backend.forward(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), _bshd(params))
+    out, stats, rng_state = backend.forward(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), _bshd(params)
+    )
     return out.transpose(0, 1), stats, rng_state
 
 
 def backward_kernel(
-    backend: AttentionBackend, dout, q, k, v, out, stats: SoftmaxStats, rng_state, params: AttentionParams
+    backend: AttentionBackend,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    stats: SoftmaxStats,
+    rng_state,
+    params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``backend.backward`` for tensors in ``params.layout`` (see :func:`forward_kernel`)."""
     if params.layout in backend.layouts:

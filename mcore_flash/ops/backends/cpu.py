@@ -58,7 +58,9 @@ def compute_dtype(
     ``native_bf16``: whether the CPU has bf16 units; None asks torch (AVX512-BF16 or AMX)."""
     if dtype == torch.bfloat16 and not backward and not alibi:
         if native_bf16 is None:
-            native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+            native_bf16 = (
+                torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+            )
         return torch.bfloat16 if native_bf16 else torch.float32
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -69,7 +71,10 @@ class CpuBackend(AttentionBackend):
     name = "cpu"
 
     def __init__(
-        self, fallback: Optional[AttentionBackend] = None, query_chunk: int = 256, native_bf16: Optional[bool] = None
+        self,
+        fallback: Optional[AttentionBackend] = None,
+        query_chunk: int = 256,
+        native_bf16: Optional[bool] = None,
     ):
         if query_chunk < 1:
             raise ValueError(f"query_chunk must be positive, got {query_chunk}")
@@ -91,7 +96,13 @@ class CpuBackend(AttentionBackend):
         lse = torch.full((b, hq, sq), float("-inf"), dtype=lse_dtype, device=q.device)
         for rows, cols, bias in self._chunks(params, sq, kc.shape[2], qc.dtype, q.device):
             out_c, lse_c = _fused_forward(
-                qc[:, :, rows], kc[:, :, cols], vc[:, :, cols], 0.0, False, attn_mask=bias, scale=params.softmax_scale
+                qc[:, :, rows],
+                kc[:, :, cols],
+                vc[:, :, cols],
+                0.0,
+                False,
+                attn_mask=bias,
+                scale=params.softmax_scale,
             )
             empty = torch.isneginf(bias).all(dim=-1).expand_as(lse_c)
             out[:, :, rows] = out_c.masked_fill(empty.unsqueeze(-1), 0.0)
@@ -104,21 +115,33 @@ class CpuBackend(AttentionBackend):
         qc, kc, vc, doc, outc = _kernel_inputs(compute_dtype(q.dtype, True), q, k, v, dout, out)
         lse = inf_where_no_key(stats.lse().to(qc.dtype))
         if not _needs_bias(params, q.shape[1], k.shape[1]):
-            grads = _fused_backward(doc, qc, kc, vc, outc, lse, 0.0, params.causal, scale=params.softmax_scale)
+            grads = _fused_backward(
+                doc, qc, kc, vc, outc, lse, 0.0, params.causal, scale=params.softmax_scale
+            )
             return tuple(_output(g, x.dtype) for g, x in zip(grads, (q, k, v)))
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
         sq = qc.shape[2]
         for rows, cols, bias in self._chunks(params, sq, kc.shape[2], qc.dtype, q.device):
             dq_c, dk_c, dv_c = _fused_backward(
-                doc[:, :, rows], qc[:, :, rows], kc[:, :, cols], vc[:, :, cols], outc[:, :, rows],
-                lse[:, :, rows], 0.0, False, attn_mask=bias, scale=params.softmax_scale,
-            )  # fmt: skip
+                doc[:, :, rows],
+                qc[:, :, rows],
+                kc[:, :, cols],
+                vc[:, :, cols],
+                outc[:, :, rows],
+                lse[:, :, rows],
+                0.0,
+                False,
+                attn_mask=bias,
+                scale=params.softmax_scale,
+            )
             dq[:, :, rows] = dq_c
             dk[:, :, cols] += dk_c
             dv[:, :, cols] += dv_c
         return _output(dq, q.dtype), _output(dk, k.dtype), _output(dv, v.dtype)
 
-    def _chunks(self, params: AttentionParams, sq: int, sk: int, dtype, device) -> Iterator[tuple[slice, slice, Tensor]]:
+    def _chunks(
+        self, params: AttentionParams, sq: int, sk: int, dtype, device
+    ) -> Iterator[tuple[slice, slice, Tensor]]:
         """``(query rows, key columns, additive bias [b|1, hq|1, rows, cols])`` per chunk of
         query rows; chunks whose band holds no key are left out (their rows stay empty).
 

@@ -65,7 +65,12 @@ class CudaDevice:
         (CUDA < 13 builds: minor 0 or 3 only) with cuDNN newer than 9.15.0, unless deprioritized."""
         major, minor = self.capability
         minor_ok = self.cuda_major >= 13 or minor in (0, 3)
-        return not self.cudnn_deprioritized and major in (9, 10) and minor_ok and self.cudnn_version > 91500
+        return (
+            not self.cudnn_deprioritized
+            and major in (9, 10)
+            and minor_ok
+            and self.cudnn_version > 91500
+        )
 
     def __str__(self) -> str:
         major, minor = self.capability
@@ -84,7 +89,9 @@ def query_device(index: int) -> CudaDevice:
 
 
 def _device_of(x: Tensor) -> CudaDevice:
-    return query_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return query_device(
+        x.device.index if x.device.index is not None else torch.cuda.current_device()
+    )
 
 
 class KernelState(NamedTuple):
@@ -104,7 +111,9 @@ class Packed(NamedTuple):
     max_k: int
 
 
-def _shape_misfit(q: Tensor, k: Tensor, params: AttentionParams, max_head_dim: int, name: str) -> Optional[str]:
+def _shape_misfit(
+    q: Tensor, k: Tensor, params: AttentionParams, max_head_dim: int, name: str
+) -> Optional[str]:
     """The limits both kernels share (``None`` when the call fits)."""
     d = q.shape[-1]
     if q.dtype not in _HALF:
@@ -130,19 +139,29 @@ class FlashKernel:
     def __init__(self, aten):
         self.aten = aten
 
-    def misfit(self, q: Tensor, k: Tensor, params: AttentionParams, device: CudaDevice, lengths=None) -> Optional[str]:
+    def misfit(
+        self, q: Tensor, k: Tensor, params: AttentionParams, device: CudaDevice, lengths=None
+    ) -> Optional[str]:
         """Why the kernel cannot take the call (None: it can); ``lengths`` ``[(sq, sk), ...]``
         of packed sequences."""
         if not (8, 0) <= device.capability <= (12, 1):
             return f"{device} (torch's flash kernel runs on sm80-sm121)"
-        if q.shape[-1] > 192 and ((8, 6) <= device.capability <= (8, 9) or device.capability >= (12, 0)):
-            return f"head_dim {q.shape[-1]} on {device} (its flash backward takes at most 192 there)"
+        if q.shape[-1] > 192 and (
+            (8, 6) <= device.capability <= (8, 9) or device.capability >= (12, 0)
+        ):
+            return (
+                f"head_dim {q.shape[-1]} on {device} (its flash backward takes at most 192 there)"
+            )
         lo, hi = params.window or (None, None)
         if (lo is not None and lo > 0) or (hi is not None and hi < 0):
             return "a window that excludes the diagonal (the flash kernel reads a negative side as unbounded)"
         lengths = lengths or [(q.shape[1], k.shape[1])]
         max_k = max(sk for _, sk in lengths)
-        if params.window is not None and any(sq > max_k + 1 for sq, _ in lengths) and (hi is None or hi >= max_k):
+        if (
+            params.window is not None
+            and any(sq > max_k + 1 for sq, _ in lengths)
+            and (hi is None or hi >= max_k)
+        ):
             return "a window without a right side below sk with sq > sk + 1 (the flash kernel caps that side at sk)"
         return _shape_misfit(q, k, params, 256, "torch's flash kernel")
 
@@ -156,10 +175,23 @@ class FlashKernel:
             False,
             **_flash_keywords(params),
         )
-        lse = torch.where(torch.isposinf(lse), float("-inf"), lse)  # the kernel's +inf: flash-attn's convention
+        lse = torch.where(
+            torch.isposinf(lse), float("-inf"), lse
+        )  # the kernel's +inf: flash-attn's convention
         return out, lse, KernelState(self.name, (rng, unused), tuple(lse.shape))
 
-    def backward(self, dout, q, k, v, out, lse: Tensor, state: KernelState, params, packed: Optional[Packed] = None):
+    def backward(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse: Tensor,
+        state: KernelState,
+        params,
+        packed: Optional[Packed] = None,
+    ):
         return self.aten._flash_attention_backward(
             *(_last_dim_contiguous(x) for x in (dout, q, k, v, out)),
             inf_where_no_key(lse.reshape(state.lse_shape)).contiguous(),
@@ -180,7 +212,11 @@ def _lengths(q: Tensor, k: Tensor, packed: Optional[Packed]) -> tuple:
 def _flash_keywords(params: AttentionParams) -> dict:
     """The scale and flash-attn's ``window_size_left/right`` for the band (None = unbounded)."""
     lo, hi = params.window or (None, None)
-    return dict(scale=params.softmax_scale, window_size_left=None if lo is None else -lo, window_size_right=hi)
+    return dict(
+        scale=params.softmax_scale,
+        window_size_left=None if lo is None else -lo,
+        window_size_right=hi,
+    )
 
 
 class CudnnKernel:
@@ -191,7 +227,9 @@ class CudnnKernel:
     def __init__(self, aten):
         self.aten = aten
 
-    def misfit(self, q: Tensor, k: Tensor, params: AttentionParams, device: CudaDevice) -> Optional[str]:
+    def misfit(
+        self, q: Tensor, k: Tensor, params: AttentionParams, device: CudaDevice
+    ) -> Optional[str]:
         if device.cudnn_version < 90000 or not (8, 0) <= device.capability <= (12, 1):
             return f"{device} (torch's cuDNN attention needs cuDNN 9 on sm80-sm121)"
         if params.window is not None:
@@ -210,14 +248,16 @@ class CudnnKernel:
 
     def forward(self, q, k, v, params: AttentionParams):
         b, sq, h, _ = q.shape
-        out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = self.aten._scaled_dot_product_cudnn_attention(
-            *(_last_dim_contiguous(x).transpose(1, 2) for x in (q, k, v)),
-            None,
-            True,
-            params.dropout_p,
-            params.causal,
-            False,
-            scale=params.softmax_scale,
+        out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = (
+            self.aten._scaled_dot_product_cudnn_attention(
+                *(_last_dim_contiguous(x).transpose(1, 2) for x in (q, k, v)),
+                None,
+                True,
+                params.dropout_p,
+                params.causal,
+                False,
+                scale=params.softmax_scale,
+            )
         )
         state = KernelState(self.name, (cu_q, cu_k, max_q, max_k, seed, offset), tuple(lse.shape))
         return out.transpose(1, 2), lse.reshape(b, h, sq), state
@@ -270,7 +310,12 @@ class CudaBackend(AttentionBackend):
 
     name = "cuda"
 
-    def __init__(self, aten=None, device_info: Optional[Callable[[Tensor], CudaDevice]] = None, preference=None):
+    def __init__(
+        self,
+        aten=None,
+        device_info: Optional[Callable[[Tensor], CudaDevice]] = None,
+        preference=None,
+    ):
         aten = torch.ops.aten if aten is None else aten
         self.kernels = {kernel.name: kernel for kernel in (CudnnKernel(aten), FlashKernel(aten))}
         self.device_info = device_info or _device_of
@@ -286,7 +331,9 @@ class CudaBackend(AttentionBackend):
         """The kernels to try, best first, for ``preference`` (or ``$MCORE_FLASH_CUDA_KERNEL``)."""
         preference = self.preference or os.environ.get(ENV_VAR) or "auto"
         if preference not in PREFERENCES:
-            raise ValueError(f"{ENV_VAR}={preference!r} is not a kernel; choose one of {PREFERENCES}")
+            raise ValueError(
+                f"{ENV_VAR}={preference!r} is not a kernel; choose one of {PREFERENCES}"
+            )
         if preference == "flash" or (preference == "auto" and not device.prefers_cudnn()):
             return ("flash",)
         return ("cudnn", "flash")
@@ -298,7 +345,10 @@ class CudaBackend(AttentionBackend):
         for name in self.kernel_order(device):
             misfit = self.kernels[name].misfit(q, k, params, device)
             if misfit is None:
-                self._log_once(f"mcore_flash: cuda backend runs the {name} kernel ({device})" + _because(misfits))
+                self._log_once(
+                    f"mcore_flash: cuda backend runs the {name} kernel ({device})"
+                    + _because(misfits)
+                )
                 return name
             misfits.append(f"{name}: {misfit}")
         self._falls_back("; ".join(misfits))
@@ -320,7 +370,9 @@ class CudaBackend(AttentionBackend):
     def backward(self, dout, q, k, v, out, stats, rng_state, params):
         if not isinstance(rng_state, KernelState):
             return self.fallback.backward(dout, q, k, v, out, stats, rng_state, params)
-        return self.kernels[rng_state.kernel].backward(dout, q, k, v, out, stats.lse(), rng_state, params)
+        return self.kernels[rng_state.kernel].backward(
+            dout, q, k, v, out, stats.lse(), rng_state, params
+        )
 
     # Packed sequences: the flash kernel takes them in one call; anything else loops over the
     # sequences (the base class), each choosing its own kernel.
@@ -328,17 +380,26 @@ class CudaBackend(AttentionBackend):
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, params):
         flash = self.kernels["flash"]
         lengths = list(zip(_lengths_of(cu_seqlens_q), _lengths_of(cu_seqlens_k)))
-        if 0 in sum(lengths, ()) or flash.misfit(q, k, params, self.device_info(q), lengths) is not None:
+        if (
+            0 in sum(lengths, ())
+            or flash.misfit(q, k, params, self.device_info(q), lengths) is not None
+        ):
             return super().varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
         packed = _packed(cu_seqlens_q, cu_seqlens_k, q.device)
         out, lse, state = flash.forward(q, k, v, params, packed)
         return out, SoftmaxStats(lse.unsqueeze(0)), state
 
-    def varlen_backward(self, dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params):
+    def varlen_backward(
+        self, dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params
+    ):
         if not isinstance(rng_state, KernelState):
-            return super().varlen_backward(dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params)
+            return super().varlen_backward(
+                dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params
+            )
         packed = _packed(cu_seqlens_q, cu_seqlens_k, q.device)
-        return self.kernels["flash"].backward(dout, q, k, v, out, stats.lse()[0], rng_state, params, packed)
+        return self.kernels["flash"].backward(
+            dout, q, k, v, out, stats.lse()[0], rng_state, params, packed
+        )
 
 
 def _lengths_of(cu_seqlens: list[int]) -> list[int]:
@@ -349,7 +410,12 @@ def _packed(cu_seqlens_q: list[int], cu_seqlens_k: list[int], device) -> Packed:
     def tensor(cu):
         return torch.tensor(cu, dtype=torch.int32, device=device)
 
-    return Packed(tensor(cu_seqlens_q), tensor(cu_seqlens_k), max(_lengths_of(cu_seqlens_q)), max(_lengths_of(cu_seqlens_k)))
+    return Packed(
+        tensor(cu_seqlens_q),
+        tensor(cu_seqlens_k),
+        max(_lengths_of(cu_seqlens_q)),
+        max(_lengths_of(cu_seqlens_k)),
+    )
 
 
 def _because(misfits: list[str]) -> str:

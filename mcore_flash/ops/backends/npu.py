@@ -83,7 +83,9 @@ class NpuBackend(AttentionBackend):
 
     def check_inputs(self, q, k, v, params):
         if q.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"npu backend supports float16, bfloat16 and float32, got q.dtype={q.dtype}")
+            raise TypeError(
+                f"npu backend supports float16, bfloat16 and float32, got q.dtype={q.dtype}"
+            )
         if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
             raise ValueError(
                 f"npu backend: head_dim {q.shape[-1]} is outside npu_fusion_attention's 1..{MAX_HEAD_DIM}"
@@ -115,9 +117,11 @@ class NpuBackend(AttentionBackend):
     def forward(self, q, k, v, params):
         mask, sparse_mode = self._dense_mask_and_mode(params, q, k)
         outputs = _torch_npu().npu_fusion_attention(
-            *_op_inputs(params.layout, q, k, v), q.shape[-2], _OP_LAYOUTS[params.layout],
+            *_op_inputs(params.layout, q, k, v),
+            q.shape[-2],
+            _OP_LAYOUTS[params.layout],
             **self._common(params, mask, sparse_mode, self._empty_rows(params, mask, q, k)),
-        )  # fmt: skip
+        )
         out = _from_op(outputs[0], params.layout, q.shape[-2])
         return out, SoftmaxStats(outputs[1], outputs[2]), _rng_state(outputs)
 
@@ -125,11 +129,20 @@ class NpuBackend(AttentionBackend):
         mask, sparse_mode = self._dense_mask_and_mode(params, q, k)
         query, key, value, dy, attention_in = _op_inputs(params.layout, q, k, v, dout, out)
         grads = _torch_npu().npu_fusion_attention_grad(
-            query, key, value, dy, q.shape[-2], _OP_LAYOUTS[params.layout],
-            softmax_max=stats.row_max, softmax_sum=stats.row_sum, attention_in=attention_in,
-            **self._common(params, mask, sparse_mode, self._empty_rows(params, mask, q, k), grad=True),
+            query,
+            key,
+            value,
+            dy,
+            q.shape[-2],
+            _OP_LAYOUTS[params.layout],
+            softmax_max=stats.row_max,
+            softmax_sum=stats.row_sum,
+            attention_in=attention_in,
+            **self._common(
+                params, mask, sparse_mode, self._empty_rows(params, mask, q, k), grad=True
+            ),
             **_replay_kwargs(rng_state),
-        )  # fmt: skip
+        )
         heads = (q.shape[-2], k.shape[-2], v.shape[-2])
         return tuple(_from_op(grad, params.layout, n) for grad, n in zip(grads[:3], heads))
 
@@ -137,34 +150,55 @@ class NpuBackend(AttentionBackend):
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, params):
         if self._varlen_needs_fallback(cu_seqlens_q, cu_seqlens_k, params):
-            out, stats, rng_state = self.fallback.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
+            out, stats, rng_state = self.fallback.varlen_forward(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, params
+            )
             return out, _kernel_stats(stats), rng_state
         mask, sparse_mode = self._mask_and_mode(params, q.device)
         outputs = _torch_npu().npu_fusion_attention(
-            q, k, v, q.shape[1], "TND",
-            actual_seq_qlen=cu_seqlens_q[1:], actual_seq_kvlen=cu_seqlens_k[1:],
+            q,
+            k,
+            v,
+            q.shape[1],
+            "TND",
+            actual_seq_qlen=cu_seqlens_q[1:],
+            actual_seq_kvlen=cu_seqlens_k[1:],
             **self._common(params, mask, sparse_mode, False),
-        )  # fmt: skip
+        )
         t, n = q.shape[0], q.shape[1]  # [t, n, 8] holding [n, t, 8] data: a free view
         stats = SoftmaxStats(*(x.view(n, t, STATS_WIDTH).unsqueeze(0) for x in outputs[1:3]))
         return outputs[0], stats, _rng_state(outputs)
 
-    def varlen_backward(self, dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params):
+    def varlen_backward(
+        self, dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params
+    ):
         if self._varlen_needs_fallback(cu_seqlens_q, cu_seqlens_k, params):
-            return self.fallback.varlen_backward(dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params)
+            return self.fallback.varlen_backward(
+                dout, q, k, v, out, stats, rng_state, cu_seqlens_q, cu_seqlens_k, params
+            )
         mask, sparse_mode = self._mask_and_mode(params, q.device)
         t, n = q.shape[0], q.shape[1]
         softmax_max, softmax_sum = (x[0].view(t, n, STATS_WIDTH) for x in stats.tensors())
         grads = _torch_npu().npu_fusion_attention_grad(
-            q, k, v, dout, n, "TND",
-            softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out,
-            actual_seq_qlen=cu_seqlens_q[1:], actual_seq_kvlen=cu_seqlens_k[1:],
+            q,
+            k,
+            v,
+            dout,
+            n,
+            "TND",
+            softmax_max=softmax_max,
+            softmax_sum=softmax_sum,
+            attention_in=out,
+            actual_seq_qlen=cu_seqlens_q[1:],
+            actual_seq_kvlen=cu_seqlens_k[1:],
             **self._common(params, mask, sparse_mode, False, grad=True),
             **_replay_kwargs(rng_state),
-        )  # fmt: skip
+        )
         return grads[0], grads[1], grads[2]
 
-    def _varlen_needs_fallback(self, cu_seqlens_q: list[int], cu_seqlens_k: list[int], params) -> bool:
+    def _varlen_needs_fallback(
+        self, cu_seqlens_q: list[int], cu_seqlens_k: list[int], params
+    ) -> bool:
         q_lens = [b - a for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
         k_lens = [b - a for a, b in zip(cu_seqlens_k[:-1], cu_seqlens_k[1:])]
         reason = None
@@ -172,8 +206,12 @@ class NpuBackend(AttentionBackend):
             reason = "a packed sequence with queries but no keys (TND has no inner_precise)"
         elif params.causal and any(nq > nk for nq, nk in zip(q_lens, k_lens)):
             reason = "causal packed sequences with more queries than keys (TND sparse_mode 3 needs Sq <= Skv)"
-        elif params.window is not None and any(_band_has_empty_rows(params, nq, nk) for nq, nk in zip(q_lens, k_lens)):
-            reason = "a window that leaves a packed query row without keys (TND has no inner_precise)"
+        elif params.window is not None and any(
+            _band_has_empty_rows(params, nq, nk) for nq, nk in zip(q_lens, k_lens)
+        ):
+            reason = (
+                "a window that leaves a packed query row without keys (TND has no inner_precise)"
+            )
         return self._falls_back(reason)
 
     # ---- shared arguments ----------------------------------------------------------------
@@ -216,7 +254,9 @@ class NpuBackend(AttentionBackend):
             return mask, SparseMode.ALL_MASK
         return self._mask_and_mode(params, q.device)
 
-    def _mask_and_mode(self, params: AttentionParams, device: torch.device) -> tuple[Optional[Tensor], SparseMode]:
+    def _mask_and_mode(
+        self, params: AttentionParams, device: torch.device
+    ) -> tuple[Optional[Tensor], SparseMode]:
         """The compressed mask with ``RIGHT_DOWN_CAUSAL`` (causal) or ``BAND`` (window), or no
         mask (full attention, ``DEFAULT_MASK``)."""
         if params.window is not None:
@@ -231,11 +271,15 @@ class NpuBackend(AttentionBackend):
         if mask is not None and mask.dim() == 4:
             return _has_empty_rows(mask)
         seq = params.layout.index("s")
-        return params.window is not None and _band_has_empty_rows(params, q.shape[seq], k.shape[seq])
+        return params.window is not None and _band_has_empty_rows(
+            params, q.shape[seq], k.shape[seq]
+        )
 
     def _compressed_causal_mask(self, device: torch.device) -> Tensor:
         if device not in self._compressed_masks:
-            ones = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
+            ones = torch.ones(
+                COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device
+            )
             self._compressed_masks[device] = torch.triu(ones, diagonal=1)
         return self._compressed_masks[device]
 
@@ -269,7 +313,10 @@ def _band_has_empty_rows(params: AttentionParams, sq: int, sk: int) -> bool:
     """Whether the window leaves a query row of ``sq`` against ``sk`` keys without keys (the
     band moves monotonically, so the first and the last row decide)."""
     lo, hi = params.band()
-    return sq > 0 and any(k0 == k1 for k0, k1 in (band_rows(lo, hi, 0, 1, sq, sk), band_rows(lo, hi, sq - 1, sq, sq, sk)))
+    return sq > 0 and any(
+        k0 == k1
+        for k0, k1 in (band_rows(lo, hi, 0, 1, sq, sk), band_rows(lo, hi, sq - 1, sq, sq, sk))
+    )
 
 
 def _has_empty_rows(mask: Optional[Tensor]) -> bool:
@@ -293,5 +340,6 @@ def _kernel_stats(stats: SoftmaxStats) -> SoftmaxStats:
     reference kernel ran merges with the kernel's blocks under context parallelism."""
     lse = stats.lse()
     row_sum = torch.where(torch.isneginf(lse), 0.0, 1.0)
-    return SoftmaxStats(*(x.unsqueeze(-1).expand(*x.shape, STATS_WIDTH).contiguous() for x in (lse, row_sum)))
-
+    return SoftmaxStats(
+        *(x.unsqueeze(-1).expand(*x.shape, STATS_WIDTH).contiguous() for x in (lse, row_sum))
+    )

@@ -49,7 +49,9 @@ class ReferenceBackend(AttentionBackend):
 
     def __init__(self, block_q: int = 256, block_k: int = 512):
         if block_q < 1 or block_k < 1:
-            raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+            raise ValueError(
+                f"block sizes must be positive, got block_q={block_q}, block_k={block_k}"
+            )
         self.block_q = block_q
         self.block_k = block_k
 
@@ -57,19 +59,33 @@ class ReferenceBackend(AttentionBackend):
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         compute_dtype = _compute_dtype(q.dtype)
-        qg, kg, vg = _grouped(q, hkv, compute_dtype), _grouped(k, hkv, compute_dtype), _grouped(v, hkv, compute_dtype)
+        qg, kg, vg = (
+            _grouped(q, hkv, compute_dtype),
+            _grouped(k, hkv, compute_dtype),
+            _grouped(v, hkv, compute_dtype),
+        )
         mask = _grouped_mask(params.attn_mask, hkv, hq // hkv)
-        state = _new_dropout_state(q.device, self.block_q, self.block_k) if params.dropout_p > 0 else None
+        state = (
+            _new_dropout_state(q.device, self.block_q, self.block_k)
+            if params.dropout_p > 0
+            else None
+        )
 
         out = torch.zeros(qg.shape[:-1] + (v.shape[-1],), dtype=compute_dtype, device=q.device)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         for (q0, q1), kv_blocks in _block_plan(sq, sk, params, self.block_q, self.block_k):
             q_blk = qg[..., q0:q1, :]
-            row_max = torch.full(q_blk.shape[:-1], float("-inf"), dtype=compute_dtype, device=q.device)
+            row_max = torch.full(
+                q_blk.shape[:-1], float("-inf"), dtype=compute_dtype, device=q.device
+            )
             row_sum = torch.zeros_like(row_max)
-            acc = torch.zeros(q_blk.shape[:-1] + (v.shape[-1],), dtype=compute_dtype, device=q.device)
+            acc = torch.zeros(
+                q_blk.shape[:-1] + (v.shape[-1],), dtype=compute_dtype, device=q.device
+            )
             for k0, k1 in kv_blocks:
-                scores, _ = _masked_scores(q_blk, kg[..., k0:k1, :], params, mask, (q0, q1), (k0, k1), sq, sk)
+                scores, _ = _masked_scores(
+                    q_blk, kg[..., k0:k1, :], params, mask, (q0, q1), (k0, k1), sq, sk
+                )
                 new_max = torch.maximum(row_max, scores.amax(dim=-1))
                 safe_max = _finite_or_zero(new_max)
                 probs = torch.exp(scores - safe_max.unsqueeze(-1))
@@ -83,7 +99,9 @@ class ReferenceBackend(AttentionBackend):
             empty = row_sum == 0
             out[..., q0:q1, :] = acc / torch.where(empty, 1.0, row_sum).unsqueeze(-1)
             lse[..., q0:q1] = torch.where(
-                empty, float("-inf"), _finite_or_zero(row_max) + torch.log(torch.where(empty, 1.0, row_sum))
+                empty,
+                float("-inf"),
+                _finite_or_zero(row_max) + torch.log(torch.where(empty, 1.0, row_sum)),
             ).float()
         return _ungrouped(out, q.dtype), SoftmaxStats(lse.reshape(b, hq, sq)), state
 
@@ -91,12 +109,18 @@ class ReferenceBackend(AttentionBackend):
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         compute_dtype = _compute_dtype(q.dtype)
-        qg, kg, vg = _grouped(q, hkv, compute_dtype), _grouped(k, hkv, compute_dtype), _grouped(v, hkv, compute_dtype)
+        qg, kg, vg = (
+            _grouped(q, hkv, compute_dtype),
+            _grouped(k, hkv, compute_dtype),
+            _grouped(v, hkv, compute_dtype),
+        )
         doutg, outg = _grouped(dout, hkv, compute_dtype), _grouped(out, hkv, compute_dtype)
         mask = _grouped_mask(params.attn_mask, hkv, hq // hkv)
         lse_g = inf_where_no_key(stats.lse().reshape(qg.shape[:-1]).to(compute_dtype))
         delta = (doutg * outg).sum(dim=-1)
-        block_q, block_k = (rng_state.block_q, rng_state.block_k) if rng_state else (self.block_q, self.block_k)
+        block_q, block_k = (
+            (rng_state.block_q, rng_state.block_k) if rng_state else (self.block_q, self.block_k)
+        )
 
         dq = torch.zeros_like(qg)
         dk = torch.zeros_like(kg)
@@ -105,7 +129,9 @@ class ReferenceBackend(AttentionBackend):
             q_blk, do_blk = qg[..., q0:q1, :], doutg[..., q0:q1, :]
             for k0, k1 in kv_blocks:
                 k_blk, v_blk = kg[..., k0:k1, :], vg[..., k0:k1, :]
-                scores, softcap_slope = _masked_scores(q_blk, k_blk, params, mask, (q0, q1), (k0, k1), sq, sk)
+                scores, softcap_slope = _masked_scores(
+                    q_blk, k_blk, params, mask, (q0, q1), (k0, k1), sq, sk
+                )
                 probs = torch.exp(scores - lse_g[..., q0:q1].unsqueeze(-1))
                 dprobs = do_blk @ v_blk.transpose(-1, -2)
                 dropped = probs
@@ -203,7 +229,9 @@ def _masked_scores(
         scores = scores + bias.view(b, hkv, groups, *bias.shape[2:]).to(scores.dtype)
     lo, hi = params.band()
     if band_crosses(lo, hi, q_range, k_range, sq, sk):
-        scores = scores.masked_fill(band_mask(lo, hi, q_range, k_range, sq, sk, scores.device), float("-inf"))
+        scores = scores.masked_fill(
+            band_mask(lo, hi, q_range, k_range, sq, sk, scores.device), float("-inf")
+        )
     if mask is not None:
         (q0, q1), (k0, k1) = q_range, k_range
         scores = scores.masked_fill(mask[..., q0:q1, k0:k1], float("-inf"))
@@ -219,7 +247,9 @@ def _new_dropout_state(device: torch.device, block_q: int, block_k: int) -> Drop
     return DropoutState(seed=seed, block_q=block_q, block_k=block_k)
 
 
-def _dropout_keep(x: Tensor, p: float, state: Optional[DropoutState], q0: int, k0: int) -> Optional[Tensor]:
+def _dropout_keep(
+    x: Tensor, p: float, state: Optional[DropoutState], q0: int, k0: int
+) -> Optional[Tensor]:
     """The dropout multiplier for block (q0, k0): 0 with probability ``p``, else ``1/(1-p)``.
 
     It depends only on the seed and the block's position, so forward and backward draw
@@ -236,7 +266,9 @@ def _dropout_keep(x: Tensor, p: float, state: Optional[DropoutState], q0: int, k
 # ---- probabilities (return_attn_probs) ----------------------------------------------------
 
 
-def attention_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Optional[DropoutState], params: AttentionParams) -> Tensor:
+def attention_probs(
+    q: Tensor, k: Tensor, lse: Tensor, rng_state: Optional[DropoutState], params: AttentionParams
+) -> Tensor:
     """The float32 ``[b, hq, sq, sk]`` probabilities ``exp(score - lse)`` of a finished forward
     (q ``[b, sq, hq, d]``, k ``[b, sk, hkv, d]``, lse ``[b, hq, sq]``), negated where its
     dropout dropped them (flash-attn's ``S_dmask`` encoding). Materialises the matrix:
@@ -248,12 +280,18 @@ def attention_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Optional[Dropo
     qg, kg = _grouped(q, hkv, compute_dtype), _grouped(k, hkv, compute_dtype)
     mask = _grouped_mask(params.attn_mask, hkv, hq // hkv)
     lse_g = inf_where_no_key(lse.reshape(qg.shape[:-1]).to(compute_dtype))
-    block_q, block_k = (rng_state.block_q, rng_state.block_k) if rng_state else (max(sq, 1), max(sk, 1))
+    block_q, block_k = (
+        (rng_state.block_q, rng_state.block_k) if rng_state else (max(sq, 1), max(sk, 1))
+    )
     probs = torch.zeros(qg.shape[:-1] + (sk,), dtype=compute_dtype, device=q.device)
     for (q0, q1), kv_blocks in _block_plan(sq, sk, params, block_q, block_k):
         for k0, k1 in kv_blocks:
-            scores, _ = _masked_scores(qg[..., q0:q1, :], kg[..., k0:k1, :], params, mask, (q0, q1), (k0, k1), sq, sk)
+            scores, _ = _masked_scores(
+                qg[..., q0:q1, :], kg[..., k0:k1, :], params, mask, (q0, q1), (k0, k1), sq, sk
+            )
             block = torch.exp(scores - lse_g[..., q0:q1].unsqueeze(-1))
             keep = _dropout_keep(block, params.dropout_p, rng_state, q0, k0)
-            probs[..., q0:q1, k0:k1] = block if keep is None else torch.where(keep > 0, block, -block)
+            probs[..., q0:q1, k0:k1] = (
+                block if keep is None else torch.where(keep > 0, block, -block)
+            )
     return probs.reshape(b, hq, sq, sk).float()

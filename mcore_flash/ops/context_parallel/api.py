@@ -68,9 +68,20 @@ def context_parallel_attn_func(
     cp_size = 1 if group is None else group.size()
     if cp_size == 1:
         return flash_attn_func(
-            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            backend=backend, return_lse=return_lse, layout=layout,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            backend=backend,
+            return_lse=return_lse,
+            layout=layout,
+        )
     checks.check_layout(layout, LAYOUTS)
     checks.check_qkv(q, k, v, packed=False, layout=layout)
     seq = layout.index("s")
@@ -85,9 +96,18 @@ def context_parallel_attn_func(
             f"chunks, so the total length must be divisible by 2 * cp = {2 * cp_size}"
         )
     impl, params = resolve_call(
-        q, causal, softmax_scale, dropout_p, backend, layout=layout, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, deterministic=deterministic, batch=q.shape[layout.index("b")],
-    )  # fmt: skip
+        q,
+        causal,
+        softmax_scale,
+        dropout_p,
+        backend,
+        layout=layout,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        batch=q.shape[layout.index("b")],
+    )
     impl.check_inputs(q, k, v, params)
     if comm_type == "a2a":
         sequence: UlyssesSequence = DenseSequence(impl, heads_of_rank(params, group), cp_size)
@@ -150,26 +170,56 @@ def context_parallel_varlen_attn_func(
     cp_size = 1 if group is None else group.size()
     checks.check_qkv(q, k, v, packed=True)
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"packed context parallelism is self-attention: q has {q.shape[0]} rows, k/v {k.shape[0]}")
-    cu = checks.check_cu_seqlens(cu_seqlens, q.shape[0] * cp_size, q.shape[0] * cp_size, "cu_seqlens")
+        raise ValueError(
+            f"packed context parallelism is self-attention: q has {q.shape[0]} rows, k/v {k.shape[0]}"
+        )
+    cu = checks.check_cu_seqlens(
+        cu_seqlens, q.shape[0] * cp_size, q.shape[0] * cp_size, "cu_seqlens"
+    )
     if cp_size == 1:
         longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
         return flash_attn_varlen_func(
-            q, k, v, cu_seqlens, cu_seqlens, longest, longest, dropout_p, softmax_scale, causal, window_size,
-            softcap, alibi_slopes, deterministic, backend=backend, return_lse=return_lse,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            longest,
+            longest,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            backend=backend,
+            return_lse=return_lse,
+        )
     check_thd_cp_lengths(cu, cp_size)
     impl, params = resolve_call(
-        q, causal, softmax_scale, dropout_p, backend, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, deterministic=deterministic, batch=len(cu) - 1,
-    )  # fmt: skip
+        q,
+        causal,
+        softmax_scale,
+        dropout_p,
+        backend,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        batch=len(cu) - 1,
+    )
     impl.check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params)
     if comm_type == "a2a":
-        sequence: UlyssesSequence = PackedSequence(impl, heads_of_rank(params, group), cu, cp_size, q.device)
+        sequence: UlyssesSequence = PackedSequence(
+            impl, heads_of_rank(params, group), cu, cp_size, q.device
+        )
         out, lse = ulysses(q, k, v, group, sequence)
     else:
         local_cu = [n // cp_size for n in cu]
         blocks: RingBlocks = PackedBlocks(impl, params, local_cu, q.device)
-        out, lse = RingAttention.apply(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group, blocks)
+        out, lse = RingAttention.apply(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group, blocks
+        )
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out

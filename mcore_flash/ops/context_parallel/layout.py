@@ -82,8 +82,15 @@ def concat_ranges(starts: list[int], lengths: list[int]) -> Tensor:
     lengths_t = torch.tensor(lengths, dtype=torch.int64)
     total = int(lengths_t.sum())
     segment_starts = torch.cumsum(lengths_t, 0) - lengths_t
-    offsets = torch.arange(total) - torch.repeat_interleave(segment_starts, lengths_t, output_size=total)
-    return torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), lengths_t, output_size=total) + offsets
+    offsets = torch.arange(total) - torch.repeat_interleave(
+        segment_starts, lengths_t, output_size=total
+    )
+    return (
+        torch.repeat_interleave(
+            torch.tensor(starts, dtype=torch.int64), lengths_t, output_size=total
+        )
+        + offsets
+    )
 
 
 def check_thd_cp_lengths(cu_seqlens: list[int], cp_size: int) -> None:

@@ -57,7 +57,9 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_accumulators(q: Tensor, v: Tensor, like: SoftmaxStats, seq: int) -> tuple[Tensor, SoftmaxStats]:
+def empty_accumulators(
+    q: Tensor, v: Tensor, like: SoftmaxStats, seq: int
+) -> tuple[Tensor, SoftmaxStats]:
     """fp32 zeros shaped like the output and statistics of rows that have seen no key yet
     (``-inf`` maxima, zero sums), shaped like ``like`` with every local row."""
     shape = list(q.shape)
@@ -66,7 +68,11 @@ def empty_accumulators(q: Tensor, v: Tensor, like: SoftmaxStats, seq: int) -> tu
     rows = q.shape[seq]
     shape = (*like.row_max.shape[:2], rows, *like.row_max.shape[3:])
     row_max = torch.full(shape, float("-inf"), dtype=like.row_max.dtype, device=q.device)
-    row_sum = None if like.row_sum is None else torch.zeros(row_max.shape, dtype=like.row_sum.dtype, device=q.device)
+    row_sum = (
+        None
+        if like.row_sum is None
+        else torch.zeros(row_max.shape, dtype=like.row_sum.dtype, device=q.device)
+    )
     return out, SoftmaxStats(row_max, row_sum)
 
 

@@ -38,7 +38,15 @@ from ..backends import AttentionBackend, AttentionParams
 from ..backends.base import SoftmaxStats, backward_kernel, forward_kernel
 from .layout import Rows, concat_ranges
 from .merge import accumulator_dtype, empty_accumulators, merge_block, set_stat_rows
-from .ring_plan import Block, PairCut, RowsKey, blocks_by_halves, by_chunk_pairs, chunk_pairs, pair_cut
+from .ring_plan import (
+    Block,
+    PairCut,
+    RowsKey,
+    blocks_by_halves,
+    by_chunk_pairs,
+    chunk_pairs,
+    pair_cut,
+)
 
 Tensor = torch.Tensor
 
@@ -93,7 +101,13 @@ class RingBlocks(Protocol):
         ...
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_rows: RowsKey,
+        kv_rows: RowsKey,
+        params: AttentionParams,
     ) -> tuple[Tensor, SoftmaxStats, Any]:
         """``(out, stats, rng_state)`` of one block: ``q`` holds the rows ``q_rows`` names,
         ``k``/``v`` those ``kv_rows`` names, along dim :attr:`seq`."""
@@ -125,7 +139,11 @@ class DenseBlocks:
         self.backend, self.params = backend, params
         self.seq = params.layout.index("s")
         self.half = local_len // 2
-        self.rows: dict[RowsKey, Rows] = {"all": _ALL, "first": slice(0, self.half), "second": slice(self.half, None)}
+        self.rows: dict[RowsKey, Rows] = {
+            "all": _ALL,
+            "first": slice(0, self.half),
+            "second": slice(self.half, None),
+        }
 
     def _register(self, half: str, start: int, n: int) -> RowsKey:
         """The key of rows ``[start, start + n)`` of ``half``."""
@@ -144,13 +162,31 @@ class DenseBlocks:
             if cut is not None:
                 q_rows = self._register(q_half, cut.first_row, cut.n)
                 kv_rows = self._register(kv_half, cut.first_key, cut.n)
-                blocks.append((q_rows, kv_rows, replace(self.params.with_band(*cut.band), alibi_shift=cut.alibi_shift)))
+                blocks.append(
+                    (
+                        q_rows,
+                        kv_rows,
+                        replace(self.params.with_band(*cut.band), alibi_shift=cut.alibi_shift),
+                    )
+                )
         return blocks
 
     def forward(self, q, k, v, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
         return forward_kernel(self.backend, q, k, v, params)
 
-    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
+    def backward(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        stats,
+        rng_state,
+        q_rows: RowsKey,
+        kv_rows: RowsKey,
+        params: AttentionParams,
+    ):
         return backward_kernel(self.backend, dout, q, k, v, out, stats, rng_state, params)
 
 
@@ -159,22 +195,31 @@ class PackedBlocks:
     local rows are its chunk ``r`` then its chunk ``2cp-1-r``, so a half is an index set and
     kernels are the backend's varlen ones with the cumulative lengths of the rows taken."""
 
-    def __init__(self, backend: AttentionBackend, params: AttentionParams, local_cu: list[int], device):
+    def __init__(
+        self, backend: AttentionBackend, params: AttentionParams, local_cu: list[int], device
+    ):
         self.backend, self.params, self.seq, self.device = backend, params, 1, device
         self.starts = local_cu[:-1]
         self.halves = [(end - start) // 2 for start, end in zip(local_cu[:-1], local_cu[1:])]
         self.rows: dict[RowsKey, Rows] = {"all": _ALL}
         self.cu: dict[RowsKey, list[int]] = {"all": local_cu}
-        self.slopes: dict[tuple[int, ...], Tensor] = {}  # per-document ALiBi slopes of a group of documents
+        self.slopes: dict[
+            tuple[int, ...], Tensor
+        ] = {}  # per-document ALiBi slopes of a group of documents
         for half in ("first", "second"):
             self._register(half, tuple((doc, 0, n) for doc, n in enumerate(self.halves)), key=half)
 
-    def _register(self, half: str, spans: tuple[tuple[int, int, int], ...], key: Optional[RowsKey] = None) -> RowsKey:
+    def _register(
+        self, half: str, spans: tuple[tuple[int, int, int], ...], key: Optional[RowsKey] = None
+    ) -> RowsKey:
         """The key of rows ``[start, start + n)`` of ``half`` of each document, for ``spans``
         of ``(document, start, n)`` (their row indices and cumulative lengths)."""
         key = (half, spans) if key is None else key
         if key not in self.rows:
-            offsets = [self.starts[d] + (self.halves[d] if half == "second" else 0) + start for d, start, _ in spans]
+            offsets = [
+                self.starts[d] + (self.halves[d] if half == "second" else 0) + start
+                for d, start, _ in spans
+            ]
             lengths = [n for _, _, n in spans]
             self.rows[key] = concat_ranges(offsets, lengths).to(self.device)
             self.cu[key] = [0]
@@ -198,21 +243,56 @@ class PackedBlocks:
             for doc, chunk in enumerate(self.halves):
                 cut = pair_cut(self.params, chunk_delta * chunk, chunk) if chunk else None
                 if cut is not None:
-                    groups.setdefault((cut.band, cut.alibi_shift if alibi else 0), []).append((doc, cut))
+                    groups.setdefault((cut.band, cut.alibi_shift if alibi else 0), []).append(
+                        (doc, cut)
+                    )
             for (band, shift), cuts in groups.items():
-                q_rows = self._register(q_half, tuple((doc, cut.first_row, cut.n) for doc, cut in cuts))
-                kv_rows = self._register(kv_half, tuple((doc, cut.first_key, cut.n) for doc, cut in cuts))
+                q_rows = self._register(
+                    q_half, tuple((doc, cut.first_row, cut.n) for doc, cut in cuts)
+                )
+                kv_rows = self._register(
+                    kv_half, tuple((doc, cut.first_key, cut.n) for doc, cut in cuts)
+                )
                 block_params = replace(self.params.with_band(*band), alibi_shift=shift)
-                blocks.append((q_rows, kv_rows, self._with_slopes_of(block_params, tuple(doc for doc, _ in cuts))))
+                blocks.append(
+                    (
+                        q_rows,
+                        kv_rows,
+                        self._with_slopes_of(block_params, tuple(doc for doc, _ in cuts)),
+                    )
+                )
         return blocks
 
     def forward(self, q, k, v, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
-        out, stats, rng_state = self.backend.varlen_forward(q[0], k[0], v[0], self.cu[q_rows], self.cu[kv_rows], params)
+        out, stats, rng_state = self.backend.varlen_forward(
+            q[0], k[0], v[0], self.cu[q_rows], self.cu[kv_rows], params
+        )
         return out.unsqueeze(0), stats, rng_state
 
-    def backward(self, dout, q, k, v, out, stats, rng_state, q_rows: RowsKey, kv_rows: RowsKey, params: AttentionParams):
+    def backward(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        stats,
+        rng_state,
+        q_rows: RowsKey,
+        kv_rows: RowsKey,
+        params: AttentionParams,
+    ):
         grads = self.backend.varlen_backward(
-            dout[0], q[0], k[0], v[0], out[0], stats, rng_state, self.cu[q_rows], self.cu[kv_rows], params
+            dout[0],
+            q[0],
+            k[0],
+            v[0],
+            out[0],
+            stats,
+            rng_state,
+            self.cu[q_rows],
+            self.cu[kv_rows],
+            params,
         )
         return tuple(g.unsqueeze(0) for g in grads)
 
@@ -279,7 +359,12 @@ class RingAttention(torch.autograd.Function):
             for q_rows, kv_rows, block_params in blocks.plan(step, ring):
                 rows, cols = blocks.rows[q_rows], blocks.rows[kv_rows]
                 out, stats, rng_state = blocks.forward(
-                    _take(q, rows, seq), _take(kv[0], cols, seq), _take(kv[1], cols, seq), q_rows, kv_rows, block_params
+                    _take(q, rows, seq),
+                    _take(kv[0], cols, seq),
+                    _take(kv[1], cols, seq),
+                    q_rows,
+                    kv_rows,
+                    block_params,
                 )
                 rng_states[-1].append(rng_state)
                 if out_acc is None and q_rows == "all":  # a first block that covers every row
@@ -318,7 +403,9 @@ class RingAttention(torch.autograd.Function):
                 kv_incoming = torch.empty_like(kv)
                 kv_requests = ring.hop(kv, kv_incoming, _KV_TAG)
             kv_grads = []
-            for (q_rows, kv_rows, block_params), rng_state in zip(blocks.plan(step, ring), ctx.rng_states[step]):
+            for (q_rows, kv_rows, block_params), rng_state in zip(
+                blocks.plan(step, ring), ctx.rng_states[step]
+            ):
                 rows, cols = blocks.rows[q_rows], blocks.rows[kv_rows]
                 dq_blk, dk_blk, dv_blk = blocks.backward(
                     _take(dout, rows, seq),
@@ -343,7 +430,9 @@ class RingAttention(torch.autograd.Function):
                 _add(dkv[0], cols, seq, dk_blk)
                 _add(dkv[1], cols, seq, dv_blk)
             dkv_incoming = torch.empty_like(dkv)
-            dkv_requests = ring.hop(dkv, dkv_incoming, _DKV_TAG)  # after the last step: to its owner
+            dkv_requests = ring.hop(
+                dkv, dkv_incoming, _DKV_TAG
+            )  # after the last step: to its owner
             if step + 1 < ring.size:
                 _wait(kv_requests)
                 kv = kv_incoming

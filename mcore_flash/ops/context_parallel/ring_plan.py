@@ -35,7 +35,9 @@ from ..backends import AttentionParams
 from .layout import cp_chunk_ids
 
 RowsKey = Hashable  # names a set of local rows: "all", "first", "second", or a cut of a half
-Block = tuple[RowsKey, RowsKey, AttentionParams]  # (query rows, kv rows, the params of that block's kernel)
+Block = tuple[
+    RowsKey, RowsKey, AttentionParams
+]  # (query rows, kv rows, the params of that block's kernel)
 
 
 def blocks_by_halves(step: int, rank: int, size: int, params: AttentionParams) -> list[Block]:
@@ -47,7 +49,9 @@ def blocks_by_halves(step: int, rank: int, size: int, params: AttentionParams) -
     src = (rank - step) % size
     unmasked = params.with_band(None, None)
     if src < rank:
-        return [("all", "first", unmasked)]  # kv chunk src precedes both query chunks, 2cp-1-src follows
+        return [
+            ("all", "first", unmasked)
+        ]  # kv chunk src precedes both query chunks, 2cp-1-src follows
     return [("second", "all", unmasked)]  # both kv chunks precede chunk 2cp-1-r only
 
 

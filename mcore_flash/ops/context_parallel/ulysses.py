@@ -109,7 +109,9 @@ class DenseSequence:
     def lse_from_tokens(self, lse: Tensor) -> Tensor:
         """``[.., s_local, .., h, 1]`` -> ``[b, h, s_local]``."""
         lse = lse.squeeze(-1)
-        return (lse.permute(0, 2, 1) if self.params.layout == "bshd" else lse.permute(1, 2, 0)).contiguous()
+        return (
+            lse.permute(0, 2, 1) if self.params.layout == "bshd" else lse.permute(1, 2, 0)
+        ).contiguous()
 
 
 class PackedSequence:
@@ -117,10 +119,19 @@ class PackedSequence:
     (rank r's parts of every document) and are put in position order by one index map;
     one varlen kernel call over the whole pack."""
 
-    def __init__(self, backend: AttentionBackend, params: AttentionParams, cu_seqlens: list[int], cp_size: int, device):
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        params: AttentionParams,
+        cu_seqlens: list[int],
+        cp_size: int,
+        device,
+    ):
         self.backend, self.params, self.cu = backend, params, cu_seqlens
         self.seq, self.heads = 0, 1
-        positions = torch.cat([thd_positions_for_cp_rank(cu_seqlens, cp_size, r) for r in range(cp_size)])
+        positions = torch.cat(
+            [thd_positions_for_cp_rank(cu_seqlens, cp_size, r) for r in range(cp_size)]
+        )
         self.rank_order = positions.to(device)  # rank-order row j holds position rank_order[j]
         self.position_order = torch.argsort(positions).to(device)
 
@@ -131,7 +142,9 @@ class PackedSequence:
         return x.index_select(0, self.rank_order)
 
     def attend(self, q, k, v) -> tuple[Tensor, Tensor]:
-        out, lse = _FlashAttnVarlenFunction.apply(q, k, v, self.cu, self.cu, self.backend, self.params, None)
+        out, lse = _FlashAttnVarlenFunction.apply(
+            q, k, v, self.cu, self.cu, self.backend, self.params, None
+        )
         return out, lse.t().unsqueeze(-1)  # [h, t] -> [t, h, 1]
 
     def lse_from_tokens(self, lse: Tensor) -> Tensor:
@@ -149,7 +162,9 @@ def heads_of_rank(params: AttentionParams, group: dist.ProcessGroup) -> Attentio
     return replace(params, alibi_slopes=slopes[..., rank * share : (rank + 1) * share].contiguous())
 
 
-def ulysses(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, sequence: UlyssesSequence) -> tuple[Tensor, Tensor]:
+def ulysses(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, sequence: UlyssesSequence
+) -> tuple[Tensor, Tensor]:
     """All-to-all from sequence to heads, one kernel call, and back.
 
     q ``[.., s_local, .., hq, d]``, k/v ``[.., s_local, .., hkv, d]`` (dims
