@@ -349,26 +349,26 @@ class _OpInfo:
 
 
 class _Memory:
-    """Bytes of the CPU storages behind live npu tensors (views count once), each at its size
-    when its first npu tensor was made. Keyed by the storage object, held, not by its address:
-    the allocator reuses the address of a storage freed by ``untyped_storage().resize_(0)``
-    (megatron's ``CheckpointWithoutOutput``) while that storage's tensors still live."""
+    """Bytes of the CPU storages behind live npu tensors (views count once), each at its
+    current size: a storage resized in place (``untyped_storage().resize_(n)``, see
+    :func:`_resize_counted`) counts at its new size. Keyed by the storage object, held, not by
+    its address: the allocator reuses the address of a storage freed by
+    ``untyped_storage().resize_(0)`` (megatron's ``CheckpointWithoutOutput``, Megatron-FSDP's
+    buckets) while that storage's tensors still live. Storages of 0 bytes are tracked too: one
+    freed with ``resize_(0)`` may get new tensors before it is regrown."""
 
     def __init__(self):
         self._live: dict[int, list] = {}  # id(storage) -> [wrappers, nbytes, storage]
 
     def track(self, tensor: NpuTensor, elem: torch.Tensor) -> None:
         storage = elem.untyped_storage()
-        if storage.nbytes() == 0:
-            return
         key = id(storage)
         entry = self._live.get(key)
         if entry is None:
             entry = self._live[key] = [0, storage.nbytes(), storage]
             runtime()._record_allocation(entry[1])
-        elif entry[1] != storage.nbytes():  # grown by ``resize_`` while another tensor shares it
-            runtime()._record_allocation(storage.nbytes() - entry[1])
-            entry[1] = storage.nbytes()
+        else:  # resized by a ``resize_`` op while another tensor shares it
+            self.resized(storage)
         entry[0] += 1
         tensor._finalizer = weakref.finalize(tensor, self._release, key)
 
@@ -378,6 +378,17 @@ class _Memory:
         if finalizer is not None:
             finalizer()  # releases the old storage once
         self.track(tensor, elem)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` may have a new size: if it is tracked, count it at that size."""
+        entry = self._live.get(id(storage))
+        if entry is None or entry[1] == storage.nbytes():
+            return
+        if storage.nbytes() > entry[1]:
+            runtime()._record_allocation(storage.nbytes() - entry[1])
+        else:
+            runtime()._record_free(entry[1] - storage.nbytes())
+        entry[1] = storage.nbytes()
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)
@@ -390,6 +401,26 @@ class _Memory:
 
 
 _memory = _Memory()
+
+
+def _resize_counted(resize):
+    """``UntypedStorage.resize_`` that keeps the device's byte counter in step.
+
+    Megatron-FSDP frees and regrows its buckets in place: ``_free_storage`` /
+    ``_alloc_storage`` in ``megatron_fsdp/param_and_grad_buffer.py`` call
+    ``tensor._typed_storage()._resize_(n)``, which torch 2.13's ``TypedStorage._resize_``
+    (``torch/storage.py``) turns into ``self._untyped_storage.resize_(n * element_size)``;
+    megatron's ``CheckpointWithoutOutput`` calls ``untyped_storage().resize_(0)``. On an npu
+    tensor ``untyped_storage()`` is its CPU tensor's storage, and ``resize_`` on it reaches
+    no dispatcher op, so the counter would not see it: this wrapper tells :class:`_Memory`."""
+
+    @functools.wraps(resize)
+    def resize_(self, size):
+        result = resize(self, size)
+        _memory.resized(self)
+        return result
+
+    return resize_
 
 
 # ---- kernels for the PrivateUse1 key (no npu tensor argument) --------------------------------
@@ -507,3 +538,4 @@ def register(device_module) -> None:
     for name in _PINNING_FACTORIES:
         setattr(torch, name, _pinned_is_pageable(getattr(torch, name)))
     torch.nn.Module._apply = _keep_parameter_attributes(torch.nn.Module._apply)
+    torch.UntypedStorage.resize_ = _resize_counted(torch.UntypedStorage.resize_)

@@ -131,9 +131,44 @@ def _w_device(rank, world_size):
     small.resize_(1024)
     out["grown_shared"] = torch.npu.memory_allocated() - before
     del small, view
+    # storages resized in place, as Megatron-FSDP frees and regrows its buckets
+    out["storage_resize"] = _storage_resize_counts()
     # training: bitwise the CPU's numbers
     out["train"] = (_train("cpu"), _train("npu"))
     return out
+
+
+def _storage_resize_counts():
+    """(allocated, peak) above the start after each step of freeing and regrowing storages
+    in place (Megatron-FSDP's ``_free_storage`` / ``_alloc_storage``)."""
+    torch.npu.reset_peak_memory_stats()
+    start = torch.npu.memory_allocated()
+    steps = []
+
+    def record(name):
+        counts = torch.npu.memory_allocated() - start, torch.npu.max_memory_allocated() - start
+        steps.append((name, *counts))
+
+    bucket = torch.empty(1024, device="npu")
+    view = bucket[256:]
+    record("made")
+    bucket.untyped_storage().resize_(0)
+    record("freed")
+    other = torch.empty(512, device="npu")
+    record("other")
+    view._typed_storage()._resize_(1024)  # through the view: one storage, counted once
+    record("regrown")
+    bucket.untyped_storage().resize_(0)
+    del bucket, view
+    record("dropped")
+    del other
+    record("all_dropped")
+    empty = torch.empty(0, device="npu")
+    empty.untyped_storage().resize_(400)
+    record("grown_from_empty")
+    del empty
+    record("end")
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +203,20 @@ def test_memory_statistics_are_exact(device):
     assert device["memory"] == (1024 * 256 * 4, 1024 * 256 * 4, 0, True)
     assert device["same_address"] == 2 * 1024 * 4
     assert device["grown_shared"] == 1024 * 4
+
+
+def test_memory_statistics_follow_storage_resizes(device):
+    """Bytes and peak after each step, counted by hand: 1024 fp32 = 4096 B, 512 fp32 = 2048 B."""
+    assert device["storage_resize"] == [
+        ("made", 4096, 4096),
+        ("freed", 0, 4096),  # resize_(0) frees; the peak stays
+        ("other", 2048, 4096),
+        ("regrown", 2048 + 4096, 2048 + 4096),  # _typed_storage()._resize_(1024): a new peak
+        ("dropped", 2048, 2048 + 4096),  # freed again, then its tensors die: nothing more
+        ("all_dropped", 0, 2048 + 4096),
+        ("grown_from_empty", 400, 2048 + 4096),
+        ("end", 0, 2048 + 4096),
+    ]
 
 
 def test_training_on_the_device_is_bitwise_the_cpu(device):
