@@ -15,6 +15,11 @@ adaptation                          devices    what it answers to (megatron-core
 :mod:`.checkpoint_without_output`   any w/o TE ``CheckpointWithoutOutput()`` fp8 default bug
 :mod:`.megatron_torch_view`         cpu        ``torch.cuda.*`` calls and ``device="cuda"``
 :mod:`.megatron_cpu_rng`            cpu        the CUDA RNG and tracker forks
+:mod:`.megatron_fsdp_device_mesh`   npu, cpu   Megatron-FSDP's ``DeviceMesh(device_type=
+                                               "cuda")``
+:mod:`.megatron_fsdp_premul_sum`    npu, cpu   Megatron-FSDP's NCCL-only PREMUL_SUM (and
+                                               AVG, which HCCL refuses) gradient reduction
+:mod:`.megatron_fsdp_cpu_view`      cpu        Megatron-FSDP's ``f"cuda:{current_device()}"``
 ==================================  =========  ==============================================
 
 The megatron adaptations are visible to megatron's modules only: the CPU view of
@@ -33,6 +38,9 @@ import torch
 from ._common import applied
 from .checkpoint_without_output import checkpoint_without_output_no_te
 from .megatron_cpu_rng import megatron_cpu_rng
+from .megatron_fsdp_cpu_view import megatron_fsdp_cpu_view
+from .megatron_fsdp_device_mesh import megatron_fsdp_device_mesh
+from .megatron_fsdp_premul_sum import megatron_fsdp_premul_sum
 from .megatron_tensor_methods import megatron_npu_tensor_type, megatron_tensor_methods
 from .megatron_torch_view import megatron_torch_view
 from .npu_device_capability import npu_device_capability
@@ -49,13 +57,22 @@ __all__ = [
 DEVICES = ("npu", "cuda", "cpu")
 
 _ADAPTATIONS = {
-    "npu": (npu_device_capability, megatron_npu_tensor_type, checkpoint_without_output_no_te),
+    "npu": (
+        npu_device_capability,
+        megatron_npu_tensor_type,
+        checkpoint_without_output_no_te,
+        megatron_fsdp_device_mesh,
+        megatron_fsdp_premul_sum,
+    ),
     "cuda": (checkpoint_without_output_no_te,),
     "cpu": (
         megatron_torch_view,
         megatron_tensor_methods,
         megatron_cpu_rng,
         checkpoint_without_output_no_te,
+        megatron_fsdp_device_mesh,
+        megatron_fsdp_premul_sum,
+        megatron_fsdp_cpu_view,
     ),
 }
 

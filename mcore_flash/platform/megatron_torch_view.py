@@ -35,6 +35,9 @@ Covers, in megatron-core 0.16.1:
   ``state_dict_saver.py:204``; ``torch.autocast("cuda")`` (``schedules.py:418``).
 - ``torch.cuda.current_stream()`` / ``torch.cuda.stream(...)`` (megatron-core 0.19):
   ``distributed/param_and_grad_buffer.py:632`` (``start_grad_sync``, every DDP step).
+- ``torch.cuda.Stream()`` / ``Event`` and ``stream.record_event().wait()`` (Megatron-FSDP's side
+  streams): ``distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:361-362``,
+  ``param_and_grad_buffer.py:3020,3205-3265,3338,3404,3582-3645`` (0.19: the same calls).
 - ``pin_memory=True``: RoPE context-parallel slicing (``models/common/embeddings/rope_utils.py:63``).
 """
 
@@ -113,12 +116,33 @@ def _noop(*args, **kwargs):
     return None
 
 
+class _CPUEvent:
+    """An event on the CPU's one stream: it has always happened."""
+
+    def record(self, stream=None):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+
 class _CPUStream:
-    """The one in-order "stream" of the CPU: waits and synchronizations are no-ops.
+    """The one in-order "stream" of the CPU: waits and synchronizations are no-ops, a
+    recorded event has happened.
 
     megatron-core 0.19's ``_ParamAndGradBucketGroup.start_grad_sync``
     (``distributed/param_and_grad_buffer.py:632``) calls ``torch.cuda.current_stream()``
-    unconditionally (to wait on CUDA-graph gradient events) on every DDP step."""
+    unconditionally (to wait on CUDA-graph gradient events) on every DDP step; Megatron-FSDP
+    makes side streams and waits on the events it records there (below)."""
+
+    def __init__(self, *args, **kwargs):  # torch.cuda.Stream(device=..., priority=...)
+        pass
 
     def wait_event(self, event=None):
         return None
@@ -133,7 +157,13 @@ class _CPUStream:
         return True
 
     def record_event(self, event=None):
-        return event
+        return event if event is not None else _CPUEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 _CPU_STREAM = _CPUStream()
@@ -162,6 +192,8 @@ def _make_cuda_standin() -> types.ModuleType:
     cuda.empty_cache = _noop
     cuda.current_stream = cuda.default_stream = lambda device=None: _CPU_STREAM
     cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.Stream = _CPUStream
+    cuda.Event = _CPUEvent
     return cuda
 
 
@@ -193,10 +225,16 @@ class ViewFinder(AfterImportFinder):
         super().__init__(is_megatron_module, _install_view)
 
 
-@once
-def megatron_torch_view():
-    """CPU view of ``torch`` in every megatron module (current and future imports)."""
+def torch_view() -> types.ModuleType:
+    """The CPU view of ``torch`` megatron's modules see (made once)."""
     global _TORCH_VIEW
     if _TORCH_VIEW is None:
         _TORCH_VIEW = _make_torch_view()
+    return _TORCH_VIEW
+
+
+@once
+def megatron_torch_view():
+    """CPU view of ``torch`` in every megatron module (current and future imports)."""
+    torch_view()
     ViewFinder().install()

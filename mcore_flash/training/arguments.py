@@ -14,7 +14,14 @@ from typing import Optional, Sequence
 
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
 from mcore_flash.planning.models import MODELS
-from mcore_flash.training.config import DEFAULT_PRESET, TrainingConfig, resolve_config
+from mcore_flash.training.config import (
+    CKPT_FORMATS,
+    DEFAULT_PRESET,
+    DEFAULT_SHARDING_STRATEGY,
+    SHARDING_STRATEGIES,
+    TrainingConfig,
+    resolve_config,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
+    par.add_argument(
+        "--use-megatron-fsdp",
+        action="store_true",
+        help="ZeRO-3: shard weights, gradients and optimizer state over the data x context parallel "
+        "ranks with megatron-core's Megatron-FSDP (implies --use-distributed-optimizer)",
+    )
+    par.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=SHARDING_STRATEGIES,
+        default=None,
+        help="what Megatron-FSDP shards: optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params "
+        f"(ZeRO-3); default {DEFAULT_SHARDING_STRATEGY} with --use-megatron-fsdp",
+    )
+    par.add_argument(
+        "--no-gradient-accumulation-fusion",
+        action="store_true",
+        help="accepted as Megatron-LM's (which needs it with Megatron-FSDP); no kernel fuses it here",
+    )
 
     rec = p.add_argument_group("recompute")
     rec.add_argument("--recompute-granularity", choices=["full", "selective"])
@@ -165,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--save", default=None, help="checkpoint + metrics directory (default runs/<model>)"
     )
     ckpt.add_argument("--load", default=None)
+    ckpt.add_argument(
+        "--ckpt-format",
+        choices=CKPT_FORMATS,
+        default=None,
+        help="torch_dist (megatron's dist_checkpointing), or fsdp_dtensor (torch DCP of Megatron-FSDP's "
+        "DTensors); default: fsdp_dtensor with --use-megatron-fsdp, else torch_dist",
+    )
     ckpt.add_argument(
         "--finetune",
         action="store_true",

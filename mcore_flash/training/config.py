@@ -91,8 +91,11 @@ class TrainingConfig:
     context_parallel_size: int
     cp_comm_type: str
     sequence_parallel: bool
-    use_distributed_optimizer: bool
+    use_distributed_optimizer: bool  # True with --use-megatron-fsdp, which implies it
     overlap_grad_reduce: bool
+    use_megatron_fsdp: bool  # ZeRO-3 by megatron-core's Megatron-FSDP (:mod:`.fsdp`)
+    data_parallel_sharding_strategy: Optional[str]  # FSDP's; None without FSDP
+    no_gradient_accumulation_fusion: bool  # accepted as in Megatron-LM; nothing is fused here
     # activation recompute (the flags; ``recompute`` below is what they mean)
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
@@ -129,6 +132,7 @@ class TrainingConfig:
     # checkpoints and logging
     save: str
     load: Optional[str]
+    ckpt_format: str  # "torch_dist" (megatron's dist_checkpointing) or "fsdp_dtensor" (with FSDP)
     finetune: bool
     no_load_optim: bool
     no_load_rng: bool
@@ -311,6 +315,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         args.window_size is None or args.window_attn_skip_freq < 1
     ):
         raise ValueError("--window-attn-skip-freq needs --window-size and a value >= 1")
+    sharding = _check_sharding(args, dp * cp)
     if args.data_path:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
@@ -323,6 +328,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         num_micro_batches=global_batch_size // (args.micro_batch_size * dp),
         hardware=hardware,
         recompute=recompute,
+        **sharding,
     )
 
 
@@ -373,6 +379,64 @@ def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> Non
         raise ValueError(
             f"--seq-length {args.seq_length} must be divisible by --tensor-model-parallel-size {tp} with --sequence-parallel"
         )
+
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+DEFAULT_SHARDING_STRATEGY = "optim_grads_params"  # ZeRO-3, Megatron-LM's recommended one
+CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
+
+
+def _check_sharding(args: SimpleNamespace, dp_cp: int) -> dict[str, Any]:
+    """``--use-megatron-fsdp`` and the flags that go with it; returns the resolved strategy,
+    checkpoint format and optimizer choice.
+
+    Megatron-FSDP shards over the data x context parallel ranks and implies the distributed
+    optimizer (megatron-core 0.19 forces it; Megatron-LM requires ``--use-distributed-optimizer``
+    with it). Its optimizer state saves only as ``fsdp_dtensor`` (megatron-core's
+    ``optimizer/distrib_optimizer.py: sharded_state_dict``), ``torch_dist`` only without it.
+    """
+    fsdp = args.use_megatron_fsdp
+    strategy = args.data_parallel_sharding_strategy
+    if strategy is not None and not fsdp:
+        raise ValueError(
+            f"--data-parallel-sharding-strategy {strategy} is Megatron-FSDP's: add --use-megatron-fsdp "
+            "(without it --use-distributed-optimizer shards the optimizer state)"
+        )
+    ckpt_format = args.ckpt_format or ("fsdp_dtensor" if fsdp else "torch_dist")
+    if fsdp and ckpt_format != "fsdp_dtensor":
+        raise ValueError(
+            "--use-megatron-fsdp saves its sharded parameters and optimizer state as --ckpt-format "
+            f"fsdp_dtensor (megatron-core refuses {ckpt_format} for them): pass --ckpt-format fsdp_dtensor"
+        )
+    if not fsdp and ckpt_format != "torch_dist":
+        raise ValueError(
+            f"--ckpt-format {ckpt_format} holds Megatron-FSDP's sharded state: add --use-megatron-fsdp, "
+            "or use --ckpt-format torch_dist"
+        )
+    if not fsdp:
+        return dict(ckpt_format=ckpt_format)
+    strategy = strategy or DEFAULT_SHARDING_STRATEGY
+    if args.fp16:
+        raise ValueError(
+            "--use-megatron-fsdp with --fp16 is not supported here (its loss scaling of sharded "
+            "gradients is untested); train with --bf16"
+        )
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "--use-megatron-fsdp with --pipeline-model-parallel-size > 1 is not supported here: shard with "
+            "Megatron-FSDP over data x context parallel ranks at --pipeline-model-parallel-size 1, or "
+            "pipeline with --use-distributed-optimizer"
+        )
+    from mcore_flash.training.fsdp import upstream_defect
+
+    defect = upstream_defect(strategy, dp_cp)
+    if defect:
+        raise ValueError(defect)
+    return dict(
+        ckpt_format=ckpt_format,
+        data_parallel_sharding_strategy=strategy,
+        use_distributed_optimizer=True,
+    )
 
 
 def _check_positions(args: SimpleNamespace) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_flash import platform
-from mcore_flash.training import checkpointing, faults
+from mcore_flash.training import checkpointing, faults, fsdp
 from mcore_flash.training.config import TrainingConfig
 from mcore_flash.training.data import build_train_dataset, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
@@ -206,10 +206,13 @@ class PretrainRecipe:
 
 def _data_parallel_model(config: TrainingConfig, model_config, padded_vocab_size: int):
     """This rank's GPTModel on the device, in megatron's ``DistributedDataParallel`` (fp32
-    gradient buffers; reduce-scattered with the distributed optimizer)."""
+    gradient buffers; reduce-scattered with the distributed optimizer), or with
+    ``--use-megatron-fsdp`` in its ``FullyShardedDataParallel`` (:mod:`.fsdp`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     model = build_model(config, model_config, padded_vocab_size).to(platform.torch_device())
+    if config.use_megatron_fsdp:
+        return fsdp.fully_sharded(config, model_config, model, platform.torch_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=config.overlap_grad_reduce,

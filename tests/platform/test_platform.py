@@ -47,6 +47,7 @@ def _single_worker(rank, world_size):
     _section(out, "setup", _setup_section)
     init_megatron(tp=1, seed=SEED)
     try:
+        _section(out, "fsdp", _fsdp_section)
         _section(out, "cpu_rng_scope", _cpu_rng_scope_section)
         _section(out, "mask_rope", _mask_rope_section)
         _section(out, "gpt", _gpt_section, 1, False)
@@ -213,6 +214,9 @@ def test_setup_is_idempotent_and_megatron_scoped(single):
         "megatron_tensor_methods",
         "megatron_cpu_rng",
         "checkpoint_without_output_no_te",
+        "megatron_fsdp_device_mesh",
+        "megatron_fsdp_premul_sum",
+        "megatron_fsdp_cpu_view",
     ]
     assert out["second"] == out["first"]
     assert out["idempotent"]
@@ -222,6 +226,49 @@ def test_setup_is_idempotent_and_megatron_scoped(single):
     # outside megatron, torch is the real one
     assert out["real_current_device_raises"] and out["our_cuda_raises"]
     assert out["our_type"] == "torch.FloatTensor"
+
+
+def _fsdp_section():
+    """Megatron-FSDP's modules after setup("cpu") (``megatron.core.distributed`` imports them)."""
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+    from megatron.core.transformer import utils as mutils
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group([0])
+    mesh = mcore_fsdp_adapter.DeviceMesh.from_group(group, device_type="cuda")
+    grad = torch.full((4,), 3.0)
+    averaging = DistributedDataParallelConfig(average_in_collective=True)
+    fused = DistributedDataParallelConfig(gradient_reduce_div_fusion=True)
+    ops = [buffers.gradient_reduce_preprocessing(grad, 0.5, cfg) for cfg in (averaging, fused)]
+    stream = megatron_fsdp.torch.cuda.Stream()
+    stream.record_event().wait()  # param_and_grad_buffer.py's pattern
+    with megatron_fsdp.torch.cuda.stream(stream):
+        pass
+    return dict(
+        mesh_device=mesh.device_type,
+        torch_mesh_untouched=mcore_fsdp_adapter.DeviceMesh is not DeviceMesh
+        and DeviceMesh.from_group.__module__ == "torch.distributed.device_mesh",
+        ops=ops,
+        scaled=grad.tolist(),
+        fsdp_current_device=megatron_fsdp.torch.cuda.current_device(),
+        megatron_current_device=mutils.torch.cuda.current_device(),
+        buffer_module_view=buffers.torch is megatron_fsdp.torch,
+    )
+
+
+def test_megatron_fsdp_runs_on_the_cpu_with_megatron_scoped_adaptations(single):
+    out = _get(single, "fsdp")
+    assert out["mesh_device"] == "cpu"  # megatron asked for "cuda"
+    assert out["torch_mesh_untouched"]
+    # megatron would pick AVG and NCCL's PREMUL_SUM: scaled in place, then SUM
+    assert out["ops"] == [torch.distributed.ReduceOp.SUM] * 2
+    assert out["scaled"] == [0.75] * 4  # 3.0 x 0.5 x 0.5
+    assert out["fsdp_current_device"] == 0 and out["buffer_module_view"]
+    assert out["megatron_current_device"] == torch.device("cpu")  # the rest of megatron
 
 
 def _cpu_rng_scope_section():
@@ -328,6 +375,8 @@ def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
         "npu_device_capability",
         "megatron_npu_tensor_type",
         "checkpoint_without_output_no_te",
+        "megatron_fsdp_device_mesh",
+        "megatron_fsdp_premul_sum",
     ]
     assert (
         out["torch_device"] == out["tensor_device"] == "npu:3"

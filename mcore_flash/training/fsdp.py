@@ -1,0 +1,131 @@
+"""ZeRO-3 in the trainer: megatron-core's Megatron-FSDP around the flash-spec GPTModel.
+
+``--use-megatron-fsdp`` wraps the model in megatron-core's ``FullyShardedDataParallel``
+(``distributed/fsdp/mcore_fsdp_adapter.py``) instead of its ``DistributedDataParallel``. It
+shards over the data x context parallel ranks what ``--data-parallel-sharding-strategy``
+names: ``optim`` the optimizer state (ZeRO-1), ``optim_grads`` also the gradients (ZeRO-2),
+``optim_grads_params`` also the weights (ZeRO-3: each FSDP unit's weights are all-gathered
+just before its forward and again before its backward, and freed after). The FSDP units are
+the transformer layers (ours subclass megatron's ``TransformerLayer``) and the embedding;
+the output layer and the final norm stay in one group of their own.
+
+What the trainer sets, and why (the planner models the same, :mod:`mcore_flash.planning`):
+
+* ``grad_reduce_in_fp32`` (fp32 main gradients, as without FSDP), and on megatron-core 0.19,
+  which ignores that field under FSDP, ``megatron_fsdp_main_grads_dtype=float32``;
+* ``suggested_communication_unit_size`` = 2 x the parameter elements of one layer: the unit
+  being computed plus one prefetched; left unset, megatron floors it at 10^9 elements
+  (``megatron_fsdp.py``), which prefetches whole small models and about 9 layers of a 70B;
+* ``fsdp_double_buffer`` off (buffers are allocated and freed by ``resize_``);
+* ``gradient_reduce_div_fusion`` off: the per-token loss passes no scaling factor, and
+  NCCL's PREMUL_SUM does not exist on gloo or HCCL (:mod:`mcore_flash.platform`'s
+  ``megatron_fsdp_premul_sum`` covers any other configuration).
+
+The device adaptations Megatron-FSDP needs (mesh device type, streams, ``current_device()``
+formatted into a CUDA device string, PREMUL_SUM) live in :mod:`mcore_flash.platform`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib.metadata import version
+from typing import Optional
+
+import torch
+
+# megatron-core releases before this one have the Megatron-FSDP defects refused below
+FIXED_IN = (0, 19)
+
+
+def _megatron_release() -> tuple[int, int]:
+    major, minor = version("megatron-core").split(".")[:2]
+    return int(major), int(minor)
+
+
+def upstream_defect(strategy: str, dp_cp: int) -> Optional[str]:
+    """Why megatron-core's Megatron-FSDP of the installed release trains ``strategy`` at
+    data x context parallel size ``dp_cp`` wrongly, as an error naming the flag; None if it
+    does not. Pure Python (reads the installed version only).
+
+    megatron-core 0.16-0.18 (``distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py``,
+    0.16.1 lines):
+
+    * ``optim_grads[_params]`` at size 1 (Megatron-LM issue 6660): the gradient buffer is not
+      distributed, so its bucket is a view of it (``:936-942``) and the reduce-scatter's copy
+      is added on top (``local_grad += reduced_grad``, ``:3252-3257``): every gradient doubles
+      each micro-batch (0.19 accumulates only ``if gbuf.is_data_distributed``);
+    * ``optim``: the same addition at any size, so the gradient (and its norm) is doubled;
+    * ``no_shard``: the first step fails (``fetch_bucket`` on the weight buffer ``no_shard``
+      never makes, ``:3734``).
+    """
+    if _megatron_release() >= FIXED_IN:
+        return None
+    installed = f"megatron-core {version('megatron-core')}"
+    if strategy == "no_shard":
+        return (
+            f"--data-parallel-sharding-strategy no_shard fails at the first step on {installed} "
+            "(fixed in 0.19): it is plain data parallelism, so drop --use-megatron-fsdp"
+        )
+    if strategy == "optim":
+        return (
+            f"--data-parallel-sharding-strategy optim doubles every gradient on {installed} "
+            "(fixed in 0.19): use --use-distributed-optimizer without --use-megatron-fsdp (it shards "
+            "the optimizer state alike), or optim_grads / optim_grads_params"
+        )
+    if dp_cp == 1:
+        return (
+            f"--use-megatron-fsdp at data x context parallel size 1 shards nothing and, on {installed}, "
+            "doubles the gradients every micro-batch (Megatron-LM issue 6660, fixed in 0.19): drop "
+            "--use-megatron-fsdp (--use-distributed-optimizer keeps the same bytes), or add data-parallel ranks"
+        )
+    return None
+
+
+def layer_elements(model: torch.nn.Module) -> int:
+    """Parameter elements of one transformer layer of ``model`` on this rank (the largest)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    sizes = [
+        sum(p.numel() for p in module.parameters())
+        for module in model.modules()
+        if isinstance(module, TransformerLayer)
+    ]
+    return max(sizes, default=0)
+
+
+def ddp_config(config, model: torch.nn.Module):
+    """megatron's ``DistributedDataParallelConfig`` for Megatron-FSDP as the trainer runs it."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    fields = {field.name for field in dataclasses.fields(DistributedDataParallelConfig)}
+    settings = dict(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=config.data_parallel_sharding_strategy,
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        gradient_reduce_div_fusion=False,
+        fsdp_double_buffer=False,
+        suggested_communication_unit_size=2 * layer_elements(model),
+        overlap_grad_reduce=config.overlap_grad_reduce,  # on for optim_grads[_params]: megatron's
+    )
+    if "megatron_fsdp_main_grads_dtype" in fields:  # 0.19: grad_reduce_in_fp32 is ignored
+        settings["megatron_fsdp_main_grads_dtype"] = torch.float32
+    return DistributedDataParallelConfig(**settings)
+
+
+def fully_sharded(config, model_config, model: torch.nn.Module, device: torch.device):
+    """``model`` (this rank's GPTModel, on ``device``) in megatron's ``FullyShardedDataParallel``
+    with the layers and the embedding as FSDP units."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return FullyShardedDataParallel(
+        model_config,
+        ddp_config(config, model),
+        model,
+        fsdp_unit_modules=[TransformerLayer, LanguageModelEmbedding],
+        device=device,
+    )
