@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from . import hccl
 from .runtime import NAME, runtime
 
 _aten = torch.ops.aten
@@ -270,7 +271,12 @@ def _copy(func, args, kwargs):
 
 def _collective(func, args, kwargs):
     """A c10d op on npu tensors: redispatch to the PrivateUse1 kernel with the CPU buffers,
-    so the process group's npu backend (gloo underneath) runs it in place."""
+    so the process group's npu backend (gloo underneath) runs it in place. npu tensors only
+    ever reach the ``hccl`` backend, so every collective on it passes here: a reduction
+    first has its ``ReduceOp`` checked as HCCL does (:func:`.hccl.check_reduce_op`)."""
+    info = _OpInfo.of(func)
+    if info.reduce_op is not None:
+        hccl.check_reduce_op(info.arg(args, kwargs, info.reduce_op))
     wrapper_of = {}
 
     def unwrap(value):
@@ -324,6 +330,11 @@ class _OpInfo:
         self.cross_device = func in _CROSS_DEVICE_OPS
         self.inplace_view = torch.Tag.inplace_view in func.tags
         self.arg_names = [argument.name for argument in schema.arguments]
+        self.reduce_op = (  # the index of a c10d op's ReduceOp argument
+            self.arg_names.index("reduce_op")
+            if func.namespace == "c10d" and "reduce_op" in self.arg_names
+            else None
+        )
         self.single_return = len(schema.returns) == 1
         mutated, views = [], []
         for out_index, ret in enumerate(schema.returns):

@@ -8,6 +8,7 @@ fused-op doubles. These tests also pin the private torch APIs the emulation reli
 
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
@@ -280,6 +281,55 @@ def test_hccl_groups_take_npu_tensors_only():
         [{"rank": 0}, {"rank": 1}],
     ]
     assert r1["results"][:5] == [[0.0, 0.0, 1.0, 1.0], [4.0, 6.0], [1.0, 1.0], [1.0, 11.0], [0.0]]
+
+
+def _w_hccl_reduce_ops(rank, world_size):
+    """Each reduction as megatron calls it: the refused ones give their message (None: no error)."""
+    import torch.distributed as dist
+
+    avg, premul = dist.ReduceOp.AVG, dist._make_nccl_premul_sum(0.5)
+    x = torch.tensor([float(rank + 2)], device="npu")  # 2 on rank 0, 3 on rank 1
+    pair = torch.tensor([rank * 10.0, rank * 10.0 + 1], device="npu")
+    out = {"refused": {}, "values": {}}
+    calls = {
+        "all_reduce": lambda op: dist.all_reduce(x.clone(), op=op),
+        "all_reduce_async": lambda op: dist.all_reduce(x.clone(), op=op, async_op=True).wait(),
+        "reduce": lambda op: dist.reduce(x.clone(), dst=0, op=op),
+        "reduce_scatter_tensor": lambda op: dist.reduce_scatter_tensor(
+            torch.empty(1, device="npu"), pair, op=op
+        ),
+        "reduce_scatter": lambda op: dist.reduce_scatter(
+            torch.empty(1, device="npu"), list(pair.chunk(2)), op=op
+        ),
+    }
+    for name, call in calls.items():
+        for label, op in (("AVG", avg), ("PREMUL_SUM", premul)):
+            out["refused"][f"{name}/{label}"] = _raises(functools.partial(call, op))
+    for op in ("SUM", "MAX", "MIN", "PRODUCT"):
+        t = x.clone()
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        out["values"][op] = t.cpu().tolist()
+    scattered = torch.empty(1, device="npu")
+    dist.reduce_scatter_tensor(scattered, pair)
+    out["values"]["reduce_scatter_tensor"] = scattered.cpu().tolist()
+    return out
+
+
+def test_hccl_refuses_avg_and_premul_sum_like_torch_npu():
+    """torch_npu's ProcessGroupHCCL (getHcclReduceOp) has SUM, PRODUCT, MIN and MAX only;
+    gloo underneath takes AVG. The group keeps working after a refusal."""
+    for rank, r in enumerate(run_distributed(_w_hccl_reduce_ops, 2, emulate_npu=True)):
+        for case, message in r["refused"].items():
+            op = case.split("/")[1].upper()
+            needle = "Cannot use ReduceOp.AVG with HCCL" if op == "AVG" else "Unhandled ReduceOp"
+            assert message is not None and needle in message and op in message, (case, message)
+        assert r["values"] == {  # 2 and 3; reduce-scatter of [0, 1] and [10, 11]
+            "SUM": [5.0],
+            "MAX": [3.0],
+            "MIN": [2.0],
+            "PRODUCT": [6.0],
+            "reduce_scatter_tensor": [[10.0], [12.0]][rank],
+        }
 
 
 def _w_nothing(rank, world_size):
