@@ -20,7 +20,8 @@ memory limits, stream concurrency.
 
 Parts: :mod:`.runtime` (``torch.npu``), :mod:`.tensor` (npu tensors), :mod:`.hccl` (the
 process-group backend), :mod:`.storage_sharing` (C++ storage sharing on the CPU data),
-:mod:`.transfer` (``transfer_to_npu``), :mod:`.fusion_attention`
+:mod:`.transfer` (``transfer_to_npu``), :mod:`.dtensor` (DTensor's sharding propagation),
+:mod:`.fusion_attention`
 and :mod:`.fused_ops` (the operator doubles), and the ``torch_npu`` package beside them
 that ``import torch_npu`` finds.
 """
@@ -73,6 +74,7 @@ def activate():
     import torch.distributed as dist
 
     from . import hccl, tensor
+    from .dtensor import fake_tensors_on_cpu
     from .runtime import runtime
     from .storage_sharing import storage_sharing_on_cpu_tensors
 
@@ -80,6 +82,7 @@ def activate():
     tensor.register(npu)
     hccl.register()
     storage_sharing_on_cpu_tensors()
+    fake_tensors_on_cpu()
     dist.is_hccl_available = lambda: True
     return npu
 

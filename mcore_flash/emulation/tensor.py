@@ -305,6 +305,18 @@ def _collective(func, args, kwargs):
     return rewrap(out)
 
 
+def _functional_collective(func, args, kwargs):
+    """A ``_c10d_functional`` op on npu tensors (DTensor's redistribution, e.g.
+    ``full_tensor()`` -> ``funcol.all_gather_single``, ``torch/distributed/_functional_collectives.py``):
+    its CompositeExplicitAutograd kernel runs with the npu tensors themselves, so the c10d op
+    it issues finds the group's npu backend (:func:`_collective`) and its ``wait_tensor``
+    finds the work it registered on them. Given the CPU tensors inside, the kernel would ask
+    the group for a CPU backend, which HCCL groups have not."""
+    return func.redispatch(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1), *args, **kwargs
+    )
+
+
 class _OpInfo:
     """What dispatch needs to know about one op, read from its schema once."""
 
@@ -321,6 +333,8 @@ class _OpInfo:
         self.handler: Optional[Callable] = None
         if func.namespace == "c10d":
             self.handler = _collective
+        elif func.namespace == "_c10d_functional":
+            self.handler = _functional_collective
         elif func is _aten._local_scalar_dense.default:
             self.handler = _item
         elif func is _aten.copy_.default:

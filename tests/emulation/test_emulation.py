@@ -286,6 +286,7 @@ def test_hccl_groups_take_npu_tensors_only():
 def _w_hccl_reduce_ops(rank, world_size):
     """Each reduction as megatron calls it: the refused ones give their message (None: no error)."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
     avg, premul = dist.ReduceOp.AVG, dist._make_nccl_premul_sum(0.5)
     x = torch.tensor([float(rank + 2)], device="npu")  # 2 on rank 0, 3 on rank 1
@@ -305,6 +306,9 @@ def _w_hccl_reduce_ops(rank, world_size):
     for name, call in calls.items():
         for label, op in (("AVG", avg), ("PREMUL_SUM", premul)):
             out["refused"][f"{name}/{label}"] = _raises(functools.partial(call, op))
+    out["refused"]["funcol.all_reduce/avg"] = _raises(
+        lambda: funcol.all_reduce(x, "avg", dist.group.WORLD)
+    )
     for op in ("SUM", "MAX", "MIN", "PRODUCT"):
         t = x.clone()
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
@@ -330,6 +334,44 @@ def test_hccl_refuses_avg_and_premul_sum_like_torch_npu():
             "PRODUCT": [6.0],
             "reduce_scatter_tensor": [[10.0], [12.0]][rank],
         }
+
+
+def _w_dtensor(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type="npu")
+    local = torch.tensor([1.0, 2.0], device="npu") + 2 * rank  # [1, 2] and [3, 4]
+    dt = DTensor.from_local(local, mesh, [Shard(0)])
+    plus_one = dt.detach() + 1
+    full = plus_one.full_tensor()  # all-gather
+    total = dt.sum().full_tensor()  # a Partial sum, all-reduced
+    partial = DTensor.from_local(local, mesh, [Partial()])
+    scattered = partial.redistribute(mesh, [Shard(0)]).to_local()  # reduce-scatter of [4, 6]
+    return {
+        "devices": [str(t.device) for t in (plus_one.to_local(), full, total, scattered)],
+        "local": plus_one.to_local().cpu().tolist(),
+        "full": full.cpu().tolist(),
+        "total": total.cpu().item(),
+        "scattered": scattered.cpu().tolist(),
+        "avg": _raises(
+            lambda: DTensor.from_local(local, mesh, [Partial("avg")]).full_tensor(),
+            "Cannot use ReduceOp.AVG with HCCL",
+        ),
+    }
+
+
+def test_dtensor_ops_run_on_the_emulated_npu():
+    """Sharding propagation fakes its tensors on the mesh's device (torch's _op_schema); on an
+    npu mesh the emulation fakes them on the CPU. Redistributions reach the HCCL backend."""
+    for rank, r in enumerate(run_distributed(_w_dtensor, 2, emulate_npu=True)):
+        assert r["devices"] == [f"npu:{rank}"] * 4
+        assert r["local"] == [[2.0, 3.0], [4.0, 5.0]][rank]
+        assert r["full"] == [2.0, 3.0, 4.0, 5.0]
+        assert r["total"] == 10.0
+        assert r["scattered"] == [[4.0], [6.0]][rank]
+        assert r["avg"]
 
 
 def _w_nothing(rank, world_size):
