@@ -20,6 +20,8 @@ adaptation                          devices    what it answers to (megatron-core
 :mod:`.megatron_fsdp_premul_sum`    npu, cpu   Megatron-FSDP's NCCL-only PREMUL_SUM (and
                                                AVG, which HCCL refuses) gradient reduction
 :mod:`.megatron_fsdp_cpu_view`      cpu        Megatron-FSDP's ``f"cuda:{current_device()}"``
+:mod:`.megatron_fsdp_no_te`         any w/o TE Megatron-FSDP's ``isinstance(m, TELinear)``
+                                               with TE's placeholder (TP > 1)
 ==================================  =========  ==============================================
 
 The megatron adaptations are visible to megatron's modules only: the CPU view of
@@ -40,6 +42,7 @@ from .checkpoint_without_output import checkpoint_without_output_no_te
 from .megatron_cpu_rng import megatron_cpu_rng
 from .megatron_fsdp_cpu_view import megatron_fsdp_cpu_view
 from .megatron_fsdp_device_mesh import megatron_fsdp_device_mesh
+from .megatron_fsdp_no_te import megatron_fsdp_no_te
 from .megatron_fsdp_premul_sum import megatron_fsdp_premul_sum
 from .megatron_tensor_methods import megatron_npu_tensor_type, megatron_tensor_methods
 from .megatron_torch_view import megatron_torch_view
@@ -63,8 +66,9 @@ _ADAPTATIONS = {
         checkpoint_without_output_no_te,
         megatron_fsdp_device_mesh,
         megatron_fsdp_premul_sum,
+        megatron_fsdp_no_te,
     ),
-    "cuda": (checkpoint_without_output_no_te,),
+    "cuda": (checkpoint_without_output_no_te, megatron_fsdp_no_te),
     "cpu": (
         megatron_torch_view,
         megatron_tensor_methods,
@@ -72,6 +76,7 @@ _ADAPTATIONS = {
         checkpoint_without_output_no_te,
         megatron_fsdp_device_mesh,
         megatron_fsdp_premul_sum,
+        megatron_fsdp_no_te,
         megatron_fsdp_cpu_view,
     ),
 }

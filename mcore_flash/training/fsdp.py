@@ -33,8 +33,8 @@ from typing import Optional
 
 import torch
 
-# megatron-core releases before this one have the Megatron-FSDP defects refused below
-FIXED_IN = (0, 19)
+# the first megatron-core release whose Megatron-FSDP accumulates gradients right at size 1
+DP1_FIXED_IN = (0, 19)
 
 
 def _megatron_release() -> tuple[int, int]:
@@ -43,36 +43,36 @@ def _megatron_release() -> tuple[int, int]:
 
 
 def upstream_defect(strategy: str, dp_cp: int) -> Optional[str]:
-    """Why megatron-core's Megatron-FSDP of the installed release trains ``strategy`` at
-    data x context parallel size ``dp_cp`` wrongly, as an error naming the flag; None if it
-    does not. Pure Python (reads the installed version only).
+    """Why the installed megatron-core's Megatron-FSDP trains ``strategy`` at data x context
+    parallel size ``dp_cp`` wrongly, as an error naming the flag; None if it does not. Pure
+    Python (reads the installed version only). Measured against the distributed optimizer's
+    run (tests/training/test_fsdp.py; ``distributed/fsdp/src/megatron_fsdp/
+    param_and_grad_buffer.py``, 0.16.1 lines):
 
-    megatron-core 0.16-0.18 (``distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py``,
-    0.16.1 lines):
-
-    * ``optim_grads[_params]`` at size 1 (Megatron-LM issue 6660): the gradient buffer is not
-      distributed, so its bucket is a view of it (``:936-942``) and the reduce-scatter's copy
-      is added on top (``local_grad += reduced_grad``, ``:3252-3257``): every gradient doubles
-      each micro-batch (0.19 accumulates only ``if gbuf.is_data_distributed``);
-    * ``optim``: the same addition at any size, so the gradient (and its norm) is doubled;
-    * ``no_shard``: the first step fails (``fetch_bucket`` on the weight buffer ``no_shard``
-      never makes, ``:3734``).
+    * ``no_shard``: 0.16 fails at the first step (``fetch_bucket`` on the weight buffer
+      ``no_shard`` never makes, ``:3734``); 0.19.2 doubles every gradient (grad norm 2x).
+    * ``optim``: 0.16 adds the reduce-scatter's copy onto the local gradient (``:3252-3257``):
+      grad norm 2x; 0.19.2's grad norm is 1.5x the oracle's.
+    * ``optim_grads[_params]`` at size 1 before 0.19 (Megatron-LM issue 6660): the gradient
+      buffer is not distributed, so its bucket is a view of it (``:936-942``) and that same
+      addition doubles every gradient each micro-batch; 0.19 adds only
+      ``if gbuf.is_data_distributed``.
     """
-    if _megatron_release() >= FIXED_IN:
-        return None
     installed = f"megatron-core {version('megatron-core')}"
     if strategy == "no_shard":
         return (
-            f"--data-parallel-sharding-strategy no_shard fails at the first step on {installed} "
-            "(fixed in 0.19): it is plain data parallelism, so drop --use-megatron-fsdp"
+            f"--data-parallel-sharding-strategy no_shard trains wrongly on {installed} (0.16 fails at "
+            "the first step, 0.19 doubles every gradient): it shards nothing, so drop --use-megatron-fsdp "
+            "(plain data parallelism)"
         )
     if strategy == "optim":
         return (
-            f"--data-parallel-sharding-strategy optim doubles every gradient on {installed} "
-            "(fixed in 0.19): use --use-distributed-optimizer without --use-megatron-fsdp (it shards "
-            "the optimizer state alike), or optim_grads / optim_grads_params"
+            f"--data-parallel-sharding-strategy optim trains wrongly on {installed} (its gradients are "
+            "not the data-parallel sum: 0.16 doubles them, 0.19 scales them by 1.5): use "
+            "--use-distributed-optimizer without --use-megatron-fsdp (it shards the optimizer state "
+            "alike), or optim_grads / optim_grads_params"
         )
-    if dp_cp == 1:
+    if dp_cp == 1 and _megatron_release() < DP1_FIXED_IN:
         return (
             f"--use-megatron-fsdp at data x context parallel size 1 shards nothing and, on {installed}, "
             "doubles the gradients every micro-batch (Megatron-LM issue 6660, fixed in 0.19): drop "

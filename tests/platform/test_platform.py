@@ -216,6 +216,7 @@ def test_setup_is_idempotent_and_megatron_scoped(single):
         "checkpoint_without_output_no_te",
         "megatron_fsdp_device_mesh",
         "megatron_fsdp_premul_sum",
+        "megatron_fsdp_no_te",
         "megatron_fsdp_cpu_view",
     ]
     assert out["second"] == out["first"]
@@ -377,6 +378,7 @@ def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
         "checkpoint_without_output_no_te",
         "megatron_fsdp_device_mesh",
         "megatron_fsdp_premul_sum",
+        "megatron_fsdp_no_te",
     ]
     assert (
         out["torch_device"] == out["tensor_device"] == "npu:3"
