@@ -25,6 +25,7 @@ from typing import Optional
 from .activations import PROFILES
 from .compare import DEFAULT_SEQ_LENGTHS, compare_standard
 from .flops import check_mean_document_length
+from .fsdp import FSDP_STRATEGIES, PLANNED_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile, load_hardware
 from .layout import Layout
 from .memory import plan_memory
@@ -98,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     p.add_argument(
+        "--use-megatron-fsdp",
+        action="store_true",
+        help="shard over the dp x cp ranks with megatron-core's Megatron-FSDP (implies the distributed "
+        "optimizer); with --search: try this strategy for every layout that does not fit without it (default: "
+        "ZeRO-3 only when nothing fits below it)",
+    )
+    p.add_argument(
+        "--data-parallel-sharding-strategy",
+        dest="sharding_strategy",
+        choices=FSDP_STRATEGIES,
+        help="Megatron-FSDP's strategy (default optim_grads_params = ZeRO-3; needs --use-megatron-fsdp)",
+    )
+    p.add_argument(
         "--profile",
         choices=[k for k in PROFILES if k != "korthikanti"],
         default="npu",
@@ -166,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-dropout", type=float, default=0.0, help="--compare-standard: attention dropout"
     )
     return p
+
+
+def _fsdp(args) -> Optional[str]:
+    """The strategy of ``--use-megatron-fsdp [--data-parallel-sharding-strategy S]``, or None."""
+    if args.sharding_strategy and not args.use_megatron_fsdp:
+        raise ValueError(
+            "--data-parallel-sharding-strategy needs --use-megatron-fsdp (megatron DDP does not take it)"
+        )
+    if args.use_megatron_fsdp and not args.distributed_optimizer:
+        raise ValueError(
+            "--use-megatron-fsdp implies the distributed optimizer: drop --no-distributed-optimizer"
+        )
+    if not args.use_megatron_fsdp:
+        return None
+    return args.sharding_strategy or "optim_grads_params"
 
 
 def _dp(args) -> int:
@@ -245,6 +274,7 @@ def _plan(
         micro_batch_size=args.micro_batch_size,
         global_batch_size=gbs,
         distributed_optimizer=args.distributed_optimizer,
+        fsdp=_fsdp(args),
     )
     plan = plan_memory(
         model,
@@ -283,6 +313,8 @@ def _search(
         max_tp=args.max_tp,
         sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer,
+        fsdp_choices=(_fsdp(args),) if args.use_megatron_fsdp else PLANNED_STRATEGIES,
+        climb="each" if args.use_megatron_fsdp else "needed",
         hardware=hardware,
         step_options=_step_options(args),
         **_plan_kwargs(args, dtype_bytes),
@@ -310,7 +342,14 @@ def _search(
     for rank, candidate in enumerate(shown, 1):
         print(format_candidate(rank, candidate))
     if not found:
-        print("nothing fits: add devices, a longer pipeline or context parallelism, or recompute")
+        print(
+            "nothing fits: add devices, a longer pipeline or context parallelism, or recompute"
+            + (
+                " (ZeRO-3 with Megatron-FSDP was tried too; host offload is not planned)"
+                if args.distributed_optimizer
+                else ", or ZeRO-3 (drop --no-distributed-optimizer)"
+            )
+        )
     return 0 if found else 1
 
 

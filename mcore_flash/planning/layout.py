@@ -13,9 +13,17 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from .activations import RECOMPUTE_MODES
+from .fsdp import FSDP_STRATEGIES
 from .models import ModelShape
 
-__all__ = ["Layout", "RECOMPUTE_FLAGS", "recompute_flags", "recompute_text", "pretrain_command"]
+__all__ = [
+    "Layout",
+    "RECOMPUTE_FLAGS",
+    "recompute_flags",
+    "recompute_text",
+    "fsdp_flags",
+    "pretrain_command",
+]
 
 # what the user-facing recompute names mean in Megatron-LM flags
 RECOMPUTE_FLAGS = {
@@ -43,6 +51,10 @@ class Layout:
     pipeline chunk are recomputed whole (Megatron's ``block`` method), the others use
     ``recompute``. ``global_batch_size`` (sequences) fixes the number of micro-batches per step
     ``m = global_batch_size / (micro_batch_size * dp)``; None = enough to fill the pipeline.
+    ``fsdp`` is Megatron-FSDP's ``--data-parallel-sharding-strategy`` (one of
+    :data:`.fsdp.FSDP_STRATEGIES`; ``optim_grads_params`` is ZeRO-3) over the ``dp * cp``
+    ranks, or None for megatron's DDP (with the distributed optimizer when
+    ``distributed_optimizer``); FSDP implies the distributed optimizer.
     """
 
     tp: int = 1
@@ -56,6 +68,7 @@ class Layout:
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None
     distributed_optimizer: bool = True
+    fsdp: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "vp", "micro_batch_size"):
@@ -70,6 +83,15 @@ class Layout:
                 f"recompute_num_layers {self.recompute_num_layers}: the layers recomputed whole per pipeline chunk "
                 "(>= 0), with a selective recompute mode for the others (not 'full', which recomputes every layer)"
             )
+        if self.fsdp is not None and self.fsdp not in FSDP_STRATEGIES:
+            raise ValueError(
+                f"sharding strategy {self.fsdp!r} (--data-parallel-sharding-strategy): choose one of "
+                f"{FSDP_STRATEGIES}"
+            )
+        if self.fsdp is not None and not self.distributed_optimizer:
+            raise ValueError(
+                "--use-megatron-fsdp implies the distributed optimizer: drop --no-distributed-optimizer"
+            )
         if self.vp > 1 and self.pp == 1:
             raise ValueError("an interleaved schedule (vp > 1) needs pp > 1")
         if self.global_batch_size is not None and self.global_batch_size % (
@@ -79,6 +101,22 @@ class Layout:
                 f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size x dp "
                 f"= {self.micro_batch_size * self.dp}"
             )
+
+    @property
+    def rung(self) -> str:
+        """The rung of the memory ladder this layout stands on: ``"flash attention"`` (no
+        recompute, no sharding beyond the distributed optimizer), ``"recompute"`` or
+        ``"ZeRO-3"`` (Megatron-FSDP, with or without recompute)."""
+        if self.fsdp is not None:
+            return "ZeRO-3"
+        if self.recompute != "none" or self.recompute_num_layers:
+            return "recompute"
+        return "flash attention"
+
+    @property
+    def sharding_ranks(self) -> int:
+        """The data x context parallel ranks the optimizer (and FSDP) shards over."""
+        return self.dp * self.cp
 
     @property
     def num_devices(self) -> int:
@@ -138,6 +176,14 @@ def recompute_flags(layout: Layout) -> list[str]:
     return flags + (["--recompute-modules", *modules] if modules else [])
 
 
+def fsdp_flags(layout: Layout) -> list[str]:
+    """The ``mcore-flash pretrain`` flags (Megatron-LM's names) of ``layout``'s Megatron-FSDP
+    sharding: none without it."""
+    if layout.fsdp is None:
+        return []
+    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", layout.fsdp]
+
+
 def recompute_text(layout: Layout, num_layers: int) -> str:
     """``layout``'s recompute in words: the mode, or how partial recompute splits each chunk."""
     if not layout.recompute_num_layers:
@@ -187,6 +233,7 @@ def pretrain_command(
         args.append("--sequence-parallel")
     if layout.distributed_optimizer:
         args.append("--use-distributed-optimizer")
+    args += fsdp_flags(layout)
     if mean_document_length is not None:  # the plan assumes document masking
         args += ["--reset-attention-mask", "--reset-position-ids"]
     args += recompute_flags(layout)

@@ -21,6 +21,11 @@ For every pipeline stage (the worst one decides) the plan adds up, in bytes per 
   Megatron's contiguous buffers), ``runtime_reserve`` (fixed, for the runtime, collective
   library workspaces) and ``allocator_fragmentation`` (a fraction of the dynamic memory).
 
+With Megatron-FSDP (``layout.fsdp``) ``weights``, ``gradients`` and ``optimizer_state`` are
+:func:`.fsdp.fsdp_bytes`' (megatron's parameter groups and padding, sharded over
+``dp * cp`` as the strategy says), and two more categories, :data:`.fsdp.FSDP_CATEGORIES`,
+hold what FSDP allocates per layer: the gathered units and the unsharded gradient buckets.
+
 The plan's compute estimates (recompute overhead, pipeline bubble) come from :mod:`.flops`;
 a ``mean_document_length`` (packed documents) changes only the attention-kernel FLOPs
 there, never the bytes: whatever the mask, the fused attention keeps per-token tensors only
@@ -36,9 +41,15 @@ from typing import Optional
 
 from . import activations as act
 from .flops import pipeline_bubble, recompute_overhead
-from .layout import Layout, pretrain_command, recompute_flags
+from .fsdp import FSDP_CATEGORIES, fsdp_bytes, stage_groups
+from .layout import Layout, fsdp_flags, pretrain_command, recompute_flags
 from .models import ModelShape
-from .parameters import optimizer_bytes_per_parameter, stage_parameters, total_parameters
+from .parameters import (
+    layer_parameters,
+    optimizer_bytes_per_parameter,
+    stage_parameters,
+    total_parameters,
+)
 from .units import GiB
 
 __all__ = [
@@ -48,6 +59,7 @@ __all__ = [
     "launch_command",
     "CATEGORIES",
     "ESTIMATED_CATEGORIES",
+    "FSDP_CATEGORIES",
 ]
 
 CATEGORIES = (
@@ -119,6 +131,12 @@ class MemoryPlan:
         return max(self.stages, key=lambda stage: stage.total)
 
     @property
+    def categories(self) -> tuple[str, ...]:
+        """The byte categories of this plan: :data:`CATEGORIES`, and with FSDP
+        :data:`.fsdp.FSDP_CATEGORIES` after them."""
+        return CATEGORIES + (FSDP_CATEGORIES if self.layout.fsdp else ())
+
+    @property
     def per_device(self) -> dict[str, int]:
         return dict(self.worst_stage.bytes)
 
@@ -188,6 +206,7 @@ class MemoryPlan:
             "pipeline_bubble": self.pipeline_bubble,
             "relative_step_time": self.relative_step_time,
             "recompute_flags": recompute_flags(self.layout),
+            "fsdp_flags": fsdp_flags(self.layout),
             "launch_command": launch_command(self),
             "notes": self.notes,
         }
@@ -383,7 +402,31 @@ def _notes(seq_length: int, layout: Layout, profile: act.Profile) -> list[str]:
         )
     if profile.attention == "standard":
         notes.append("standard (unfused) attention: keeps the [b, heads, s, s] softmax per layer")
+    if layout.fsdp in ("no_shard", "optim"):
+        notes.append(
+            f"--data-parallel-sharding-strategy {layout.fsdp}: the trainer refuses it on megatron-core 0.16.1 "
+            "(upstream bugs); use optim_grads or optim_grads_params"
+        )
+    if layout.fsdp and layout.sharding_ranks == 1:
+        notes.append(
+            "Megatron-FSDP at dp x cp = 1 shards nothing, and the trainer refuses it on megatron-core 0.16.1"
+        )
     return notes
+
+
+def _fsdp_stage_bytes(
+    model: ModelShape, layout: Layout, stage: int, param_bytes: int, grad_bytes: int
+) -> dict[str, int]:
+    """One stage's device under Megatron-FSDP: :func:`.fsdp.fsdp_bytes` of megatron's
+    parameter groups of its parameters, over ``dp * cp`` ranks."""
+    return fsdp_bytes(
+        stage_groups(model, layout.tp, layout.pp, stage, layout.fsdp),
+        layout.fsdp,
+        layout.sharding_ranks,
+        sum(layer_parameters(model, layout.tp).values()),
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+    )
 
 
 def plan_memory(
@@ -452,8 +495,13 @@ def plan_memory(
         if stage == layout.pp - 1:  # the logits and their fp32 gradient
             vocab_per_rank = Fraction(model.vocab_size, layout.tp)
             logits = micro.local_tokens * micro.batch * vocab_per_rank * (dtype_bytes + FP32_BYTES)
+        sharded = (
+            _fsdp_stage_bytes(model, layout, stage, param_bytes, grad_bytes) if layout.fsdp else {}
+        )
+        transient = sum(sharded.get(name, 0) for name in FSDP_CATEGORIES)
         dynamic = (
-            layers_in_flight * (layer_activations + layer_statistics)
+            transient
+            + layers_in_flight * (layer_activations + layer_statistics)
             + embeddings_and_loss
             + decoder
             + logits
@@ -472,6 +520,7 @@ def plan_memory(
             "communication_buffers": _ceil(communication),
             "runtime_reserve": runtime_reserve,
             "allocator_fragmentation": _ceil(fragmentation * dynamic),
+            **sharded,
         }
         stages.append(StagePlan(stage, parameters, layers_per_stage, chunks_in_flight, nbytes))
 

@@ -13,7 +13,7 @@ parallelism (``dp * cp`` ranks): ``6 + 12/d`` bytes per parameter instead of 18.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from .models import ModelShape
 
@@ -21,6 +21,8 @@ __all__ = [
     "layer_parameters",
     "total_parameters",
     "stage_parameters",
+    "ParameterShape",
+    "stage_parameter_shapes",
     "optimizer_bytes_per_parameter",
     "meta_parameter_count",
     "build_flash_gpt",
@@ -91,6 +93,101 @@ def stage_parameters(model: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0
         if model.untie_embeddings_and_output_weights or pp > 1:
             parts["output_layer"] = _div(model.vocab_size, tp, "vocab_size") * model.hidden_size
     return parts
+
+
+class ParameterShape(NamedTuple):
+    """One parameter of a stage's ``GPTModel``: its ``name`` (as ``named_parameters`` gives it),
+    ``shape`` (elements per dimension, this TP rank's), the name of the FSDP unit module it
+    belongs to (``"embedding"``, ``"decoder.layers.<i>"``, or None: Megatron-FSDP's unit
+    modules, as the trainer configures them, are the embedding and each transformer layer) and whether megatron marks it ``shared_embedding`` (a tied
+    embedding split across pipeline stages)."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: Optional[str]
+    shared_embedding: bool = False
+
+
+def _norm_shapes(prefix: str, width: int, model: ModelShape, unit: Optional[str]):
+    names = ("weight", "bias") if model.normalization == "LayerNorm" else ("weight",)
+    return [ParameterShape(f"{prefix}.{n}", (width,), unit) for n in names]
+
+
+def _linear_shapes(prefix: str, out: int, inp: int, model: ModelShape, unit: str):
+    shapes = [ParameterShape(f"{prefix}.weight", (out, inp), unit)]
+    if model.add_bias_linear:
+        shapes.append(ParameterShape(f"{prefix}.bias", (out,), unit))
+    return shapes
+
+
+def _layer_shapes(model: ModelShape, tp: int, index: int) -> list[ParameterShape]:
+    """One layer's parameters in the flash spec's registration order (its
+    ``named_parameters`` order): input norm, proj, QKV, q/k norms, pre-MLP norm, fc1, fc2."""
+    h, d, a, g, f = (
+        model.hidden_size,
+        model.head_dim,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.ffn_hidden_size,
+    )
+    pre = f"decoder.layers.{index}"
+    shapes = _norm_shapes(f"{pre}.input_layernorm", h, model, pre)
+    shapes += _linear_shapes(
+        f"{pre}.self_attention.linear_proj", h, _div(a * d, tp, "attention width"), model, pre
+    )
+    shapes += _linear_shapes(
+        f"{pre}.self_attention.linear_qkv",
+        _div((a + 2 * g) * d, tp, "query/key/value projection width"),
+        h,
+        model,
+        pre,
+    )
+    if model.qk_layernorm:
+        shapes += _norm_shapes(f"{pre}.self_attention.q_layernorm", d, model, pre)
+        shapes += _norm_shapes(f"{pre}.self_attention.k_layernorm", d, model, pre)
+    shapes += _norm_shapes(f"{pre}.pre_mlp_layernorm", h, model, pre)
+    fc1 = _div((2 if model.gated else 1) * f, tp, "linear_fc1 width")
+    shapes += _linear_shapes(f"{pre}.mlp.linear_fc1", fc1, h, model, pre)
+    shapes += _linear_shapes(f"{pre}.mlp.linear_fc2", h, _div(f, tp, "ffn_hidden_size"), model, pre)
+    return shapes
+
+
+def stage_parameter_shapes(
+    model: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0
+) -> list[ParameterShape]:
+    """The parameters of one device of pipeline stage ``stage`` in ``named_parameters``
+    order, with their TP-local shapes: what Megatron-FSDP groups and pads
+    (:mod:`.fsdp`). Their element count is :func:`stage_parameters`'."""
+    parts = stage_parameters(model, tp, pp, stage)  # validates pp and stage
+    tied_split = not model.untie_embeddings_and_output_weights and pp > 1
+    vocab_rows = _div(model.vocab_size, tp, "vocab_size")
+    shapes = []
+    if "embedding" in parts:
+        shapes.append(
+            ParameterShape(
+                "embedding.word_embeddings.weight",
+                (vocab_rows, model.hidden_size),
+                "embedding",
+                tied_split,
+            )
+        )
+        if model.position_embedding_type == "learned_absolute":
+            shapes.append(
+                ParameterShape(
+                    "embedding.position_embeddings.weight",
+                    (model.max_position_embeddings, model.hidden_size),
+                    "embedding",
+                )
+            )
+    for index in range(model.num_layers // pp):
+        shapes += _layer_shapes(model, tp, index)
+    if "final_layernorm" in parts:
+        shapes += _norm_shapes("decoder.final_layernorm", model.hidden_size, model, None)
+    if "output_layer" in parts:
+        shapes.append(
+            ParameterShape("output_layer.weight", (vocab_rows, model.hidden_size), None, tied_split)
+        )
+    return shapes
 
 
 def total_parameters(model: ModelShape) -> int:

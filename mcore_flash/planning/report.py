@@ -11,16 +11,17 @@ from typing import Optional
 
 from . import activations as act
 from .layout import recompute_text
-from .memory import CATEGORIES, ESTIMATED_CATEGORIES, MemoryPlan, launch_command
+from .memory import ESTIMATED_CATEGORIES, MemoryPlan, launch_command
 from .models import ModelShape
 from .search import Candidate
-from .step_time import BREAKDOWN_KEYS, StepTime
+from .step_time import BREAKDOWN_KEYS, FSDP_BREAKDOWN_KEYS, StepTime
 from .units import format_bytes
 
 __all__ = [
     "verdict",
     "documents_line",
     "format_plan",
+    "sharding_text",
     "format_step_time",
     "format_candidate",
     "format_compare",
@@ -59,6 +60,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{f' (v={lay.vp})' if lay.vp > 1 else ''} x CP{lay.cp} x DP{lay.dp} = {lay.num_devices} devices; "
         f"recompute {recompute_text(lay, model.num_layers)}; "
         f"{'distributed' if lay.distributed_optimizer else 'replicated'} optimizer; "
+        f"{sharding_text(lay)}"
         f"micro-batches/step {lay.num_microbatches or 'n/a'}",
         "",
         f"per-layer activations (one micro-batch, this device{', layers not recomputed whole' if lay.recompute_num_layers else ''}): "
@@ -74,7 +76,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"per device (stage {worst.stage} of {lay.pp}: {worst.layers} layers, {worst.in_flight} in flight, "
         f"{worst.parameters:,} parameters):",
     ]
-    for name in CATEGORIES:
+    for name in plan.categories:
         mark = "  (estimate)" if name in ESTIMATED_CATEGORIES else ""
         lines.append(f"  {name:<26} {format_bytes(worst.bytes[name]):>12}{mark}")
     lines.append(f"  {'total':<26} {format_bytes(worst.total):>12}")
@@ -92,6 +94,13 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def sharding_text(layout) -> str:
+    """``"Megatron-FSDP <strategy> over <dp*cp> ranks (ZeRO-3); "`` for an FSDP layout, else empty."""
+    if layout.fsdp is None:
+        return ""
+    return f"Megatron-FSDP {layout.fsdp} over {layout.sharding_ranks} ranks (ZeRO-3); "
+
+
 def format_step_time(step: StepTime) -> str:
     """A headline (step time, tokens/s per device, MFU on which devices), then one line per
     non-zero part of the breakdown (seconds and share of the step)."""
@@ -104,8 +113,8 @@ def format_step_time(step: StepTime) -> str:
         f"step time on {devices}: {total:.3f} s; {step.tokens_per_s_per_device:,.0f} tokens/s per "
         f"device; MFU {step.mfu:.1%} (Megatron convention {step.mfu_megatron:.1%})",
     ]
-    for key in BREAKDOWN_KEYS:
-        seconds = step.breakdown[key]
+    for key in BREAKDOWN_KEYS + FSDP_BREAKDOWN_KEYS:
+        seconds = step.breakdown.get(key, 0.0)
         if seconds:
             lines.append(f"  {key:<26} {seconds:>10.3f} s  {seconds / total:>6.1%}")
     return "\n".join(lines)
@@ -117,7 +126,8 @@ def format_candidate(rank: int, candidate: Candidate) -> str:
     plan, step, lay = candidate.plan, candidate.step, candidate.plan.layout
     lines = [
         f"\n{rank}. TP{lay.tp}{' SP' if lay.sp else ''} PP{lay.pp}{f' v{lay.vp}' if lay.vp > 1 else ''} "
-        f"CP{lay.cp} DP{lay.dp}, recompute {recompute_text(lay, plan.model.num_layers)}: "
+        f"CP{lay.cp} DP{lay.dp}, recompute {recompute_text(lay, plan.model.num_layers)}"
+        f"{f', Megatron-FSDP {lay.fsdp}' if lay.fsdp else ''} (rung: {candidate.rung}): "
         f"{step.step_time_s:.2f} s per step, "
         f"{step.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {step.mfu:.1%}; "
         f"{format_bytes(plan.total)} per device ({format_bytes(plan.headroom)} free); recompute "

@@ -7,6 +7,14 @@ compute with recompute, exposed TP / CP-ring / PP / DP communication, the pipeli
 bubble); then less communication (smaller CP, PP, TP), then more free memory. The step-time
 model's exposed ring time replaces the former rule of thumb that ring CP needs >= 8K
 tokens per rank.
+
+The memory ladder: each layout is tried with each recompute mode (flash attention alone,
+then recompute, "recompute just enough" included); one that still does not fit climbs to
+ZeRO-3, Megatron-FSDP with each of ``fsdp_choices`` (``optim_grads_params``,
+``optim_grads``) over its ``dp * cp > 1`` ranks: by default (``climb="needed"``) only when
+no layout of the device count fits on the lower rungs, full recompute included (a search
+whose ``recompute_choices`` leave out ``full`` has not finished the recompute rung and does
+not climb), with ``climb="each"`` for every layout that does not. ``Candidate.rung`` says which rung it needed.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
 from .activations import RECOMPUTE_MODES
+from .fsdp import PLANNED_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
 from .layout import Layout
 from .memory import MemoryPlan, plan_memory
@@ -36,8 +45,13 @@ class Candidate:
     plan: MemoryPlan
     step: StepTime
 
+    @property
+    def rung(self) -> str:
+        """The memory-ladder rung the layout needed (:attr:`.layout.Layout.rung`)."""
+        return self.plan.layout.rung
+
     def to_dict(self) -> dict:
-        return {**self.plan.to_dict(), "step_time": self.step.to_dict()}
+        return {**self.plan.to_dict(), "rung": self.rung, "step_time": self.step.to_dict()}
 
 
 def default_global_batch_size(
@@ -80,6 +94,8 @@ def search_layouts(
     include_non_fitting: bool = False,
     partial_recompute: bool = True,
     safety_margin: float = 0.05,
+    fsdp_choices: Sequence[str] = PLANNED_STRATEGIES,
+    climb: str = "needed",
     hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
     step_options: Optional[dict] = None,
     **plan_kwargs,
@@ -92,7 +108,11 @@ def search_layouts(
     Layouts leaving less than ``safety_margin`` of the memory free are ranked after the
     others. With ``partial_recompute`` a selective mode that does not fit is retried with
     the fewest layers per pipeline chunk recomputed whole that make it fit
-    (``Layout.recompute_num_layers``: recompute just enough). ``hardware`` and ``step_options``
+    (``Layout.recompute_num_layers``: recompute just enough); one that still does not fit is
+    retried with each Megatron-FSDP strategy of ``fsdp_choices`` (when ``dp * cp > 1``; empty:
+    never), again with just enough partial recompute if needed: with ``climb="needed"`` (the
+    ladder) only when no layout fits without ZeRO-3, with ``climb="each"`` for every layout
+    that does not fit without it. ``hardware`` and ``step_options``
     (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
     ``mean_document_length`` ...).
@@ -120,64 +140,126 @@ def search_layouts(
         if cp_choices
         else [c for c in _powers_of_two(num_devices) if seq_length % (2 * c) == 0 or c == 1]
     )
-    found = []
-    for tp in tps:
-        for pp in pps:
-            for cp in cps:
-                if num_devices % (tp * pp * cp):
-                    continue
-                dp = num_devices // (tp * pp * cp)
-                if cp > 1 and seq_length % (2 * cp):
-                    continue
-                if sequence_parallel and tp > 1 and (seq_length // cp) % tp:
-                    continue
-                gbs = global_batch_size or default_global_batch_size(
-                    seq_length, micro_batch_size, dp
-                )
-                if gbs % (micro_batch_size * dp):
-                    continue
-                for vp in vp_choices:
-                    if vp > 1 and (
-                        pp == 1
-                        or model.num_layers % (pp * vp)
-                        or (gbs // (micro_batch_size * dp)) % pp
-                    ):
+
+    def run(choices: Sequence[str]) -> list[Candidate]:
+        """Every layout, climbing to the FSDP strategies ``choices`` where needed."""
+        found = []
+        for tp in tps:
+            for pp in pps:
+                for cp in cps:
+                    if num_devices % (tp * pp * cp):
                         continue
-                    for recompute in recompute_choices:
-                        layout = Layout(
-                            tp=tp,
-                            pp=pp,
-                            cp=cp,
-                            dp=dp,
-                            vp=vp,
-                            sequence_parallel=sequence_parallel,
-                            recompute=recompute,
-                            micro_batch_size=micro_batch_size,
-                            global_batch_size=gbs,
-                            distributed_optimizer=distributed_optimizer,
-                        )
-                        plan = plan_memory(
-                            model, seq_length, layout, device_memory=device_memory, **plan_kwargs
-                        )
-                        if not plan.fits and partial_recompute and recompute != "full":
-                            plan = _least_partial_recompute(plan, plan_kwargs) or plan
-                        layout = plan.layout
-                        if plan.fits and plan.headroom < safety_margin * device_memory:
-                            plan.notes.append(
-                                f"tight: less than {safety_margin:.0%} of the device memory left free"
+                    dp = num_devices // (tp * pp * cp)
+                    if cp > 1 and seq_length % (2 * cp):
+                        continue
+                    if sequence_parallel and tp > 1 and (seq_length // cp) % tp:
+                        continue
+                    gbs = global_batch_size or default_global_batch_size(
+                        seq_length, micro_batch_size, dp
+                    )
+                    if gbs % (micro_batch_size * dp):
+                        continue
+                    for vp in vp_choices:
+                        if vp > 1 and (
+                            pp == 1
+                            or model.num_layers % (pp * vp)
+                            or (gbs // (micro_batch_size * dp)) % pp
+                        ):
+                            continue
+                        for recompute in recompute_choices:
+                            layout = Layout(
+                                tp=tp,
+                                pp=pp,
+                                cp=cp,
+                                dp=dp,
+                                vp=vp,
+                                sequence_parallel=sequence_parallel,
+                                recompute=recompute,
+                                micro_batch_size=micro_batch_size,
+                                global_batch_size=gbs,
+                                distributed_optimizer=distributed_optimizer,
                             )
-                        if plan.fits or include_non_fitting:
-                            step = predict_step_time(
+                            for plan in _climb(
                                 model,
                                 seq_length,
                                 layout,
-                                hardware,
-                                dtype_bytes=plan.dtype_bytes,
-                                **step_kwargs,
-                            )
-                            found.append(Candidate(plan, step))
+                                device_memory,
+                                partial_recompute,
+                                choices,
+                                plan_kwargs,
+                            ):
+                                if plan.fits and plan.headroom < safety_margin * device_memory:
+                                    plan.notes.append(
+                                        f"tight: less than {safety_margin:.0%} of the device memory left free"
+                                    )
+                                if plan.fits or include_non_fitting:
+                                    step = predict_step_time(
+                                        model,
+                                        seq_length,
+                                        plan.layout,
+                                        hardware,
+                                        dtype_bytes=plan.dtype_bytes,
+                                        **step_kwargs,
+                                    )
+                                    found.append(Candidate(plan, step))
+        return found
+
+    found = run(() if climb == "needed" else fsdp_choices)
+    exhausted = "full" in recompute_choices  # the recompute rung's last step was tried
+    if climb == "needed" and fsdp_choices and exhausted and not any(c.plan.fits for c in found):
+        found = run(fsdp_choices)  # nothing fits below ZeRO-3: climb
     found.sort(key=lambda candidate: rank_key(candidate, safety_margin))
     return found
+
+
+def _fitting(plan: MemoryPlan, partial_recompute: bool, plan_kwargs: dict) -> MemoryPlan:
+    """``plan``, or when it does not fit and may, its least partial recompute that fits."""
+    if not plan.fits and partial_recompute and plan.layout.recompute != "full":
+        return _least_partial_recompute(plan, plan_kwargs) or plan
+    return plan
+
+
+def _climb(
+    model: ModelShape,
+    seq_length: int,
+    layout: Layout,
+    device_memory: int,
+    partial_recompute: bool,
+    fsdp_choices: Sequence[str],
+    plan_kwargs: dict,
+) -> list[MemoryPlan]:
+    """The plans of ``layout`` up the ladder: itself (with just enough partial recompute);
+    if that does not fit, one plan per FSDP strategy of ``fsdp_choices`` (dp x cp > 1),
+    each with just enough partial recompute, keeping the non-fitting first plan only when
+    no strategy fits either."""
+    plan = _fitting(
+        plan_memory(model, seq_length, layout, device_memory=device_memory, **plan_kwargs),
+        partial_recompute,
+        plan_kwargs,
+    )
+    if (
+        plan.fits
+        or layout.sharding_ranks == 1
+        or layout.fsdp is not None
+        or not layout.distributed_optimizer
+    ):
+        return [plan]
+    sharded = [
+        _fitting(
+            plan_memory(
+                model,
+                seq_length,
+                replace(layout, fsdp=strategy),
+                device_memory=device_memory,
+                **plan_kwargs,
+            ),
+            partial_recompute,
+            plan_kwargs,
+        )
+        for strategy in fsdp_choices
+    ]
+    fitting = [p for p in sharded if p.fits]
+    return fitting or [plan]
 
 
 def _least_partial_recompute(plan: MemoryPlan, plan_kwargs: dict) -> Optional[MemoryPlan]:

@@ -29,6 +29,17 @@ fraction; FLOPs from :func:`.flops.forward_flops`, causal attention halved):
   ``overlap_grad_reduce`` hides the reduction behind the last micro-batch's backward,
   ``overlap_param_gather`` the gather behind the first forward.
 
+* Megatron-FSDP (``layout.fsdp``), per micro-batch over the ``n = dp·cp`` sharding ranks
+  (``N_u`` = a unit's padded elements, :mod:`.fsdp`): ``optim_grads_params`` all-gathers each
+  unit's bf16 parameters before its forward and again before its backward,
+  ``(n-1)/n · N_u·B / bw``; ``optim_grads`` and ``optim_grads_params`` reduce-scatter each
+  unit's fp32 gradients after its backward, ``(n-1)/n · 4·N_u / bw``. Each hides behind the
+  compute of the neighbouring layer (forward or backward): exposed ``max(0, comm - layer)``,
+  except the forward's first all-gather and the backward's last reduce-scatter, exposed
+  whole; the non-unit groups (final norm, output layer) are gathered and reduced exposed.
+  The per-step DP terms then vanish (``optim_grads`` keeps the all-gather of its unsharded
+  weights after the step).
+
 A group uses the intra-node bandwidth when its ranks fit in one node (Megatron orders ranks
 TP, CP, DP, PP: TP spans ``tp`` consecutive ranks, CP ``tp·cp``, DP ``tp·cp·dp``, PP all),
 else the inter-node one. Not modelled: kernel launch and optimizer-step time, memory-bound
@@ -49,12 +60,19 @@ from .flops import (
     recompute_overhead,
     step_flops,
 )
+from .fsdp import stage_groups
 from .hardware import HardwareProfile
 from .layout import Layout
 from .models import ModelShape
 from .parameters import stage_parameters
 
-__all__ = ["StepTime", "predict_step_time", "RECOMPUTE_COMMUNICATION", "BREAKDOWN_KEYS"]
+__all__ = [
+    "StepTime",
+    "predict_step_time",
+    "RECOMPUTE_COMMUNICATION",
+    "BREAKDOWN_KEYS",
+    "FSDP_BREAKDOWN_KEYS",
+]
 
 # per recompute mode: TP all-gathers/reduce-scatters its re-run forward repeats per layer,
 # and whether it re-runs the attention kernel (and so the CP ring's forward hops)
@@ -80,6 +98,8 @@ BREAKDOWN_KEYS = (
     "dp_grad_reduce_exposed",
     "dp_param_gather_exposed",
 )
+# the breakdown's extra parts under Megatron-FSDP (absent without it)
+FSDP_BREAKDOWN_KEYS = ("fsdp_param_gather_exposed", "fsdp_grad_reduce_exposed")
 
 
 @dataclass
@@ -158,6 +178,37 @@ def _ring(n: int, nbytes: float, bandwidth: float) -> float:
     return (n - 1) / n * nbytes / bandwidth if n > 1 else 0.0
 
 
+def _fsdp_per_micro_batch(
+    model: ModelShape,
+    layout: Layout,
+    stage: int,
+    bandwidth: float,
+    layer_forward: float,
+    layer_backward: float,
+    dtype_bytes: int,
+) -> dict[str, float]:
+    """Exposed seconds of Megatron-FSDP's collectives in one micro-batch on stage ``stage``:
+    ``(all-gathers, reduce-scatters)`` of its units and non-unit groups, each unit's hidden
+    behind one layer's compute (``layer_forward`` / ``layer_backward`` seconds) but the
+    first gather and the last reduction."""
+    n, strategy = layout.sharding_ranks, layout.fsdp
+    buckets = stage_groups(model, layout.tp, layout.pp, stage, strategy)
+    units = [b.size(n, strategy) for b in buckets if b.unit is not None]
+    loose = sum(b.size(n, strategy) for b in buckets if b.unit is None)
+    gather = 0.0
+    if strategy == "optim_grads_params":
+        gathers = [_ring(n, size * dtype_bytes, bandwidth) for size in units]
+        gather = gathers[0] + sum(max(0.0, t - layer_forward) for t in gathers[1:])
+        gather += sum(max(0.0, t - layer_backward) for t in gathers)  # again for the backward
+        gather += 2 * _ring(n, loose * dtype_bytes, bandwidth)
+    reduce = 0.0
+    if strategy in ("optim_grads", "optim_grads_params"):
+        reduces = [_ring(n, size * 4, bandwidth) for size in units]
+        reduce = reduces[0] + sum(max(0.0, t - layer_backward) for t in reduces[1:])
+        reduce += _ring(n, loose * 4, bandwidth)
+    return {"fsdp_param_gather_exposed": gather, "fsdp_grad_reduce_exposed": reduce}
+
+
 def predict_step_time(
     model: ModelShape,
     seq_length: int,
@@ -231,6 +282,17 @@ def predict_step_time(
         activation = s_c * b * m.hidden_size * B / (lay.tp if lay.sp else 1)
         pp_send = 2 * lay.vp * activation / _bandwidth(hw, lay.num_devices)
 
+    n, dp_bandwidth = lay.dp * lay.cp, _bandwidth(hw, shards * lay.dp)
+    layer_forward = gemm_fwd + kernel_fwd
+    layer_backward = (gemm - gemm_fwd) + (kernel - kernel_fwd) + recompute
+    sharded = lay.fsdp in ("optim_grads", "optim_grads_params")
+    fsdp_micro = {}
+    if sharded:  # the slowest stage's collectives
+        per_stage = [
+            _fsdp_per_micro_batch(m, lay, st, dp_bandwidth, layer_forward, layer_backward, B)
+            for st in range(lay.pp)
+        ]
+        fsdp_micro = max(per_stage, key=lambda parts: sum(parts.values()))
     per_micro = {
         "gemm": stage_layers * gemm,
         "attention_kernel": stage_layers * kernel,
@@ -239,15 +301,20 @@ def predict_step_time(
         "tp_communication": stage_layers * tp_layer,
         "cp_ring_exposed": stage_layers * cp_layer,
         "pp_send_recv": pp_send,
+        **fsdp_micro,
     }
     breakdown = {key: micro * seconds for key, seconds in per_micro.items()}
     breakdown["pipeline_bubble"] = pipeline_bubble(lay.pp, micro, lay.vp) * sum(breakdown.values())
+    fsdp_parts = {key: breakdown.pop(key) for key in FSDP_BREAKDOWN_KEYS if key in breakdown}
 
     # data parallelism (and CP: gradients are reduced over dp x cp), once per step
     params = max(sum(stage_parameters(m, lay.tp, lay.pp, st).values()) for st in range(lay.pp))
-    n, bandwidth = lay.dp * lay.cp, _bandwidth(hw, shards * lay.dp)
+    bandwidth = dp_bandwidth
     grad_reduce = _ring(n, params * 4, bandwidth) * (1 if lay.distributed_optimizer else 2)
     param_gather = _ring(n, params * B, bandwidth) if lay.distributed_optimizer else 0.0
+    if sharded:  # reduced every micro-batch (above); optim_grads_params gathers in the forward
+        grad_reduce = 0.0
+        param_gather = param_gather if lay.fsdp == "optim_grads" else 0.0
     backward = (
         stage_layers * ((gemm - gemm_fwd) + (kernel - kernel_fwd) + recompute)
         + logits * GEMM_BACKWARD / 3
@@ -259,6 +326,7 @@ def predict_step_time(
     breakdown["dp_param_gather_exposed"] = (
         max(0.0, param_gather - forward) if overlap_param_gather else param_gather
     )
+    breakdown.update(fsdp_parts)
 
     tokens = micro * b * lay.dp  # sequences per step
     one = forward_flops(m, s, 1, mean_document_length)  # one sequence; the kernel counted dense: x2

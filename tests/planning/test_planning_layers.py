@@ -16,6 +16,7 @@ PACKAGE = "mcore_flash.planning"
 LAYERS = [
     ["units", "models", "hardware"],  # byte sizes, model shapes, device profiles
     ["activations", "flops", "parameters"],  # per-layer saved bytes, FLOPs, parameter counts
+    ["fsdp"],  # Megatron-FSDP's parameter groups, padding and bytes per strategy
     ["layout"],  # the parallel layout and its launch flags
     ["memory", "step_time", "compare"],  # a memory plan, a step time, standard vs fused attention
     ["search"],  # the layouts that fit, ranked

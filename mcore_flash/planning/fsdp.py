@@ -1,0 +1,312 @@
+"""Megatron-FSDP (ZeRO-3) as the trainer configures it: parameter groups, padding, bytes.
+
+A pure-Python mirror of megatron-core's ``megatron_fsdp/param_and_grad_buffer.py``
+(0.16.1 and 0.19.x hold the same code; tests/planning/test_fsdp.py checks the mirror
+against megatron's own functions):
+
+* :func:`parameter_groups` mirrors ``_get_parameter_groups``: one group per FSDP unit module
+  (the trainer's units: the embedding and each transformer layer) and one per non-unit
+  (dtype, requires_grad) set (the final norm and the output layer); a ``shared_embedding``
+  parameter (tied embeddings split over pipeline stages) gets its own bucket; a non-unit
+  group is split once it reaches ``bucket_size`` elements; each group's
+  ``chunk_size_factor`` is the lcm of its parameters' ``shape[1:]`` element counts (after
+  megatron's sort by that count).
+* :func:`buffer_offsets` mirrors ``build_data_parallel_buffer_index``: where each parameter
+  starts in its bucket (chunk-aligned, with megatron's gap filling); the bucket is padded to a
+  multiple of ``D * chunk_size_factor`` (``D`` = the sharding group, data x context parallel
+  ranks) for every strategy but ``no_shard``, and rank ``r`` holds elements
+  ``[r * size/D, (r+1) * size/D)`` of it.
+
+:func:`fsdp_bytes` turns the groups into bytes per device and strategy (``N`` = a group's
+padded elements, ``p`` = parameter bytes, 4 = fp32):
+
+==================== ========== ============ ============ =======================================
+strategy             weights    main params  gradients    transient
+==================== ========== ============ ============ =======================================
+no_shard             params     N·4          N·4          -
+optim                N·p        N/D·4        N·4          -
+optim_grads          N·p        N/D·4        N/D·4        queued unsharded grad buckets
+optim_grads_params   N/D·p      N/D·4        N/D·4        gathered units + grad buckets
+==================== ========== ============ ============ =======================================
+
+plus Adam's exp_avg and exp_avg_sq, 8 bytes per real (unpadded) element of this rank's shard
+(the largest over the ``D`` ranks). A buffer is sharded only when ``D > 1`` (megatron:
+``is_data_distributed=... and group.size() > 1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .models import ModelShape
+from .parameters import ParameterShape, stage_parameter_shapes
+
+__all__ = [
+    "FSDP_STRATEGIES",
+    "PLANNED_STRATEGIES",
+    "Bucket",
+    "buffer_offsets",
+    "parameter_groups",
+    "stage_groups",
+    "FsdpSchedule",
+    "fsdp_bytes",
+    "FSDP_CATEGORIES",
+]
+
+FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# what the trainer runs on megatron-core 0.16.1 (it refuses no_shard and optim, and FSDP at
+# dp x cp = 1: upstream bugs) and so what the search proposes
+PLANNED_STRATEGIES = ("optim_grads_params", "optim_grads")
+# per-device categories of an FSDP plan beyond weights / gradients / optimizer_state
+FSDP_CATEGORIES = ("fsdp_gathered_parameters", "fsdp_gradient_buckets")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def buffer_offsets(shapes: Sequence[Sequence[int]], chunk_size_factor: int) -> tuple[list, int]:
+    """``(offsets, end)``: the start element of each of ``shapes`` (in their order) in a
+    bucket and the bucket's unpadded length, as megatron's ``build_data_parallel_buffer_index``
+    places them: items of at least ``chunk_size_factor`` elements in order, each starting a
+    chunk; a remainder shares its last chunk with the next item whose remainder fits; smaller
+    items (fragments, in their order: megatron's sort of them is discarded) fill the gaps or
+    go at the end."""
+    factor = chunk_size_factor
+    fragments = [(i, _numel(s)) for i, s in enumerate(shapes) if _numel(s) < factor]
+    regular = [(i, _numel(s)) for i, s in enumerate(shapes) if _numel(s) >= factor]
+    offsets: dict[int, int] = {}
+    index = 0
+    while regular:
+        item, size = regular.pop(0)
+        offsets[item] = index
+        if size % factor == 0:
+            index += size
+            continue
+        gap = index + size
+        index += (size // factor + 1) * factor
+        remain = size % factor
+        space = factor - remain
+        partner = next(
+            (r for r in regular if r[1] % factor and remain + r[1] % factor <= factor), None
+        )
+        if partner is not None:
+            regular.remove(partner)
+            offsets[partner[0]] = index - partner[1] % factor
+            space -= partner[1] % factor
+            index += partner[1] // factor * factor
+        for fragment in fragments[:]:
+            if fragment[1] > space:
+                continue
+            offsets[fragment[0]] = gap
+            space -= fragment[1]
+            gap += fragment[1]
+            fragments.remove(fragment)
+    for item, size in fragments:
+        offsets[item] = index
+        index += size
+    return [offsets[i] for i in range(len(shapes))], index
+
+
+def _chunk_size_factor(shapes: list[tuple[int, ...]]) -> int:
+    """Megatron's ``chunk_size_factor`` of a bucket whose ``shapes`` are sorted by
+    ``shape[1:]`` elements, largest first: the lcm of those counts that do not divide it."""
+    factor = _numel(shapes[0][1:])
+    for shape in shapes:
+        row, size = _numel(shape[1:]), _numel(shape)
+        if not (row == factor or (factor % row == 0 and size % factor == 0) or size < factor):
+            factor = math.lcm(factor, row)
+    return factor
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One Megatron-FSDP parameter group (it is also one communication bucket).
+
+    ``unit``: the FSDP unit module's name, or None (gathered and reduced as a non-unit
+    group); ``names`` / ``shapes``: its parameters in buffer order; ``offsets``: where each
+    starts (elements); ``end``: the unpadded length; ``chunk_size_factor`` as megatron's."""
+
+    unit: Optional[str]
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    end: int
+    chunk_size_factor: int
+
+    @property
+    def elements(self) -> int:
+        """Real (unpadded) parameter elements."""
+        return sum(_numel(s) for s in self.shapes)
+
+    def size(self, ranks: int, strategy: str = "optim_grads_params") -> int:
+        """The bucket's elements as megatron allocates it unsharded: ``end`` padded to a
+        multiple of ``ranks * chunk_size_factor`` (not padded under ``no_shard``)."""
+        if strategy == "no_shard":
+            return self.end
+        unit = ranks * self.chunk_size_factor
+        return -(-self.end // unit) * unit
+
+    def local_elements(self, ranks: int, rank: int, strategy: str = "optim_grads_params") -> int:
+        """Real elements of the shard rank ``rank`` of ``ranks`` holds (its optimizer state)."""
+        shard = self.size(ranks, strategy) // ranks
+        low, high = rank * shard, (rank + 1) * shard
+        return sum(
+            max(0, min(start + _numel(shape), high) - max(start, low))
+            for start, shape in zip(self.offsets, self.shapes)
+        )
+
+
+def _make_bucket(unit: Optional[str], params: list[ParameterShape]) -> Bucket:
+    ordered = sorted(params, key=lambda p: _numel(p.shape[1:]), reverse=True)  # stable, as torch's
+    shapes = [tuple(p.shape) for p in ordered]
+    factor = _chunk_size_factor(shapes)
+    offsets, end = buffer_offsets(shapes, factor)
+    return Bucket(unit, tuple(p.name for p in ordered), tuple(shapes), tuple(offsets), end, factor)
+
+
+def parameter_groups(
+    params: Sequence[ParameterShape],
+    strategy: str = "optim_grads_params",
+    bucket_size: Optional[int] = None,
+) -> list[Bucket]:
+    """Megatron-FSDP's parameter groups of one device's ``params`` (``named_parameters``
+    order, all of one dtype and trainable), in megatron's order. ``bucket_size`` (elements;
+    the DDP config's ``bucket_size``, None as the trainer leaves it) splits non-unit groups."""
+    groups: dict[Optional[str], list[ParameterShape]] = {}
+    for param in params:
+        groups.setdefault(param.unit, []).append(param)
+    buckets: list[Bucket] = []
+    for unit, members in groups.items():
+        current: list[ParameterShape] = []
+        for param in members:
+            if param.shared_embedding and strategy != "no_shard":
+                if current:
+                    buckets.append(_make_bucket(unit, current))
+                buckets.append(_make_bucket(unit, [param]))
+                current = []
+                continue
+            current.append(param)
+            if (
+                unit is None
+                and bucket_size
+                and sum(_numel(p.shape) for p in current) >= bucket_size
+            ):
+                buckets.append(_make_bucket(unit, current))
+                current = []
+        if current:
+            buckets.append(_make_bucket(unit, current))
+    return buckets
+
+
+@functools.lru_cache(maxsize=512)
+def stage_groups(
+    model: ModelShape, tp: int, pp: int, stage: int, strategy: str
+) -> tuple[Bucket, ...]:
+    """:func:`parameter_groups` of pipeline stage ``stage``'s device (cached: the search asks
+    for the same stage many times)."""
+    return tuple(parameter_groups(stage_parameter_shapes(model, tp, pp, stage), strategy))
+
+
+@dataclass(frozen=True)
+class FsdpSchedule:
+    """How many buckets are alive at once, from the trainer's communication unit.
+
+    The trainer sets ``suggested_communication_unit_size = 2 x`` the elements of one
+    transformer layer on this rank (``unit_size``); megatron prefetches all-gathers until
+    ``unit_size // 2`` elements beyond the current unit are in flight (``megatron_fsdp.py``
+    ``suggested_AG_prefetch_size``; the loop in ``param_and_grad_buffer.py``'s all-gather
+    pipeline) and, before each reduce-scatter, frees queued gradient buckets until at most
+    ``unit_size`` elements stay queued (``wait_for_previous_grad_reduce``)."""
+
+    unit_size: int  # elements
+    largest_unit: int  # padded elements of the largest unit bucket
+
+    @property
+    def gathered_units(self) -> int:
+        """The current unit and the prefetched ones: ``1 + ceil((unit_size // 2) / N)``."""
+        return 1 + -(-(self.unit_size // 2) // self.largest_unit)
+
+    @property
+    def gradient_buckets(self) -> int:
+        """Unsharded fp32 gradient buckets alive in the backward: ``floor(unit_size / N)``
+        left queued after the wait, the one just issued, and the next unit's, allocated
+        before the next wait frees anything."""
+        return self.unit_size // self.largest_unit + 2
+
+
+@functools.lru_cache(maxsize=512)
+def _largest_shard(buckets: tuple[Bucket, ...], ranks: int, strategy: str) -> int:
+    """The most real elements any of the ``ranks`` ranks holds of ``buckets``' shards."""
+    return max(
+        sum(b.local_elements(ranks, rank, strategy) for b in buckets) for rank in range(ranks)
+    )
+
+
+def fsdp_bytes(
+    buckets: Sequence[Bucket],
+    strategy: str,
+    ranks: int,
+    layer_elements: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+    main_bytes: int = 4,
+    adam_bytes: int = 8,
+) -> dict[str, int]:
+    """Bytes of one device under Megatron-FSDP ``strategy`` over ``ranks`` (dp x cp) ranks.
+
+    ``layer_elements``: one transformer layer's parameters on this rank (the trainer's
+    communication unit is twice that). Keys: ``weights`` (the model-weight buffer, or the
+    module's parameters under ``no_shard``), ``gradients`` (fp32 main grads),
+    ``optimizer_state`` (fp32 main params + Adam m, v on this rank's largest shard),
+    ``fsdp_gathered_parameters`` (optim_grads_params: the gathered current and prefetched
+    units, plus every non-unit group, gathered for the forward and the backward) and
+    ``fsdp_gradient_buckets`` (sharded gradients: the unsharded fp32 buckets alive in the
+    backward, plus one unit's gradients in the parameter dtype before their copy into the
+    bucket, gradient-accumulation fusion being off).
+    """
+    if strategy not in FSDP_STRATEGIES:
+        raise ValueError(f"sharding strategy {strategy!r}: choose one of {FSDP_STRATEGIES}")
+    distributed = ranks > 1
+    shard_weights = distributed and strategy == "optim_grads_params"
+    shard_grads = distributed and strategy in ("optim_grads", "optim_grads_params")
+    shard_main = distributed and strategy != "no_shard"
+
+    def held(bucket: Bucket, sharded: bool) -> int:
+        size = bucket.size(ranks, strategy)
+        return size // ranks if sharded else size
+
+    weights = (
+        sum(b.elements for b in buckets)
+        if strategy == "no_shard"
+        else sum(held(b, shard_weights) for b in buckets)
+    )
+    local = (
+        _largest_shard(tuple(buckets), ranks, strategy)
+        if shard_main
+        else sum(b.elements for b in buckets)
+    )
+    out = {
+        "weights": weights * param_bytes,
+        "gradients": sum(held(b, shard_grads) for b in buckets) * grad_bytes,
+        "optimizer_state": sum(held(b, shard_main) for b in buckets) * main_bytes
+        + local * adam_bytes,
+        "fsdp_gathered_parameters": 0,
+        "fsdp_gradient_buckets": 0,
+    }
+    units = [b.size(ranks, strategy) for b in buckets if b.unit is not None]
+    largest = max([b.size(ranks, strategy) for b in buckets])
+    schedule = FsdpSchedule(2 * layer_elements, max(units or [largest]))
+    if shard_weights:
+        gathered = sorted(units, reverse=True)[: schedule.gathered_units]
+        non_unit = sum(b.size(ranks, strategy) for b in buckets if b.unit is None)
+        out["fsdp_gathered_parameters"] = (sum(gathered) + non_unit) * param_bytes
+    if shard_grads:
+        out["fsdp_gradient_buckets"] = (
+            schedule.gradient_buckets * largest * grad_bytes + schedule.largest_unit * param_bytes
+        )
+    return out
