@@ -7,6 +7,8 @@
 #   bash scripts/pretrain_70b.sh --dry-run     # on any CPU machine: validate + count, no allocation
 #   bash scripts/pretrain_70b.sh --rehearse    # on any CPU machine: the recipe's code path on 8
 #                                              # emulated NPUs (TP2 x PP2 x CP2), a tiny model
+#   SHARDING=optim_grads_params bash scripts/pretrain_70b.sh --rehearse   # ZeRO-3 (Megatron-FSDP):
+#                                              # TP2 x CP2 x DP2 on 8 emulated NPUs
 #
 # Layout and recompute: the planner's best fitting layout, asked at launch (below) with
 #   mcore-flash plan --search --hardware ascend-910b-64g --num-devices $WORLD_SIZE --device-memory 64GB
@@ -15,11 +17,15 @@
 # CP-ring / PP / DP communication, the pipeline bubble), which reproduces published 70B
 # figures within 8%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (52.6 GiB,
 # 11.4 GiB free, ~95 s per 32 x 128K-token step); next: recompute qkv (49.1 GiB, +2% time),
-# attention (47.5 GiB, +20%), full (31.3 GiB, +32%). TP=, PP=, CP=, RECOMPUTE= override it.
+# attention (47.5 GiB, +20%), full (31.3 GiB, +32%). TP=, PP=, CP=, RECOMPUTE=, SHARDING= override it.
+# Below 64 NPUs nothing fits without ZeRO-3: for 32 (NNODES=4) the planner picks TP2 SP x CP16,
+# full recompute, Megatron-FSDP's optim_grads_params sharded over the 16 CP ranks (docs/planner.md).
 #   TP 8 + sequence parallel   one node's 8 NPUs share each layer (HCCS inside the node)
 #   CP                         ring attention over 2*CP chunks: 131072 / CP tokens per rank
 #   PP                         80 layers -> 80/PP per stage, 1F1B
 #   DP = world / (TP*PP*CP)    distributed optimizer shards fp32 master weights + Adam over DP x CP
+#   SHARDING                   none | optim_grads_params (ZeRO-3: also the weights and gradients,
+#                              --use-megatron-fsdp) | optim_grads (ZeRO-2), over DP x CP
 #   recompute                  none | qkv | attention (the attention sub-block keeps only its
 #                              input) | full (the layer keeps only its input)
 #
@@ -53,15 +59,16 @@ SEQ_LENGTH=131072
 GLOBAL_BATCH=${GLOBAL_BATCH:-32}
 PYTHON=${PYTHON:-python}
 # the planner's best fitting layout for this world size (pure Python, well under a second)
-read -r PLAN_TP PLAN_PP PLAN_CP PLAN_RECOMPUTE_ARGS < <(
+read -r PLAN_TP PLAN_PP PLAN_CP PLAN_SHARDING PLAN_RECOMPUTE_ARGS < <(
   "$PYTHON" -m mcore_flash.planning.cli --search --model llama2-70b --seq-length "$SEQ_LENGTH" \
     --num-devices "$WORLD_SIZE" --global-batch-size "$GLOBAL_BATCH" --device-memory 64GB \
     --hardware ascend-910b-64g --top 1 --json |
-  "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]; print(lay["tp"], lay["pp"], lay["cp"], *best["recompute_flags"])'
+  "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]; print(lay["tp"], lay["pp"], lay["cp"], lay["fsdp"] or "none", *best["recompute_flags"])'
 ) || { echo "mcore-flash plan --search found no layout of $WORLD_SIZE NPUs that fits 64 GB" >&2; exit 2; }
 TP=${TP:-$PLAN_TP}
 PP=${PP:-$PLAN_PP}
 CP=${CP:-$PLAN_CP}
+SHARDING=${SHARDING:-$PLAN_SHARDING}
 RECOMPUTE=${RECOMPUTE:-planner}  # planner: the plan's recompute flags (partial recompute included)
 DATA_PATH=${DATA_PATH:-/data/llama2_text_document}
 SAVE=${SAVE:-/ckpt/llama2-70b-128k}
@@ -90,6 +97,12 @@ case "$RECOMPUTE" in
   *) echo "RECOMPUTE=$RECOMPUTE: choose none, qkv, attention or full" >&2; exit 2 ;;
 esac
 
+case "$SHARDING" in
+  none) SHARDING_ARGS=() ;;
+  optim_grads_params|optim_grads) SHARDING_ARGS=(--use-megatron-fsdp --data-parallel-sharding-strategy "$SHARDING") ;;
+  *) echo "SHARDING=$SHARDING: choose none, optim_grads_params or optim_grads" >&2; exit 2 ;;
+esac
+
 case "$ROPE" in
   abf) ROPE_ARGS=(--rotary-base 500000) ;;
   pi) ROPE_ARGS=(--rotary-seq-len-interpolation-factor 32) ;;
@@ -112,6 +125,7 @@ ARGS=(
   --pipeline-model-parallel-size "$PP"
   --context-parallel-size "$CP" --cp-comm-type p2p
   --use-distributed-optimizer --overlap-grad-reduce
+  "${SHARDING_ARGS[@]}"
   "${RECOMPUTE_ARGS[@]}"
   --attention-backend npu
   --bf16
@@ -162,11 +176,14 @@ if [[ " $* " == *" --rehearse "* ]]; then
     esac
     REHEARSAL+=("$a")
   done
-  REHEARSAL+=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --context-parallel-size 2
+  # Megatron-FSDP does not pipeline here (refused by name): its rehearsal shards over DP2 x CP2
+  REHEARSAL_PP=2
+  [[ "$SHARDING" == none ]] || REHEARSAL_PP=1
+  REHEARSAL+=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size "$REHEARSAL_PP" --context-parallel-size 2
               --num-layers 4 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 --num-query-groups 2
               --seq-length 128 --max-position-embeddings 128 --global-batch-size 2 --train-iters 2 --lr-warmup-iters 1
               --emulate-npu)
-  SAVE=${REHEARSAL_SAVE:-$(mktemp -d)} NODE_RANK=0 TP=2 PP=2
+  SAVE=${REHEARSAL_SAVE:-$(mktemp -d)} NODE_RANK=0 TP=2 PP=$REHEARSAL_PP
   CONVERTED=$SAVE/hf_converted
   start_from
   REHEARSAL+=(--save "$SAVE" "${LOAD_ARGS[@]}")

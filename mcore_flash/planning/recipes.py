@@ -118,6 +118,7 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         distributed_optimizer=args.use_distributed_optimizer,
+        fsdp=args.data_parallel_sharding_strategy,
     )
     capacity = None if device_memory is None else parse_bytes(device_memory)
     return plan_memory(shape, args.seq_length, layout, device_memory=capacity, profile=profile)

@@ -28,6 +28,7 @@ formatted into a CUDA device string, PREMUL_SUM) live in :mod:`mcore_flash.platf
 from __future__ import annotations
 
 import dataclasses
+import logging
 from importlib.metadata import version
 from typing import Optional
 
@@ -113,15 +114,24 @@ def ddp_config(config, model: torch.nn.Module):
     return DistributedDataParallelConfig(**settings)
 
 
+def _device_string_note(record: logging.LogRecord) -> bool:
+    """Drop Megatron-FSDP's warning that its device is not ``cuda:<current_device()>``
+    (``megatron_fsdp.py: MegatronFSDP.__init__``): on the CPU and the NPU the trainer's device
+    is the right one, and every rank would print it."""
+    return "Megatron-FSDP is using device" not in record.getMessage()
+
+
 def fully_sharded(config, model_config, model: torch.nn.Module, device: torch.device):
     """``model`` (this rank's GPTModel, on ``device``) in megatron's ``FullyShardedDataParallel``
     with the layers and the embedding as FSDP units."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding,
     )
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    logging.getLogger(megatron_fsdp.__name__).addFilter(_device_string_note)
     return FullyShardedDataParallel(
         model_config,
         ddp_config(config, model),
