@@ -1,8 +1,12 @@
-"""Atomic, exactly-resumable, verified checkpoints with megatron's ``dist_checkpointing``.
+"""Atomic, exactly-resumable, verified checkpoints with megatron's ``dist_checkpointing``
+(``--ckpt-format torch_dist``) or, with ``--use-megatron-fsdp``, torch DCP of its DTensors
+(``fsdp_dtensor``, :mod:`mcore_flash.training.fsdp_checkpoint`).
 
 Layout under ``--save`` (Megatron-LM's names)::
 
     iter_0000100/                       model + optimizer (sharded), scheduler, counters
+        common.pt                       fsdp_dtensor (and torch_dist on megatron-core 0.16):
+                                        counters, scheduler, model flags, optimizer layout
         rng_rank00000.pt                each rank's RNG states (CPU, device, TP tracker)
         manifest.json                   size + SHA-256 of every other file, written last
     latest_checkpointed_iteration.txt   "100"
@@ -32,7 +36,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from mcore_flash.training import faults, manifest, safe_pickles
+from mcore_flash.training import faults, fsdp_checkpoint, manifest, safe_pickles
 
 MARKER = "latest_checkpointed_iteration.txt"
 # Where the weights came from (a converted Hugging Face checkpoint's original config.json and
@@ -41,6 +45,10 @@ MARKER = "latest_checkpointed_iteration.txt"
 PROVENANCE_KEYS = ("hf_config", "converted_from")
 # dist_checkpointing's index and non-tensor files, checked before anything is read
 COMMON_FILES = ("metadata.json", "common.pt", ".metadata")
+TORCH_DIST = "torch_dist"
+# the bare GPTModel's attribute naming the torch_dist checkpoint whose weights it was given
+# before Megatron-FSDP sharded it (:func:`load_weights_before_sharding`)
+_PRELOADED = "_mcore_flash_weights_from"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -90,7 +98,6 @@ def save_checkpoint(
     provenance: Optional[dict] = None,
 ) -> str:
     """Write checkpoint ``iteration`` under ``root`` atomically (collective over all ranks)."""
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     rank = dist.get_rank()
@@ -102,8 +109,7 @@ def save_checkpoint(
         os.makedirs(tmp)
     dist.barrier()
     faults.point("save-begin", iteration)
-    state = _sharded_state(model, optimizer, scheduler, is_loading=False)
-    state.update(
+    common = dict(
         iteration=iteration,
         consumed_samples=consumed_samples,
         padded_vocab_size=padded_vocab_size,
@@ -112,7 +118,7 @@ def save_checkpoint(
         **(provenance or {}),
     )
     try:
-        dist_checkpointing.save(state, tmp)
+        _write_state(tmp, model, optimizer, scheduler, common)
         faults.point("save-shards", iteration)
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
         faults.point("save-rng", iteration)
@@ -138,6 +144,30 @@ def save_checkpoint(
     return final
 
 
+def _write_state(path: str, model, optimizer, scheduler, common: dict) -> None:
+    """The model, optimizer and scheduler with the ``common`` counters into ``path``
+    (collective): megatron's ``dist_checkpointing.save`` (torch_dist), or DCP of the FSDP
+    DTensors plus rank 0's ``common.pt`` with the scheduler (fsdp_dtensor)."""
+    if fsdp_checkpoint.is_fsdp(model):
+        fsdp_checkpoint.save(fsdp_checkpoint.state_dict(model, optimizer), path)
+        fsdp_checkpoint.write_common(
+            path,
+            {**common, "ckpt_format": fsdp_checkpoint.FORMAT, "scheduler": scheduler.state_dict()},
+        )
+        return
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(
+        {**_sharded_state(model, optimizer, scheduler, is_loading=False), **common}, path
+    )
+
+
+def checkpoint_format(common: dict) -> str:
+    """``fsdp_dtensor`` or ``torch_dist`` (checkpoints that do not say: written by megatron's
+    ``dist_checkpointing``, or converted from Hugging Face)."""
+    return common.get("ckpt_format", TORCH_DIST)
+
+
 def load_checkpoint(
     root: str,
     model,
@@ -158,9 +188,10 @@ def load_checkpoint(
     ``load_rng=False`` keeps this run's seeds. Any TP/PP/DP layout loads any other
     (dist_checkpointing reshards), as long as the model and the padded vocabulary agree;
     distributed-optimizer state only at its TP and PP sizes (:func:`_check_optimizer_layout`).
+    With ``--use-megatron-fsdp`` (``fsdp_dtensor``): its own optimizer state at its TP and
+    data x context parallel sizes; the weights of either kind load into a run of the other
+    (a torch_dist checkpoint's through :func:`load_weights_before_sharding`).
     """
-    from megatron.core import dist_checkpointing
-
     path, common = _open_checkpoint(root, padded_vocab_size, model_args)
     load_optim = load_optim and not finetune
     if common.get("model_only") and load_optim:
@@ -170,17 +201,9 @@ def load_checkpoint(
         )
     if load_optim:
         _check_optimizer_layout(root, common, optimizer)
-        _materialise_optimizer_state(optimizer)
-        loaded = dist_checkpointing.load(
-            _sharded_state(model, optimizer, scheduler, is_loading=True), path
-        )
-        _unwrap(model).load_state_dict(loaded["model"])
-        with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
-            optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(optimizer, loaded["optimizer"])
-        scheduler.load_state_dict(loaded["scheduler"])
+        _load_with_optimizer(path, common, model, optimizer, scheduler)
     else:
-        _load_model(path, model)
+        _load_model(root, path, common, model)
         optimizer.reload_model_params()  # fp32 main parameters from the loaded weights
     provenance = {key: common[key] for key in PROVENANCE_KEYS if key in common}
     if finetune:
@@ -196,12 +219,51 @@ def load_checkpoint(
     return int(common["iteration"]), consumed, provenance
 
 
+def _load_with_optimizer(path: str, common: dict, model, optimizer, scheduler) -> None:
+    """Weights, optimizer state and scheduler of a checkpoint of this run's kind (collective)."""
+    if fsdp_checkpoint.is_fsdp(model):
+        fsdp_checkpoint.load_into(path, model, optimizer)
+        scheduler.load_state_dict(common["scheduler"])
+        return
+    from megatron.core import dist_checkpointing
+
+    _materialise_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(
+        _sharded_state(model, optimizer, scheduler, is_loading=True), path
+    )
+    _unwrap(model).load_state_dict(loaded["model"])
+    with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer, loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+
+
 def load_weights(root: str, model, padded_vocab_size: int, model_args: dict) -> dict:
     """Load only the model weights of the latest checkpoint under ``root`` (for inference);
     returns the checkpoint's common state (iteration, ``model_args``, ...)."""
     path, common = _open_checkpoint(root, padded_vocab_size, model_args)
-    _load_model(path, model)
+    _load_model(root, path, common, model)
     return common
+
+
+def load_weights_before_sharding(
+    root: Optional[str], model, padded_vocab_size: int, model_args: dict
+) -> bool:
+    """Give the bare GPTModel of a ``--use-megatron-fsdp`` run the weights of a torch_dist
+    checkpoint under ``root`` (written without FSDP, or converted from Hugging Face) before
+    ``FullyShardedDataParallel`` wraps it: Megatron-FSDP copies the module's weights into its
+    sharded buffers when it is built (``param_and_grad_buffer.py``,
+    ``_init_each_parameter_group_buffers``: ``wbuf.set_item``), so the checkpoint's layout
+    (megatron's sharded keys, any TP) needs no mapping onto FSDP's uneven shards. Returns
+    whether it loaded; :func:`load_checkpoint` then loads the counters (collective)."""
+    if not root or latest_iteration(root) is None:
+        return False
+    path, common = _open_checkpoint(root, padded_vocab_size, model_args)
+    if checkpoint_format(common) != TORCH_DIST:
+        return False
+    _load_torch_dist_model(path, model)
+    setattr(model, _PRELOADED, path)
+    return True
 
 
 def _open_checkpoint(root: str, padded_vocab_size: int, model_args: dict) -> tuple[str, dict]:
@@ -234,11 +296,45 @@ def read_latest(root: str, verify_all: bool = False) -> tuple[str, dict]:
     return path, safe_pickles.load_common_state(path)
 
 
-def _load_model(path: str, model) -> None:
+def _load_model(root: str, path: str, common: dict, model) -> None:
+    """The checkpoint's weights into ``model``, either kind into either (collective)."""
+    saved_fsdp = checkpoint_format(common) == fsdp_checkpoint.FORMAT
+    if fsdp_checkpoint.is_fsdp(model) and saved_fsdp:
+        fsdp_checkpoint.load_into(path, model)
+    elif fsdp_checkpoint.is_fsdp(model):
+        if getattr(_gpt_model(model), _PRELOADED, None) != path:
+            raise ValueError(
+                f"--load {root}: its weights were saved without --use-megatron-fsdp (torch_dist) and must "
+                "be loaded before Megatron-FSDP shards the model (checkpointing.load_weights_before_sharding)"
+            )
+    elif saved_fsdp:
+        _check_fsdp_weights_layout(root, common)
+        fsdp_checkpoint.load_unsharded(path, _gpt_model(model))
+    else:
+        _load_torch_dist_model(path, model)
+
+
+def _load_torch_dist_model(path: str, model) -> None:
     from megatron.core import dist_checkpointing
 
     loaded = dist_checkpointing.load(_sharded_state(model, None, None, is_loading=True), path)
     _unwrap(model).load_state_dict(loaded["model"])
+
+
+def _check_fsdp_weights_layout(root: str, common: dict) -> None:
+    """An FSDP checkpoint's weights load without FSDP at its tensor-parallel size only: each
+    DTensor is the concatenation of the TP shards (SwiGLU's fc1 interleaves gate and up per
+    TP rank), which a run at another TP size would cut differently."""
+    from megatron.core import parallel_state
+
+    saved = (common.get("optimizer_layout") or {}).get("tensor_model_parallel_size", 1)
+    now = parallel_state.get_tensor_model_parallel_world_size()
+    if saved != now:
+        raise ValueError(
+            f"--load {root}: its weights were saved with --use-megatron-fsdp at --tensor-model-parallel-size "
+            f"{saved} and load without FSDP only at that size (this run: {now}); pass "
+            f"--tensor-model-parallel-size {saved}, or --use-megatron-fsdp"
+        )
 
 
 def read_model_args(root: str) -> dict:
@@ -278,15 +374,23 @@ def _check_same_model(root: str, common: dict, padded_vocab_size: int, model_arg
 
 
 def optimizer_layout(optimizer) -> dict:
-    """What decides whether optimizer state reloads: distributed or not, TP and PP sizes."""
+    """What decides whether optimizer state reloads: its format (``fsdp_dtensor`` with
+    Megatron-FSDP), distributed or not, the TP, PP and data x context parallel sizes."""
     from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    fsdp = any(
+        getattr(getattr(inner, "ddp_config", None), "use_megatron_fsdp", False) for inner in inners
+    )
     return {
+        "format": fsdp_checkpoint.FORMAT if fsdp else TORCH_DIST,
         "distributed": any(isinstance(inner, DistributedOptimizer) for inner in inners),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_context_parallel_size": parallel_state.get_data_parallel_world_size(
+            with_context_parallel=True
+        ),
     }
 
 
@@ -305,6 +409,16 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
     fresh = (
         "or pass --no-load-optim to load the weights, iteration and schedule with a fresh optimizer"
     )
+    if saved.get("format", TORCH_DIST) != now["format"]:
+        which = "with" if now["format"] == TORCH_DIST else "without"
+        raise ValueError(
+            f"--load {root}: its optimizer state is {saved.get('format', TORCH_DIST)}, saved {which} "
+            f"--use-megatron-fsdp, and does not load into this run's {now['format']} optimizer: resume "
+            f"{which} --use-megatron-fsdp, or pass --no-load-optim (or --finetune) to load its weights only"
+        )
+    if now["format"] == fsdp_checkpoint.FORMAT:
+        _check_fsdp_optimizer_layout(root, saved, now, fresh)
+        return
     if saved["distributed"] != now["distributed"]:
         which = "with" if saved["distributed"] else "without"
         raise ValueError(
@@ -320,6 +434,23 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
                     f"under any data-parallel size but only at that {flag} (this run: {now[name]}); "
                     f"pass {flag} {saved[name]}, {fresh}"
                 )
+
+
+def _check_fsdp_optimizer_layout(root: str, saved: dict, now: dict, fresh: str) -> None:
+    """Megatron-FSDP's optimizer state reloads at the data x context parallel and TP sizes it
+    was saved with: its shards follow FSDP's uneven cut of each parameter's rows, and resuming
+    it at another size has not been shown exact here (a run at data x context parallel size
+    1 is refused on megatron-core 0.16 anyway)."""
+    names = {
+        "data_context_parallel_size": "data x context parallel size",
+        "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    }
+    for name, what in names.items():
+        if saved.get(name) != now[name]:
+            raise ValueError(
+                f"--load {root}: FSDP optimizer state reloads only at {what} {saved.get(name)} "
+                f"(this run: {now[name]}): launch with that layout, {fresh}"
+            )
 
 
 def _sharded_state(model, optimizer, scheduler, is_loading: bool) -> dict:
@@ -379,6 +510,14 @@ def _restore_adam_steps(optimizer, loaded_state: dict) -> None:
 
 def _unwrap(model):
     return getattr(model, "module", model)
+
+
+def _gpt_model(model):
+    """The GPTModel inside megatron's wrappers (``DistributedDataParallel.module``;
+    ``FullyShardedDataParallel.module`` is ``MegatronFSDP``, whose ``module`` it is)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def write_marker(root: str, iteration: int) -> None:

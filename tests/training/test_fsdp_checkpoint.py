@@ -1,0 +1,202 @@
+"""``--use-megatron-fsdp`` checkpoints (``--ckpt-format fsdp_dtensor``): saved, resumed exactly,
+verified, and crossed with torch_dist checkpoints.
+
+Oracles: the uninterrupted run (a resume must give its per-iteration loss and grad norm
+exactly, fp32); for weights crossing kinds, the saving run's own full weights, gathered
+here with megatron-FSDP's ``gather_and_compute_chunk_metadata`` (tests/training/test_fsdp.py's
+``_full_weights``), not by the code under test; for damaged and forged files, the byte this
+test flipped and a side effect that must not happen. One launch per world size loops over
+the configurations (process start-up dominates).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from _support.dist_utils import run_distributed
+
+STEPS, SAVED = 4, 2
+STRATEGIES = {
+    "zero3": ["--use-megatron-fsdp"],  # optim_grads_params
+    "zero2": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
+}
+
+
+def _tiny():
+    from test_fsdp import TINY
+
+    return [*TINY, "--train-iters", str(STEPS)]
+
+
+def _recipe(flags, save, load=None):
+    from mcore_flash.training import distributed, loop
+    from mcore_flash.training.arguments import parse_config
+
+    argv = [*_tiny(), *flags, "--save", save] + (["--load", load] if load else [])
+    config = parse_config(argv)
+    distributed.init_distributed(config)
+    return loop.PretrainRecipe(config)
+
+
+def _steps(recipe, count):
+    """``count`` iterations: ``[(loss, grad norm)]``."""
+    return [recipe.train_step() for _ in range(count)]
+
+
+def _w_resume(rank, world_size, runs, root):
+    """Per ``(name, flags)``: the uninterrupted run's STEPS iterations, and a run saved after
+    SAVED iterations then resumed in a new recipe for the rest."""
+    from megatron.core import parallel_state
+
+    results = {}
+    for name, flags in runs:
+        save = os.path.join(root, name)
+        outcome = {}
+        for phase in ("straight", "first", "resumed"):
+            recipe = _recipe(
+                flags,
+                save if phase != "straight" else save + "-straight",
+                load=save if phase == "resumed" else None,
+            )
+            try:
+                count = SAVED if phase == "first" else STEPS - recipe.iteration
+                outcome[phase] = _steps(recipe, count)
+                if phase == "first":
+                    recipe.save()
+                outcome[f"{phase}-iteration"] = recipe.iteration
+            finally:
+                recipe.cleanup()
+                parallel_state.destroy_model_parallel()
+        results[name] = outcome
+    return results
+
+
+def _assert_exact_resume(per_rank):
+    for name, outcome in per_rank[0].items():
+        straight = outcome["straight"]
+        assert outcome["first"] == straight[:SAVED], name
+        assert outcome["resumed"] == straight[SAVED:], (name, outcome, straight)
+        assert outcome["resumed-iteration"] == STEPS
+
+
+def test_fsdp_resume_is_exact_for_each_strategy(tmp_path):
+    """optim_grads_params and optim_grads at DP2 on the CPU: saved after 2 iterations and
+    resumed, iterations 3 and 4 give the uninterrupted run's loss and grad norm exactly."""
+    per_rank = run_distributed(_w_resume, 2, list(STRATEGIES.items()), str(tmp_path), timeout=600)
+    _assert_exact_resume(per_rank)
+    saved = tmp_path / "zero3" / "iter_0000002"
+    assert {"common.pt", ".metadata", "manifest.json"} <= set(os.listdir(saved))
+
+
+def test_fsdp_resume_is_exact_on_the_emulated_npu(tmp_path):
+    """The same on the emulated NPU (npu tensors, HCCL-strict groups): DCP writes npu
+    DTensors (``per_thread_copy_ahead=0``) and the one metadata gather runs on HCCL."""
+    per_rank = run_distributed(
+        _w_resume, 2, list(STRATEGIES.items()), str(tmp_path), timeout=600, emulate_npu=True
+    )
+    _assert_exact_resume(per_rank)
+
+
+def _w_crossing(rank, world_size, root):
+    """FSDP and torch_dist checkpoints at DP2: each kind's weights loaded into the other kind's
+    model (``_full_weights`` of both sides returned), and the optimizer state of the other
+    kind refused (the messages returned)."""
+    from megatron.core import parallel_state
+    from test_fsdp import _full_weights
+
+    from mcore_flash import platform
+    from mcore_flash.training import checkpointing, fsdp
+    from mcore_flash.training.model import build_model, model_args
+
+    fsdp_dir, dist_dir = os.path.join(root, "fsdp"), os.path.join(root, "dist")
+    out = {}
+
+    def run(flags, save, load=None, steps=0, body=None):
+        recipe = _recipe(flags, save, load)
+        try:
+            _steps(recipe, steps)
+            if steps:
+                recipe.save()
+            return body(recipe) if body else None
+        finally:
+            recipe.cleanup()
+            parallel_state.destroy_model_parallel()
+
+    out["fsdp saved"] = run(
+        STRATEGIES["zero3"], fsdp_dir, steps=SAVED, body=lambda r: _full_weights(r.model)
+    )
+    distopt = ["--use-distributed-optimizer"]
+    out["fsdp -> ddp"] = run(
+        [*distopt, "--no-load-optim"],
+        os.path.join(root, "a"),
+        fsdp_dir,
+        body=lambda r: (r.iteration, _full_weights(r.model)),
+    )
+    out["dist saved"] = run(distopt, dist_dir, steps=SAVED, body=lambda r: _full_weights(r.model))
+
+    # what loop._data_parallel_model does with --use-megatron-fsdp, with the pre-sharding load
+    from mcore_flash.training import distributed
+    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.training.data import tokenizer_and_vocab
+    from mcore_flash.training.model import transformer_config
+
+    config = parse_config(
+        [
+            *_tiny(),
+            *STRATEGIES["zero3"],
+            "--save",
+            os.path.join(root, "b"),
+            "--load",
+            dist_dir,
+            "--finetune",
+        ]
+    )
+    distributed.init_distributed(config)
+    tokenizer, vocab = tokenizer_and_vocab(config)
+    model_config = transformer_config(config)
+    bare = build_model(config, model_config, vocab).to(platform.torch_device())
+    loaded = checkpointing.load_weights_before_sharding(
+        config.load, bare, vocab, model_args(config, tokenizer.vocab_size)
+    )
+    sharded = fsdp.fully_sharded(config, model_config, bare, platform.torch_device())
+    out["dist -> fsdp"] = (loaded, _full_weights(sharded))
+    parallel_state.destroy_model_parallel()
+
+    refusals = {}
+    for name, flags, load in (
+        ("fsdp state into ddp", distopt, fsdp_dir),
+        ("dist state into fsdp", STRATEGIES["zero3"], dist_dir),
+    ):
+        try:
+            run(flags, os.path.join(root, name.replace(" ", "_")), load)
+        except ValueError as error:
+            refusals[name] = str(error)
+    out["refusals"] = refusals
+    return out
+
+
+def test_weights_cross_between_fsdp_and_torch_dist_and_optimizer_state_is_refused(tmp_path):
+    """An FSDP checkpoint's weights load into a run without FSDP (``--no-load-optim``: its
+    iteration kept), a torch_dist checkpoint's into an FSDP model (loaded before sharding),
+    each equal to the saving run's full weights; the other kind's optimizer state is refused
+    naming --no-load-optim and --finetune."""
+    result = run_distributed(_w_crossing, 2, str(tmp_path), timeout=600)[0]
+    iteration, into_ddp = result["fsdp -> ddp"]
+    assert iteration == SAVED
+    _assert_same_weights(into_ddp, result["fsdp saved"])
+    loaded, into_fsdp = result["dist -> fsdp"]
+    assert loaded
+    _assert_same_weights(into_fsdp, result["dist saved"])
+    refusals = result["refusals"]
+    assert set(refusals) == {"fsdp state into ddp", "dist state into fsdp"}, refusals
+    for message in refusals.values():
+        assert "--no-load-optim" in message and "--finetune" in message, message
+        assert "--use-megatron-fsdp" in message, message
+
+
+def _assert_same_weights(got: dict, expected: dict) -> None:
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
