@@ -56,6 +56,7 @@ ZERO3 = ["--use-megatron-fsdp"]  # default strategy: optim_grads_params
 ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 TP2 = ["--tensor-model-parallel-size", "2"]
+ATTENTION = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
 
 
 def _full_weights(model) -> dict[str, torch.Tensor]:
@@ -152,6 +153,8 @@ TWO_RANKS = {
     "dp2-zero2": ZERO2,
     "dp2-qkv": [*ORACLE, "--recompute-granularity", "selective", "--recompute-modules", "qkv"],
     "dp2-qkv-zero3": [*ZERO3, "--recompute-granularity", "selective", "--recompute-modules", "qkv"],
+    "dp2-attention": [*ORACLE, *ATTENTION],
+    "dp2-attention-zero3": [*ZERO3, *ATTENTION],
     "dp2-packed": [*ORACLE, *PACKED],
     "dp2-packed-zero3": [*ZERO3, *PACKED],
     "cp2": [*ORACLE, "--context-parallel-size", "2"],
@@ -161,6 +164,7 @@ TWO_RANK_CASES = {
     "dp2-zero3": "dp2",
     "dp2-zero2": "dp2",
     "dp2-qkv-zero3": "dp2-qkv",
+    "dp2-attention-zero3": "dp2-attention",
     "dp2-packed-zero3": "dp2-packed",
     "cp2-zero3": "cp2",
 }
