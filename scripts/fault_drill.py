@@ -1,6 +1,6 @@
 """The fault drill: kill a training run at every fault point, resume it, compare it bit for bit.
 
-    python scripts/fault_drill.py --work-dir /tmp/drill [--write docs/fault-tolerance.md]
+    python scripts/fault_drill.py --work-dir /tmp/drill [--write docs/fault-tolerance.md] [--fsdp]
 
 A CI harness, not part of the package: it runs in a checkout with ``mcore_flash`` installed
 (``pip install -e .``); ``tests/training/test_fault_tolerance.py`` imports it from this directory.
@@ -20,6 +20,11 @@ A full disk is real: the run's ``--save`` is a tmpfs (in a private mount namespa
 ``unshare -m``, root) that holds one checkpoint, so the second save fails with ENOSPC;
 after the tmpfs is enlarged, the run resumes. Each outcome is one row of the table in
 ``docs/fault-tolerance.md`` (:func:`markdown`).
+
+``--fsdp`` runs the same drill with ``--use-megatron-fsdp`` (ZeRO-3, ``fsdp_dtensor``
+checkpoints) instead of the distributed optimizer, over :data:`FSDP_CHAIN`: the gradient
+reduction, every save point, 9 iterations, no disk-full row (its
+table is the second one in the doc).
 """
 
 from __future__ import annotations
@@ -89,8 +94,37 @@ FLAGS = (
     "--hidden-dropout",
     "0.1",
 )
+# ZeRO-3 (Megatron-FSDP, fsdp_dtensor checkpoints): the drill's model and data, the kills that
+# concern it (its gradient reduce-scatter, its optimizer, every save point), fewer launches
+FSDP_ITERATIONS = 9
+FSDP_FLAGS = tuple(
+    {
+        "--use-distributed-optimizer": "--use-megatron-fsdp",
+        str(ITERATIONS): str(FSDP_ITERATIONS),
+    }.get(flag, flag)
+    for flag in FLAGS
+)
+FSDP_CHAIN = (
+    ("grad-reduce", 2, 1),
+    ("save-begin", 3, 1),
+    ("save-shards", 4, 1),
+    ("save-rng", 5, 0),
+    ("save-manifest", 6, 0),
+    ("save-renamed", 7, 0),
+    ("save-tracker", 8, 0),
+)
 NOT_COMPARED = (".metadata", "manifest.json")
 _TOKEN = "MCORE_FLASH_DRILL_LAUNCH"  # marks every process of one launch
+
+
+class Drill(NamedTuple):
+    """One drill: the pretrain flags, the chain of kills, the iterations the runs train."""
+
+    flags: tuple
+    chain: tuple
+    iterations: int
+    begin: str  # the markers of its table in the doc
+    end: str
 
 
 class Row(NamedTuple):
@@ -112,31 +146,37 @@ class Row(NamedTuple):
         )
 
 
-def run_uninterrupted(reference: str) -> str:
+def run_uninterrupted(reference: str, drill: Optional[Drill] = None) -> str:
     """The reference run into ``reference`` (its ``--save``); returns ``reference``."""
-    code, output = launch(reference)
+    code, output = launch(reference, drill=drill)
     if code != 0:
         raise RuntimeError(f"the uninterrupted run failed:\n{output[-3000:]}")
     return reference
 
 
 def run_drill(
-    work_dir: str, reference: Optional[str] = None, disk_full: bool = True, log=print
+    work_dir: str,
+    reference: Optional[str] = None,
+    disk_full: bool = True,
+    log=print,
+    drill: Optional[Drill] = None,
 ) -> list[Row]:
     """The chain of kills and the full disk, one row each, against ``reference`` (a run of
     :func:`run_uninterrupted`; made under ``work_dir`` when not given)."""
-    reference = reference or run_uninterrupted(os.path.join(work_dir, "uninterrupted"))
+    drill = drill or DRILL
+    reference = reference or run_uninterrupted(os.path.join(work_dir, "uninterrupted"), drill)
+    kills = drill.chain
     chain = os.path.join(work_dir, "chain")
     logs = os.path.join(
         work_dir, "launches"
     )  # each launch's output, kept: a failed row names its two
     os.makedirs(logs, exist_ok=True)
     rows = []
-    killed_log = _launch_log(logs, 0, _spec(*CHAIN[0]))
-    code, output = launch(chain, fault=_spec(*CHAIN[0]), load=True, log=killed_log)
+    killed_log = _launch_log(logs, 0, _spec(*kills[0]))
+    code, output = launch(chain, fault=_spec(*kills[0]), load=True, log=killed_log, drill=drill)
     if "starting from scratch" not in output:  # --load of an empty directory
         raise RuntimeError(f"the first launch did not start from scratch:\n{output[-3000:]}")
-    for index, (point, iteration, rank) in enumerate(CHAIN):
+    for index, (point, iteration, rank) in enumerate(kills):
         killed = (
             code != 0
             and f"fault injection: SIGKILL at {point}, iteration {iteration}, rank {rank}" in output
@@ -145,9 +185,9 @@ def run_drill(
         complete = tracker is None or same_files(
             checkpoint_dir(chain, tracker), checkpoint_dir(reference, tracker)
         )
-        following = _spec(*CHAIN[index + 1]) if index + 1 < len(CHAIN) else None
+        following = _spec(*kills[index + 1]) if index + 1 < len(kills) else None
         next_log = _launch_log(logs, index + 1, following)
-        code, output = launch(chain, fault=following, load=True, log=next_log)
+        code, output = launch(chain, fault=following, load=True, log=next_log, drill=drill)
         resumed = _resumed_from(output)
         written = [
             i for i in _checkpoints(chain) if i > (resumed or 0)
@@ -171,7 +211,7 @@ def run_drill(
             + ("ok" if rows[-1].ok else f"FAILED (see {killed_log}, {next_log})")
         )
         killed_log = next_log
-    if code != 0 or _tracker(chain) != ITERATIONS:
+    if code != 0 or _tracker(chain) != drill.iterations:
         raise RuntimeError(f"the last launch of the chain did not finish:\n{output[-3000:]}")
     if disk_full:
         rows.append(_disk_full(work_dir, reference))
@@ -185,14 +225,15 @@ def launch(
     load: bool = False,
     extra: tuple = (),
     log: Optional[str] = None,
+    drill: Optional[Drill] = None,
 ) -> tuple[int, str]:
-    """``torchrun`` 2 CPU ranks of ``mcore_flash.pretrain``; returns (exit code, stdout + stderr),
-    which ``log`` (a file path) keeps."""
+    """``torchrun`` 2 CPU ranks of ``mcore_flash.pretrain`` with ``drill``'s flags; returns
+    (exit code, stdout + stderr), which ``log`` (a file path) keeps."""
     env = _environment(fault)
     with open(log, "w+") if log else tempfile.TemporaryFile("w+") as output:
         try:
             code = subprocess.run(
-                _torchrun_command(save, load, extra),
+                _torchrun_command(save, load, extra, drill),
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -284,7 +325,9 @@ def _disk_full(work_dir: str, reference: str) -> Row:
     return Row("disk full@4", where, killed, tracker, complete, resumed, equal)
 
 
-def _torchrun_command(save: str, load: bool, extra: tuple) -> list[str]:
+def _torchrun_command(
+    save: str, load: bool, extra: tuple, drill: Optional[Drill] = None
+) -> list[str]:
     """torchrun's ``--standalone``: its store binds a free port itself (a port picked here and
     bound by torchrun seconds later could be taken in between, and the launch fail)."""
     command = [
@@ -298,7 +341,7 @@ def _torchrun_command(save: str, load: bool, extra: tuple) -> list[str]:
         "2",
         "-m",
         "mcore_flash.pretrain",
-        *FLAGS,
+        *(drill or DRILL).flags,
         *extra,
         "--save",
         save,
@@ -400,6 +443,14 @@ def markdown(rows: list[Row]) -> str:
 
 
 BEGIN, END = "<!-- fault-table:begin -->", "<!-- fault-table:end -->"
+DRILL = Drill(FLAGS, CHAIN, ITERATIONS, BEGIN, END)
+FSDP_DRILL = Drill(
+    FSDP_FLAGS,
+    FSDP_CHAIN,
+    FSDP_ITERATIONS,
+    "<!-- fault-table-fsdp:begin -->",
+    "<!-- fault-table-fsdp:end -->",
+)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -417,26 +468,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--no-disk-full", action="store_true", help="skip the tmpfs case (it needs root)"
     )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="the drill with --use-megatron-fsdp (its chain, no disk-full row, its own table)",
+    )
     args = parser.parse_args(argv)
+    drill = FSDP_DRILL if args.fsdp else DRILL
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         parser.error(f"--work-dir {args.work_dir} is not empty")
     rows = run_drill(
         args.work_dir,
-        disk_full=not args.no_disk_full,
+        disk_full=not (args.no_disk_full or args.fsdp),
         log=lambda line: print(line, file=sys.stderr),
+        drill=drill,
     )
     table = markdown(rows)
     print(table)
     if args.write:
         with open(args.write) as f:
             text = f.read()
-        if BEGIN not in text or END not in text:
+        if drill.begin not in text or drill.end not in text:
             parser.error(
-                f"--write {args.write}: add the lines {BEGIN} and {END} where the table goes"
+                f"--write {args.write}: add the lines {drill.begin} and {drill.end} where the table goes"
             )
-        head, rest = text.split(BEGIN, 1)
+        head, rest = text.split(drill.begin, 1)
         with open(args.write, "w") as f:
-            f.write(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
+            f.write(f"{head}{drill.begin}\n{table}\n{drill.end}{rest.split(drill.end, 1)[1]}")
     if not all(row.ok for row in rows):
         print(
             f"fault drill: kept {args.work_dir} (each launch's output: launches/)", file=sys.stderr

@@ -39,6 +39,25 @@ def reference(tmp_path_factory) -> str:
     return fault_drill.run_uninterrupted(str(tmp_path_factory.mktemp("drill") / "uninterrupted"))
 
 
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory) -> str:
+    """The FSDP drill's uninterrupted run: 9 iterations, DP2, --use-megatron-fsdp (fsdp_dtensor)."""
+    return fault_drill.run_uninterrupted(
+        str(tmp_path_factory.mktemp("drill-fsdp") / "uninterrupted"), fault_drill.FSDP_DRILL
+    )
+
+
+@pytest.fixture(params=["torch_dist", "fsdp_dtensor"])
+def saved(request) -> tuple[str, int, tuple]:
+    """``(reference run, its last iteration, the flags that load it in one process)`` for each
+    checkpoint format; an FSDP checkpoint's weights load into the one-process run without FSDP
+    (megatron-core 0.16 refuses FSDP at DP1), every file verified first as for torch_dist."""
+    if request.param == "torch_dist":
+        return request.getfixturevalue("reference"), LAST, ()
+    fsdp = request.getfixturevalue("fsdp_reference")
+    return fsdp, fault_drill.FSDP_ITERATIONS, ("--no-load-optim",)
+
+
 @pytest.mark.parametrize("free,full", [(1000, True), (2 << 30, False)])
 def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(
     tmp_path, monkeypatch, free, full
@@ -61,11 +80,29 @@ def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(
 
 
 @pytest.mark.slow  # the chain's 13 launches: CI's Python 3.12 job runs the tests below (tests/conftest.py)
-def test_fault_drill_table(reference, tmp_path):
+def test_fault_drill_table(reference, fsdp_reference, tmp_path):
     """Every fault point and the full disk: killed there, the tracker names a complete
-    checkpoint, the next launch resumes from it and writes the uninterrupted run's bytes.
-    docs/fault-tolerance.md holds exactly this table."""
-    rows = fault_drill.run_drill(str(tmp_path), reference)
+    checkpoint, the next launch resumes from it and writes the uninterrupted run's bytes;
+    then with --use-megatron-fsdp, the gradient reduction and every save point.
+    docs/fault-tolerance.md holds exactly these tables."""
+    docs = open(
+        os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fault-tolerance.md")
+    ).read()
+    fsdp = fault_drill.FSDP_DRILL
+    fsdp_rows = fault_drill.run_drill(
+        str(tmp_path / "fsdp"), fsdp_reference, disk_full=False, drill=fsdp
+    )
+    fsdp_logs = sorted((tmp_path / "fsdp" / "launches").iterdir())
+    for index, row in enumerate(fsdp_rows):
+        assert row.ok, (
+            row,
+            *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in fsdp_logs[index : index + 2]),
+        )
+    assert [row.resumed_from for row in fsdp_rows] == [1, 2, 3, 4, 5, 6, 8]  # save-tracker@8: 8
+    table = docs.split(fsdp.begin)[1].split(fsdp.end)[0].strip()
+    assert table == fault_drill.markdown(fsdp_rows)  # regenerate: ... --fsdp --write
+    rows = fault_drill.run_drill(str(tmp_path / "ddp"), reference)
+    tmp_path = tmp_path / "ddp"
     assert [row.fault.split("@")[0] for row in rows] == [*faults.POINTS, "disk full"]
     logs = sorted((tmp_path / "launches").iterdir())  # the chain's launches, in order
     for index, row in enumerate(
@@ -77,9 +114,6 @@ def test_fault_drill_table(reference, tmp_path):
         )
     assert rows[-1].ok, (rows[-1], (tmp_path / "disk_full" / "first.log").read_text()[-2000:])
     assert [row.resumed_from for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 2]
-    docs = open(
-        os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fault-tolerance.md")
-    ).read()
     table = docs.split(fault_drill.BEGIN)[1].split(fault_drill.END)[0].strip()
     assert table == fault_drill.markdown(rows)  # regenerate: python scripts/fault_drill.py --write
 
@@ -88,7 +122,7 @@ def test_fault_drill_table(reference, tmp_path):
 def test_the_drill_cli_keeps_its_work_dir_only_when_a_row_failed(tmp_path, monkeypatch, capsys, ok):
     work_dir = tmp_path / "drill"
 
-    def drill(path, disk_full, log):
+    def drill(path, disk_full, log, drill=None):
         os.makedirs(os.path.join(path, "launches"))
         return [fault_drill.Row("forward@2:0", "somewhere", ok, 1, True, 1, True)]
 
@@ -137,10 +171,11 @@ def _copy_checkpoint(reference: str, iteration: int, target) -> str:
     return str(target)
 
 
-def _present(reference: str, name: str) -> tuple[str, ...]:
+def _present(reference: str, name: str, last: int = LAST) -> tuple[str, ...]:
     """``(name,)`` if the reference's last checkpoint has that file: megatron-core 0.16 writes
-    ``common.pt``, 0.19 keeps the common state as a byte item inside the ``.distcp`` files."""
-    return (name,) if os.path.exists(os.path.join(checkpoint_dir(reference, LAST), name)) else ()
+    ``common.pt``, 0.19 keeps the common state as a byte item inside the ``.distcp`` files
+    (fsdp_dtensor: ``common.pt`` on both); only torch_dist has ``metadata.json``."""
+    return (name,) if os.path.exists(os.path.join(checkpoint_dir(reference, last), name)) else ()
 
 
 def _flip_byte(path: str, offset: int) -> None:
@@ -151,17 +186,18 @@ def _flip_byte(path: str, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
 
 
-def _resume_argv(load: str) -> list[str]:
-    return [*fault_drill.FLAGS, "--save", load, "--load", load]
+def _resume_argv(load: str, *flags: str) -> list[str]:
+    return [*fault_drill.FLAGS, "--save", load, "--load", load, *flags]
 
 
-def test_a_flipped_byte_in_each_file_kind_is_named_at_load(reference, tmp_path):
+def test_a_flipped_byte_in_each_file_kind_is_named_at_load(saved, tmp_path):
     """One bit changed in any file of a checkpoint (or the tracker, or the manifest), or a
     file cut short, fails the load with exit 2 and a message naming that file."""
+    reference, last, flags = saved
     cases, runs = [], []
     for kind in (
-        *_present(reference, "common.pt"),
-        "metadata.json",
+        *_present(reference, "common.pt", last),
+        *_present(reference, "metadata.json", last),
         ".metadata",
         "__0_0.distcp",
         "rng_rank00001.pt",
@@ -169,20 +205,18 @@ def test_a_flipped_byte_in_each_file_kind_is_named_at_load(reference, tmp_path):
         MARKER,
         "truncated __1_0.distcp",
     ):
-        load = _copy_checkpoint(reference, LAST, tmp_path / re.sub(r"\W", "_", kind))
+        load = _copy_checkpoint(reference, last, tmp_path / re.sub(r"\W", "_", kind))
         if kind == MARKER:
             path = os.path.join(load, MARKER)
-            _flip_byte(
-                path, os.path.getsize(path) - 1
-            )  # "12" -> "13": a checkpoint that is not there
+            _flip_byte(path, os.path.getsize(path) - 1)  # "12" -> "13", "9" -> "8": not there
         elif kind.startswith("truncated"):
-            path = os.path.join(checkpoint_dir(load, LAST), kind.split()[1])
+            path = os.path.join(checkpoint_dir(load, last), kind.split()[1])
             os.truncate(path, os.path.getsize(path) // 2)
         else:
-            path = os.path.join(checkpoint_dir(load, LAST), kind)
+            path = os.path.join(checkpoint_dir(load, last), kind)
             _flip_byte(path, os.path.getsize(path) // 2)
         cases.append((kind, path))
-        runs.append(_resume_argv(load))
+        runs.append(_resume_argv(load, *flags))
     for (kind, path), (code, stderr) in zip(cases, _mains(runs)):
         assert code == 2, (kind, stderr[-2000:])
         assert path in stderr, (kind, stderr[-2000:])
@@ -199,7 +233,7 @@ class _RunsCode:
         return os.system, (f"touch {self.marker_file}",)
 
 
-def test_pickles_that_would_run_code_are_refused(reference, tmp_path):
+def test_pickles_that_would_run_code_are_refused(saved, tmp_path):
     """Forged checkpoints whose manifest matches (the forger rewrote it): code planted in
     ``.metadata``, in a byte item inside a ``.distcp`` file, in ``common.pt`` or in an RNG
     file is refused, naming the file, and never runs."""
@@ -207,11 +241,17 @@ def test_pickles_that_would_run_code_are_refused(reference, tmp_path):
 
     from mcore_flash.training import manifest
 
+    reference, last, flags = saved
     cases, runs = [], []
-    for kind in (".metadata", "byte item", *_present(reference, "common.pt"), "rng_rank00000.pt"):
+    for kind in (
+        ".metadata",
+        "byte item",
+        *_present(reference, "common.pt", last),
+        "rng_rank00000.pt",
+    ):
         name = re.sub(r"\W", "_", kind)
-        load = _copy_checkpoint(reference, LAST, tmp_path / name)
-        path = checkpoint_dir(load, LAST)
+        load = _copy_checkpoint(reference, last, tmp_path / name)
+        path = checkpoint_dir(load, last)
         marker_file = str(tmp_path / f"ran_{name}")
         planted = _RunsCode(marker_file)
         if kind == ".metadata":
@@ -242,7 +282,7 @@ def test_pickles_that_would_run_code_are_refused(reference, tmp_path):
         os.remove(os.path.join(path, manifest.MANIFEST))
         manifest.write_manifest(path)  # the forger's manifest matches the forged files
         cases.append((kind, named, marker_file))
-        runs.append(_resume_argv(load))
+        runs.append(_resume_argv(load, *flags))
     for (kind, named, marker_file), (code, stderr) in zip(cases, _mains(runs)):
         assert code == 2, (kind, stderr[-2000:])
         assert named in stderr and "refus" in stderr, (kind, stderr[-2000:])
