@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from _support.dist_utils import run_distributed
@@ -241,3 +242,45 @@ def _assert_same_weights(got: dict, expected: dict) -> None:
     assert set(got) == set(expected), sorted(set(got) ^ set(expected))
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+FSDP_LAYOUT = {
+    "format": "fsdp_dtensor",
+    "distributed": True,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "data_context_parallel_size": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "now,expected",
+    [
+        ({"data_context_parallel_size": 4}, "only at data x context parallel size 2"),
+        ({"tensor_model_parallel_size": 2}, "only at --tensor-model-parallel-size 1"),
+        ({"format": "torch_dist"}, "saved with --use-megatron-fsdp"),
+    ],
+)
+def test_fsdp_optimizer_state_refuses_another_layout_by_name(monkeypatch, now, expected):
+    """What FSDP optimizer state cannot reload into (another DP x CP or TP size, a run without
+    FSDP) is refused before any tensor is read, naming the way out; the saved layout as
+    save_checkpoint records it, this run's stubbed (no process group needed)."""
+    from mcore_flash.training import checkpointing
+
+    monkeypatch.setattr(checkpointing, "optimizer_layout", lambda _: {**FSDP_LAYOUT, **now})
+    with pytest.raises(ValueError, match=expected) as error:
+        checkpointing._check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
+    assert "--no-load-optim" in str(error.value), error.value
+
+
+def test_fsdp_weights_into_a_run_without_fsdp_refuse_another_tp_size(monkeypatch):
+    """An FSDP checkpoint's DTensors are the TP shards side by side (SwiGLU's fc1 interleaved
+    per TP rank): a run without FSDP at another TP size is refused naming the flag."""
+    from megatron.core import parallel_state
+
+    from mcore_flash.training import checkpointing
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    common = {"ckpt_format": "fsdp_dtensor", "optimizer_layout": FSDP_LAYOUT}
+    with pytest.raises(ValueError, match="pass --tensor-model-parallel-size 1"):
+        checkpointing._check_fsdp_weights_layout("/ckpt", common)
