@@ -108,7 +108,7 @@ def _w_crossing(rank, world_size, root):
     from test_fsdp import _full_weights
 
     from mcore_flash import platform
-    from mcore_flash.training import checkpointing, fsdp
+    from mcore_flash.training import checkpointing, fsdp, loop
     from mcore_flash.training.model import build_model, model_args
 
     fsdp_dir, dist_dir = os.path.join(root, "fsdp"), os.path.join(root, "dist")
@@ -162,7 +162,17 @@ def _w_crossing(rank, world_size, root):
         config.load, bare, vocab, model_args(config, tokenizer.vocab_size)
     )
     sharded = fsdp.fully_sharded(config, model_config, bare, platform.torch_device())
-    out["dist -> fsdp"] = (loaded, _full_weights(sharded))
+    optimizer = loop._optimizer(config, model_config, sharded)
+    resumed = checkpointing.load_checkpoint(  # what PretrainRecipe._resume then does
+        config.load,
+        sharded,
+        optimizer,
+        loop._lr_scheduler(config, optimizer),
+        vocab,
+        model_args(config, tokenizer.vocab_size),
+        finetune=True,
+    )
+    out["dist -> fsdp"] = (loaded, resumed[:2], _full_weights(sharded))
     parallel_state.destroy_model_parallel()
 
     refusals = {}
@@ -187,8 +197,8 @@ def test_weights_cross_between_fsdp_and_torch_dist_and_optimizer_state_is_refuse
     iteration, into_ddp = result["fsdp -> ddp"]
     assert iteration == SAVED
     _assert_same_weights(into_ddp, result["fsdp saved"])
-    loaded, into_fsdp = result["dist -> fsdp"]
-    assert loaded
+    loaded, counters, into_fsdp = result["dist -> fsdp"]
+    assert loaded and counters == (0, 0)  # --finetune: iteration 0
     _assert_same_weights(into_fsdp, result["dist saved"])
     refusals = result["refusals"]
     assert set(refusals) == {"fsdp state into ddp", "dist state into fsdp"}, refusals
