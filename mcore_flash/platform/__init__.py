@@ -20,6 +20,8 @@ adaptation                          devices    what it answers to (megatron-core
 :mod:`.megatron_fsdp_premul_sum`    npu, cpu   Megatron-FSDP's NCCL-only PREMUL_SUM (and
                                                AVG, which HCCL refuses) gradient reduction
 :mod:`.megatron_fsdp_cpu_view`      cpu        Megatron-FSDP's ``f"cuda:{current_device()}"``
+:mod:`.te_version_without_te`      any w/o TE ``OptimizerConfig``'s TE version check with
+                                               the precision-aware optimizer (offload)
 :mod:`.megatron_fsdp_no_te`         any w/o TE Megatron-FSDP's ``isinstance(m, TELinear)``
                                                with TE's placeholder (TP > 1)
 ==================================  =========  ==============================================
@@ -47,6 +49,7 @@ from .megatron_fsdp_premul_sum import megatron_fsdp_premul_sum
 from .megatron_tensor_methods import megatron_npu_tensor_type, megatron_tensor_methods
 from .megatron_torch_view import megatron_torch_view
 from .npu_device_capability import npu_device_capability
+from .te_version_without_te import te_version_without_te
 
 __all__ = [
     "setup",
@@ -67,8 +70,9 @@ _ADAPTATIONS = {
         megatron_fsdp_device_mesh,
         megatron_fsdp_premul_sum,
         megatron_fsdp_no_te,
+        te_version_without_te,
     ),
-    "cuda": (checkpoint_without_output_no_te, megatron_fsdp_no_te),
+    "cuda": (checkpoint_without_output_no_te, megatron_fsdp_no_te, te_version_without_te),
     "cpu": (
         megatron_torch_view,
         megatron_tensor_methods,
@@ -78,6 +82,7 @@ _ADAPTATIONS = {
         megatron_fsdp_premul_sum,
         megatron_fsdp_no_te,
         megatron_fsdp_cpu_view,
+        te_version_without_te,
     ),
 }
 

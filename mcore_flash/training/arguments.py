@@ -145,6 +145,28 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--clip-grad", type=float, default=1.0)
     opt.add_argument("--adam-beta1", type=float, default=0.9)
     opt.add_argument("--adam-beta2", type=float, default=0.95)
+    opt.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="step the optimizer state on the host (megatron-core's HybridDeviceOptimizer; needs "
+        "--use-distributed-optimizer --use-precision-aware-optimizer --bf16, and a device: NPU or GPU)",
+    )
+    opt.add_argument(
+        "--optimizer-offload-fraction",
+        type=float,
+        default=1.0,
+        help="share of the optimizer state (by parameters) kept and stepped on the host",
+    )
+    opt.add_argument(
+        "--use-precision-aware-optimizer",
+        action="store_true",
+        help="megatron-core's precision-aware optimizer state (with the distributed optimizer)",
+    )
+    opt.add_argument(
+        "--overlap-cpu-optimizer-d2h-h2d",
+        action="store_true",
+        help="overlap the offloaded optimizer's gradient and parameter copies with its host step",
+    )
     opt.add_argument("--micro-batch-size", type=int)
     opt.add_argument("--global-batch-size", type=int)
     opt.add_argument("--train-iters", type=int)

@@ -16,6 +16,7 @@ same names; comments group the fields.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -96,6 +97,11 @@ class TrainingConfig:
     use_megatron_fsdp: bool  # ZeRO-3 by megatron-core's Megatron-FSDP (:mod:`.fsdp`)
     data_parallel_sharding_strategy: Optional[str]  # FSDP's; None without FSDP
     no_gradient_accumulation_fusion: bool  # accepted as in Megatron-LM; nothing is fused here
+    # host offload of the optimizer (megatron-core's HybridDeviceOptimizer)
+    optimizer_cpu_offload: bool
+    optimizer_offload_fraction: float  # of the optimizer state (parameters) stepped on the host
+    use_precision_aware_optimizer: bool
+    overlap_cpu_optimizer_d2h_h2d: bool
     # activation recompute (the flags; ``recompute`` below is what they mean)
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
@@ -316,6 +322,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     ):
         raise ValueError("--window-attn-skip-freq needs --window-size and a value >= 1")
     sharding = _check_sharding(args, dp * cp)
+    _check_optimizer_offload(args)
     if args.data_path:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
@@ -437,6 +444,64 @@ def _check_sharding(args: SimpleNamespace, dp_cp: int) -> dict[str, Any]:
         data_parallel_sharding_strategy=strategy,
         use_distributed_optimizer=True,
     )
+
+
+def _check_optimizer_offload(args: SimpleNamespace) -> None:
+    """``--optimizer-cpu-offload`` (megatron-core's ``HybridDeviceOptimizer``) and its flags.
+
+    It steps the optimizer state of a fraction of the parameters on the host. megatron-core
+    builds it only for the distributed optimizer with precision-aware state (Megatron-LM's
+    recipe: the three flags together), and its copy of fp32 parameters fails ("can't optimize
+    a non-leaf Tensor", ``optimizer/distrib_optimizer.py``), so the parameters are bf16; with
+    Megatron-FSDP it fails pinning a DTensor (``cpu_offloading/hybrid_optimizer.py``). Whether
+    the device has a host to offload to is checked once the device is known
+    (:mod:`mcore_flash.training.offload`).
+    """
+    offload_flags = {
+        "--optimizer-offload-fraction": args.optimizer_offload_fraction != 1.0,
+        "--overlap-cpu-optimizer-d2h-h2d": args.overlap_cpu_optimizer_d2h_h2d,
+    }
+    for flag, given in offload_flags.items():
+        if given and not args.optimizer_cpu_offload:
+            raise ValueError(
+                f"{flag} sets how --optimizer-cpu-offload works: add --optimizer-cpu-offload"
+            )
+    if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
+        raise ValueError(
+            f"--optimizer-offload-fraction must be in [0, 1] (the share of the optimizer state on the host), "
+            f"got {args.optimizer_offload_fraction}"
+        )
+    if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
+        raise ValueError("--use-precision-aware-optimizer needs --use-distributed-optimizer")
+    if (
+        args.use_precision_aware_optimizer
+        and not args.optimizer_cpu_offload
+        and importlib.util.find_spec("transformer_engine") is None
+    ):
+        raise ValueError(
+            "--use-precision-aware-optimizer on the device steps with Transformer Engine's FusedAdam, "
+            "which is not installed (megatron-core's optimizer/optimizer_config.py): use it with "
+            "--optimizer-cpu-offload, or drop it"
+        )
+    if not args.optimizer_cpu_offload:
+        return
+    needed = {
+        "--use-distributed-optimizer": args.use_distributed_optimizer or args.use_megatron_fsdp,
+        "--use-precision-aware-optimizer": args.use_precision_aware_optimizer,
+        "--bf16": args.bf16,
+    }
+    for flag, given in needed.items():
+        if not given:
+            raise ValueError(
+                f"--optimizer-cpu-offload needs {flag} (megatron-core offloads the distributed optimizer's "
+                "precision-aware state of bf16 parameters: --use-distributed-optimizer "
+                "--use-precision-aware-optimizer --bf16)"
+            )
+    if args.use_megatron_fsdp:
+        raise ValueError(
+            "--optimizer-cpu-offload with --use-megatron-fsdp fails in megatron-core (HybridDeviceOptimizer "
+            "pins DTensor parameters, which torch cannot): offload with --use-distributed-optimizer only"
+        )
 
 
 def _check_positions(args: SimpleNamespace) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_flash import platform
-from mcore_flash.training import checkpointing, faults, fsdp
+from mcore_flash.training import checkpointing, faults, fsdp, offload
 from mcore_flash.training.config import TrainingConfig
 from mcore_flash.training.data import build_train_dataset, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
@@ -237,6 +237,7 @@ def _optimizer(config: TrainingConfig, model_config, model):
         fp16=config.fp16,
         params_dtype=model_config.params_dtype,
         use_distributed_optimizer=config.use_distributed_optimizer,
+        **offload.optimizer_settings(config),
     )
     return get_megatron_optimizer(optimizer_config, [model])
 

@@ -218,6 +218,7 @@ def test_setup_is_idempotent_and_megatron_scoped(single):
         "megatron_fsdp_premul_sum",
         "megatron_fsdp_no_te",
         "megatron_fsdp_cpu_view",
+        "te_version_without_te",
     ]
     assert out["second"] == out["first"]
     assert out["idempotent"]
@@ -379,6 +380,7 @@ def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
         "megatron_fsdp_device_mesh",
         "megatron_fsdp_premul_sum",
         "megatron_fsdp_no_te",
+        "te_version_without_te",
     ]
     assert (
         out["torch_device"] == out["tensor_device"] == "npu:3"

@@ -19,38 +19,8 @@ from mcore_flash.training.arguments import parse_config
 from mcore_flash.training.fsdp import upstream_defect
 
 from _support.dist_utils import run_distributed
+from _support.recipe_runs import TINY, w_recipe_runs
 
-STEPS = 3
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "4",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--train-iters",
-    str(STEPS),
-    "--log-interval",
-    "1",
-    "--make-vocab-size-divisible-by",
-    "256",
-]
 ORACLE = ["--use-distributed-optimizer"]
 ZERO3 = ["--use-megatron-fsdp"]  # default strategy: optim_grads_params
 ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
@@ -100,26 +70,8 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _w_runs(rank, world_size, runs, save_root):
-    """Each ``(name, flags)`` of ``runs`` in turn: STEPS iterations; returns per name
-    ``{"steps": [(loss, grad norm)], "weights": {...}}`` of this rank."""
-    from megatron.core import parallel_state
-
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
-
-    results = {}
-    for name, flags in runs:
-        config = parse_config([*TINY, *flags, "--save", f"{save_root}/{name}"])
-        distributed.init_distributed(config)
-        recipe = loop.PretrainRecipe(config)
-        try:
-            steps = [recipe.train_step() for _ in range(STEPS)]
-            results[name] = {"steps": steps, "weights": _full_weights(recipe.model)}
-        finally:
-            recipe.cleanup()
-            parallel_state.destroy_model_parallel()
-    return results
+def _weights(recipe, _) -> dict:
+    return {"weights": _full_weights(recipe.model)}
 
 
 def _assert_same_training(result, oracle, label):
@@ -181,7 +133,9 @@ if DP1_TRAINS:
 
 
 def test_fsdp_equals_the_distributed_optimizer_at_two_ranks(tmp_path):
-    per_rank = run_distributed(_w_runs, 2, list(TWO_RANKS.items()), str(tmp_path), timeout=600)
+    per_rank = run_distributed(
+        w_recipe_runs, 2, list(TWO_RANKS.items()), str(tmp_path), _weights, timeout=600
+    )
     _check(per_rank, TWO_RANK_CASES)
 
 
@@ -192,7 +146,13 @@ def test_fsdp_equals_the_distributed_optimizer_on_the_emulated_npu(tmp_path):
     """npu tensors, HCCL-strict groups (which refuse AVG and PREMUL_SUM, and any CPU tensor in
     a collective), the npu attention backend's op doubles."""
     per_rank = run_distributed(
-        _w_runs, 2, list(NPU_RUNS.items()), str(tmp_path), timeout=600, emulate_npu=True
+        w_recipe_runs,
+        2,
+        list(NPU_RUNS.items()),
+        str(tmp_path),
+        _weights,
+        timeout=600,
+        emulate_npu=True,
     )
     _check(per_rank, {name: TWO_RANK_CASES[name] for name in NPU_RUNS if name in TWO_RANK_CASES})
 
@@ -227,7 +187,9 @@ FOUR_RANK_CASES = {
 
 @pytest.mark.slow
 def test_fsdp_equals_the_distributed_optimizer_at_four_ranks(tmp_path):
-    per_rank = run_distributed(_w_runs, 4, list(FOUR_RANKS.items()), str(tmp_path), timeout=900)
+    per_rank = run_distributed(
+        w_recipe_runs, 4, list(FOUR_RANKS.items()), str(tmp_path), _weights, timeout=900
+    )
     _check(per_rank, FOUR_RANK_CASES)
 
 

@@ -1,0 +1,141 @@
+"""``--optimizer-cpu-offload``: megatron-core's ``HybridDeviceOptimizer`` steps the optimizer state
+on the host, on the emulated NPU (the CPU path has no device to offload from: refused).
+
+Oracle: the same run without offload (bf16 parameters, the distributed optimizer): losses and grad norms must be identical, the offloaded state must
+really sit on the host (tensor devices), and the device's byte counter (exact in the emulation)
+must fall by exactly the bytes of the state that moved there.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from mcore_flash.training.arguments import parse_config
+
+from _support.dist_utils import run_distributed
+from _support.recipe_runs import TINY, w_recipe_runs
+
+DISTRIBUTED = ["--use-distributed-optimizer", "--bf16"]
+OFFLOAD = [*DISTRIBUTED, "--use-precision-aware-optimizer", "--optimizer-cpu-offload"]
+
+
+def _state_bytes(optimizer, scalars: bool = False) -> dict[str, int]:
+    """Bytes of the optimizer's per-parameter state by device type: torch Adam's ``exp_avg``
+    and ``exp_avg_sq``, the hybrid optimizer's fp32 ``master_param`` (the distributed
+    optimizer's fp32 shards where nothing is offloaded: ``shard_fp32_from_float16_groups``),
+    and with ``scalars`` the 0-dim ``step`` counters (on the device for megatron's fused
+    device-side Adam)."""
+    from collections import Counter
+
+    totals = Counter()
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        tensors = [v for state in inner.optimizer.state.values() for v in state.values()]
+        tensors += [
+            p for group in getattr(inner, "shard_fp32_from_float16_groups", []) for p in group
+        ]
+        for value in tensors:
+            if torch.is_tensor(value) and (scalars or value.dim() > 0):
+                totals[value.device.type] += value.numel() * value.element_size()
+    return dict(totals)
+
+
+def _device_bytes() -> int:
+    gc.collect()  # tensors left in reference cycles are no run's
+    return torch.npu.memory_allocated()
+
+
+def _device_and_state_bytes(recipe, bytes_before: int) -> dict:
+    """The run's device bytes: those it added to what the launch held before it (the first
+    run of a process also leaves what megatron allocates once: the warm-up run)."""
+    return {
+        "device_bytes": _device_bytes() - bytes_before,
+        "state_bytes": _state_bytes(recipe.optimizer),
+        "state_bytes_with_steps": _state_bytes(recipe.optimizer, scalars=True),
+    }
+
+
+RUNS = {
+    "warm-up": DISTRIBUTED,  # what the first run of a process allocates once and keeps
+    "resident": DISTRIBUTED,
+    "offload": OFFLOAD,
+    "offload-half": [*OFFLOAD, "--optimizer-offload-fraction", "0.5"],
+}
+
+
+def test_offloaded_optimizer_trains_alike_with_its_state_on_the_host(tmp_path):
+    per_rank = run_distributed(
+        w_recipe_runs,
+        2,
+        list(RUNS.items()),
+        str(tmp_path),
+        _device_and_state_bytes,
+        _device_bytes,
+        timeout=600,
+        emulate_npu=True,
+    )
+    for rank, runs in enumerate(per_rank):
+        resident = runs["resident"]
+        assert set(resident["state_bytes"]) == {"npu"}
+        for name, where in (("offload", {"cpu"}), ("offload-half", {"cpu", "npu"})):
+            run = runs[name]
+            assert run["steps"] == resident["steps"], (rank, name)  # bit for bit
+            assert set(run["state_bytes"]) == where, (rank, name)  # really on the host
+            # the state is all there, and what left the device is exactly what it held
+            assert sum(run["state_bytes"].values()) == resident["state_bytes"]["npu"]
+            left_the_device = resident["device_bytes"] - run["device_bytes"]
+            state_on_device = run["state_bytes_with_steps"].get("npu", 0)
+            assert left_the_device == resident["state_bytes_with_steps"]["npu"] - state_on_device
+        assert runs["offload-half"]["state_bytes"]["cpu"] < runs["offload"]["state_bytes"]["cpu"]
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (
+            ["--optimizer-cpu-offload", "--bf16", "--use-precision-aware-optimizer"],
+            ["--use-distributed-optimizer"],
+        ),
+        ([*DISTRIBUTED, "--optimizer-cpu-offload"], ["--use-precision-aware-optimizer"]),
+        (
+            [
+                "--use-distributed-optimizer",
+                "--use-precision-aware-optimizer",
+                "--optimizer-cpu-offload",
+            ],
+            ["--bf16"],
+        ),
+        (
+            [*OFFLOAD, "--optimizer-offload-fraction", "1.5"],
+            ["--optimizer-offload-fraction", "[0, 1]"],
+        ),
+        (["--optimizer-offload-fraction", "0.5"], ["--optimizer-cpu-offload"]),
+        ([*OFFLOAD, "--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
+        (["--use-precision-aware-optimizer"], ["--use-distributed-optimizer"]),
+        (
+            [*DISTRIBUTED, "--use-precision-aware-optimizer"],
+            ["Transformer Engine", "--optimizer-cpu-offload"],
+        ),
+    ],
+)
+def test_offload_flags_that_do_not_combine_are_refused_by_name(argv, names):
+    with pytest.raises(ValueError) as error:
+        parse_config([*TINY, *argv], world_size=2)
+    assert all(name in str(error.value) for name in names), error.value
+
+
+def _w_cpu(rank, world_size, save):
+    from mcore_flash.training import distributed, loop
+
+    config = parse_config([*TINY, *OFFLOAD, "--save", save])
+    distributed.init_distributed(config)
+    with pytest.raises(ValueError) as error:
+        loop.PretrainRecipe(config)
+    return str(error.value)
+
+
+def test_offload_on_the_cpu_path_is_refused_by_name(tmp_path):
+    message = run_distributed(_w_cpu, 1, str(tmp_path))[0]
+    assert "--optimizer-cpu-offload" in message and "CPU" in message
