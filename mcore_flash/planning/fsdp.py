@@ -53,6 +53,7 @@ __all__ = [
     "stage_groups",
     "FsdpSchedule",
     "fsdp_bytes",
+    "prefetched_after_step",
     "FSDP_CATEGORIES",
 ]
 
@@ -310,3 +311,34 @@ def fsdp_bytes(
             schedule.gradient_buckets * largest * grad_bytes + schedule.largest_unit * param_bytes
         )
     return out
+
+
+def prefetched_after_step(
+    buckets: Sequence[Bucket],
+    strategy: str,
+    ranks: int,
+    layer_elements: int,
+    *,
+    param_bytes: int = 2,
+) -> int:
+    """Bytes of unsharded weights alive between steps: what megatron all-gathers for the next
+    forward as soon as the optimizer has stepped.
+
+    Under ``optim_grads_params`` megatron forces ``overlap_param_gather`` on
+    (``megatron_fsdp.py``, "Default to overlapped parameter gather when fully-sharding"), so
+    the distributed optimizer's ``step_with_ready_grads`` calls ``start_param_sync``, which
+    all-gathers the bucket of the module's first parameter (bucket 0) with prefetch: the
+    all-gather pipeline adds the next buckets in forward order while the prefetched ones sum
+    to less than ``suggested_AG_prefetch_size`` = the trainer's unit size // 2 = one layer
+    (``AllGatherPipeline.all_gather_params``). These buckets stay allocated until the next
+    forward uses and frees them, so a device holds them at rest, after every step (not after
+    setup). Other strategies keep the whole weights, and ``ranks = 1`` shards nothing: 0."""
+    if strategy != "optim_grads_params" or ranks == 1:
+        return 0
+    sizes = [bucket.size(ranks, strategy) for bucket in buckets]
+    gathered = sizes[:1]
+    for size in sizes[1:]:
+        if sum(gathered) - sizes[0] >= layer_elements:
+            break
+        gathered.append(size)
+    return sum(gathered) * param_bytes

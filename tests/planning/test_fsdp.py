@@ -19,7 +19,13 @@ from mcore_flash.planning import (
     search_layouts,
 )
 from mcore_flash.planning.cli import main as plan_main
-from mcore_flash.planning.fsdp import FSDP_STRATEGIES, fsdp_bytes, parameter_groups
+from mcore_flash.planning.fsdp import (
+    FSDP_STRATEGIES,
+    fsdp_bytes,
+    parameter_groups,
+    prefetched_after_step,
+    stage_groups,
+)
 from mcore_flash.planning.layout import pretrain_command
 from mcore_flash.planning.parameters import ParameterShape, stage_parameter_shapes
 
@@ -233,6 +239,23 @@ def test_tiny_fsdp_plan_by_hand():
     assert plan.per_device["gradients"] == padded // 2 * 4
     assert plan.per_device["fsdp_gathered_parameters"] == (2 * 37120 + TINY_LOOSE) * 2
     assert set(plan.categories) >= {"fsdp_gathered_parameters", "fsdp_gradient_buckets"}
+
+
+def test_weights_gathered_between_steps_by_hand():
+    """optim_grads_params: after the optimizer step megatron all-gathers the embedding (bucket
+    0, 8192) and prefetches while less than one layer (36992) is prefetched: layer 0 (37120
+    at D=2, 37376 at D=4), bf16. Unsharded weights (optim_grads) and D = 1 gather nothing."""
+    layer = 36992
+    for ranks, layer_bucket in ((2, 37120), (4, 37376)):
+        groups = stage_groups(TINY, 1, 1, 0, "optim_grads_params")
+        got = prefetched_after_step(groups, "optim_grads_params", ranks, layer)
+        assert got == (8192 + layer_bucket) * 2
+    # toy at D=2: units of 28 padded to 32, then the non-unit 48; one layer = 28 elements:
+    # unit 0, and unit 1 prefetched (0 < 28), then 32 >= 28 stops
+    assert prefetched_after_step(parameter_groups(_toy()), "optim_grads_params", 2, 28) == 128
+    for strategy, ranks in (("optim_grads", 2), ("optim_grads_params", 1)):
+        groups = stage_groups(TINY, 1, 1, 0, strategy)
+        assert prefetched_after_step(groups, strategy, ranks, layer) == 0
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
