@@ -26,7 +26,7 @@ POINTS = {
     "grad-reduce": "entering the gradient reduce-scatter/all-reduce, the other ranks inside it",
     "optimizer-step": "after the optimizer step, before the iteration's checkpoint",
     "save-begin": "in the save: the .tmp directory made, nothing written",
-    "save-shards": "in the save: after the model/optimizer shards (dist_checkpointing's files)",
+    "save-shards": "in the save: after the model/optimizer shards (dist_checkpointing's or, with FSDP, DCP's files)",
     "save-rng": "in the save: after this rank's RNG file",
     "save-manifest": "in the save: after the manifest, before the rename",
     "save-renamed": "in the save: after the rename, before the tracker update",
@@ -79,13 +79,15 @@ def point(name: str, iteration: Optional[int] = None) -> None:
 def install(model, config) -> None:
     """Arm the points inside the model and the gradient reduction (a no-op when disarmed).
 
-    ``model``: megatron's DDP-wrapped GPTModel; ``config``: its TransformerConfig, whose
+    ``model``: megatron's DDP- or FSDP-wrapped GPTModel; ``config``: its TransformerConfig, whose
     ``finalize_model_grads_func`` (the gradient reduce-scatter/all-reduce) gets wrapped.
     """
     if _FAULT is None:
         return
     if _FAULT.point in MODEL_POINTS:
-        layers = getattr(model, "module", model).decoder.layers
+        while hasattr(model, "module"):  # DDP, or FSDP's adapter around MegatronFSDP
+            model = model.module
+        layers = model.decoder.layers
         layers[-1].register_forward_pre_hook(lambda module, args: point("forward"))
         layers[-1].register_forward_hook(_die_in_backward)
     if _FAULT.point == "grad-reduce":

@@ -61,13 +61,15 @@ class PretrainRecipe:
         self.tokenizer, self.padded_vocab_size = tokenizer_and_vocab(config)
         self.split_batch = _batch_splitter(config, self.tokenizer)
         self.model_config = transformer_config(config)
-        self.model = _data_parallel_model(config, self.model_config, self.padded_vocab_size)
+        self.model_args = model_args(config, self.tokenizer.vocab_size)
+        self.model = _data_parallel_model(
+            config, self.model_config, self.padded_vocab_size, self.model_args
+        )
         self.optimizer = _optimizer(config, self.model_config, self.model)
         self.scheduler = _lr_scheduler(config, self.optimizer)
         _connect_model_config(self.model_config, self.model, self.optimizer)
         faults.install(self.model, self.model_config)
         self.logger = MetricsLogger(config, count_parameters(self.model), self.padded_vocab_size)
-        self.model_args = model_args(config, self.tokenizer.vocab_size)
         self.iteration, self.consumed_samples, self.provenance = self._resume()
         self.data = self._micro_batches()
         self.forward_backward = get_forward_backward_func()
@@ -204,14 +206,22 @@ class PretrainRecipe:
         self.logger.close()
 
 
-def _data_parallel_model(config: TrainingConfig, model_config, padded_vocab_size: int):
+def _data_parallel_model(
+    config: TrainingConfig, model_config, padded_vocab_size: int, model_args: dict
+):
     """This rank's GPTModel on the device, in megatron's ``DistributedDataParallel`` (fp32
     gradient buffers; reduce-scattered with the distributed optimizer), or with
-    ``--use-megatron-fsdp`` in its ``FullyShardedDataParallel`` (:mod:`.fsdp`)."""
+    ``--use-megatron-fsdp`` in its ``FullyShardedDataParallel`` (:mod:`.fsdp`). Weights of a
+    checkpoint written without FSDP (``--finetune`` / ``--no-load-optim``: a converted Hugging
+    Face checkpoint, say) go into the bare model first: FSDP copies them into its shards."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     model = build_model(config, model_config, padded_vocab_size).to(platform.torch_device())
     if config.use_megatron_fsdp:
+        if config.finetune or config.no_load_optim:
+            checkpointing.load_weights_before_sharding(
+                config.load, model, padded_vocab_size, model_args
+            )
         return fsdp.fully_sharded(config, model_config, model, platform.torch_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

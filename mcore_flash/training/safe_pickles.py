@@ -17,6 +17,12 @@ torch sizes, dtypes, paths). A file that asks for anything else (``os.system``, 
 outside the list) is refused with an error naming the file and the global, so by the time
 megatron unpickles a file it is known to hold data only.
 The RNG files are ours and are loaded with ``weights_only=True`` directly.
+
+One exception to "data only": megatron-core's ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``)
+keeps its sub-optimizers' classes in its param groups (``cpu_optimizer_cls``,
+``gpu_optimizer_cls``: ``optimizer/cpu_offloading/hybrid_optimizer.py``), so the byte items may
+name torch's own optimizer classes (:data:`OPTIMIZER_CLASSES`); naming them imports nothing
+new, and building one runs only torch's optimizer constructor.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ _ALLOWED = {
     ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id when DCP was given a path object
     ("pathlib", "PurePosixPath"),
 }
+
+
+# the classes megatron-core's offloaded optimizer stores in its param groups
+OPTIMIZER_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
 class UnsafeCheckpoint(CorruptCheckpoint):
@@ -86,9 +96,11 @@ def check_pickles(path: str) -> None:
         with open(item, "rb") as f:
             f.seek(info.offset)
             data = io.BytesIO(f.read(info.length))
-        _weights_only(
-            f"{item} (item {index.fqn!r})", functools.partial(torch.load, data, weights_only=True)
-        )
+        with torch.serialization.safe_globals(list(OPTIMIZER_CLASSES)):
+            _weights_only(
+                f"{item} (item {index.fqn!r})",
+                functools.partial(torch.load, data, weights_only=True),
+            )
 
 
 def load_rng_file(path: str) -> dict:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from _support.dist_utils import run_distributed
+from _support.recipe_runs import TINY
 
 STEPS, SAVED = 4, 2
 STRATEGIES = {
@@ -26,8 +27,6 @@ STRATEGIES = {
 
 
 def _tiny():
-    from test_fsdp import TINY
-
     return [*TINY, "--train-iters", str(STEPS)]
 
 
@@ -107,10 +106,6 @@ def _w_crossing(rank, world_size, root):
     from megatron.core import parallel_state
     from test_fsdp import _full_weights
 
-    from mcore_flash import platform
-    from mcore_flash.training import checkpointing, fsdp, loop
-    from mcore_flash.training.model import build_model, model_args
-
     fsdp_dir, dist_dir = os.path.join(root, "fsdp"), os.path.join(root, "dist")
     out = {}
 
@@ -137,43 +132,12 @@ def _w_crossing(rank, world_size, root):
     )
     out["dist saved"] = run(distopt, dist_dir, steps=SAVED, body=lambda r: _full_weights(r.model))
 
-    # what loop._data_parallel_model does with --use-megatron-fsdp, with the pre-sharding load
-    from mcore_flash.training import distributed
-    from mcore_flash.training.arguments import parse_config
-    from mcore_flash.training.data import tokenizer_and_vocab
-    from mcore_flash.training.model import transformer_config
-
-    config = parse_config(
-        [
-            *_tiny(),
-            *STRATEGIES["zero3"],
-            "--save",
-            os.path.join(root, "b"),
-            "--load",
-            dist_dir,
-            "--finetune",
-        ]
+    out["dist -> fsdp"] = run(  # loaded into the bare model before FSDP shards it
+        [*STRATEGIES["zero3"], "--finetune"],
+        os.path.join(root, "b"),
+        dist_dir,
+        body=lambda r: ((r.iteration, r.consumed_samples), _full_weights(r.model)),
     )
-    distributed.init_distributed(config)
-    tokenizer, vocab = tokenizer_and_vocab(config)
-    model_config = transformer_config(config)
-    bare = build_model(config, model_config, vocab).to(platform.torch_device())
-    loaded = checkpointing.load_weights_before_sharding(
-        config.load, bare, vocab, model_args(config, tokenizer.vocab_size)
-    )
-    sharded = fsdp.fully_sharded(config, model_config, bare, platform.torch_device())
-    optimizer = loop._optimizer(config, model_config, sharded)
-    resumed = checkpointing.load_checkpoint(  # what PretrainRecipe._resume then does
-        config.load,
-        sharded,
-        optimizer,
-        loop._lr_scheduler(config, optimizer),
-        vocab,
-        model_args(config, tokenizer.vocab_size),
-        finetune=True,
-    )
-    out["dist -> fsdp"] = (loaded, resumed[:2], _full_weights(sharded))
-    parallel_state.destroy_model_parallel()
 
     refusals = {}
     for name, flags, load in (
@@ -197,8 +161,8 @@ def test_weights_cross_between_fsdp_and_torch_dist_and_optimizer_state_is_refuse
     iteration, into_ddp = result["fsdp -> ddp"]
     assert iteration == SAVED
     _assert_same_weights(into_ddp, result["fsdp saved"])
-    loaded, counters, into_fsdp = result["dist -> fsdp"]
-    assert loaded and counters == (0, 0)  # --finetune: iteration 0
+    counters, into_fsdp = result["dist -> fsdp"]
+    assert counters == (0, 0)  # --finetune: iteration 0
     _assert_same_weights(into_fsdp, result["dist saved"])
     refusals = result["refusals"]
     assert set(refusals) == {"fsdp state into ddp", "dist state into fsdp"}, refusals
