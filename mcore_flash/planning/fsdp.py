@@ -55,6 +55,8 @@ __all__ = [
     "fsdp_bytes",
     "prefetched_after_step",
     "FSDP_CATEGORIES",
+    "NEWEST_MEGATRON",
+    "NON_UNITS_PRESERVED_SINCE",
 ]
 
 FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -63,6 +65,11 @@ FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PLANNED_STRATEGIES = ("optim_grads_params", "optim_grads")
 # per-device categories of an FSDP plan beyond weights / gradients / optimizer_state
 FSDP_CATEGORIES = ("fsdp_gathered_parameters", "fsdp_gradient_buckets")
+# the first megatron-core release whose Megatron-FSDP keeps the non-unit groups gathered
+# between steps (``AllGatherPipeline.reset(preserve_non_fsdp_units=True)``: in 0.18.0, not in
+# 0.17.1), and the newest release the planner models (the default where none is given)
+NON_UNITS_PRESERVED_SINCE = (0, 18)
+NEWEST_MEGATRON = (0, 19)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -320,9 +327,11 @@ def prefetched_after_step(
     layer_elements: int,
     *,
     param_bytes: int = 2,
+    megatron_release: tuple[int, int] = NEWEST_MEGATRON,
 ) -> int:
     """Bytes of unsharded weights alive between steps: what megatron all-gathers for the next
-    forward as soon as the optimizer has stepped.
+    forward as soon as the optimizer has stepped, and (from megatron-core 0.18 on) the
+    non-unit groups, which stay gathered from the first forward on.
 
     Under ``optim_grads_params`` megatron forces ``overlap_param_gather`` on
     (``megatron_fsdp.py``, "Default to overlapped parameter gather when fully-sharding"), so
@@ -332,13 +341,36 @@ def prefetched_after_step(
     to less than ``suggested_AG_prefetch_size`` = the trainer's unit size // 2 = one layer
     (``AllGatherPipeline.all_gather_params``). These buckets stay allocated until the next
     forward uses and frees them, so a device holds them at rest, after every step (not after
-    setup). Other strategies keep the whole weights, and ``ranks = 1`` shards nothing: 0."""
+    setup).
+
+    The non-unit groups (final norm, output layer) are gathered by their modules' forward
+    and backward pre-hooks and never released by a hook (``_post_forward`` and
+    ``_post_backward_release_module`` run on FSDP units only); what frees them is
+    ``finish_grad_sync`` -> ``synchronize_param_gather`` -> ``AllGatherPipeline.reset``
+    before the optimizer step (0.16.1 ``megatron_fsdp.py:1206``, 0.19.2 ``:1366``). Up to
+    0.17 ``reset()`` marks every bucket releasable and recycles it (0.16.1
+    ``megatron_fsdp.py:1160``, ``param_and_grad_buffer.py:3418-3434``); from 0.18.0 on
+    ``synchronize_param_gather`` calls ``reset(preserve_non_fsdp_units=True)`` (0.19.2
+    ``megatron_fsdp.py:1320``), which marks non-unit buckets ``PRESERVED`` and keeps their
+    storage (0.19.2 ``param_and_grad_buffer.py:4331-4363``: "their params may be read across
+    module boundaries"); the next all-gather refills it in place. So from
+    ``megatron_release`` (major, minor) ``NON_UNITS_PRESERVED_SINCE`` = (0, 18) on every
+    non-unit bucket is also held at rest (once, where the prefetch reaches it too). The
+    default is the newest supported release, ``NEWEST_MEGATRON`` = (0, 19), for callers that
+    do not know the installed one (the planner does not import megatron); the tests pass the
+    installed release (``importlib.metadata``).
+
+    Other strategies keep the whole weights, and ``ranks = 1`` shards nothing: 0."""
     if strategy != "optim_grads_params" or ranks == 1:
         return 0
     sizes = [bucket.size(ranks, strategy) for bucket in buckets]
-    gathered = sizes[:1]
-    for size in sizes[1:]:
-        if sum(gathered) - sizes[0] >= layer_elements:
+    gathered = {0}
+    prefetched = 0
+    for index in range(1, len(sizes)):
+        if prefetched >= layer_elements:
             break
-        gathered.append(size)
-    return sum(gathered) * param_bytes
+        gathered.add(index)
+        prefetched += sizes[index]
+    if tuple(megatron_release) >= NON_UNITS_PRESERVED_SINCE:
+        gathered |= {index for index, bucket in enumerate(buckets) if bucket.unit is None}
+    return sum(sizes[index] for index in gathered) * param_bytes

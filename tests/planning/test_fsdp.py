@@ -244,18 +244,43 @@ def test_tiny_fsdp_plan_by_hand():
 def test_weights_gathered_between_steps_by_hand():
     """optim_grads_params: after the optimizer step megatron all-gathers the embedding (bucket
     0, 8192) and prefetches while less than one layer (36992) is prefetched: layer 0 (37120
-    at D=2, 37376 at D=4), bf16. Unsharded weights (optim_grads) and D = 1 gather nothing."""
+    at D=2, 37376 at D=4), bf16. From megatron-core 0.18 on the non-unit group (final norm +
+    output layer: 8256 elements, chunk factor 64, padded to 8320 at D=2 and 8448 at D=4)
+    stays gathered too (``reset(preserve_non_fsdp_units=True)``); 0.16 and 0.17 release it.
+    Unsharded weights (optim_grads) and D = 1 gather nothing."""
     layer = 36992
-    for ranks, layer_bucket in ((2, 37120), (4, 37376)):
-        groups = stage_groups(TINY, 1, 1, 0, "optim_grads_params")
-        got = prefetched_after_step(groups, "optim_grads_params", ranks, layer)
-        assert got == (8192 + layer_bucket) * 2
+    groups = stage_groups(TINY, 1, 1, 0, "optim_grads_params")
+    for ranks, layer_bucket, loose in ((2, 37120, 8320), (4, 37376, 8448)):
+        for release in ((0, 16), (0, 17)):
+            got = prefetched_after_step(
+                groups, "optim_grads_params", ranks, layer, megatron_release=release
+            )
+            assert got == (8192 + layer_bucket) * 2
+        for release in ((0, 18), (0, 19), (1, 0)):
+            got = prefetched_after_step(
+                groups, "optim_grads_params", ranks, layer, megatron_release=release
+            )
+            assert got == (8192 + layer_bucket + loose) * 2
+        # the default: the newest release modelled, 0.19
+        assert prefetched_after_step(groups, "optim_grads_params", ranks, layer) == (
+            (8192 + layer_bucket + loose) * 2
+        )
     # toy at D=2: units of 28 padded to 32, then the non-unit 48; one layer = 28 elements:
-    # unit 0, and unit 1 prefetched (0 < 28), then 32 >= 28 stops
-    assert prefetched_after_step(parameter_groups(_toy()), "optim_grads_params", 2, 28) == 128
+    # unit 0, and unit 1 prefetched (0 < 28), then 32 >= 28 stops; 0.18+ adds the non-unit 48
+    toy = parameter_groups(_toy())
+    assert prefetched_after_step(toy, "optim_grads_params", 2, 28, megatron_release=(0, 16)) == 128
+    assert prefetched_after_step(toy, "optim_grads_params", 2, 28, megatron_release=(0, 19)) == 224
+    # one unit only: the prefetch reaches the non-unit group (32 + 48), counted once on 0.19
+    one_unit = parameter_groups([p for p in _toy() if p.unit != "u1"])
+    for release in ((0, 16), (0, 19)):
+        got = prefetched_after_step(one_unit, "optim_grads_params", 2, 28, megatron_release=release)
+        assert got == (32 + 48) * 2
     for strategy, ranks in (("optim_grads", 2), ("optim_grads_params", 1)):
         groups = stage_groups(TINY, 1, 1, 0, strategy)
-        assert prefetched_after_step(groups, strategy, ranks, layer) == 0
+        for release in ((0, 16), (0, 19)):
+            assert (
+                prefetched_after_step(groups, strategy, ranks, layer, megatron_release=release) == 0
+            )
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
