@@ -1,8 +1,9 @@
 """Run a function on modules as they are imported (and on those imported already).
 
 Used where another library's module must be adjusted whenever it gets imported: the CPU
-view of ``torch`` in megatron modules (:mod:`mcore_flash.platform.megatron_torch_view`) and
-the emulated NPU's storage sharing (:mod:`mcore_flash.emulation.storage_sharing`).
+view of ``torch`` in megatron modules (:mod:`mcore_flash.platform.megatron_torch_view`), one
+megatron module at a time (:func:`on_import`: Megatron-FSDP's adaptations), and the emulated
+NPU's storage sharing and DTensor fakes (:mod:`mcore_flash.emulation`).
 Standard library only; knows nothing of Megatron or devices.
 """
 
@@ -53,10 +54,31 @@ class AfterImportFinder(importlib.abc.MetaPathFinder):
         return None
 
     def install(self) -> None:
-        """Apply to the modules imported already, then to every later import (idempotent
-        per finder class: a second finder of the same class is not added)."""
+        """Apply to the modules imported already, then to every later import (idempotent:
+        a second finder that :meth:`is_like` one installed is not added)."""
         for name, module in list(sys.modules.items()):
             if module is not None and self.wanted(name):
                 self.callback(module)
-        if not any(type(f) is type(self) for f in sys.meta_path):
+        if not any(self.is_like(f) for f in sys.meta_path):
             sys.meta_path.insert(0, self)
+
+    def is_like(self, other) -> bool:
+        """Whether ``other`` does this finder's job already: one of the same class."""
+        return type(other) is type(self)
+
+
+class ModuleHook(AfterImportFinder):
+    """``callback(module)`` for the one module named ``module_name``."""
+
+    def __init__(self, module_name: str, callback: Callable):
+        super().__init__(lambda name: name == module_name, callback)
+        self.key = (module_name, callback)
+
+    def is_like(self, other) -> bool:
+        return type(other) is type(self) and other.key == self.key
+
+
+def on_import(module_name: str, callback: Callable) -> None:
+    """``callback(module)`` on module ``module_name`` now if it is imported, and when it is
+    (once per module name and callback)."""
+    ModuleHook(module_name, callback).install()

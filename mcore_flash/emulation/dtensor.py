@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from mcore_flash.import_hooks import AfterImportFinder
+from mcore_flash.import_hooks import on_import
 
 from .runtime import NAME
 
@@ -47,11 +47,6 @@ def _patch(module) -> None:
         module._rebuild_tensor_from_dtensor_meta = _on_cpu_for_npu_meshes(rebuild)
 
 
-class _OpSchemaFinder(AfterImportFinder):
-    def __init__(self):
-        super().__init__(lambda name: name == OP_SCHEMA, _patch)
-
-
 def fake_tensors_on_cpu() -> None:
     """DTensor's sharding propagation (imported now or later) fakes npu-mesh tensors on the CPU."""
-    _OpSchemaFinder().install()
+    on_import(OP_SCHEMA, _patch)

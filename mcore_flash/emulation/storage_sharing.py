@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from mcore_flash.import_hooks import AfterImportFinder
+from mcore_flash.import_hooks import on_import
 
 MEGATRON_RANDOM = "megatron.core.tensor_parallel.random"
 
@@ -43,11 +43,6 @@ def _patch(module) -> None:
         module._get_share_storage = _on_cpu_tensors(get)
 
 
-class _MegatronRandomFinder(AfterImportFinder):
-    def __init__(self):
-        super().__init__(lambda name: name == MEGATRON_RANDOM, _patch)
-
-
 def storage_sharing_on_cpu_tensors() -> None:
     """megatron's storage sharing (imported now or later) acts on the CPU tensors."""
-    _MegatronRandomFinder().install()
+    on_import(MEGATRON_RANDOM, _patch)

@@ -14,7 +14,7 @@ device types. Here the adapter module's global ``DeviceMesh`` is a subclass whos
 
 from __future__ import annotations
 
-from mcore_flash.import_hooks import AfterImportFinder
+from mcore_flash.import_hooks import on_import
 
 from ._common import once
 
@@ -46,14 +46,7 @@ def _rebind(module) -> None:
         module.DeviceMesh = _mesh_on_this_device()
 
 
-class MeshFinder(AfterImportFinder):
-    """Gives the FSDP adapter module, once imported, the mesh on this device."""
-
-    def __init__(self):
-        super().__init__(lambda name: name == ADAPTER_MODULE, _rebind)
-
-
 @once
 def megatron_fsdp_device_mesh():
     """Megatron-FSDP's meshes on this process's device (now, or when FSDP is imported)."""
-    MeshFinder().install()
+    on_import(ADAPTER_MODULE, _rebind)

@@ -11,7 +11,7 @@ name instead and needs nothing.)
 
 from __future__ import annotations
 
-from mcore_flash.import_hooks import AfterImportFinder
+from mcore_flash.import_hooks import on_import
 
 from ._common import once
 from .megatron_fsdp_device_mesh import ADAPTER_MODULE
@@ -26,14 +26,7 @@ def _rebind(module) -> None:
         module.TELinear = NoTELinear
 
 
-class NoTEFinder(AfterImportFinder):
-    """Gives the FSDP adapter module, once imported, a ``TELinear`` that is a class."""
-
-    def __init__(self):
-        super().__init__(lambda name: name == ADAPTER_MODULE, _rebind)
-
-
 @once
 def megatron_fsdp_no_te():
     """Megatron-FSDP's TE check works without TE (now, or when FSDP is imported)."""
-    NoTEFinder().install()
+    on_import(ADAPTER_MODULE, _rebind)

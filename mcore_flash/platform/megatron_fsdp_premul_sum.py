@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_flash.import_hooks import AfterImportFinder
+from mcore_flash.import_hooks import on_import
 
 from ._common import once
 
@@ -40,14 +40,7 @@ def _rebind(module) -> None:
         module.gradient_reduce_preprocessing = gradient_reduce_preprocessing
 
 
-class PremulSumFinder(AfterImportFinder):
-    """Gives Megatron-FSDP's buffer module, once imported, the scale-then-sum reduction."""
-
-    def __init__(self):
-        super().__init__(lambda name: name == BUFFER_MODULE, _rebind)
-
-
 @once
 def megatron_fsdp_premul_sum():
     """Megatron-FSDP reduces gradients with SUM after scaling (now, or when it is imported)."""
-    PremulSumFinder().install()
+    on_import(BUFFER_MODULE, _rebind)
