@@ -22,9 +22,8 @@ after the tmpfs is enlarged, the run resumes. Each outcome is one row of the tab
 ``docs/fault-tolerance.md`` (:func:`markdown`).
 
 ``--fsdp`` runs the same drill with ``--use-megatron-fsdp`` (ZeRO-3, ``fsdp_dtensor``
-checkpoints) instead of the distributed optimizer, over :data:`FSDP_CHAIN`: the gradient
-reduction, every save point, 9 iterations, no disk-full row (its
-table is the second one in the doc).
+checkpoints) instead of the distributed optimizer: every point of :data:`CHAIN`, no
+disk-full row (its table is the second one in the doc).
 """
 
 from __future__ import annotations
@@ -94,24 +93,9 @@ FLAGS = (
     "--hidden-dropout",
     "0.1",
 )
-# ZeRO-3 (Megatron-FSDP, fsdp_dtensor checkpoints): the drill's model and data, the kills that
-# concern it (its gradient reduce-scatter, its optimizer, every save point), fewer launches
-FSDP_ITERATIONS = 9
+# ZeRO-3 (Megatron-FSDP, fsdp_dtensor checkpoints): the drill's model, data and chain
 FSDP_FLAGS = tuple(
-    {
-        "--use-distributed-optimizer": "--use-megatron-fsdp",
-        str(ITERATIONS): str(FSDP_ITERATIONS),
-    }.get(flag, flag)
-    for flag in FLAGS
-)
-FSDP_CHAIN = (
-    ("grad-reduce", 2, 1),
-    ("save-begin", 3, 1),
-    ("save-shards", 4, 1),
-    ("save-rng", 5, 0),
-    ("save-manifest", 6, 0),
-    ("save-renamed", 7, 0),
-    ("save-tracker", 8, 0),
+    "--use-megatron-fsdp" if flag == "--use-distributed-optimizer" else flag for flag in FLAGS
 )
 NOT_COMPARED = (".metadata", "manifest.json")
 _TOKEN = "MCORE_FLASH_DRILL_LAUNCH"  # marks every process of one launch
@@ -446,8 +430,8 @@ BEGIN, END = "<!-- fault-table:begin -->", "<!-- fault-table:end -->"
 DRILL = Drill(FLAGS, CHAIN, ITERATIONS, BEGIN, END)
 FSDP_DRILL = Drill(
     FSDP_FLAGS,
-    FSDP_CHAIN,
-    FSDP_ITERATIONS,
+    CHAIN,
+    ITERATIONS,
     "<!-- fault-table-fsdp:begin -->",
     "<!-- fault-table-fsdp:end -->",
 )

@@ -41,7 +41,7 @@ def reference(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def fsdp_reference(tmp_path_factory) -> str:
-    """The FSDP drill's uninterrupted run: 9 iterations, DP2, --use-megatron-fsdp (fsdp_dtensor)."""
+    """The FSDP drill's uninterrupted run: DP2, --use-megatron-fsdp (fsdp_dtensor checkpoints)."""
     return fault_drill.run_uninterrupted(
         str(tmp_path_factory.mktemp("drill-fsdp") / "uninterrupted"), fault_drill.FSDP_DRILL
     )
@@ -55,7 +55,7 @@ def saved(request) -> tuple[str, int, tuple]:
     if request.param == "torch_dist":
         return request.getfixturevalue("reference"), LAST, ()
     fsdp = request.getfixturevalue("fsdp_reference")
-    return fsdp, fault_drill.FSDP_ITERATIONS, ("--no-load-optim",)
+    return fsdp, fault_drill.ITERATIONS, ("--no-load-optim",)
 
 
 @pytest.mark.parametrize("free,full", [(1000, True), (2 << 30, False)])
@@ -83,7 +83,7 @@ def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(
 def test_fault_drill_table(reference, fsdp_reference, tmp_path):
     """Every fault point and the full disk: killed there, the tracker names a complete
     checkpoint, the next launch resumes from it and writes the uninterrupted run's bytes;
-    then with --use-megatron-fsdp, the gradient reduction and every save point.
+    then every fault point again with --use-megatron-fsdp.
     docs/fault-tolerance.md holds exactly these tables."""
     docs = open(
         os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fault-tolerance.md")
@@ -98,7 +98,7 @@ def test_fault_drill_table(reference, fsdp_reference, tmp_path):
             row,
             *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in fsdp_logs[index : index + 2]),
         )
-    assert [row.resumed_from for row in fsdp_rows] == [1, 2, 3, 4, 5, 6, 8]  # save-tracker@8: 8
+    assert [row.fault.split("@")[0] for row in fsdp_rows] == list(faults.POINTS)
     table = docs.split(fsdp.begin)[1].split(fsdp.end)[0].strip()
     assert table == fault_drill.markdown(fsdp_rows)  # regenerate: ... --fsdp --write
     rows = fault_drill.run_drill(str(tmp_path / "ddp"), reference)

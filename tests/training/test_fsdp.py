@@ -243,3 +243,41 @@ def test_a_strategy_typo_names_the_choices(capsys):
         main([*TINY, *ZERO3, "--data-parallel-sharding-strategy", "optim_grad"])
     err = capsys.readouterr().err
     assert "--data-parallel-sharding-strategy" in err and "optim_grads_params" in err
+
+
+def _w_stops(rank, world_size, save_root):
+    """Two FSDP runs: SIGTERM on rank 1 before the first iteration ends, then a lr that makes
+    the loss infinite; returns each run's outcome on this rank."""
+    import os
+    import signal
+
+    from megatron.core import parallel_state
+
+    from mcore_flash.training import distributed, loop
+    from mcore_flash.training.checkpointing import latest_iteration
+
+    outcomes = {}
+    for name, flags in (
+        ("sigterm", ["--train-iters", "100"]),
+        ("diverged", ["--lr", "1e30", "--clip-grad", "0", "--lr-warmup-iters", "0"]),
+    ):
+        save = os.path.join(save_root, name)
+        config = parse_config([*TINY, *ZERO3, *flags, "--save", save])
+        distributed.init_distributed(config)
+        recipe = loop.PretrainRecipe(config)
+        if name == "sigterm" and rank == 1:
+            signal.raise_signal(signal.SIGTERM)  # the handler only sets a flag
+        try:
+            outcomes[name] = recipe.train()["iteration"], latest_iteration(save)
+        except loop.TrainingDiverged as error:
+            outcomes[name] = str(error)
+        finally:
+            recipe.cleanup()
+            parallel_state.destroy_model_parallel()
+    return outcomes
+
+
+def test_sigterm_and_divergence_stop_an_fsdp_run_as_without_it(tmp_path):
+    for outcome in run_distributed(_w_stops, 2, str(tmp_path), timeout=300):
+        assert outcome["sigterm"] == (1, 1)  # every rank stopped after iteration 1, saved it
+        assert "training diverged" in outcome["diverged"] and "--lr" in outcome["diverged"]
