@@ -56,6 +56,7 @@ __all__ = [
     "device_type",
     "torch_device",
     "peak_memory_bytes",
+    "side_stream",
     "applied_adaptations",
     "DEVICES",
 ]
@@ -167,6 +168,17 @@ def peak_memory_bytes() -> int:
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return getattr(torch, dev).max_memory_allocated()
+
+
+def side_stream():
+    """``(stream, device module)``: a new stream of this process's device and ``torch.npu`` /
+    ``torch.cuda``, for copies that overlap compute; ``(None, None)`` on the CPU (work is
+    synchronous there)."""
+    dev = device_type()
+    if dev == "cpu":
+        return None, None
+    module = getattr(torch, dev)
+    return module.Stream(), module
 
 
 def applied_adaptations() -> list[str]:
