@@ -11,10 +11,26 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
 
-__all__ = ["HardwareProfile", "HARDWARE_PROFILES", "load_hardware", "DEFAULT_HARDWARE"]
+__all__ = [
+    "HardwareProfile",
+    "HARDWARE_PROFILES",
+    "HOST_FIELDS",
+    "load_hardware",
+    "DEFAULT_HARDWARE",
+]
 
 DEFAULT_HARDWARE = "ascend-910b-64g"
+# the host figures of the offload rung: optional fields (None = the profile does not say)
+HOST_FIELDS = (
+    "host_memory_bytes",
+    "host_device_bandwidth",
+    "host_optimizer_elements_per_s",
+    "host_runtime_bytes_per_rank",
+    "host_reserved_bytes",
+)
+_MAY_BE_ZERO = ("host_runtime_bytes_per_rank", "host_reserved_bytes")
 _PROFILES_FILE = os.path.join(os.path.dirname(__file__), "hardware_profiles.json")
 
 
@@ -28,6 +44,14 @@ class HardwareProfile:
     ``inter_node_bandwidth``: bytes/s one device sends in one direction inside a node and
     to another node. ``devices_per_node``: devices sharing the intra-node links.
     ``sources``: field name -> where the number comes from (or that it is an assumption).
+
+    The host, for the offload rung (optional: None where a profile does not say; a plan
+    that offloads then refuses it by name): ``host_memory_bytes``: host DRAM per node
+    (bytes); ``host_device_bandwidth``: bytes/s one device copies to or from the host in one
+    direction; ``host_optimizer_elements_per_s``: parameters per second the node's CPUs step
+    with torch's fp32 AdamW (all of the node's ranks together); ``host_runtime_bytes_per_rank``:
+    host bytes one training process holds besides what it offloads (framework, runtime,
+    data loader); ``host_reserved_bytes``: host bytes per node kept for the OS and the rest.
     """
 
     name: str
@@ -37,6 +61,11 @@ class HardwareProfile:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     devices_per_node: int
+    host_memory_bytes: Optional[int] = None
+    host_device_bandwidth: Optional[float] = None
+    host_optimizer_elements_per_s: Optional[float] = None
+    host_runtime_bytes_per_rank: Optional[int] = None
+    host_reserved_bytes: Optional[int] = None
     description: str = ""
     sources: dict = field(default_factory=dict)
 
@@ -52,6 +81,13 @@ class HardwareProfile:
                 raise ValueError(
                     f"--hardware {self.name}: {name} must be positive (got {getattr(self, name)})"
                 )
+        for name in HOST_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (value < 0 if name in _MAY_BE_ZERO else not value > 0):
+                raise ValueError(
+                    f"--hardware {self.name}: {name} must be {'>= 0' if name in _MAY_BE_ZERO else 'positive'} "
+                    f"(got {value})"
+                )
         if not 0 < self.achievable_fraction <= 1:
             raise ValueError(
                 f"--hardware {self.name}: achievable_fraction is a fraction of the peak in (0, 1] "
@@ -63,6 +99,26 @@ class HardwareProfile:
         """FLOP/s the model's work runs at: peak x achievable fraction."""
         return self.peak_bf16_tflops * 1e12 * self.achievable_fraction
 
+    def host(self, name: str) -> float:
+        """The host figure ``name`` (:data:`HOST_FIELDS`), or ValueError naming it when the
+        profile does not give it (offload cannot be planned without it)."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(
+                f"--hardware {self.name}: host offload needs {name} in the profile (docs/step-time.md)"
+            )
+        return value
+
+    def assumptions(self) -> list[str]:
+        """The fields whose source is marked an assumption (or a calibration), in field order."""
+        marked = ("ASSUMPTION", "calibrated")
+        return [
+            f.name
+            for f in fields(self)
+            if str(self.sources.get(f.name, "")).startswith(marked)
+            and isinstance(getattr(self, f.name), (int, float))
+        ]
+
     def with_(self, **changes) -> "HardwareProfile":
         """A copy with some fields changed (e.g. a different ``achievable_fraction``)."""
         return HardwareProfile(**{**asdict(self), **changes})
@@ -72,7 +128,9 @@ class HardwareProfile:
 
 
 REQUIRED_FIELDS = tuple(
-    f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", "sources")
+    f.name
+    for f in fields(HardwareProfile)
+    if f.name not in ("name", "description", "sources") + HOST_FIELDS
 )
 
 
@@ -89,7 +147,7 @@ def _profile(name: str, data: dict, origin: str) -> HardwareProfile:
         problems += [f"unknown {', '.join(unknown)}"] if unknown else []
         raise ValueError(
             f"--hardware {origin}: {'; '.join(problems)}; a profile has the fields {', '.join(REQUIRED_FIELDS)} "
-            "(and optionally name, description, sources)"
+            f"(and optionally {', '.join(HOST_FIELDS)}, name, description, sources)"
         )
     return HardwareProfile(**{"name": name, **data})
 

@@ -22,6 +22,8 @@ __all__ = [
     "recompute_flags",
     "recompute_text",
     "fsdp_flags",
+    "offload_flags",
+    "offload_text",
     "pretrain_command",
 ]
 
@@ -55,6 +57,15 @@ class Layout:
     :data:`.fsdp.FSDP_STRATEGIES`; ``optim_grads_params`` is ZeRO-3) over the ``dp * cp``
     ranks, or None for megatron's DDP (with the distributed optimizer when
     ``distributed_optimizer``); FSDP implies the distributed optimizer.
+
+    Host offload (the ladder's 4th rung; both need the distributed optimizer and refuse
+    FSDP, as the trainer does): ``optimizer_offload_fraction`` in [0, 1] is the share of this
+    rank's optimizer shard (by elements) whose fp32 master and Adam moments live and step on
+    the host (megatron-core's ``HybridDeviceOptimizer``, ``--optimizer-cpu-offload``);
+    ``activation_offload_layers`` is the first that many layers of each pipeline stage whose
+    kept tensors wait for their backward in host memory (``--activation-offload-layers``).
+    ``overlap_cpu_optimizer`` (``--overlap-cpu-optimizer-d2h-h2d``) overlaps the offloaded
+    optimizer's copies with its host step.
     """
 
     tp: int = 1
@@ -69,6 +80,9 @@ class Layout:
     global_batch_size: Optional[int] = None
     distributed_optimizer: bool = True
     fsdp: Optional[str] = None
+    optimizer_offload_fraction: float = 0.0
+    activation_offload_layers: int = 0
+    overlap_cpu_optimizer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "vp", "micro_batch_size"):
@@ -92,6 +106,7 @@ class Layout:
             raise ValueError(
                 "--use-megatron-fsdp implies the distributed optimizer: drop --no-distributed-optimizer"
             )
+        self._check_offload()
         if self.vp > 1 and self.pp == 1:
             raise ValueError("an interleaved schedule (vp > 1) needs pp > 1")
         if self.global_batch_size is not None and self.global_batch_size % (
@@ -102,11 +117,48 @@ class Layout:
                 f"= {self.micro_batch_size * self.dp}"
             )
 
+    def _check_offload(self) -> None:
+        """ValueError naming the flag for offload the trainer refuses."""
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(
+                f"--optimizer-offload-fraction {self.optimizer_offload_fraction}: a fraction in [0, 1]"
+            )
+        if self.activation_offload_layers < 0:
+            raise ValueError(
+                f"--activation-offload-layers {self.activation_offload_layers}: layers per pipeline stage (>= 0)"
+            )
+        if self.overlap_cpu_optimizer and not self.optimizer_offload_fraction:
+            raise ValueError(
+                "--overlap-cpu-optimizer-d2h-h2d overlaps the offloaded optimizer's copies: it needs "
+                "--optimizer-cpu-offload with --optimizer-offload-fraction > 0"
+            )
+        if not self.offloads:
+            return
+        if self.fsdp is not None:
+            raise ValueError(
+                "host offload (--optimizer-cpu-offload / --activation-offload-layers) with --use-megatron-fsdp: "
+                "the trainer refuses the combination (megatron-core's offloaded optimizer fails at pin_memory under "
+                "Megatron-FSDP); drop one"
+            )
+        if self.optimizer_offload_fraction and not self.distributed_optimizer:
+            raise ValueError(
+                "--optimizer-cpu-offload needs the distributed optimizer (--use-precision-aware-optimizer requires "
+                "it): drop --no-distributed-optimizer"
+            )
+
+    @property
+    def offloads(self) -> bool:
+        """Whether anything lives on the host: optimizer state or activations."""
+        return bool(self.optimizer_offload_fraction or self.activation_offload_layers)
+
     @property
     def rung(self) -> str:
         """The rung of the memory ladder this layout stands on: ``"flash attention"`` (no
-        recompute, no sharding beyond the distributed optimizer), ``"recompute"`` or
-        ``"ZeRO-3"`` (Megatron-FSDP, with or without recompute)."""
+        recompute, no sharding beyond the distributed optimizer), ``"recompute"``,
+        ``"ZeRO-3"`` (Megatron-FSDP, with or without recompute) or ``"offload"`` (host
+        offload of the optimizer or of activations)."""
+        if self.offloads:
+            return "offload"
         if self.fsdp is not None:
             return "ZeRO-3"
         if self.recompute != "none" or self.recompute_num_layers:
@@ -184,6 +236,32 @@ def fsdp_flags(layout: Layout) -> list[str]:
     return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", layout.fsdp]
 
 
+def offload_flags(layout: Layout) -> list[str]:
+    """The ``mcore-flash pretrain`` flags of ``layout``'s host offload: Megatron-LM's
+    optimizer offload flags (``--use-precision-aware-optimizer --optimizer-cpu-offload
+    --optimizer-offload-fraction F``; ``--use-distributed-optimizer`` and ``--bf16`` come with
+    every command) and ``--activation-offload-layers N``; none without offload."""
+    flags = []
+    if layout.optimizer_offload_fraction:
+        flags += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"]
+        flags += ["--optimizer-offload-fraction", f"{layout.optimizer_offload_fraction:g}"]
+        if layout.overlap_cpu_optimizer:
+            flags.append("--overlap-cpu-optimizer-d2h-h2d")
+    if layout.activation_offload_layers:
+        flags += ["--activation-offload-layers", str(layout.activation_offload_layers)]
+    return flags
+
+
+def offload_text(layout: Layout) -> str:
+    """``layout``'s host offload in words (empty without it)."""
+    parts = []
+    if layout.optimizer_offload_fraction:
+        parts.append(f"optimizer offload {layout.optimizer_offload_fraction:g}")
+    if layout.activation_offload_layers:
+        parts.append(f"activation offload {layout.activation_offload_layers} layers/stage")
+    return ", ".join(parts)
+
+
 def recompute_text(layout: Layout, num_layers: int) -> str:
     """``layout``'s recompute in words: the mode, or how partial recompute splits each chunk."""
     if not layout.recompute_num_layers:
@@ -234,6 +312,7 @@ def pretrain_command(
     if layout.distributed_optimizer:
         args.append("--use-distributed-optimizer")
     args += fsdp_flags(layout)
+    args += offload_flags(layout)
     if mean_document_length is not None:  # the plan assumes document masking
         args += ["--reset-attention-mask", "--reset-position-ids"]
     args += recompute_flags(layout)

@@ -26,6 +26,19 @@ With Megatron-FSDP (``layout.fsdp``) ``weights``, ``gradients`` and ``optimizer_
 ``dp * cp`` as the strategy says), and two more categories, :data:`.fsdp.FSDP_CATEGORIES`,
 hold what FSDP allocates per layer: the gathered units and the unsharded gradient buckets.
 
+Host offload (``layout.optimizer_offload_fraction``, ``layout.activation_offload_layers``;
+the ladder's 4th rung): ``optimizer_state`` keeps ``1 - F`` of the shard on the device;
+``activations`` and ``attention_statistics`` keep the layers not offloaded, and
+``activation_offload_buffers`` holds what an offloaded layer has on the device while it
+runs (its own kept tensors and the next one's prefetch: ``min(N, 2)`` layers of one
+micro-batch, an estimate). The host side, per rank (:data:`HOST_CATEGORIES`, bytes):
+``host_optimizer_state`` = 12 B (fp32 master, Adam m, v) and ``host_gradient_copy`` = 4 B
+(megatron's pinned fp32 copy of the gradient, ``pin_cpu_grads``) per offloaded shard
+element; ``host_activations`` = the offloaded layers' kept tensors x micro-batches in
+flight; ``host_runtime`` = the profile's ``host_runtime_bytes_per_rank`` (an assumption).
+Per node: the sum over the node's ranks (Megatron's rank order TP, CP, DP, PP) plus
+``host_reserved_bytes``; a plan whose node needs more than ``host_memory`` does not fit.
+
 The plan's compute estimates (recompute overhead, pipeline bubble) come from :mod:`.flops`;
 a ``mean_document_length`` (packed documents) changes only the attention-kernel FLOPs
 there, never the bytes: whatever the mask, the fused attention keeps per-token tensors only
@@ -42,7 +55,8 @@ from typing import Optional
 from . import activations as act
 from .flops import pipeline_bubble, recompute_overhead
 from .fsdp import FSDP_CATEGORIES, fsdp_bytes, stage_groups
-from .layout import Layout, fsdp_flags, pretrain_command, recompute_flags
+from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
+from .layout import Layout, fsdp_flags, offload_flags, pretrain_command, recompute_flags
 from .models import ModelShape
 from .parameters import (
     layer_parameters,
@@ -60,6 +74,9 @@ __all__ = [
     "CATEGORIES",
     "ESTIMATED_CATEGORIES",
     "FSDP_CATEGORIES",
+    "HOST_CATEGORIES",
+    "OFFLOAD_CATEGORIES",
+    "HostPlan",
 ]
 
 CATEGORIES = (
@@ -82,6 +99,17 @@ ESTIMATED_CATEGORIES = (
     "runtime_reserve",
     "allocator_fragmentation",
 )
+# the device's extra category under activation offload (absent without it)
+OFFLOAD_CATEGORIES = ("activation_offload_buffers",)
+# a rank's host bytes by category
+HOST_CATEGORIES = (
+    "host_optimizer_state",
+    "host_gradient_copy",
+    "host_activations",
+    "host_runtime",
+)
+HOST_OPTIMIZER_BYTES = 12  # fp32 master + Adam exp_avg + exp_avg_sq per offloaded element
+HOST_GRADIENT_BYTES = 4  # megatron's pinned fp32 gradient copy per offloaded element
 FP32_BYTES = 4  # fp32 gradients of the logits, dK/dV of the context-parallel ring
 
 
@@ -96,10 +124,41 @@ class StagePlan:
     layers: int
     in_flight: int
     bytes: dict[str, int]
+    host_bytes: dict[str, int] = field(default_factory=dict)  # one rank's, HOST_CATEGORIES
 
     @property
     def total(self) -> int:
         return sum(self.bytes.values())
+
+
+@dataclass
+class HostPlan:
+    """The host side of a plan, per node (bytes): ``per_node`` the fullest node's sum over
+    its ranks plus ``reserved`` (the OS ...), ``by_category`` that node's ranks' bytes by
+    :data:`HOST_CATEGORIES`, against ``host_memory`` (None: no verdict)."""
+
+    per_node: int
+    by_category: dict[str, int]
+    reserved: int
+    ranks_per_node: int
+    host_memory: Optional[int]
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.host_memory is None else self.per_node <= self.host_memory
+
+    @property
+    def headroom(self) -> Optional[int]:
+        return None if self.host_memory is None else self.host_memory - self.per_node
+
+    def to_dict(self) -> dict:
+        return {
+            "host_bytes_per_node": self.per_node,
+            "host_bytes_per_node_by_category": {**self.by_category, "host_reserved": self.reserved},
+            "ranks_per_node": self.ranks_per_node,
+            "host_memory_bytes": self.host_memory,
+            "host_fits": self.fits,
+        }
 
 
 @dataclass
@@ -125,6 +184,7 @@ class MemoryPlan:
         None  # tokens per packed document; None = one per sequence
     )
     notes: list[str] = field(default_factory=list)
+    host: Optional[HostPlan] = None  # None: the hardware profile gives no host figures
 
     @property
     def worst_stage(self) -> StagePlan:
@@ -134,7 +194,11 @@ class MemoryPlan:
     def categories(self) -> tuple[str, ...]:
         """The byte categories of this plan: :data:`CATEGORIES`, and with FSDP
         :data:`.fsdp.FSDP_CATEGORIES` after them."""
-        return CATEGORIES + (FSDP_CATEGORIES if self.layout.fsdp else ())
+        return (
+            CATEGORIES
+            + (FSDP_CATEGORIES if self.layout.fsdp else ())
+            + (OFFLOAD_CATEGORIES if self.layout.activation_offload_layers else ())
+        )
 
     @property
     def per_device(self) -> dict[str, int]:
@@ -145,8 +209,16 @@ class MemoryPlan:
         return self.worst_stage.total
 
     @property
-    def fits(self) -> Optional[bool]:
+    def device_fits(self) -> Optional[bool]:
         return None if self.device_memory is None else self.total <= self.device_memory
+
+    @property
+    def fits(self) -> Optional[bool]:
+        """The device memory holds the worst stage and the host memory the fullest node
+        (None without a device memory)."""
+        if self.device_fits is None:
+            return None
+        return self.device_fits and (self.host is None or self.host.fits is not False)
 
     @property
     def headroom(self) -> Optional[int]:
@@ -188,6 +260,7 @@ class MemoryPlan:
                     "in_flight": st.in_flight,
                     "bytes": st.bytes,
                     "total_bytes": st.total,
+                    "host_bytes_per_rank": st.host_bytes,
                 }
                 for st in self.stages
             ],
@@ -207,6 +280,9 @@ class MemoryPlan:
             "relative_step_time": self.relative_step_time,
             "recompute_flags": recompute_flags(self.layout),
             "fsdp_flags": fsdp_flags(self.layout),
+            "offload_flags": offload_flags(self.layout),
+            "device_fits": self.device_fits,
+            "host": None if self.host is None else self.host.to_dict(),
             "launch_command": launch_command(self),
             "notes": self.notes,
         }
@@ -443,6 +519,8 @@ def plan_memory(
     fragmentation: float = 0.05,
     activation_profile: Optional[act.Profile] = None,
     mean_document_length: Optional[float] = None,
+    hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
+    host_memory: Optional[int] = None,
 ) -> MemoryPlan:
     """The per-device memory plan of ``model`` at ``seq_length`` (tokens) under ``layout``.
 
@@ -453,6 +531,8 @@ def plan_memory(
     ``dtype_bytes``: activations, ``param_bytes``: weights, ``grad_bytes``: main gradients.
     ``mean_document_length`` (tokens; None = one document per sequence) scales the attention
     FLOPs of the recompute overhead, not the bytes.
+    ``hardware`` gives the host figures (devices per node, runtime and reserved host bytes,
+    the default ``host_memory``: bytes per node) of the host plan.
     """
     activation_profile = activation_profile or act.PROFILES[profile]
     _check_divisible(model, seq_length, layout)
@@ -484,6 +564,9 @@ def plan_memory(
 
     stages = []
     layers_per_stage = model.num_layers // layout.pp
+    offloaded = Fraction(_offloaded_layers(layout, layers_per_stage), layers_per_stage)
+    kept_layer = layer_activations + layer_statistics  # one layer, one micro-batch
+    offloaded_shard = Fraction(layout.optimizer_offload_fraction) / layout.sharding_ranks
     for stage in range(layout.pp):
         parameters = sum(stage_parameters(model, layout.tp, layout.pp, stage).values())
         chunks_in_flight = layout.in_flight(stage)
@@ -499,9 +582,12 @@ def plan_memory(
             _fsdp_stage_bytes(model, layout, stage, param_bytes, grad_bytes) if layout.fsdp else {}
         )
         transient = sum(sharded.get(name, 0) for name in FSDP_CATEGORIES)
+        on_device = (1 - offloaded) * layers_in_flight  # layers whose activations stay
+        prefetch = min(layout.activation_offload_layers, 2) * kept_layer
         dynamic = (
             transient
-            + layers_in_flight * (layer_activations + layer_statistics)
+            + prefetch
+            + on_device * kept_layer
             + embeddings_and_loss
             + decoder
             + logits
@@ -511,9 +597,13 @@ def plan_memory(
         nbytes = {
             "weights": parameters * param_bytes,
             "gradients": parameters * grad_bytes,
-            "optimizer_state": _ceil(parameters * optimizer_per_parameter),
-            "activations": _ceil(layers_in_flight * layer_activations + decoder),
-            "attention_statistics": _ceil(layers_in_flight * layer_statistics),
+            "optimizer_state": _ceil(
+                parameters
+                * optimizer_per_parameter
+                * (1 - Fraction(layout.optimizer_offload_fraction))
+            ),
+            "activations": _ceil(on_device * layer_activations + decoder),
+            "attention_statistics": _ceil(on_device * layer_statistics),
             "embeddings_and_loss": _ceil(embeddings_and_loss),
             "logits_buffers": _ceil(logits),
             "recompute_workspace": _ceil(workspace),
@@ -522,7 +612,16 @@ def plan_memory(
             "allocator_fragmentation": _ceil(fragmentation * dynamic),
             **sharded,
         }
-        stages.append(StagePlan(stage, parameters, layers_per_stage, chunks_in_flight, nbytes))
+        if layout.activation_offload_layers:
+            nbytes["activation_offload_buffers"] = _ceil(prefetch)
+        host_bytes = {
+            "host_optimizer_state": _ceil(parameters * offloaded_shard * HOST_OPTIMIZER_BYTES),
+            "host_gradient_copy": _ceil(parameters * offloaded_shard * HOST_GRADIENT_BYTES),
+            "host_activations": _ceil(offloaded * layers_in_flight * kept_layer),
+        }
+        stages.append(
+            StagePlan(stage, parameters, layers_per_stage, chunks_in_flight, nbytes, host_bytes)
+        )
 
     fused = activation_profile.attention != "standard"
     return MemoryPlan(
@@ -542,4 +641,54 @@ def plan_memory(
         pipeline_bubble=pipeline_bubble(layout.pp, layout.num_microbatches, layout.vp),
         mean_document_length=mean_document_length,
         notes=_notes(seq_length, layout, activation_profile),
+        host=_host_plan(layout, stages, hardware, host_memory),
     )
+
+
+def _offloaded_layers(layout: Layout, layers_per_stage: int) -> int:
+    """``layout.activation_offload_layers``, or ValueError naming the flag when a stage has
+    fewer layers."""
+    if layout.activation_offload_layers > layers_per_stage:
+        raise ValueError(
+            f"--activation-offload-layers {layout.activation_offload_layers}: a pipeline stage has "
+            f"{layers_per_stage} layers"
+        )
+    return layout.activation_offload_layers
+
+
+def node_stages(layout: Layout, devices_per_node: int) -> list[list[int]]:
+    """Per node, the pipeline stage of each of its ranks (Megatron's rank order TP, CP, DP,
+    PP: rank ``r`` is on stage ``r // (tp * cp * dp)``)."""
+    per_stage = layout.num_devices // layout.pp
+    ranks = range(layout.num_devices)
+    return [
+        [r // per_stage for r in ranks[start : start + devices_per_node]]
+        for start in range(0, layout.num_devices, devices_per_node)
+    ]
+
+
+def _host_plan(
+    layout: Layout, stages: list[StagePlan], hardware: HardwareProfile, host_memory: Optional[int]
+) -> Optional[HostPlan]:
+    """The fullest node's host bytes; None when the profile has no host figures and nothing
+    is offloaded (offload without them is a ValueError naming the missing figure)."""
+    names = ("host_runtime_bytes_per_rank", "host_reserved_bytes")
+    if not layout.offloads and any(getattr(hardware, n) is None for n in names):
+        return None
+    runtime, reserved = (int(hardware.host(n)) for n in names)
+    if host_memory is None:
+        host_memory = (
+            hardware.host_memory_bytes if layout.offloads or hardware.host_memory_bytes else None
+        )
+    if layout.offloads and host_memory is None:
+        hardware.host("host_memory_bytes")  # raises, naming the figure
+    best = None
+    for node in node_stages(layout, hardware.devices_per_node):
+        by_category = {name: 0 for name in HOST_CATEGORIES}
+        for stage in node:
+            for name, value in {**stages[stage].host_bytes, "host_runtime": runtime}.items():
+                by_category[name] += value
+        total = sum(by_category.values()) + reserved
+        if best is None or total > best.per_node:
+            best = HostPlan(total, by_category, reserved, len(node), host_memory)
+    return best
