@@ -82,10 +82,7 @@ LAYOUTS = {
     ),
     "cp2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     "pp2-bf16": (2, ["--pipeline-model-parallel-size", "2", "--bf16"]),
-    "dp2-zero3-packed": (
-        2,
-        ["--use-megatron-fsdp", "--reset-attention-mask", "--reset-position-ids"],
-    ),
+    "dp2-zero3": (2, ["--use-megatron-fsdp"]),
 }
 
 
