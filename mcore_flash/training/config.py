@@ -471,7 +471,8 @@ def _check_optimizer_offload(args: SimpleNamespace) -> None:
             f"--optimizer-offload-fraction must be in [0, 1] (the share of the optimizer state on the host), "
             f"got {args.optimizer_offload_fraction}"
         )
-    if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
+    distributed = args.use_distributed_optimizer or args.use_megatron_fsdp  # FSDP implies it
+    if args.use_precision_aware_optimizer and not distributed:
         raise ValueError("--use-precision-aware-optimizer needs --use-distributed-optimizer")
     if (
         args.use_precision_aware_optimizer
@@ -486,7 +487,7 @@ def _check_optimizer_offload(args: SimpleNamespace) -> None:
     if not args.optimizer_cpu_offload:
         return
     needed = {
-        "--use-distributed-optimizer": args.use_distributed_optimizer or args.use_megatron_fsdp,
+        "--use-distributed-optimizer": distributed,
         "--use-precision-aware-optimizer": args.use_precision_aware_optimizer,
         "--bf16": args.bf16,
     }
