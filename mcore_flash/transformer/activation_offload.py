@@ -103,6 +103,9 @@ class ActivationOffload:
             ``"release i"`` (its device copies dropped), ``"h2d i"`` (copies back issued),
             ``"wait i"`` (the compute stream waits for them: layer ``i``'s backward starts).
         parked_bytes: bytes of all tensors on the host now (host copies alive).
+        released_bytes: bytes of the device storages the parked tensors lived in, summed over
+            every forward (what the device gave up; more than the tensors' own bytes where a
+            saved tensor is a view of a larger storage, e.g. the two halves of SwiGLU's input).
     """
 
     def __init__(self, block: torch.nn.Module, num_layers: int):
@@ -115,6 +118,7 @@ class ActivationOffload:
         self.num_layers = num_layers
         self.side, self.device_module = platform.side_stream()
         self.events: list[str] = []
+        self.released_bytes = 0
         self._parcels: list[_Parcel] = []  # host copies issued, not yet freed (for parked_bytes)
         self._active = False  # inside a block forward with grad enabled
         self._open: Optional[_Parcel] = None  # the layer saving now
@@ -196,6 +200,10 @@ class ActivationOffload:
             return
         if parcel.d2h_done is not None:
             self.device_module.current_stream().wait_event(parcel.d2h_done)
+        storages = {
+            _storage(t): t.untyped_storage().nbytes() for t in parcel.device if t is not None
+        }
+        self.released_bytes += sum(storages.values())
         parcel.device = [None] * len(parcel.device)
         parcel.state = "released"
         self.events.append(f"release {parcel.layer}")

@@ -68,9 +68,7 @@ def test_offload_gives_identical_loss_and_gradients():
         for layers in (1, 3):
             loss, grads, events = results[mode, str(dtype), layers]
             assert_same_bits(loss, grads, ref_loss, ref_grads, f"{mode} {dtype} N={layers}")
-            assert [e for e in events if e.startswith("d2h")] == [
-                f"d2h {i}" for i in range(layers)
-            ]
+            assert [e for e in events if e.startswith("d2h")] == [f"d2h {i}" for i in range(layers)]
 
 
 def test_copies_are_issued_one_layer_ahead():
@@ -96,3 +94,72 @@ def test_copies_are_issued_one_layer_ahead():
         "h2d 0",
         "wait 0",
     ]
+
+
+def _device_bytes():
+    import gc
+
+    gc.collect()
+    return torch.npu.memory_allocated()
+
+
+def _w_npu_bytes(rank, world_size, modes):
+    """On the emulated NPU, per mode and N: (device bytes after the forward, peak of the
+    step, bytes parked after the forward, every parked copy on the host, grads)."""
+    from megatron.core import parallel_state
+
+    from mcore_flash import platform
+    from mcore_flash.training.distributed import set_random_seed
+    from mcore_flash.transformer import activation_offload
+
+    assert platform.setup() == "npu"
+    parallel_state.initialize_model_parallel()
+    set_random_seed(1234)
+    device = platform.torch_device()
+    tokens, labels, positions = (t.to(device) for t in batch(BATCH, SEQ))
+    _model("none", num_layers=3).to(device)(
+        tokens, positions, None, labels=labels
+    ).mean().backward()
+    out = {}  # (after the warm-up above: the first step leaves caches allocated)
+    for mode in modes:
+        for layers in (0, 2):
+            model = _model(mode, num_layers=3).to(device)
+            offload = activation_offload.install(model.decoder, layers)
+            start = _device_bytes()
+            torch.npu.reset_peak_memory_stats()
+            loss = model(tokens, positions, None, labels=labels)
+            after_forward = _device_bytes() - start
+            parcels = offload._parcels
+            on_host = all(
+                host.device.type == "cpu" and dev is None
+                for p in parcels
+                for host, dev in zip(p.host, p.device)
+            )
+            parked = offload.parked_bytes, offload.released_bytes
+            forward_peak = torch.npu.max_memory_allocated() - start
+            loss.mean().backward()
+            peak = torch.npu.max_memory_allocated() - start
+            grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+            out[mode, layers] = (after_forward, forward_peak, peak, parked, on_host, len(parcels))
+            out[mode, layers] += (grads,)
+            del model, offload, loss, parcels
+    return out
+
+
+def test_offloaded_bytes_leave_the_device_on_the_emulated_npu():
+    results = run_distributed(_w_npu_bytes, 1, MODES, emulate_npu=True, timeout=300)[0]
+    layer_input = SEQ * BATCH * HIDDEN * 4  # [s, b, h] fp32
+    for mode in MODES:
+        forward0, fpeak0, peak0, parked0, _, _, grads0 = results[mode, 0]
+        forward2, fpeak2, peak2, (parked2, released2), on_host, parcels, grads2 = results[mode, 2]
+        print(mode, forward0 - forward2, fpeak0 - fpeak2, peak0 - peak2, parked2, released2)
+        assert parked0 == (0, 0) and parcels == 2 and on_host, mode
+        if mode == "full":
+            assert parked2 == released2 == 2 * layer_input
+        assert forward0 - forward2 == released2, mode
+        # the forward's peak: lower by all but the one layer whose copy is in flight (its
+        # device tensors are released at the next boundary, after the copy)
+        assert 0 <= fpeak0 - fpeak2 <= released2, mode
+        assert peak2 <= peak0, mode
+        for name, grad in grads0.items():
+            torch.testing.assert_close(grads2[name], grad, atol=0, rtol=0, msg=name)
