@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--recompute-method", choices=["uniform", "block"])
     rec.add_argument("--recompute-num-layers", type=int)
     rec.add_argument("--recompute-modules", nargs="*")
+    rec.add_argument(
+        "--activation-offload-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="park what the first N layers of each pipeline stage keep for backward in (pinned) host "
+        "memory between their forward and backward, prefetched one layer ahead (0: off)",
+    )
 
     opt = p.add_argument_group("precision, optimiser and schedule")
     opt.add_argument("--bf16", action="store_true")

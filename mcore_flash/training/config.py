@@ -107,6 +107,9 @@ class TrainingConfig:
     recompute_method: Optional[str]
     recompute_num_layers: Optional[int]
     recompute_modules: Optional[tuple[str, ...]]
+    activation_offload_layers: (
+        int  # first N layers of each stage park their saved tensors on the host
+    )
     # precision, optimiser and schedule
     bf16: bool
     fp16: bool
@@ -328,6 +331,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         for prefix in prefixes:
             check_indexed_dataset(prefix, arg="--data-path", scan_tokens=0)
     recompute = _recompute(args, pp)
+    _check_activation_offload(args, pp)
     return dict(
         world_size=world_size,
         data_parallel_size=dp,
@@ -354,6 +358,29 @@ def _recompute(args: SimpleNamespace, pp: int) -> RecomputeSettings:
                 f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_stage} layers per pipeline stage"
             )
     return recompute
+
+
+def _check_activation_offload(args: SimpleNamespace, pp: int) -> None:
+    """``--activation-offload-layers N``: 0..layers per stage; one layer per checkpoint; not with
+    Megatron-FSDP (its unsharded weights are gathered buffers, not yet told apart: untested)."""
+    n = args.activation_offload_layers
+    per_stage = args.num_layers // pp
+    if not 0 <= n <= per_stage:
+        raise ValueError(
+            f"--activation-offload-layers {n}: choose 0..{per_stage} (the layers per pipeline stage)"
+        )
+    if not n:
+        return
+    if args.recompute_method == "uniform" and (args.recompute_num_layers or 1) > 1:
+        raise ValueError(
+            "--activation-offload-layers with --recompute-method uniform needs --recompute-num-layers 1 "
+            "(a checkpoint of several layers keeps one input for all; offload parks it per layer)"
+        )
+    if args.use_megatron_fsdp:
+        raise ValueError(
+            "--activation-offload-layers and --use-megatron-fsdp exclude each other (not validated: "
+            "FSDP's gathered weights must not be parked); drop one"
+        )
 
 
 def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> None:

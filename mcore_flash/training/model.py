@@ -61,13 +61,15 @@ def build_model(
 ):
     """This rank's pipeline stage of the GPT (on the current default device) for ``model_config``
     (:func:`transformer_config`'s), with ``padded_vocab_size`` embedding rows; with
-    ``parallel_output=False`` the logits are gathered over TP (full vocabulary on every rank)."""
+    ``parallel_output=False`` the logits are gathered over TP (full vocabulary on every rank).
+    With ``--activation-offload-layers N`` the first N layers of the stage park their saved
+    tensors on the host (:mod:`mcore_flash.transformer.activation_offload`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
+    from mcore_flash.transformer import activation_offload, get_gpt_decoder_block_flash_spec
 
-    return GPTModel(
+    model = GPTModel(
         model_config,
         get_gpt_decoder_block_flash_spec(
             model_config,
@@ -86,6 +88,11 @@ def build_model(
         seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
         parallel_output=parallel_output,
     )
+    if config.activation_offload_layers:  # ``model.activation_offload.events``: the copies' order
+        model.activation_offload = activation_offload.install(
+            model.decoder, config.activation_offload_layers
+        )
+    return model
 
 
 # The flags that define the model's weights and how they are used (``model_args``, stored in
