@@ -12,6 +12,14 @@ adds the predicted step time, tokens/s per device, MFU and their breakdown
 tokens on average with document masking: attention FLOPs (and so the recompute overhead
 and the search's ranking) scale by N / seq-length; the memory does not change.
 
+Host offload (the ladder's 4th rung): ``--optimizer-cpu-offload [--optimizer-offload-fraction F]``
+and ``--activation-offload-layers N`` plan a layout with them (device and host bytes, the
+copies' and the host optimizer step's time); ``--host-memory`` is the host memory per node
+(default the profile's); ``--search`` climbs to offload when nothing fits on ZeRO-3 and,
+when nothing fits even there, says by how much and what closes the gap; ``--sensitivity``
+shows how the prediction moves when each figure the profile marks an assumption halves or
+doubles.
+
 Megatron-LM's long flag names (``--tensor-model-parallel-size`` ...) are accepted too.
 """
 
@@ -30,8 +38,22 @@ from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile, load
 from .layout import Layout
 from .memory import plan_memory
 from .models import MODELS, ModelShape, get_model
-from .report import format_candidate, format_compare, format_plan, format_step_time
-from .search import SEARCH_RECOMPUTE_MODES, default_global_batch_size, search_layouts
+from .report import (
+    format_candidate,
+    format_compare,
+    format_gap,
+    format_plan,
+    format_sensitivity,
+    format_step_time,
+)
+from .search import (
+    SEARCH_RECOMPUTE_MODES,
+    Candidate,
+    closest_offload,
+    default_global_batch_size,
+    search_layouts,
+    sensitivity,
+)
 from .step_time import predict_step_time
 from .units import format_bytes, parse_bytes
 
@@ -110,6 +132,46 @@ def build_parser() -> argparse.ArgumentParser:
         dest="sharding_strategy",
         choices=FSDP_STRATEGIES,
         help="Megatron-FSDP's strategy (default optim_grads_params = ZeRO-3; needs --use-megatron-fsdp)",
+    )
+    p.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="the optimizer state (fp32 master, Adam m, v) of --optimizer-offload-fraction of each rank's shard "
+        "lives and steps on the host (megatron-core's HybridDeviceOptimizer; needs the distributed optimizer)",
+    )
+    p.add_argument(
+        "--optimizer-offload-fraction",
+        type=float,
+        metavar="F",
+        help="share of the shard offloaded, in [0, 1] (default 1.0; needs --optimizer-cpu-offload)",
+    )
+    p.add_argument(
+        "--overlap-cpu-optimizer-d2h-h2d",
+        dest="overlap_cpu_optimizer",
+        action="store_true",
+        help="step time: the offloaded optimizer's copies overlap its host step",
+    )
+    p.add_argument(
+        "--activation-offload-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the first N layers of each pipeline stage keep what they save for backward in host memory",
+    )
+    p.add_argument(
+        "--host-memory",
+        help="host memory per node, e.g. 2TB (binary; default the hardware profile's, an assumption for the 910B)",
+    )
+    p.add_argument(
+        "--no-offload",
+        dest="offload",
+        action="store_false",
+        help="--search: stop the ladder at ZeRO-3 (no host offload)",
+    )
+    p.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="how the prediction moves when each assumed hardware figure halves or doubles",
     )
     p.add_argument(
         "--profile",
@@ -197,6 +259,18 @@ def _fsdp(args) -> Optional[str]:
     return args.sharding_strategy or "optim_grads_params"
 
 
+def _offload_fraction(args) -> float:
+    """The optimizer offload fraction of ``--optimizer-cpu-offload [--optimizer-offload-fraction F]``."""
+    if args.optimizer_offload_fraction is not None and not args.optimizer_cpu_offload:
+        raise ValueError("--optimizer-offload-fraction needs --optimizer-cpu-offload")
+    if not args.optimizer_cpu_offload:
+        return 0.0
+    fraction = 1.0 if args.optimizer_offload_fraction is None else args.optimizer_offload_fraction
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"--optimizer-offload-fraction {fraction}: a fraction in (0, 1]")
+    return fraction
+
+
 def _dp(args) -> int:
     unit = args.tp * args.pp * args.cp
     if args.num_devices is not None:
@@ -235,6 +309,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _plan_kwargs(args, dtype_bytes: int) -> dict:
     return dict(
+        host_memory=None if args.host_memory is None else parse_bytes(args.host_memory),
         profile=args.profile,
         dtype_bytes=dtype_bytes,
         runtime_reserve=parse_bytes(args.runtime_reserve),
@@ -275,12 +350,16 @@ def _plan(
         global_batch_size=gbs,
         distributed_optimizer=args.distributed_optimizer,
         fsdp=_fsdp(args),
+        optimizer_offload_fraction=_offload_fraction(args),
+        activation_offload_layers=args.activation_offload_layers,
+        overlap_cpu_optimizer=args.overlap_cpu_optimizer,
     )
     plan = plan_memory(
         model,
         args.seq_length,
         layout,
         device_memory=device_memory,
+        hardware=hardware,
         **_plan_kwargs(args, dtype_bytes),
     )
     step = predict_step_time(
@@ -290,12 +369,20 @@ def _plan(
         hardware,
         mean_document_length=args.mean_document_length,
         dtype_bytes=dtype_bytes,
+        activation_profile=args.profile,
         **_step_options(args),
     )
+    rows = (
+        sensitivity(Candidate(plan, step), plan_kwargs=_plan_kwargs(args, dtype_bytes))
+        if args.sensitivity
+        else None
+    )
     if args.json:
-        print(json.dumps({**plan.to_dict(), "step_time": step.to_dict()}, indent=2))
+        extra = {} if rows is None else {"sensitivity": rows}
+        print(json.dumps({**plan.to_dict(), "step_time": step.to_dict(), **extra}, indent=2))
     else:
-        print(format_plan(plan) + "\n\n" + format_step_time(step))
+        text = format_plan(plan) + "\n\n" + format_step_time(step)
+        print(text + ("" if rows is None else "\n\n" + format_sensitivity(rows)))
     return 0 if plan.fits is not False else 1
 
 
@@ -315,22 +402,46 @@ def _search(
         distributed_optimizer=args.distributed_optimizer,
         fsdp_choices=(_fsdp(args),) if args.use_megatron_fsdp else PLANNED_STRATEGIES,
         climb="each" if args.use_megatron_fsdp else "needed",
+        offload=args.offload,
         hardware=hardware,
         step_options=_step_options(args),
         **_plan_kwargs(args, dtype_bytes),
     )
     shown = found[: args.top]
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "num_fitting": len(found),
-                    "hardware": hardware.to_dict(),
-                    "layouts": [c.to_dict() for c in shown],
-                },
-                indent=2,
-            )
+    rows = (
+        sensitivity(
+            shown[0], plan_kwargs=_plan_kwargs(args, dtype_bytes), step_options=_step_options(args)
         )
+        if args.sensitivity and shown
+        else None
+    )
+    gap = None
+    if not found and args.offload and args.distributed_optimizer:
+        gap = closest_offload(
+            model,
+            args.seq_length,
+            args.num_devices,
+            device_memory,
+            hardware=hardware,
+            search_options=dict(
+                micro_batch_size=args.micro_batch_size,
+                global_batch_size=args.global_batch_size,
+                max_tp=args.max_tp,
+                sequence_parallel=args.sequence_parallel,
+            ),
+            **_plan_kwargs(args, dtype_bytes),
+        )
+    if args.json:
+        out = {
+            "num_fitting": len(found),
+            "hardware": hardware.to_dict(),
+            "layouts": [c.to_dict() for c in shown],
+        }
+        if rows is not None:
+            out["sensitivity"] = rows
+        if gap is not None:
+            out["offload_gap"] = gap.to_dict()
+        print(json.dumps(out, indent=2))
         return 0 if found else 1
     tokens = f"{args.seq_length:,} tokens"
     if args.mean_document_length is not None:
@@ -341,15 +452,24 @@ def _search(
     )
     for rank, candidate in enumerate(shown, 1):
         print(format_candidate(rank, candidate))
+    if rows is not None:
+        print("\n" + format_sensitivity(rows))
     if not found:
         print(
             "nothing fits: add devices, a longer pipeline or context parallelism, or recompute"
             + (
-                " (ZeRO-3 with Megatron-FSDP was tried too; host offload is not planned)"
+                " (ZeRO-3 with Megatron-FSDP was tried too"
+                + (
+                    "; host offload too)"
+                    if args.offload
+                    else "; host offload was not: drop --no-offload)"
+                )
                 if args.distributed_optimizer
                 else ", or ZeRO-3 (drop --no-distributed-optimizer)"
             )
         )
+        if gap is not None:
+            print(format_gap(gap))
     return 0 if found else 1
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Optional
 
 from . import activations as act
-from .layout import recompute_text
-from .memory import ESTIMATED_CATEGORIES, MemoryPlan, launch_command
+from .layout import offload_text, recompute_text
+from .memory import ESTIMATED_CATEGORIES, OFFLOAD_CATEGORIES, MemoryPlan, launch_command
 from .models import ModelShape
-from .search import Candidate
-from .step_time import BREAKDOWN_KEYS, FSDP_BREAKDOWN_KEYS, StepTime
+from .search import Candidate, OffloadGap
+from .step_time import BREAKDOWN_KEYS, FSDP_BREAKDOWN_KEYS, OFFLOAD_BREAKDOWN_KEYS, StepTime
 from .units import format_bytes
 
 __all__ = [
@@ -25,6 +25,9 @@ __all__ = [
     "format_step_time",
     "format_candidate",
     "format_compare",
+    "format_host",
+    "format_sensitivity",
+    "format_gap",
 ]
 
 
@@ -33,11 +36,18 @@ def verdict(plan: MemoryPlan) -> str:
     if plan.device_memory is None:
         return f"needs {format_bytes(plan.total)} per device (no --device-memory given)"
     word = "FITS" if plan.fits else "DOES NOT FIT"
-    sign = "free" if plan.fits else "over"
-    return (
+    sign = "free" if plan.device_fits else "over"
+    text = (
         f"{word}: {format_bytes(plan.total)} of {format_bytes(plan.device_memory)} per device "
         f"({format_bytes(abs(plan.headroom))} {sign})"
     )
+    host = plan.host
+    if host is not None and host.fits is not None and (plan.layout.offloads or not host.fits):
+        text += (
+            f"; host {format_bytes(host.per_node)} of {format_bytes(host.host_memory)} per node "
+            f"({format_bytes(abs(host.headroom))} {'free' if host.fits else 'over'})"
+        )
+    return text
 
 
 def documents_line(plan: MemoryPlan) -> str:
@@ -77,13 +87,16 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{worst.parameters:,} parameters):",
     ]
     for name in plan.categories:
-        mark = "  (estimate)" if name in ESTIMATED_CATEGORIES else ""
+        estimated = ESTIMATED_CATEGORIES + OFFLOAD_CATEGORIES
+        mark = "  (estimate)" if name in estimated else ""
         lines.append(f"  {name:<26} {format_bytes(worst.bytes[name]):>12}{mark}")
     lines.append(f"  {'total':<26} {format_bytes(worst.total):>12}")
     if lay.pp > 1:
         lines.append(
             "stages: " + ", ".join(f"{st.stage}: {format_bytes(st.total)}" for st in plan.stages)
         )
+    if lay.offloads and plan.host is not None:
+        lines += ["", format_host(plan)]
     lines += [
         "",
         f"compute overhead: recompute +{plan.recompute_overhead:.1%}, pipeline bubble +{plan.pipeline_bubble:.1%}",
@@ -91,6 +104,54 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     lines += [f"note: {note}" for note in plan.notes]
     lines += ["", "launch: " + launch_command(plan)]
+    return "\n".join(lines)
+
+
+def format_host(plan: MemoryPlan) -> str:
+    """The fullest node's host bytes by category (host offload)."""
+    host = plan.host
+    lines = [f"host per node ({host.ranks_per_node} ranks; {offload_text(plan.layout)}):"]
+    for name, nbytes in {**host.by_category, "host_reserved": host.reserved}.items():
+        mark = "  (assumption)" if name in ("host_runtime", "host_reserved") else ""
+        lines.append(f"  {name:<26} {format_bytes(nbytes):>12}{mark}")
+    lines.append(f"  {'total':<26} {format_bytes(host.per_node):>12}")
+    return "\n".join(lines)
+
+
+def format_sensitivity(rows: list[dict]) -> str:
+    """:func:`.search.sensitivity`'s rows: per assumed figure and factor, the change of the
+    predicted tokens/s per device and whether the plan still fits."""
+    lines = ["sensitivity (each assumed hardware figure scaled; tokens/s per device, fit):"]
+    for r in rows:
+        fits = {True: "fits", False: "DOES NOT FIT", None: "-"}[r["fits"]]
+        lines.append(
+            f"  {r['field']:<30} x{r['factor']:<4g} {r['tokens_per_s_change']:>+8.1%}  {fits}"
+        )
+    return "\n".join(lines)
+
+
+def format_gap(gap: OffloadGap) -> str:
+    """Why nothing fits with all host offload and what would close the gap."""
+    lay, plan = gap.plan.layout, gap.plan
+    lines = [
+        f"closest with everything offloaded: TP{lay.tp} PP{lay.pp} CP{lay.cp} DP{lay.dp}, recompute "
+        f"{recompute_text(lay, plan.model.num_layers)}, {offload_text(lay)}: "
+        f"{format_bytes(plan.total)} per device ({format_bytes(abs(gap.device_over))} "
+        f"{'over' if gap.device_over > 0 else 'free'}), host {format_bytes(plan.host.per_node)} per node "
+        f"({format_bytes(abs(gap.host_over))} {'over' if gap.host_over > 0 else 'free'})"
+    ]
+    if gap.device_over > 0:
+        bf16 = gap.bf16_gradients
+        lines.append(
+            f"closes the device gap: bf16 main gradients (Megatron-LM's --grad-reduce-in-bf16; the trainer keeps "
+            f"fp32) bring it to {format_bytes(bf16.total)} per device "
+            f"({'fits' if bf16.device_fits else 'still over'}); or more devices"
+        )
+    if gap.host_over > 0:
+        lines.append(
+            f"closes the host gap: {format_bytes(plan.host.per_node)} of host memory per node (--host-memory), or a "
+            "narrower host optimizer state (bf16 moments)"
+        )
     return "\n".join(lines)
 
 
@@ -113,7 +174,7 @@ def format_step_time(step: StepTime) -> str:
         f"step time on {devices}: {total:.3f} s; {step.tokens_per_s_per_device:,.0f} tokens/s per "
         f"device; MFU {step.mfu:.1%} (Megatron convention {step.mfu_megatron:.1%})",
     ]
-    for key in BREAKDOWN_KEYS + FSDP_BREAKDOWN_KEYS:
+    for key in BREAKDOWN_KEYS + FSDP_BREAKDOWN_KEYS + OFFLOAD_BREAKDOWN_KEYS:
         seconds = step.breakdown.get(key, 0.0)
         if seconds:
             lines.append(f"  {key:<26} {seconds:>10.3f} s  {seconds / total:>6.1%}")
@@ -127,11 +188,17 @@ def format_candidate(rank: int, candidate: Candidate) -> str:
     lines = [
         f"\n{rank}. TP{lay.tp}{' SP' if lay.sp else ''} PP{lay.pp}{f' v{lay.vp}' if lay.vp > 1 else ''} "
         f"CP{lay.cp} DP{lay.dp}, recompute {recompute_text(lay, plan.model.num_layers)}"
-        f"{f', Megatron-FSDP {lay.fsdp}' if lay.fsdp else ''} (rung: {candidate.rung}): "
+        f"{f', Megatron-FSDP {lay.fsdp}' if lay.fsdp else ''}"
+        f"{f', {offload_text(lay)}' if lay.offloads else ''} (rung: {candidate.rung}): "
         f"{step.step_time_s:.2f} s per step, "
         f"{step.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {step.mfu:.1%}; "
         f"{format_bytes(plan.total)} per device ({format_bytes(plan.headroom)} free); recompute "
         f"+{plan.recompute_overhead:.1%}, bubble +{plan.pipeline_bubble:.1%} ({lay.num_microbatches} micro-batches)"
+        + (
+            f"; host {format_bytes(plan.host.per_node)} per node ({format_bytes(plan.host.headroom)} free)"
+            if lay.offloads and plan.host is not None
+            else ""
+        )
     ]
     lines += ["  " + line for line in format_step_time(step).splitlines()[1:]]
     lines += [f"   note: {note}" for note in plan.notes]

@@ -14,7 +14,16 @@ ZeRO-3, Megatron-FSDP with each of ``fsdp_choices`` (``optim_grads_params``,
 ``optim_grads``) over its ``dp * cp > 1`` ranks: by default (``climb="needed"``) only when
 no layout of the device count fits on the lower rungs, full recompute included (a search
 whose ``recompute_choices`` leave out ``full`` has not finished the recompute rung and does
-not climb), with ``climb="each"`` for every layout that does not. ``Candidate.rung`` says which rung it needed.
+not climb), with ``climb="each"`` for every layout that does not. One that does not fit on
+ZeRO-3 either climbs to host offload (``offload``; the distributed optimizer without FSDP,
+as the trainer refuses the two together), again only when no layout of the device count
+fits below it: the least optimizer offload fraction of :data:`OFFLOAD_FRACTIONS` that fits,
+else the whole optimizer and the fewest activation-offloaded layers per stage that fit
+(offload just enough: the host step and the copies grow with it); a search whose
+``fsdp_choices`` are empty has not finished the ZeRO-3 rung and does not climb to offload. A plan fits when the
+device holds its worst stage and the host its fullest node. ``Candidate.rung`` says which
+rung it needed; :func:`closest_offload` says, when nothing fits, by how much and what
+closes the gap; :func:`sensitivity` how the prediction moves with each assumed figure.
 """
 
 from __future__ import annotations
@@ -24,18 +33,28 @@ from typing import Iterable, Optional, Sequence
 
 from .activations import RECOMPUTE_MODES
 from .fsdp import PLANNED_STRATEGIES
-from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
+from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HOST_FIELDS, HardwareProfile
 from .layout import Layout
 from .memory import MemoryPlan, plan_memory
 from .models import ModelShape
 from .step_time import StepTime, predict_step_time
 
-__all__ = ["Candidate", "search_layouts", "default_global_batch_size", "SEARCH_RECOMPUTE_MODES"]
+__all__ = [
+    "Candidate",
+    "search_layouts",
+    "default_global_batch_size",
+    "SEARCH_RECOMPUTE_MODES",
+    "OFFLOAD_FRACTIONS",
+    "closest_offload",
+    "sensitivity",
+]
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # Llama-2's 4M-token batches
 # what --search tries (and --recompute accepts): our modes; Megatron's stock core_attention
 # recompute saves nothing with a fused kernel (README "Recompute")
 SEARCH_RECOMPUTE_MODES = tuple(mode for mode in RECOMPUTE_MODES if mode != "core_attention")
+# the optimizer offload fractions the offload rung tries, least first
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 
 @dataclass
@@ -96,6 +115,7 @@ def search_layouts(
     safety_margin: float = 0.05,
     fsdp_choices: Sequence[str] = PLANNED_STRATEGIES,
     climb: str = "needed",
+    offload: bool = True,
     hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
     step_options: Optional[dict] = None,
     **plan_kwargs,
@@ -112,15 +132,18 @@ def search_layouts(
     retried with each Megatron-FSDP strategy of ``fsdp_choices`` (when ``dp * cp > 1``; empty:
     never), again with just enough partial recompute if needed: with ``climb="needed"`` (the
     ladder) only when no layout fits without ZeRO-3, with ``climb="each"`` for every layout
-    that does not fit without it. ``hardware`` and ``step_options``
+    that does not fit without it; when nothing fits on ZeRO-3 either and ``offload``, every
+    layout is retried with host offload (just enough). ``hardware`` and ``step_options``
     (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
     ``mean_document_length`` ...).
     """
     step_kwargs = {
         "mean_document_length": plan_kwargs.get("mean_document_length"),
+        "activation_profile": plan_kwargs.get("profile", "npu"),
         **(step_options or {}),
     }
+    plan_kwargs = {**plan_kwargs, "hardware": hardware}
     tps = (
         list(tp_choices)
         if tp_choices
@@ -141,8 +164,9 @@ def search_layouts(
         else [c for c in _powers_of_two(num_devices) if seq_length % (2 * c) == 0 or c == 1]
     )
 
-    def run(choices: Sequence[str]) -> list[Candidate]:
-        """Every layout, climbing to the FSDP strategies ``choices`` where needed."""
+    def run(choices: Sequence[str], host_offload: bool = False) -> list[Candidate]:
+        """Every layout, climbing to the FSDP strategies ``choices`` (or with
+        ``host_offload`` to host offload) where needed."""
         found = []
         for tp in tps:
             for pp in pps:
@@ -187,6 +211,7 @@ def search_layouts(
                                 partial_recompute,
                                 choices,
                                 plan_kwargs,
+                                host_offload,
                             ):
                                 if plan.fits and plan.headroom < safety_margin * device_memory:
                                     plan.notes.append(
@@ -208,6 +233,10 @@ def search_layouts(
     exhausted = "full" in recompute_choices  # the recompute rung's last step was tried
     if climb == "needed" and fsdp_choices and exhausted and not any(c.plan.fits for c in found):
         found = run(fsdp_choices)  # nothing fits below ZeRO-3: climb
+    # the ZeRO-3 rung finished (fsdp_choices tried) and nothing fits: climb to host offload
+    finished = exhausted and bool(fsdp_choices)
+    if climb == "needed" and offload and finished and not any(c.plan.fits for c in found):
+        found = run((), host_offload=True)  # nothing fits below host offload: climb
     found.sort(key=lambda candidate: rank_key(candidate, safety_margin))
     return found
 
@@ -227,16 +256,26 @@ def _climb(
     partial_recompute: bool,
     fsdp_choices: Sequence[str],
     plan_kwargs: dict,
+    host_offload: bool = False,
 ) -> list[MemoryPlan]:
     """The plans of ``layout`` up the ladder: itself (with just enough partial recompute);
     if that does not fit, one plan per FSDP strategy of ``fsdp_choices`` (dp x cp > 1),
-    each with just enough partial recompute, keeping the non-fitting first plan only when
-    no strategy fits either."""
+    each with just enough partial recompute, or with ``host_offload`` its least host
+    offload that fits (:func:`_least_offload`), keeping the non-fitting first plan only
+    when nothing fits either."""
     plan = _fitting(
         plan_memory(model, seq_length, layout, device_memory=device_memory, **plan_kwargs),
         partial_recompute,
         plan_kwargs,
     )
+    if (
+        not plan.fits
+        and host_offload
+        and layout.distributed_optimizer
+        and layout.fsdp is None
+        and _knows_host(plan_kwargs["hardware"])
+    ):
+        return [_least_offload(plan, plan_kwargs) or plan]
     if (
         plan.fits
         or layout.sharding_ranks == 1
@@ -260,6 +299,53 @@ def _climb(
     ]
     fitting = [p for p in sharded if p.fits]
     return fitting or [plan]
+
+
+def _knows_host(hardware: HardwareProfile) -> bool:
+    """Whether ``hardware`` gives every host figure offload is planned with."""
+    return all(getattr(hardware, name) is not None for name in HOST_FIELDS)
+
+
+def _least_offload(plan: MemoryPlan, plan_kwargs: dict) -> Optional[MemoryPlan]:
+    """The fitting plan of ``plan``'s layout with the least host offload: the least optimizer
+    offload fraction of :data:`OFFLOAD_FRACTIONS`, else the whole optimizer and the fewest
+    activation-offloaded layers per stage (device bytes fall as that number grows:
+    bisection); None when even every layer offloaded does not fit (or the host cannot
+    hold the optimizer)."""
+
+    def planned(fraction: float, layers: int) -> MemoryPlan:
+        return _replanned(
+            plan, plan_kwargs, optimizer_offload_fraction=fraction, activation_offload_layers=layers
+        )
+
+    for fraction in OFFLOAD_FRACTIONS:
+        candidate = planned(fraction, 0)
+        if candidate.fits:
+            return candidate
+        if candidate.host.fits is False:  # more offload only needs more host
+            return None
+    best, low, high = None, 1, plan.model.num_layers // plan.layout.pp
+    while low <= high:
+        mid = (low + high) // 2
+        candidate = planned(1.0, mid)
+        if candidate.fits:
+            best, high = candidate, mid - 1
+        elif candidate.device_fits:  # the host is full: more layers only add to it
+            return best
+        else:
+            low = mid + 1
+    return best
+
+
+def _replanned(plan: MemoryPlan, plan_kwargs: dict, **changes) -> MemoryPlan:
+    """``plan`` again (with the plan keywords ``plan_kwargs``), its layout's fields ``changes``."""
+    return plan_memory(
+        plan.model,
+        plan.seq_length,
+        replace(plan.layout, **changes),
+        device_memory=plan.device_memory,
+        **plan_kwargs,
+    )
 
 
 def _least_partial_recompute(plan: MemoryPlan, plan_kwargs: dict) -> Optional[MemoryPlan]:
@@ -297,3 +383,137 @@ def rank_key(candidate: Candidate, safety_margin: float = 0.05):
         lay.tp,
         -(plan.headroom or 0),
     )
+
+
+@dataclass
+class OffloadGap:
+    """Why nothing fits on ``num_devices`` even with all host offload: ``plan``, the layout
+    closest to fitting with the whole optimizer and every layer's activations on the host;
+    its device bytes over the device memory (``device_over``, bytes; <= 0: fits) and the
+    host bytes over the node's (``host_over``); ``bf16_gradients``, the same plan with bf16
+    main gradients (Megatron-LM's ``--grad-reduce-in-bf16``, 2 B per parameter instead of
+    the trainer's fp32)."""
+
+    plan: MemoryPlan
+    bf16_gradients: MemoryPlan
+
+    @property
+    def device_over(self) -> int:
+        return -self.plan.headroom
+
+    @property
+    def host_over(self) -> int:
+        return -self.plan.host.headroom
+
+    def to_dict(self) -> dict:
+        return {
+            "closest_layout": self.plan.layout.to_dict(),
+            "device_bytes": self.plan.total,
+            "device_over_bytes": self.device_over,
+            "host_bytes_per_node": self.plan.host.per_node,
+            "host_over_bytes": self.host_over,
+            "with_bf16_gradients": {
+                "device_bytes": self.bf16_gradients.total,
+                "device_fits": self.bf16_gradients.device_fits,
+                "host_fits": self.bf16_gradients.host.fits,
+            },
+        }
+
+
+def closest_offload(
+    model: ModelShape,
+    seq_length: int,
+    num_devices: int,
+    device_memory: int,
+    *,
+    hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
+    search_options: Optional[dict] = None,
+    **plan_kwargs,
+) -> Optional[OffloadGap]:
+    """The gap of ``num_devices`` devices at the top of the ladder: every layout the search
+    enumerates (``search_options``: its keywords), planned with all host offload (fraction
+    1, every layer of each stage), the one with the least device overshoot (None when the
+    profile has no host figures)."""
+    if not _knows_host(hardware):
+        return None
+    base = search_layouts(
+        model,
+        seq_length,
+        num_devices,
+        device_memory,
+        include_non_fitting=True,
+        partial_recompute=False,
+        fsdp_choices=(),
+        offload=False,
+        hardware=hardware,
+        **(search_options or {}),
+        **plan_kwargs,
+    )
+    kwargs = {**plan_kwargs, "hardware": hardware}
+    offloaded = [
+        _replanned(
+            c.plan,
+            kwargs,
+            optimizer_offload_fraction=1.0,
+            activation_offload_layers=model.num_layers // c.plan.layout.pp,
+        )
+        for c in base
+        if c.plan.layout.distributed_optimizer
+    ]
+    if not offloaded:
+        return None
+    closest = min(offloaded, key=lambda p: (p.total, p.host.per_node))
+    bf16 = _replanned(closest, {**kwargs, "grad_bytes": 2})
+    return OffloadGap(closest, bf16)
+
+
+def sensitivity(
+    candidate: Candidate,
+    factors: Sequence[float] = (0.5, 2.0),
+    plan_kwargs: Optional[dict] = None,
+    step_options: Optional[dict] = None,
+) -> list[dict]:
+    """How the candidate's prediction moves when each figure its hardware profile marks an
+    assumption (:meth:`.hardware.HardwareProfile.assumptions`) is scaled by each of
+    ``factors``: per (field, factor) the predicted step time's and tokens/s' relative change,
+    and whether the plan still fits (the host figures change the host verdict)."""
+    plan, step = candidate.plan, candidate.step
+    hardware = step.hardware
+    rows = []
+    for name in hardware.assumptions():
+        for factor in factors:
+            value = getattr(hardware, name) * factor
+            if name == "achievable_fraction":
+                value = min(value, 1.0)
+            if name.endswith("_bytes") or name.endswith("bytes_per_rank"):
+                value = int(value)
+            changed = hardware.with_(**{name: value})
+            new_step = predict_step_time(
+                plan.model,
+                plan.seq_length,
+                plan.layout,
+                changed,
+                dtype_bytes=plan.dtype_bytes,
+                mean_document_length=plan.mean_document_length,
+                **(step_options or {}),
+            )
+            new_plan = plan_memory(
+                plan.model,
+                plan.seq_length,
+                plan.layout,
+                device_memory=plan.device_memory,
+                **{**(plan_kwargs or {}), "hardware": changed},
+            )
+            rows.append(
+                {
+                    "field": name,
+                    "factor": factor,
+                    "value": value,
+                    "step_time_change": new_step.step_time_s / step.step_time_s - 1,
+                    "tokens_per_s_change": new_step.tokens_per_s_per_device
+                    / step.tokens_per_s_per_device
+                    - 1,
+                    "fits": new_plan.fits,
+                }
+            )
+    return rows

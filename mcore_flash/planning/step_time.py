@@ -40,11 +40,22 @@ fraction; FLOPs from :func:`.flops.forward_flops`, causal attention halved):
   The per-step DP terms then vanish (``optim_grads`` keeps the all-gather of its unsharded
   weights after the step).
 
+* Host offload (``H`` = the profile's host<->device bytes/s per device, one direction):
+  each of the ``N = activation_offload_layers`` offloaded layers of a stage copies its kept
+  tensors (``A`` bytes, :func:`.activations.layer_terms` of its recompute mode) to the host
+  after its forward and back before its backward, each hidden behind one layer's compute:
+  exposed ``N·(max(0, A/H - forward) + max(0, A/H - backward))`` per micro-batch. The
+  offloaded optimizer (fraction ``F`` of the ``P/(dp·cp)``-element shard): its host step,
+  ``ranks per node · F·P/(dp·cp) / E`` (``E`` = the node's host AdamW elements/s, shared
+  by its ranks), and its copies, fp32 gradients down and bf16 parameters up,
+  ``6·F·P/(dp·cp) / H``; once per step, their sum, or with ``overlap_cpu_optimizer``
+  (``--overlap-cpu-optimizer-d2h-h2d``) the larger of the two.
+
 A group uses the intra-node bandwidth when its ranks fit in one node (Megatron orders ranks
 TP, CP, DP, PP: TP spans ``tp`` consecutive ranks, CP ``tp·cp``, DP ``tp·cp·dp``, PP all),
 else the inter-node one. Not modelled: kernel launch and optimizer-step time, memory-bound
 elementwise ops (norms, RoPE, SwiGLU) beyond what the achievable fraction absorbs, network
-contention between groups.
+contention between groups, the host's memory bandwidth shared by activation copies.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from . import activations as act
 from .flops import (
     FUSED_ATTENTION_BACKWARD,
     GEMM_BACKWARD,
@@ -72,6 +84,8 @@ __all__ = [
     "RECOMPUTE_COMMUNICATION",
     "BREAKDOWN_KEYS",
     "FSDP_BREAKDOWN_KEYS",
+    "OFFLOAD_BREAKDOWN_KEYS",
+    "kept_layer_bytes",
 ]
 
 # per recompute mode: TP all-gathers/reduce-scatters its re-run forward repeats per layer,
@@ -100,6 +114,13 @@ BREAKDOWN_KEYS = (
 )
 # the breakdown's extra parts under Megatron-FSDP (absent without it)
 FSDP_BREAKDOWN_KEYS = ("fsdp_param_gather_exposed", "fsdp_grad_reduce_exposed")
+# the breakdown's extra parts under host offload (absent without it)
+OFFLOAD_BREAKDOWN_KEYS = (
+    "activation_offload_exposed",
+    "host_optimizer_step",
+    "optimizer_offload_copies",
+)
+OFFLOAD_COPY_BYTES = 6  # per offloaded element and step: fp32 gradient down, bf16 parameter up
 
 
 @dataclass
@@ -209,6 +230,47 @@ def _fsdp_per_micro_batch(
     return {"fsdp_param_gather_exposed": gather, "fsdp_grad_reduce_exposed": reduce}
 
 
+def kept_layer_bytes(
+    model: ModelShape, seq_length: int, layout: Layout, profile: str = "npu", dtype_bytes: int = 2
+) -> float:
+    """Bytes the mean layer keeps for backward, one micro-batch, this device (what activation
+    offload copies): the layers' shares of their recompute modes (:meth:`.Layout.recompute_shares`)."""
+    return float(
+        sum(
+            weight
+            * act.sum_terms(
+                act.layer_terms(
+                    model,
+                    seq_length,
+                    layout.micro_batch_size,
+                    tp=layout.tp,
+                    cp=layout.cp,
+                    sequence_parallel=layout.sp,
+                    recompute=mode,
+                    profile=profile,
+                    dtype_bytes=dtype_bytes,
+                )
+            )
+            for weight, mode in layout.recompute_shares(model.num_layers)
+        )
+    )
+
+
+def _offload_per_step(
+    layout: Layout, hw: HardwareProfile, shard_elements: float
+) -> dict[str, float]:
+    """Seconds per step of the offloaded optimizer: its host step and its copies."""
+    offloaded = layout.optimizer_offload_fraction * shard_elements
+    if not offloaded:
+        return {}
+    ranks_per_node = min(hw.devices_per_node, layout.num_devices)
+    step = ranks_per_node * offloaded / hw.host("host_optimizer_elements_per_s")
+    copies = OFFLOAD_COPY_BYTES * offloaded / hw.host("host_device_bandwidth")
+    if layout.overlap_cpu_optimizer:  # the copies of one group overlap the step of another
+        return {"host_optimizer_step": max(step, copies), "optimizer_offload_copies": 0.0}
+    return {"host_optimizer_step": step, "optimizer_offload_copies": copies}
+
+
 def predict_step_time(
     model: ModelShape,
     seq_length: int,
@@ -220,13 +282,15 @@ def predict_step_time(
     tp_comm_overlap: bool = False,
     overlap_grad_reduce: bool = True,
     overlap_param_gather: bool = False,
+    activation_profile: str = "npu",
 ) -> StepTime:
     """Predicted seconds per step of ``model`` at ``seq_length`` tokens under ``layout`` on
     ``hardware``.
 
     ``mean_document_length`` (tokens; None = one document per sequence) scales the attention
     kernel's FLOPs as in :mod:`.flops`. ``layout.global_batch_size`` None means ``pp``
-    micro-batches per step.
+    micro-batches per step. ``activation_profile`` (:data:`.activations.PROFILES`) sizes
+    what activation offload copies.
     """
     m, hw, lay = model, hardware, layout
     if lay.recompute not in RECOMPUTE_COMMUNICATION:
@@ -293,6 +357,12 @@ def predict_step_time(
             for st in range(lay.pp)
         ]
         fsdp_micro = max(per_stage, key=lambda parts: sum(parts.values()))
+    offload_micro = {}
+    if lay.activation_offload_layers:
+        copy = kept_layer_bytes(m, s, lay, activation_profile, B) / hw.host("host_device_bandwidth")
+        offload_micro["activation_offload_exposed"] = lay.activation_offload_layers * (
+            max(0.0, copy - layer_forward) + max(0.0, copy - layer_backward)
+        )
     per_micro = {
         "gemm": stage_layers * gemm,
         "attention_kernel": stage_layers * kernel,
@@ -302,10 +372,15 @@ def predict_step_time(
         "cp_ring_exposed": stage_layers * cp_layer,
         "pp_send_recv": pp_send,
         **fsdp_micro,
+        **offload_micro,
     }
     breakdown = {key: micro * seconds for key, seconds in per_micro.items()}
     breakdown["pipeline_bubble"] = pipeline_bubble(lay.pp, micro, lay.vp) * sum(breakdown.values())
-    fsdp_parts = {key: breakdown.pop(key) for key in FSDP_BREAKDOWN_KEYS if key in breakdown}
+    fsdp_parts = {
+        key: breakdown.pop(key)
+        for key in FSDP_BREAKDOWN_KEYS + OFFLOAD_BREAKDOWN_KEYS
+        if key in breakdown
+    }
 
     # data parallelism (and CP: gradients are reduced over dp x cp), once per step
     params = max(sum(stage_parameters(m, lay.tp, lay.pp, st).values()) for st in range(lay.pp))
@@ -327,6 +402,7 @@ def predict_step_time(
         max(0.0, param_gather - forward) if overlap_param_gather else param_gather
     )
     breakdown.update(fsdp_parts)
+    breakdown.update(_offload_per_step(lay, hw, params / n))
 
     tokens = micro * b * lay.dp  # sequences per step
     one = forward_flops(m, s, 1, mean_document_length)  # one sequence; the kernel counted dense: x2

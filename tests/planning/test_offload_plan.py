@@ -1,0 +1,240 @@
+"""Host offload, the memory ladder's 4th rung: device and host bytes by hand arithmetic,
+the step-time terms, the search's climb and the CLI's refusals.
+
+Hand figures: a TP8 rank of Llama-2-70B (h 8192, 64 heads, 8 KV groups of 128, FFN 28672,
+vocabulary 32000, 80 layers) holds per layer 8192*1280 (QKV) + 1024*8192 (proj) +
+8192*7168 (fc1) + 3584*8192 (fc2) + 2*8192 (norms) = 106,971,136 parameters; with the
+embedding and the output layer (4000*8192 each) and the final norm, 8,623,235,072.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_flash.planning import Layout, plan_memory, predict_step_time, search_layouts
+from mcore_flash.planning.cli import main
+from mcore_flash.planning.hardware import HARDWARE_PROFILES
+from mcore_flash.planning.layout import pretrain_command
+from mcore_flash.planning.models import get_model
+from mcore_flash.planning.search import Candidate, closest_offload, sensitivity
+from mcore_flash.planning.units import GiB
+
+SEQ = 131072
+LAYER_TP8 = 8192 * 1280 + 1024 * 8192 + 8192 * 7168 + 3584 * 8192 + 2 * 8192
+P_TP8 = 80 * LAYER_TP8 + 2 * 4000 * 8192 + 8192  # one TP8 rank, all 80 layers
+INPUT_TP8 = SEQ // 8 * 8192 * 2  # a layer's bf16 input under SP: what full recompute keeps
+NPU = HARDWARE_PROFILES["ascend-910b-64g"]
+RUNTIME, RESERVED = 16 * GiB, 64 * GiB  # the profile's host assumptions
+
+
+def one_node(**offload) -> Layout:
+    return Layout(tp=8, recompute="full", global_batch_size=32, **offload)
+
+
+def plan(layout: Layout, **kwargs):
+    return plan_memory("llama2-70b", SEQ, layout, device_memory="64GB", **kwargs)
+
+
+def test_hand_parameter_count():
+    assert P_TP8 == 8_623_235_072
+    assert plan(one_node()).worst_stage.parameters == P_TP8
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_optimizer_offload_moves_the_shard(fraction):
+    p = plan(one_node(optimizer_offload_fraction=fraction))
+    assert p.per_device["optimizer_state"] == 12 * P_TP8 * (1 - fraction)
+    host = p.stages[0].host_bytes
+    assert host["host_optimizer_state"] == 12 * P_TP8 * fraction
+    assert host["host_gradient_copy"] == 4 * P_TP8 * fraction
+    assert p.per_device["gradients"] == 4 * P_TP8  # fp32 main gradients stay
+    assert p.per_device["weights"] == 2 * P_TP8
+
+
+def test_activation_offload_moves_the_layer_inputs():
+    base = plan(one_node(optimizer_offload_fraction=1.0))
+    p = plan(one_node(optimizer_offload_fraction=1.0, activation_offload_layers=80))
+    # full recompute keeps one layer input per layer; one micro-batch in flight (PP1)
+    assert base.per_device["activations"] - p.per_device["activations"] == 80 * INPUT_TP8
+    assert p.per_device["activation_offload_buffers"] == 2 * INPUT_TP8  # own + prefetched
+    assert p.stages[0].host_bytes["host_activations"] == 80 * INPUT_TP8
+    half = plan(one_node(optimizer_offload_fraction=1.0, activation_offload_layers=40))
+    assert half.stages[0].host_bytes["host_activations"] == 40 * INPUT_TP8
+
+
+def test_host_bytes_per_node():
+    p = plan(one_node(optimizer_offload_fraction=1.0, activation_offload_layers=80))
+    per_rank = 16 * P_TP8 + 80 * INPUT_TP8 + RUNTIME
+    assert p.host.ranks_per_node == 8
+    assert p.host.per_node == 8 * per_rank + RESERVED
+    assert p.host.host_memory == 2 * 1024 * GiB  # the profile's default (an assumption)
+
+
+def test_host_bytes_of_a_pipeline_span_nodes():
+    # TP8 PP2 on 16 devices: node 0 holds stage 0, node 1 stage 1 (ranks TP, CP, DP, PP)
+    layout = Layout(
+        tp=8, pp=2, recompute="full", global_batch_size=32, optimizer_offload_fraction=1.0
+    )
+    p = plan(layout)
+    stage0 = 40 * LAYER_TP8 + 4000 * 8192
+    stage1 = 40 * LAYER_TP8 + 4000 * 8192 + 8192
+    assert p.host.per_node == 8 * (16 * max(stage0, stage1) + RUNTIME) + RESERVED
+
+
+def test_host_memory_refuses_a_plan():
+    layout = one_node(optimizer_offload_fraction=1.0, activation_offload_layers=80)
+    needed = 8 * (16 * P_TP8 + 80 * INPUT_TP8 + RUNTIME) + RESERVED
+    refused = plan(layout, host_memory=needed - 1, grad_bytes=2)
+    held = plan(layout, host_memory=needed, grad_bytes=2)
+    assert refused.device_fits and not refused.fits
+    assert held.fits
+
+
+def test_no_offload_plans_keep_their_verdict():
+    # the host of a plan without offload: the runtime per rank and the reserve only
+    p = plan(Layout(tp=8, pp=2, cp=16, recompute="attention", global_batch_size=32))
+    assert p.host.per_node == 8 * RUNTIME + RESERVED
+    assert p.fits == p.device_fits
+
+
+def test_offload_flags_of_the_command():
+    layout = one_node(optimizer_offload_fraction=0.5, activation_offload_layers=3)
+    command = pretrain_command(get_model("llama2-70b"), SEQ, layout)
+    assert (
+        "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
+        "--optimizer-offload-fraction 0.5 --activation-offload-layers 3"
+    ) in command
+    assert command.endswith("--bf16")
+    assert "offload" not in pretrain_command(get_model("llama2-70b"), SEQ, one_node())
+
+
+@pytest.mark.parametrize(
+    "changes, flag",
+    [
+        (
+            dict(fsdp="optim_grads_params", dp=2, optimizer_offload_fraction=1.0),
+            "--use-megatron-fsdp",
+        ),
+        (dict(fsdp="optim_grads_params", dp=2, activation_offload_layers=1), "--use-megatron-fsdp"),
+        (dict(optimizer_offload_fraction=1.5), "--optimizer-offload-fraction"),
+        (
+            dict(optimizer_offload_fraction=1.0, distributed_optimizer=False),
+            "--no-distributed-optimizer",
+        ),
+        (dict(activation_offload_layers=-1), "--activation-offload-layers"),
+        (dict(overlap_cpu_optimizer=True), "--overlap-cpu-optimizer-d2h-h2d"),
+    ],
+)
+def test_refused_layouts_name_the_flag(changes, flag):
+    with pytest.raises(ValueError, match=flag):
+        Layout(tp=8, **changes)
+
+
+def test_more_offloaded_layers_than_a_stage_holds():
+    with pytest.raises(ValueError, match="--activation-offload-layers 41"):
+        plan(Layout(tp=8, pp=2, activation_offload_layers=41))
+
+
+def test_host_optimizer_step_and_copies():
+    step = predict_step_time("llama2-70b", SEQ, one_node(optimizer_offload_fraction=1.0), NPU)
+    assert step.breakdown["host_optimizer_step"] == pytest.approx(8 * P_TP8 / 2e9)
+    assert step.breakdown["optimizer_offload_copies"] == pytest.approx(6 * P_TP8 / 25e9)
+    overlapped = predict_step_time(
+        "llama2-70b", SEQ, one_node(optimizer_offload_fraction=1.0, overlap_cpu_optimizer=True), NPU
+    )
+    assert overlapped.breakdown["host_optimizer_step"] == pytest.approx(8 * P_TP8 / 2e9)
+    assert overlapped.breakdown["optimizer_offload_copies"] == 0
+    assert (
+        "host_optimizer_step" not in predict_step_time("llama2-70b", SEQ, one_node(), NPU).breakdown
+    )
+
+
+def test_activation_copies_exposed_beyond_the_compute():
+    layout = one_node(activation_offload_layers=80)
+    hidden = predict_step_time("llama2-70b", SEQ, layout, NPU)  # 268 MB at 25 GB/s: hidden
+    assert hidden.breakdown["activation_offload_exposed"] == 0
+    slow = NPU.with_(host_device_bandwidth=1e6)  # 268 s a copy: beyond any layer's compute
+    exposed = predict_step_time("llama2-70b", SEQ, layout, slow).breakdown[
+        "activation_offload_exposed"
+    ]
+    copy = INPUT_TP8 / 1e6
+    assert 32 * 80 * 2 * (copy - 10) < exposed < 32 * 80 * 2 * copy  # 32 micro-batches
+
+
+def test_search_climbs_to_offload_on_16_devices():
+    found = search_layouts("llama2-70b", SEQ, 16, "64GB")
+    assert found and all(c.rung == "offload" for c in found)
+    for c in found:
+        assert c.plan.fits and c.plan.total <= 64 * GiB
+        assert c.plan.host.per_node <= c.plan.host.host_memory
+        assert c.plan.layout.fsdp is None
+
+
+def test_search_stays_on_zero3_on_32_devices():
+    found = search_layouts("llama2-70b", SEQ, 32, "64GB")
+    assert found and {c.rung for c in found} == {"ZeRO-3"}
+
+
+def test_one_node_gap_and_what_closes_it():
+    # fp32 main gradients (the trainer's): 6 B/parameter of 8.62 B on the device leave too little
+    assert search_layouts("llama2-70b", SEQ, 8, "64GB") == []
+    gap = closest_offload(get_model("llama2-70b"), SEQ, 8, 64 * GiB)
+    assert gap.plan.layout.tp == 8 and gap.device_over > 0 and gap.host_over < 0
+    # bf16 gradients save 2 B/parameter (and the fragmentation on them: none, they are static)
+    assert gap.plan.total - gap.bf16_gradients.total == 2 * P_TP8
+    assert gap.bf16_gradients.fits
+
+
+def test_one_node_fits_with_bf16_gradients():
+    found = search_layouts("llama2-70b", SEQ, 8, "64GB", grad_bytes=2)
+    assert found and {c.rung for c in found} == {"offload"}
+    best = found[0]
+    assert best.plan.per_device["gradients"] == 2 * P_TP8
+    assert best.plan.host.per_node <= 2 * 1024 * GiB
+
+
+def test_sensitivity_halves_and_doubles_each_assumption():
+    layout = one_node(optimizer_offload_fraction=1.0)
+    p = plan(layout)
+    step = predict_step_time("llama2-70b", SEQ, layout, NPU)
+    rows = sensitivity(Candidate(p, step))
+    fields = {r["field"] for r in rows}
+    assert {"host_device_bandwidth", "host_optimizer_elements_per_s", "host_memory_bytes"} <= fields
+    assert {"peak_bf16_tflops", "hbm_bytes"}.isdisjoint(fields)  # sourced, not assumed
+    halved = next(
+        r for r in rows if r["field"] == "host_optimizer_elements_per_s" and r["factor"] == 0.5
+    )
+    # the host step doubles: + 8 P / 2e9 seconds
+    assert halved["step_time_change"] == pytest.approx(8 * P_TP8 / 2e9 / step.step_time_s)
+
+
+def test_cli_search_and_refusals(capsys):
+    assert main(["--search", "--num-devices", "16", "--device-memory", "64GB", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(rung: offload)" in out and "--optimizer-cpu-offload" in out and "host" in out
+    assert main(["--search", "--num-devices", "8", "--device-memory", "64GB"]) == 1
+    out = capsys.readouterr().out
+    assert "closes the device gap: bf16 main gradients" in out
+    assert (
+        main(["--tp", "8", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"]) == 2
+    )
+    assert "--optimizer-offload-fraction" in capsys.readouterr().err
+    assert main(["--tp", "8", "--dp", "2", "--use-megatron-fsdp", "--optimizer-cpu-offload"]) == 2
+    assert "--use-megatron-fsdp" in capsys.readouterr().err
+    assert main(["--tp", "8", "--optimizer-offload-fraction", "0.5"]) == 2
+    assert "needs --optimizer-cpu-offload" in capsys.readouterr().err
+
+
+def test_cli_host_memory_refusal(capsys):
+    args = [
+        "--tp",
+        "8",
+        "--recompute",
+        "full",
+        "--optimizer-cpu-offload",
+        "--device-memory",
+        "64GB",
+    ]
+    assert main(args + ["--host-memory", "256GB"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "per node" in out and "over" in out
