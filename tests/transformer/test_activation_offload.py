@@ -14,6 +14,7 @@ import torch
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.gpt_models import assert_same_bits, batch, flash_gpt, full_grads, tiny_config
+from _support.recipe_runs import TINY, w_recipe_runs
 
 MODES = ("none", "full", "qkv")
 SEQ, BATCH, HIDDEN = 64, 2, 64
@@ -163,3 +164,106 @@ def test_offloaded_bytes_leave_the_device_on_the_emulated_npu():
         assert peak2 <= peak0, mode
         for name, grad in grads0.items():
             torch.testing.assert_close(grads2[name], grad, atol=0, rtol=0, msg=name)
+
+
+FULL = [
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+]
+QKV = ["--recompute-granularity", "selective", "--recompute-modules", "qkv"]
+PACKED = ["--reset-attention-mask", "--reset-position-ids"]
+TRAINER_CASES = {  # name: (layout flags, offloaded layers per stage)
+    "tp2-sp-full": (["--tensor-model-parallel-size", "2", "--sequence-parallel", *FULL], 2),
+    "cp2-qkv": (["--context-parallel-size", "2", *QKV], 2),
+    "packed-none": (PACKED, 1),
+    "pp2-full": (["--pipeline-model-parallel-size", "2", *FULL], 1),
+}
+
+
+def _copies(recipe, _) -> dict:
+    offload = getattr(recipe.model.module, "activation_offload", None)
+    return {"d2h": 0 if offload is None else sum(e.startswith("d2h") for e in offload.events)}
+
+
+def test_trainer_runs_equal_without_offload_at_two_ranks(tmp_path):
+    """Per step, loss and grad norm equal to the run without offload (TP2 + SP, CP2 ring,
+    packed documents, PP2)."""
+    runs = []
+    for name, (flags, layers) in TRAINER_CASES.items():
+        runs += [
+            (name, flags),
+            (f"{name}-offload", [*flags, "--activation-offload-layers", str(layers)]),
+        ]
+    per_rank = run_distributed(w_recipe_runs, 2, runs, str(tmp_path), _copies, timeout=600)
+    for rank, results in enumerate(per_rank):
+        for name in TRAINER_CASES:
+            base, offload = results[name], results[f"{name}-offload"]
+            assert offload["steps"] == base["steps"], (rank, name)
+            assert base["d2h"] == 0 and offload["d2h"] > 0, (rank, name)
+
+
+def _refusal(argv, world_size=2) -> str:
+    from mcore_flash.training.arguments import parse_config
+
+    with pytest.raises(ValueError) as error:
+        parse_config([*TINY, *argv], world_size=world_size)
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--activation-offload-layers", "-1"], ["--activation-offload-layers -1", "0..2"]),
+        (["--activation-offload-layers", "3"], ["--activation-offload-layers 3", "0..2"]),
+        (
+            ["--pipeline-model-parallel-size", "2", "--activation-offload-layers", "2"],
+            ["--activation-offload-layers 2", "0..1", "per pipeline stage"],
+        ),
+        (
+            ["--activation-offload-layers", "1", *FULL[:-1], "2"],
+            ["--recompute-method uniform", "--recompute-num-layers 1"],
+        ),
+        (
+            ["--activation-offload-layers", "1", "--use-megatron-fsdp"],
+            ["--use-megatron-fsdp", "--activation-offload-layers"],
+        ),
+    ],
+)
+def test_bad_offload_flags_are_refused_by_name(argv, names):
+    message = _refusal(argv)
+    for name in names:
+        assert name in message, message
+
+
+def test_offload_accepts_partial_recompute_and_the_block_refuses_too_many_layers():
+    from mcore_flash.training.arguments import parse_config
+
+    config = parse_config(
+        [
+            *TINY,
+            "--activation-offload-layers",
+            "2",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "1",
+        ],
+        world_size=1,
+    )
+    assert config.activation_offload_layers == 2
+    from mcore_flash.transformer.activation_offload import ActivationOffload
+
+    with pytest.raises(ValueError, match="--activation-offload-layers 3: choose 0..2"):
+        ActivationOffload(_Block(2), 3)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(layers))
