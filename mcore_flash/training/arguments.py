@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
     par.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="keep and reduce the main gradients in bf16 (half the bytes of fp32; needs --bf16)",
+    )
+    par.add_argument(
         "--use-megatron-fsdp",
         action="store_true",
         help="ZeRO-3: shard weights, gradients and optimizer state over the data x context parallel "

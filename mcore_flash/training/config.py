@@ -94,6 +94,7 @@ class TrainingConfig:
     sequence_parallel: bool
     use_distributed_optimizer: bool  # True with --use-megatron-fsdp, which implies it
     overlap_grad_reduce: bool
+    grad_reduce_in_bf16: bool  # main gradients (and their reduction) in bf16 instead of fp32
     use_megatron_fsdp: bool  # ZeRO-3 by megatron-core's Megatron-FSDP (:mod:`.fsdp`)
     data_parallel_sharding_strategy: Optional[str]  # FSDP's; None without FSDP
     no_gradient_accumulation_fusion: bool  # accepted as in Megatron-LM; nothing is fused here
@@ -324,6 +325,10 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         args.window_size is None or args.window_attn_skip_freq < 1
     ):
         raise ValueError("--window-attn-skip-freq needs --window-size and a value >= 1")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError(
+            "--grad-reduce-in-bf16 keeps the main gradients in the bf16 of the parameters: add --bf16"
+        )
     sharding = _check_sharding(args, dp * cp)
     _check_optimizer_offload(args)
     if args.data_path:

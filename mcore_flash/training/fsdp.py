@@ -11,8 +11,9 @@ the output layer and the final norm stay in one group of their own.
 
 What the trainer sets, and why (the planner models the same, :mod:`mcore_flash.planning`):
 
-* ``grad_reduce_in_fp32`` (fp32 main gradients, as without FSDP), and on megatron-core 0.19,
-  which ignores that field under FSDP, ``megatron_fsdp_main_grads_dtype=float32``;
+* ``grad_reduce_in_fp32`` (fp32 main gradients, as without FSDP; bf16 with
+  ``--grad-reduce-in-bf16``), and on megatron-core 0.19, which ignores that field under FSDP,
+  ``megatron_fsdp_main_grads_dtype`` of the same dtype;
 * ``suggested_communication_unit_size`` = 2 x the parameter elements of one layer: the unit
   being computed plus one prefetched; left unset, megatron floors it at 10^9 elements
   (``megatron_fsdp.py``), which prefetches whole small models and about 9 layers of a 70B;
@@ -103,14 +104,16 @@ def ddp_config(config, model: torch.nn.Module):
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=config.data_parallel_sharding_strategy,
         use_distributed_optimizer=True,
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=not config.grad_reduce_in_bf16,
         gradient_reduce_div_fusion=False,
         fsdp_double_buffer=False,
         suggested_communication_unit_size=2 * layer_elements(model),
         overlap_grad_reduce=config.overlap_grad_reduce,  # on for optim_grads[_params]: megatron's
     )
     if "megatron_fsdp_main_grads_dtype" in fields:  # 0.19: grad_reduce_in_fp32 is ignored
-        settings["megatron_fsdp_main_grads_dtype"] = torch.float32
+        settings["megatron_fsdp_main_grads_dtype"] = (
+            torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
+        )
     return DistributedDataParallelConfig(**settings)
 
 

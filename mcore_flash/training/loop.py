@@ -210,7 +210,8 @@ def _data_parallel_model(
     config: TrainingConfig, model_config, padded_vocab_size: int, model_args: dict
 ):
     """This rank's GPTModel on the device, in megatron's ``DistributedDataParallel`` (fp32
-    gradient buffers; reduce-scattered with the distributed optimizer), or with
+    gradient buffers, bf16 with ``--grad-reduce-in-bf16``; reduce-scattered with the
+    distributed optimizer), or with
     ``--use-megatron-fsdp`` in its ``FullyShardedDataParallel`` (:mod:`.fsdp`). Weights of a
     checkpoint written without FSDP (``--finetune`` / ``--no-load-optim``: a converted Hugging
     Face checkpoint, say) go into the bare model first: FSDP copies them into its shards."""
@@ -224,7 +225,7 @@ def _data_parallel_model(
             )
         return fsdp.fully_sharded(config, model_config, model, platform.torch_device())
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=not config.grad_reduce_in_bf16,
         overlap_grad_reduce=config.overlap_grad_reduce,
         use_distributed_optimizer=config.use_distributed_optimizer,
     )

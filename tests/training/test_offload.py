@@ -1,5 +1,6 @@
 """``--optimizer-cpu-offload``: megatron-core's ``HybridDeviceOptimizer`` steps the optimizer state
-on the host, on the emulated NPU (the CPU path has no device to offload from: refused).
+on the host, on the emulated NPU (the CPU path has no device to offload from: refused); and
+``--grad-reduce-in-bf16``, the narrower gradients a one-node plan needs.
 
 Oracle: the same run without offload (bf16 parameters, the distributed optimizer): losses and grad norms must be identical, the offloaded state must
 really sit on the host (tensor devices), and the device's byte counter (exact in the emulation)
@@ -51,7 +52,9 @@ def _device_bytes() -> int:
 def _device_and_state_bytes(recipe, bytes_before: int) -> dict:
     """The run's device bytes: those it added to what the launch held before it (the first
     run of a process also leaves what megatron allocates once: the warm-up run)."""
+    grads = [buffer.grad_data for buffer in recipe.model.buffers]
     return {
+        "grad_buffer": [(g.numel(), g.dtype) for g in grads],
         "device_bytes": _device_bytes() - bytes_before,
         "state_bytes": _state_bytes(recipe.optimizer),
         "state_bytes_with_steps": _state_bytes(recipe.optimizer, scalars=True),
@@ -63,7 +66,12 @@ RUNS = {
     "resident": DISTRIBUTED,
     "offload": OFFLOAD,
     "offload-half": [*OFFLOAD, "--optimizer-offload-fraction", "0.5"],
+    "bf16-grads": [*DISTRIBUTED, "--grad-reduce-in-bf16"],
+    "offload-bf16-grads": [*OFFLOAD, "--grad-reduce-in-bf16"],
 }
+# bf16 main gradients, against fp32 ones (set before measuring, from bf16's 8 significant bits:
+# a gradient summed over 4 micro-batches and 2 ranks in bf16 is off by a few units of 2**-8)
+BF16_GRAD_NORM_REL, BF16_LOSS_REL = 2**-6, 1e-3
 
 
 def test_offloaded_optimizer_trains_alike_with_its_state_on_the_host(tmp_path):
@@ -90,6 +98,29 @@ def test_offloaded_optimizer_trains_alike_with_its_state_on_the_host(tmp_path):
             state_on_device = run["state_bytes_with_steps"].get("npu", 0)
             assert left_the_device == resident["state_bytes_with_steps"]["npu"] - state_on_device
         assert runs["offload-half"]["state_bytes"]["cpu"] < runs["offload"]["state_bytes"]["cpu"]
+        _assert_bf16_gradients(runs, rank)
+
+
+def _assert_bf16_gradients(runs: dict, rank: int) -> None:
+    """--grad-reduce-in-bf16: the gradient buffers are bf16 (2 bytes an element less), training
+    stays within bf16's precision of the fp32 run. Without offload the distributed optimizer
+    then gives its fp32 master shard fp32 gradients on the device (4 bytes per shard element,
+    ``_copy_model_grads_to_main_grads``), which at DP2 eat the whole saving; offloaded, the
+    gradients go to the host as they are and the device keeps the 2 bytes an element."""
+    resident, narrow = runs["resident"], runs["bf16-grads"]
+    assert {dtype for _, dtype in resident["grad_buffer"]} == {torch.float32}
+    assert {dtype for _, dtype in narrow["grad_buffer"]} == {torch.bfloat16}
+    elements = sum(n for n, _ in narrow["grad_buffer"])
+    assert elements == sum(n for n, _ in resident["grad_buffer"])
+    shard = resident["state_bytes"]["npu"] // 12  # fp32 master + m + v per shard element
+    saved = resident["device_bytes"] - narrow["device_bytes"]
+    assert saved == 2 * elements - 4 * shard, rank
+    offload = runs["offload"]
+    assert offload["device_bytes"] - runs["offload-bf16-grads"]["device_bytes"] == 2 * elements
+    for name in ("bf16-grads", "offload-bf16-grads"):
+        for (loss, norm), (want_loss, want_norm) in zip(runs[name]["steps"], resident["steps"]):
+            assert loss == pytest.approx(want_loss, rel=BF16_LOSS_REL), (rank, name)
+            assert norm == pytest.approx(want_norm, rel=BF16_GRAD_NORM_REL), (rank, name)
 
 
 @pytest.mark.parametrize(
@@ -115,6 +146,7 @@ def test_offloaded_optimizer_trains_alike_with_its_state_on_the_host(tmp_path):
         (["--optimizer-offload-fraction", "0.5"], ["--optimizer-cpu-offload"]),
         ([*OFFLOAD, "--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
         (["--use-precision-aware-optimizer"], ["--use-distributed-optimizer"]),
+        (["--use-distributed-optimizer", "--grad-reduce-in-bf16"], ["--bf16"]),
         (
             [*DISTRIBUTED, "--use-precision-aware-optimizer"],
             ["Transformer Engine", "--optimizer-cpu-offload"],
