@@ -48,9 +48,14 @@
 # Extra flags after the script's name are passed on to `mcore-flash pretrain`.
 set -euo pipefail
 
+NPUS_PER_NODE=${NPUS_PER_NODE:-8}
+# NUM_DEVICES (8, 16, 32, 64, 128, 256) sets the world size and the nodes it takes; else NNODES
+if [[ -n "${NUM_DEVICES:-}" ]]; then
+  NNODES=$(( (NUM_DEVICES + NPUS_PER_NODE - 1) / NPUS_PER_NODE ))
+  (( NUM_DEVICES % NPUS_PER_NODE == 0 )) || { echo "NUM_DEVICES=$NUM_DEVICES: a multiple of NPUS_PER_NODE=$NPUS_PER_NODE" >&2; exit 2; }
+fi
 NNODES=${NNODES:-32}
 NODE_RANK=${NODE_RANK:-0}
-NPUS_PER_NODE=${NPUS_PER_NODE:-8}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-6000}
 WORLD_SIZE=$((NNODES * NPUS_PER_NODE))
@@ -58,13 +63,20 @@ WORLD_SIZE=$((NNODES * NPUS_PER_NODE))
 SEQ_LENGTH=131072
 GLOBAL_BATCH=${GLOBAL_BATCH:-32}
 PYTHON=${PYTHON:-python}
-# the planner's best fitting layout for this world size (pure Python, well under a second)
-read -r PLAN_TP PLAN_PP PLAN_CP PLAN_SHARDING PLAN_RECOMPUTE_ARGS < <(
+# the planner's best fitting layout for this world size (pure Python, well under a second):
+# TP PP CP, the sharding strategy, its rung, then the recompute flags, "::", and the host-offload
+# flags (optimizer, activations, bf16 gradients)
+read -r PLAN_TP PLAN_PP PLAN_CP PLAN_SHARDING PLAN_RUNG PLAN_REST < <(
   "$PYTHON" -m mcore_flash.planning.cli --search --model llama2-70b --seq-length "$SEQ_LENGTH" \
     --num-devices "$WORLD_SIZE" --global-batch-size "$GLOBAL_BATCH" --device-memory 64GB \
     --hardware ascend-910b-64g --top 1 --json |
-  "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]; print(lay["tp"], lay["pp"], lay["cp"], lay["fsdp"] or "none", *best["recompute_flags"])'
+  "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]
+offload = best.get("offload_flags", []) + (["--grad-reduce-in-bf16"] if lay.get("grad_reduce_in_bf16") and "--grad-reduce-in-bf16" not in best.get("offload_flags", []) else [])
+print(lay["tp"], lay["pp"], lay["cp"], lay["fsdp"] or "none", best["rung"].replace(" ", "-"), *best["recompute_flags"], "::", *offload)'
 ) || { echo "mcore-flash plan --search found no layout of $WORLD_SIZE NPUs that fits 64 GB" >&2; exit 2; }
+PLAN_RECOMPUTE_ARGS=${PLAN_REST%%::*}
+read -r -a PLAN_OFFLOAD_ARGS <<< "${PLAN_REST#*::}"
+echo "planner: $WORLD_SIZE NPUs -> TP$PLAN_TP x PP$PLAN_PP x CP$PLAN_CP, rung $PLAN_RUNG" >&2
 TP=${TP:-$PLAN_TP}
 PP=${PP:-$PLAN_PP}
 CP=${CP:-$PLAN_CP}
@@ -97,6 +109,14 @@ case "$RECOMPUTE" in
   *) echo "RECOMPUTE=$RECOMPUTE: choose none, qkv, attention or full" >&2; exit 2 ;;
 esac
 
+# host offload (rung 4): the plan's flags, or OFFLOAD=none
+OFFLOAD=${OFFLOAD:-planner}
+case "$OFFLOAD" in
+  planner) OFFLOAD_ARGS=("${PLAN_OFFLOAD_ARGS[@]}") ;;
+  none) OFFLOAD_ARGS=() ;;
+  *) echo "OFFLOAD=$OFFLOAD: choose planner or none" >&2; exit 2 ;;
+esac
+
 case "$SHARDING" in
   none) SHARDING_ARGS=() ;;
   optim_grads_params|optim_grads) SHARDING_ARGS=(--use-megatron-fsdp --data-parallel-sharding-strategy "$SHARDING") ;;
@@ -127,6 +147,7 @@ ARGS=(
   --use-distributed-optimizer --overlap-grad-reduce
   "${SHARDING_ARGS[@]}"
   "${RECOMPUTE_ARGS[@]}"
+  "${OFFLOAD_ARGS[@]}"
   --attention-backend npu
   --bf16
   --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH"
@@ -173,6 +194,8 @@ if [[ " $* " == *" --rehearse "* ]]; then
       --pipeline-model-parallel-size|--context-parallel-size|--seq-length|--max-position-embeddings|\
       --global-batch-size|--train-iters|--save-interval|--lr-warmup-iters) skip=1; continue;;
       --split) skip=1; continue;;
+      # the plan's layers to offload, of 80: one of the rehearsal's 2 per stage
+      --activation-offload-layers) skip=1; REHEARSAL+=(--activation-offload-layers 1); continue;;
     esac
     REHEARSAL+=("$a")
   done

@@ -119,6 +119,11 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
         global_batch_size=args.global_batch_size,
         distributed_optimizer=args.use_distributed_optimizer,
         fsdp=args.data_parallel_sharding_strategy,
+        optimizer_offload_fraction=args.optimizer_offload_fraction
+        if args.optimizer_cpu_offload
+        else 0.0,
+        activation_offload_layers=args.activation_offload_layers,
+        overlap_cpu_optimizer=args.overlap_cpu_optimizer_d2h_h2d,
     )
     capacity = None if device_memory is None else parse_bytes(device_memory)
     return plan_memory(shape, args.seq_length, layout, device_memory=capacity, profile=profile)
