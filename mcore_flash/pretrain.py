@@ -34,9 +34,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from mcore_flash import emulation
 
         emulation.install()  # platform.setup() now finds the emulated torch_npu
-    code = _train(config)
+    code, summary = _train(config)
     if code == 0 and config.emulate_npu:
-        _write_rehearsal_report(config.save)
+        _write_rehearsal_report(config.save, summary["optimizer_state"])
     return code
 
 
@@ -56,8 +56,9 @@ def _dry_run(config: TrainingConfig) -> int:
     return 0 if plan.fits else 1
 
 
-def _train(config: TrainingConfig) -> int:
-    """Train on this process's ranks; prints the summary (or the error) and returns the exit code."""
+def _train(config: TrainingConfig) -> tuple[int, Optional[dict]]:
+    """Train on this process's ranks; prints the summary (or the error) and returns the exit
+    code and the summary (None after an error)."""
     from mcore_flash.training.checkpointing import CheckpointSaveError
     from mcore_flash.training.distributed import destroy_distributed, init_distributed
     from mcore_flash.training.loop import TrainingDiverged, train
@@ -67,10 +68,10 @@ def _train(config: TrainingConfig) -> int:
         summary = train(config)
     except (TrainingDiverged, CheckpointSaveError) as error:
         print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
-        return 1
+        return 1, None
     except ValueError as error:  # a checkpoint that does not fit the flags: say which flag
         print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
-        return 2
+        return 2, None
     finally:
         destroy_distributed()
     if summary["first_loss"] is not None:
@@ -78,18 +79,19 @@ def _train(config: TrainingConfig) -> int:
             f"done: {summary['iteration']} iterations, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
             f"checkpoints and metrics.jsonl in {summary['save']}"
         )
-    return 0
+    return 0, summary
 
 
-def _write_rehearsal_report(save_dir: str) -> None:
-    """``emulated_npu_rank<r>.json`` in ``--save``: what this rank's rehearsal exercised."""
+def _write_rehearsal_report(save_dir: str, optimizer_state: dict) -> None:
+    """``emulated_npu_rank<r>.json`` in ``--save``: what this rank's rehearsal exercised, and
+    where its optimizer state lives (``{device type: {dtype: bytes}}``)."""
     import json
     import os
 
     from mcore_flash import emulation
 
     rank = int(os.environ.get("RANK", "0"))
-    report = emulation.report()
+    report = {**emulation.report(), "optimizer_state_bytes": optimizer_state}
     path = os.path.join(save_dir, f"emulated_npu_rank{rank:05d}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)

@@ -38,7 +38,8 @@ class TrainingDiverged(RuntimeError):
 
 def train(config: TrainingConfig) -> dict:
     """Run ``config.train_iters`` iterations (resuming from ``--load``); call after
-    ``init_distributed(config)``. Returns ``{"iteration", "first_loss", "last_loss", "save"}``."""
+    ``init_distributed(config)``. Returns ``{"iteration", "first_loss", "last_loss", "save",
+    "optimizer_state"}`` (:func:`.offload.state_placement`: where the optimizer state lives)."""
     recipe = PretrainRecipe(config)
     try:
         return recipe.train()
@@ -174,6 +175,7 @@ class PretrainRecipe:
             "first_loss": first_loss,
             "last_loss": last_loss,
             "save": config.save,
+            "optimizer_state": offload.state_placement(self.optimizer),
         }
 
     def _stop_reason(self) -> Optional[str]:

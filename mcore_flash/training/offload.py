@@ -13,6 +13,8 @@ from (nothing is ``is_cuda``, and megatron-core then fails with a ``KeyError``):
 
 from __future__ import annotations
 
+import torch
+
 
 def optimizer_settings(config) -> dict:
     """The ``OptimizerConfig`` fields of the offload flags (none without them)."""
@@ -38,3 +40,17 @@ def check_device() -> None:
             "--optimizer-cpu-offload moves optimizer state from the device to the host, and this run "
             "trains on the CPU: drop the flag (or rehearse the NPU path with --emulate-npu)"
         )
+
+
+def state_placement(optimizer) -> dict[str, dict[str, int]]:
+    """Bytes of the optimizer's per-parameter state tensors (Adam's moments, the offloaded
+    fp32 master copies) by device type and dtype: ``{"cpu": {"torch.float32": n}, ...}``."""
+    placement: dict[str, dict[str, int]] = {}
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    by_dtype = placement.setdefault(value.device.type, {})
+                    dtype = str(value.dtype)
+                    by_dtype[dtype] = by_dtype.get(dtype, 0) + value.numel() * value.element_size()
+    return placement
