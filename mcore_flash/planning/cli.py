@@ -16,7 +16,10 @@ Host offload (the ladder's 4th rung): ``--optimizer-cpu-offload [--optimizer-off
 and ``--activation-offload-layers N`` plan a layout with them (device and host bytes, the
 copies' and the host optimizer step's time); ``--host-memory`` is the host memory per node
 (default the profile's); ``--search`` climbs to offload when nothing fits on ZeRO-3 and,
-when nothing fits even there, says by how much and what closes the gap; ``--sensitivity``
+when nothing fits even there with fp32 main gradients, tries bf16 main gradients
+(``--grad-reduce-in-bf16``, the rung's narrower state; the flag plans a layout, or every
+layout of ``--search``, with them), and when nothing fits then either says by how much and
+what closes the gap; ``--sensitivity``
 shows how the prediction moves when each figure the profile marks an assumption halves or
 doubles.
 
@@ -157,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="the first N layers of each pipeline stage keep what they save for backward in host memory",
+    )
+    p.add_argument(
+        "--grad-reduce-in-bf16",
+        dest="grad_reduce_in_bf16",
+        action="store_true",
+        help="bf16 main gradients (Megatron-LM's flag; needs --dtype bf16): 2 B per gradient-buffer element, "
+        "plus the distributed optimizer's fp32 gradients of its device shard; --search tries them anyway on "
+        "the offload rung when nothing fits with fp32 gradients",
     )
     p.add_argument(
         "--host-memory",
@@ -353,7 +364,10 @@ def _plan(
         optimizer_offload_fraction=_offload_fraction(args),
         activation_offload_layers=args.activation_offload_layers,
         overlap_cpu_optimizer=args.overlap_cpu_optimizer,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
     )
+    if layout.grad_reduce_in_bf16 and dtype_bytes != 2:
+        raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
     plan = plan_memory(
         model,
         args.seq_length,
@@ -389,6 +403,8 @@ def _plan(
 def _search(
     args, model: ModelShape, device_memory: int, dtype_bytes: int, hardware: HardwareProfile
 ) -> int:
+    if args.grad_reduce_in_bf16 and dtype_bytes != 2:
+        raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
     found = search_layouts(
         model,
         args.seq_length,
@@ -403,6 +419,7 @@ def _search(
         fsdp_choices=(_fsdp(args),) if args.use_megatron_fsdp else PLANNED_STRATEGIES,
         climb="each" if args.use_megatron_fsdp else "needed",
         offload=args.offload,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         hardware=hardware,
         step_options=_step_options(args),
         **_plan_kwargs(args, dtype_bytes),

@@ -269,11 +269,13 @@ def fsdp_bytes(
 
     ``layer_elements``: one transformer layer's parameters on this rank (the trainer's
     communication unit is twice that). Keys: ``weights`` (the model-weight buffer, or the
-    module's parameters under ``no_shard``), ``gradients`` (fp32 main grads),
+    module's parameters under ``no_shard``), ``gradients`` (main grads, ``grad_bytes`` each:
+    4 for fp32, 2 for bf16 with ``--grad-reduce-in-bf16``, megatron's
+    ``megatron_fsdp_main_grads_dtype``; the bf16 figure is modelled, not measured),
     ``optimizer_state`` (fp32 main params + Adam m, v on this rank's largest shard),
     ``fsdp_gathered_parameters`` (optim_grads_params: the gathered current and prefetched
     units, plus every non-unit group, gathered for the forward and the backward) and
-    ``fsdp_gradient_buckets`` (sharded gradients: the unsharded fp32 buckets alive in the
+    ``fsdp_gradient_buckets`` (sharded gradients: the unsharded buckets, ``grad_bytes`` an element, alive in the
     backward, plus one unit's gradients in the parameter dtype before their copy into the
     bucket, gradient-accumulation fusion being off).
     """

@@ -24,6 +24,7 @@ __all__ = [
     "fsdp_flags",
     "offload_flags",
     "offload_text",
+    "gradient_flags",
     "pretrain_command",
 ]
 
@@ -66,6 +67,13 @@ class Layout:
     kept tensors wait for their backward in host memory (``--activation-offload-layers``).
     ``overlap_cpu_optimizer`` (``--overlap-cpu-optimizer-d2h-h2d``) overlaps the offloaded
     optimizer's copies with its host step.
+
+    ``grad_reduce_in_bf16`` (Megatron-LM's ``--grad-reduce-in-bf16``; needs the bf16
+    parameters the planner assumes, ``--bf16``): bf16 main gradients, 2 B per element of the
+    gradient buffer (Megatron-FSDP: of its main-gradient buffer) instead of 4; the
+    distributed optimizer then gives the device part of its fp32 master shard fp32
+    gradients (4 B per shard element kept on the device). The ladder's narrower-state
+    choice: the rung is ``"offload"``.
     """
 
     tp: int = 1
@@ -83,6 +91,7 @@ class Layout:
     optimizer_offload_fraction: float = 0.0
     activation_offload_layers: int = 0
     overlap_cpu_optimizer: bool = False
+    grad_reduce_in_bf16: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "vp", "micro_batch_size"):
@@ -156,8 +165,9 @@ class Layout:
         """The rung of the memory ladder this layout stands on: ``"flash attention"`` (no
         recompute, no sharding beyond the distributed optimizer), ``"recompute"``,
         ``"ZeRO-3"`` (Megatron-FSDP, with or without recompute) or ``"offload"`` (host
-        offload of the optimizer or of activations)."""
-        if self.offloads:
+        offload of the optimizer or of activations, or the narrower state of bf16 main
+        gradients)."""
+        if self.offloads or self.grad_reduce_in_bf16:
             return "offload"
         if self.fsdp is not None:
             return "ZeRO-3"
@@ -252,6 +262,11 @@ def offload_flags(layout: Layout) -> list[str]:
     return flags
 
 
+def gradient_flags(layout: Layout) -> list[str]:
+    """``--grad-reduce-in-bf16`` for ``layout``'s bf16 main gradients; none for fp32."""
+    return ["--grad-reduce-in-bf16"] if layout.grad_reduce_in_bf16 else []
+
+
 def offload_text(layout: Layout) -> str:
     """``layout``'s host offload in words (empty without it)."""
     parts = []
@@ -259,6 +274,8 @@ def offload_text(layout: Layout) -> str:
         parts.append(f"optimizer offload {layout.optimizer_offload_fraction:g}")
     if layout.activation_offload_layers:
         parts.append(f"activation offload {layout.activation_offload_layers} layers/stage")
+    if layout.grad_reduce_in_bf16:
+        parts.append("bf16 main gradients")
     return ", ".join(parts)
 
 
@@ -283,7 +300,10 @@ def pretrain_command(
 ) -> str:
     """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) that trains ``model``
     at ``seq_length`` tokens under ``layout``: bf16 when ``dtype_bytes`` is 2 (else fp32),
-    with document masking when ``mean_document_length`` (tokens) is given."""
+    with document masking when ``mean_document_length`` (tokens) is given. bf16 main
+    gradients (``layout.grad_reduce_in_bf16``) need ``--bf16``: ValueError otherwise."""
+    if layout.grad_reduce_in_bf16 and dtype_bytes != 2:
+        raise ValueError("--grad-reduce-in-bf16 needs --bf16 (bf16 parameters and activations)")
     args = [
         "--model",
         model.name,
@@ -313,6 +333,7 @@ def pretrain_command(
         args.append("--use-distributed-optimizer")
     args += fsdp_flags(layout)
     args += offload_flags(layout)
+    args += gradient_flags(layout)
     if mean_document_length is not None:  # the plan assumes document masking
         args += ["--reset-attention-mask", "--reset-position-ids"]
     args += recompute_flags(layout)

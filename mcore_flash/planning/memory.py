@@ -2,7 +2,10 @@
 
 For every pipeline stage (the worst one decides) the plan adds up, in bytes per device:
 
-* ``weights`` (bf16, 2 B/param), ``gradients`` (fp32 main grads, 4 B/param) and
+* ``weights`` (bf16, 2 B/param), ``gradients`` (fp32 main grads, 4 B/param; with bf16 main
+  gradients, ``layout.grad_reduce_in_bf16``, 2 B/param plus the distributed optimizer's fp32
+  gradients of the shard it keeps on the device, 4 B per shard element: see
+  :func:`device_gradient_bytes`) and
   ``optimizer_state`` (fp32 master + Adam m, v: 12 B/param, divided by ``dp * cp`` with the
   distributed optimizer) of the stage's parameters on one TP rank;
 * ``activations``: the per-layer terms of :mod:`.activations` (exact, validated against
@@ -56,7 +59,14 @@ from . import activations as act
 from .flops import pipeline_bubble, recompute_overhead
 from .fsdp import FSDP_CATEGORIES, fsdp_bytes, stage_groups
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
-from .layout import Layout, fsdp_flags, offload_flags, pretrain_command, recompute_flags
+from .layout import (
+    Layout,
+    fsdp_flags,
+    gradient_flags,
+    offload_flags,
+    pretrain_command,
+    recompute_flags,
+)
 from .models import ModelShape
 from .parameters import (
     layer_parameters,
@@ -77,6 +87,8 @@ __all__ = [
     "HOST_CATEGORIES",
     "OFFLOAD_CATEGORIES",
     "HostPlan",
+    "device_gradient_bytes",
+    "main_gradient_bytes",
 ]
 
 CATEGORIES = (
@@ -111,6 +123,29 @@ HOST_CATEGORIES = (
 HOST_OPTIMIZER_BYTES = 12  # fp32 master + Adam exp_avg + exp_avg_sq per offloaded element
 HOST_GRADIENT_BYTES = 4  # megatron's pinned fp32 gradient copy per offloaded element
 FP32_BYTES = 4  # fp32 gradients of the logits, dK/dV of the context-parallel ring
+BF16_BYTES = 2
+
+
+def main_gradient_bytes(layout: Layout) -> int:
+    """Bytes per element of the main-gradient buffer: 2 with ``--grad-reduce-in-bf16``, else 4."""
+    return BF16_BYTES if layout.grad_reduce_in_bf16 else FP32_BYTES
+
+
+def device_gradient_bytes(parameters: int, layout: Layout) -> int:
+    """The device's gradient bytes of ``parameters`` elements (one stage, one TP rank) under
+    megatron's DDP: the gradient buffer, 4 B/element (fp32), or with bf16 main gradients
+    2 B/element plus the fp32 gradients the optimizer gives the part of its fp32 master
+    shard kept on the device (megatron's ``_copy_model_grads_to_main_grads``): 4 B x
+    ``S (1 - F)``, ``S = parameters / (dp * cp)`` with the distributed optimizer (else
+    ``parameters``), ``F`` the optimizer offload fraction. Measured
+    (tests/training/test_offload.py, DP2): without offload bf16 saves ``2N - 4S`` (0 at
+    ``dp * cp = 2``, and costs ``2N`` at 1), with the whole optimizer offloaded ``2N``;
+    fractions between are interpolated (not measured)."""
+    if not layout.grad_reduce_in_bf16:
+        return parameters * FP32_BYTES
+    shard = Fraction(parameters, layout.sharding_ranks if layout.distributed_optimizer else 1)
+    kept = shard * (1 - Fraction(layout.optimizer_offload_fraction))
+    return parameters * BF16_BYTES + _ceil(kept * FP32_BYTES)
 
 
 @dataclass
@@ -281,6 +316,8 @@ class MemoryPlan:
             "recompute_flags": recompute_flags(self.layout),
             "fsdp_flags": fsdp_flags(self.layout),
             "offload_flags": offload_flags(self.layout),
+            "gradient_flags": gradient_flags(self.layout),
+            "main_gradient_bytes_per_element": main_gradient_bytes(self.layout),
             "device_fits": self.device_fits,
             "host": None if self.host is None else self.host.to_dict(),
             "launch_command": launch_command(self),
@@ -514,7 +551,6 @@ def plan_memory(
     profile: str = "npu",
     dtype_bytes: int = 2,
     param_bytes: int = 2,
-    grad_bytes: int = 4,
     runtime_reserve: int = 2 * GiB,
     fragmentation: float = 0.05,
     activation_profile: Optional[act.Profile] = None,
@@ -528,13 +564,19 @@ def plan_memory(
     Ascend recipes) unless ``activation_profile`` gives one. ``device_memory`` (bytes) makes
     the verdict; ``runtime_reserve`` (bytes) is set aside for the runtime and collectives;
     ``fragmentation`` is the fraction of the dynamic bytes the allocator loses.
-    ``dtype_bytes``: activations, ``param_bytes``: weights, ``grad_bytes``: main gradients.
+    ``dtype_bytes``: activations, ``param_bytes``: weights; the main gradients are fp32, or
+    bf16 with ``layout.grad_reduce_in_bf16`` (which needs ``param_bytes`` 2: ValueError).
     ``mean_document_length`` (tokens; None = one document per sequence) scales the attention
     FLOPs of the recompute overhead, not the bytes.
     ``hardware`` gives the host figures (devices per node, runtime and reserved host bytes,
     the default ``host_memory``: bytes per node) of the host plan.
     """
     activation_profile = activation_profile or act.PROFILES[profile]
+    if layout.grad_reduce_in_bf16 and param_bytes != BF16_BYTES:
+        raise ValueError(
+            f"--grad-reduce-in-bf16 needs bf16 parameters (--bf16): param_bytes is {param_bytes}"
+        )
+    grad_bytes = main_gradient_bytes(layout)
     _check_divisible(model, seq_length, layout)
     micro = _MicroBatch.of(seq_length, layout, dtype_bytes)
     term_options = dict(
@@ -596,7 +638,7 @@ def plan_memory(
         )
         nbytes = {
             "weights": parameters * param_bytes,
-            "gradients": parameters * grad_bytes,
+            "gradients": device_gradient_bytes(parameters, layout),
             "optimizer_state": _ceil(
                 parameters
                 * optimizer_per_parameter

@@ -70,6 +70,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{f' (v={lay.vp})' if lay.vp > 1 else ''} x CP{lay.cp} x DP{lay.dp} = {lay.num_devices} devices; "
         f"recompute {recompute_text(lay, model.num_layers)}; "
         f"{'distributed' if lay.distributed_optimizer else 'replicated'} optimizer; "
+        f"{'bf16 main gradients (--grad-reduce-in-bf16); ' if lay.grad_reduce_in_bf16 else ''}"
         f"{sharding_text(lay)}"
         f"micro-batches/step {lay.num_microbatches or 'n/a'}",
         "",
@@ -143,9 +144,9 @@ def format_gap(gap: OffloadGap) -> str:
     if gap.device_over > 0:
         bf16 = gap.bf16_gradients
         lines.append(
-            f"closes the device gap: bf16 main gradients (Megatron-LM's --grad-reduce-in-bf16; the trainer keeps "
-            f"fp32) bring it to {format_bytes(bf16.total)} per device "
-            f"({'fits' if bf16.device_fits else 'still over'}); or more devices"
+            f"with bf16 main gradients (--grad-reduce-in-bf16, which the search tried too): "
+            f"{format_bytes(bf16.total)} per device ({'fits' if bf16.device_fits else 'still over'}); "
+            "closes the device gap: more devices"
         )
     if gap.host_over > 0:
         lines.append(
@@ -189,7 +190,7 @@ def format_candidate(rank: int, candidate: Candidate) -> str:
         f"\n{rank}. TP{lay.tp}{' SP' if lay.sp else ''} PP{lay.pp}{f' v{lay.vp}' if lay.vp > 1 else ''} "
         f"CP{lay.cp} DP{lay.dp}, recompute {recompute_text(lay, plan.model.num_layers)}"
         f"{f', Megatron-FSDP {lay.fsdp}' if lay.fsdp else ''}"
-        f"{f', {offload_text(lay)}' if lay.offloads else ''} (rung: {candidate.rung}): "
+        f"{f', {offload_text(lay)}' if offload_text(lay) else ''} (rung: {candidate.rung}): "
         f"{step.step_time_s:.2f} s per step, "
         f"{step.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {step.mfu:.1%}; "
         f"{format_bytes(plan.total)} per device ({format_bytes(plan.headroom)} free); recompute "

@@ -20,7 +20,12 @@ as the trainer refuses the two together), again only when no layout of the devic
 fits below it: the least optimizer offload fraction of :data:`OFFLOAD_FRACTIONS` that fits,
 else the whole optimizer and the fewest activation-offloaded layers per stage that fit
 (offload just enough: the host step and the copies grow with it); a search whose
-``fsdp_choices`` are empty has not finished the ZeRO-3 rung and does not climb to offload. A plan fits when the
+``fsdp_choices`` are empty has not finished the ZeRO-3 rung and does not climb to offload.
+When nothing fits there with fp32 main gradients, the rung's narrower-state choice: the
+same again with bf16 main gradients (``Layout.grad_reduce_in_bf16``,
+``--grad-reduce-in-bf16``; ``bf16_gradients``, with bf16 parameters only), least offload
+first (without offload bf16 gradients save ``2N - 4N/(dp*cp)`` only, nothing at
+``dp*cp = 2``, and cost ``2N`` at 1, so they can fit only where they save). A plan fits when the
 device holds its worst stage and the host its fullest node. ``Candidate.rung`` says which
 rung it needed; :func:`closest_offload` says, when nothing fits, by how much and what
 closes the gap; :func:`sensitivity` how the prediction moves with each assumed figure.
@@ -116,6 +121,8 @@ def search_layouts(
     fsdp_choices: Sequence[str] = PLANNED_STRATEGIES,
     climb: str = "needed",
     offload: bool = True,
+    bf16_gradients: bool = True,
+    grad_reduce_in_bf16: bool = False,
     hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
     step_options: Optional[dict] = None,
     **plan_kwargs,
@@ -133,7 +140,10 @@ def search_layouts(
     never), again with just enough partial recompute if needed: with ``climb="needed"`` (the
     ladder) only when no layout fits without ZeRO-3, with ``climb="each"`` for every layout
     that does not fit without it; when nothing fits on ZeRO-3 either and ``offload``, every
-    layout is retried with host offload (just enough). ``hardware`` and ``step_options``
+    layout is retried with host offload (just enough), and when that fails too and
+    ``bf16_gradients`` (with bf16 parameters and activations), with bf16 main gradients and
+    host offload (just enough); ``grad_reduce_in_bf16`` plans every layout with bf16 main
+    gradients. ``hardware`` and ``step_options``
     (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
     ``mean_document_length`` ...).
@@ -164,9 +174,11 @@ def search_layouts(
         else [c for c in _powers_of_two(num_devices) if seq_length % (2 * c) == 0 or c == 1]
     )
 
-    def run(choices: Sequence[str], host_offload: bool = False) -> list[Candidate]:
-        """Every layout, climbing to the FSDP strategies ``choices`` (or with
-        ``host_offload`` to host offload) where needed."""
+    def run(
+        choices: Sequence[str], host_offload: bool = False, bf16: bool = grad_reduce_in_bf16
+    ) -> list[Candidate]:
+        """Every layout (with ``bf16`` main gradients), climbing to the FSDP strategies
+        ``choices`` (or with ``host_offload`` to host offload) where needed."""
         found = []
         for tp in tps:
             for pp in pps:
@@ -202,6 +214,7 @@ def search_layouts(
                                 micro_batch_size=micro_batch_size,
                                 global_batch_size=gbs,
                                 distributed_optimizer=distributed_optimizer,
+                                grad_reduce_in_bf16=bf16,
                             )
                             for plan in _climb(
                                 model,
@@ -237,6 +250,10 @@ def search_layouts(
     finished = exhausted and bool(fsdp_choices)
     if climb == "needed" and offload and finished and not any(c.plan.fits for c in found):
         found = run((), host_offload=True)  # nothing fits below host offload: climb
+        narrow = plan_kwargs.get("dtype_bytes", 2) == 2 and plan_kwargs.get("param_bytes", 2) == 2
+        retry = bf16_gradients and narrow and not grad_reduce_in_bf16
+        if retry and not any(c.plan.fits for c in found):
+            found = run((), host_offload=True, bf16=True)  # the narrower state: bf16 gradients
     found.sort(key=lambda candidate: rank_key(candidate, safety_margin))
     return found
 
@@ -391,8 +408,8 @@ class OffloadGap:
     closest to fitting with the whole optimizer and every layer's activations on the host;
     its device bytes over the device memory (``device_over``, bytes; <= 0: fits) and the
     host bytes over the node's (``host_over``); ``bf16_gradients``, the same plan with bf16
-    main gradients (Megatron-LM's ``--grad-reduce-in-bf16``, 2 B per parameter instead of
-    the trainer's fp32)."""
+    main gradients (``Layout.grad_reduce_in_bf16``, Megatron-LM's ``--grad-reduce-in-bf16``:
+    2 B per parameter instead of 4 with the whole optimizer offloaded)."""
 
     plan: MemoryPlan
     bf16_gradients: MemoryPlan
@@ -463,7 +480,7 @@ def closest_offload(
     if not offloaded:
         return None
     closest = min(offloaded, key=lambda p: (p.total, p.host.per_node))
-    bf16 = _replanned(closest, {**kwargs, "grad_bytes": 2})
+    bf16 = _replanned(closest, kwargs, grad_reduce_in_bf16=True)
     return OffloadGap(closest, bf16)
 
 

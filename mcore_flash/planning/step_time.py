@@ -24,7 +24,7 @@ fraction; FLOPs from :func:`.flops.forward_flops`, causal attention halved):
   boundary (``2·vp`` sends per micro-batch), exposed; the 1F1B bubble
   :func:`.flops.pipeline_bubble` multiplies the ``m`` micro-batches' time.
 * DP over ``dp·cp`` ranks: the distributed optimizer reduce-scatters fp32 gradients
-  (4 B/param) and all-gathers bf16 parameters (2 B/param) of the device's stage,
+  (4 B/param; 2 with ``--grad-reduce-in-bf16``) and all-gathers bf16 parameters (2 B/param) of the device's stage,
   ``(n-1)/n · bytes / bw``; without it one fp32 all-reduce (twice the reduce-scatter).
   ``overlap_grad_reduce`` hides the reduction behind the last micro-batch's backward,
   ``overlap_param_gather`` the gather behind the first forward.
@@ -33,7 +33,8 @@ fraction; FLOPs from :func:`.flops.forward_flops`, causal attention halved):
   (``N_u`` = a unit's padded elements, :mod:`.fsdp`): ``optim_grads_params`` all-gathers each
   unit's bf16 parameters before its forward and again before its backward,
   ``(n-1)/n · N_u·B / bw``; ``optim_grads`` and ``optim_grads_params`` reduce-scatter each
-  unit's fp32 gradients after its backward, ``(n-1)/n · 4·N_u / bw``. Each hides behind the
+  unit's fp32 gradients after its backward, ``(n-1)/n · 4·N_u / bw`` (``2·N_u`` with bf16 main
+  gradients). Each hides behind the
   compute of the neighbouring layer (forward or backward): exposed ``max(0, comm - layer)``,
   except the forward's first all-gather and the backward's last reduce-scatter, exposed
   whole; the non-unit groups (final norm, output layer) are gathered and reduced exposed.
@@ -47,7 +48,8 @@ fraction; FLOPs from :func:`.flops.forward_flops`, causal attention halved):
   exposed ``N·(max(0, A/H - forward) + max(0, A/H - backward))`` per micro-batch. The
   offloaded optimizer (fraction ``F`` of the ``P/(dp·cp)``-element shard): its host step,
   ``ranks per node · F·P/(dp·cp) / E`` (``E`` = the node's host AdamW elements/s, shared
-  by its ranks), and its copies, fp32 gradients down and bf16 parameters up,
+  by its ranks), and its copies, fp32 gradients down (also with bf16 main gradients: the
+  host copy is fp32, the cast assumed on the device) and bf16 parameters up,
   ``6·F·P/(dp·cp) / H``; once per step, their sum, or with ``overlap_cpu_optimizer``
   (``--overlap-cpu-optimizer-d2h-h2d``) the larger of the two.
 
@@ -224,9 +226,10 @@ def _fsdp_per_micro_batch(
         gather += 2 * _ring(n, loose * dtype_bytes, bandwidth)
     reduce = 0.0
     if strategy in ("optim_grads", "optim_grads_params"):
-        reduces = [_ring(n, size * 4, bandwidth) for size in units]
+        grad = 2 if layout.grad_reduce_in_bf16 else 4  # the main-gradient dtype's bytes
+        reduces = [_ring(n, size * grad, bandwidth) for size in units]
         reduce = reduces[0] + sum(max(0.0, t - layer_backward) for t in reduces[1:])
-        reduce += _ring(n, loose * 4, bandwidth)
+        reduce += _ring(n, loose * grad, bandwidth)
     return {"fsdp_param_gather_exposed": gather, "fsdp_grad_reduce_exposed": reduce}
 
 
@@ -385,7 +388,8 @@ def predict_step_time(
     # data parallelism (and CP: gradients are reduced over dp x cp), once per step
     params = max(sum(stage_parameters(m, lay.tp, lay.pp, st).values()) for st in range(lay.pp))
     bandwidth = dp_bandwidth
-    grad_reduce = _ring(n, params * 4, bandwidth) * (1 if lay.distributed_optimizer else 2)
+    grad = 2 if lay.grad_reduce_in_bf16 else 4  # --grad-reduce-in-bf16 reduces bf16 gradients
+    grad_reduce = _ring(n, params * grad, bandwidth) * (1 if lay.distributed_optimizer else 2)
     param_gather = _ring(n, params * B, bandwidth) if lay.distributed_optimizer else 0.0
     if sharded:  # reduced every micro-batch (above); optim_grads_params gathers in the forward
         grad_reduce = 0.0

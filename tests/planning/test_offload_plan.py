@@ -84,8 +84,11 @@ def test_host_bytes_of_a_pipeline_span_nodes():
 def test_host_memory_refuses_a_plan():
     layout = one_node(optimizer_offload_fraction=1.0, activation_offload_layers=80)
     needed = 8 * (16 * P_TP8 + 80 * INPUT_TP8 + RUNTIME) + RESERVED
-    refused = plan(layout, host_memory=needed - 1, grad_bytes=2)
-    held = plan(layout, host_memory=needed, grad_bytes=2)
+    layout = one_node(
+        optimizer_offload_fraction=1.0, activation_offload_layers=80, grad_reduce_in_bf16=True
+    )
+    refused = plan(layout, host_memory=needed - 1)
+    held = plan(layout, host_memory=needed)
     assert refused.device_fits and not refused.fits
     assert held.fits
 
@@ -175,22 +178,164 @@ def test_search_stays_on_zero3_on_32_devices():
     assert found and {c.rung for c in found} == {"ZeRO-3"}
 
 
-def test_one_node_gap_and_what_closes_it():
-    # fp32 main gradients (the trainer's): 6 B/parameter of 8.62 B on the device leave too little
-    assert search_layouts("llama2-70b", SEQ, 8, "64GB") == []
+def test_one_node_gap_with_fp32_gradients():
+    # fp32 main gradients: 6 B/parameter of 8.62 B on the device leave too little
+    assert search_layouts("llama2-70b", SEQ, 8, "64GB", bf16_gradients=False) == []
     gap = closest_offload(get_model("llama2-70b"), SEQ, 8, 64 * GiB)
     assert gap.plan.layout.tp == 8 and gap.device_over > 0 and gap.host_over < 0
+    assert not gap.plan.layout.grad_reduce_in_bf16 and gap.bf16_gradients.layout.grad_reduce_in_bf16
     # bf16 gradients save 2 B/parameter (and the fragmentation on them: none, they are static)
     assert gap.plan.total - gap.bf16_gradients.total == 2 * P_TP8
     assert gap.bf16_gradients.fits
 
 
 def test_one_node_fits_with_bf16_gradients():
-    found = search_layouts("llama2-70b", SEQ, 8, "64GB", grad_bytes=2)
+    # before --grad-reduce-in-bf16 was a Layout choice nothing fitted here; now the offload
+    # rung's narrower state does
+    found = search_layouts("llama2-70b", SEQ, 8, "64GB")
     assert found and {c.rung for c in found} == {"offload"}
+    assert all(c.plan.layout.grad_reduce_in_bf16 for c in found)
     best = found[0]
-    assert best.plan.per_device["gradients"] == 2 * P_TP8
+    lay = best.plan.layout
+    assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.recompute) == (8, 1, 1, 1, "full")
+    assert lay.optimizer_offload_fraction == 1.0 and lay.activation_offload_layers == 39
+    assert best.plan.per_device["gradients"] == 2 * P_TP8  # the whole shard on the host
+    assert best.plan.fits and best.plan.total <= 64 * GiB
     assert best.plan.host.per_node <= 2 * 1024 * GiB
+    command = best.to_dict()["launch_command"]
+    assert "--grad-reduce-in-bf16" in command and command.endswith("--bf16")
+    assert best.to_dict()["layout"]["grad_reduce_in_bf16"] is True
+
+
+# --grad-reduce-in-bf16: N = the rank's gradient-buffer elements, S = N / D its optimizer
+# shard (D = dp x cp); bf16 buffer 2N, plus 4 B per shard element kept on the device
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_bf16_gradients_without_offload_save_2n_minus_4s(dp):
+    n, s = P_TP8, P_TP8 // dp  # P_TP8 is divisible by 4
+    fp32 = plan(Layout(tp=8, dp=dp, recompute="full", global_batch_size=32))
+    bf16 = plan(
+        Layout(tp=8, dp=dp, recompute="full", global_batch_size=32, grad_reduce_in_bf16=True)
+    )
+    assert fp32.per_device["gradients"] == 4 * n
+    assert bf16.per_device["gradients"] == 2 * n + 4 * s
+    assert fp32.total - bf16.total == 2 * n - 4 * s  # static: no fragmentation on it
+    assert {k: v for k, v in bf16.per_device.items() if k != "gradients"} == {
+        k: v for k, v in fp32.per_device.items() if k != "gradients"
+    }
+    saved = {1: -2 * n, 2: 0, 4: n}[dp]  # costs 2N at D = 1, saves nothing at D = 2
+    assert fp32.total - bf16.total == saved
+
+
+def test_bf16_gradients_count_cp_in_the_shard():
+    layout = Layout(tp=8, cp=2, dp=2, recompute="full", global_batch_size=32)
+    bf16 = plan(Layout(**{**layout.__dict__, "grad_reduce_in_bf16": True}))
+    assert bf16.per_device["gradients"] == 2 * P_TP8 + 4 * (P_TP8 // 4)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_bf16_gradients_with_optimizer_offload_save_2n(dp):
+    base = dict(tp=8, dp=dp, recompute="full", global_batch_size=32, optimizer_offload_fraction=1.0)
+    fp32, bf16 = plan(Layout(**base)), plan(Layout(**base, grad_reduce_in_bf16=True))
+    assert bf16.per_device["gradients"] == 2 * P_TP8
+    assert fp32.total - bf16.total == 2 * P_TP8
+    # the host keeps its fp32 gradient copy: host bytes do not change
+    assert bf16.stages[0].host_bytes == fp32.stages[0].host_bytes
+    assert bf16.stages[0].host_bytes["host_gradient_copy"] == 4 * P_TP8 // dp
+    assert bf16.host.per_node == fp32.host.per_node
+
+
+def test_bf16_gradients_with_part_of_the_optimizer_offloaded():
+    bf16 = plan(one_node(optimizer_offload_fraction=0.25, grad_reduce_in_bf16=True))
+    assert bf16.per_device["gradients"] == 2 * P_TP8 + 3 * P_TP8  # 4 B x 0.75 S, S = N
+
+
+def test_bf16_gradients_without_the_distributed_optimizer():
+    layout = Layout(tp=8, dp=2, recompute="full", global_batch_size=32, distributed_optimizer=False)
+    bf16 = plan(Layout(**{**layout.__dict__, "grad_reduce_in_bf16": True}))
+    assert bf16.per_device["gradients"] == 2 * P_TP8 + 4 * P_TP8  # fp32 main grads of all
+
+
+def test_bf16_gradients_are_not_preferred_where_they_cost():
+    # D = 1 without offload: bf16 gradients take 2N more; the search's bf16 layouts at D = 1
+    # all offload the optimizer, and a search that fits with fp32 gradients never takes them
+    found = search_layouts("llama2-70b", SEQ, 8, "64GB")
+    assert found
+    for c in found:
+        if c.plan.layout.sharding_ranks <= 2:
+            assert c.plan.layout.optimizer_offload_fraction > 0
+    for devices in (16, 32):
+        assert not any(
+            c.plan.layout.grad_reduce_in_bf16
+            for c in search_layouts("llama2-70b", SEQ, devices, "64GB")
+        )
+
+
+def test_bf16_gradients_under_megatron_fsdp():
+    # modelled, not measured: the main-gradient buffer and the gradient buckets at 2 B
+    from mcore_flash.planning.fsdp import fsdp_bytes, stage_groups
+    from mcore_flash.planning.parameters import layer_parameters
+
+    model = get_model("llama2-70b")
+    layout = Layout(tp=8, dp=4, recompute="full", global_batch_size=32, fsdp="optim_grads_params")
+    bf16 = plan(Layout(**{**layout.__dict__, "grad_reduce_in_bf16": True}))
+    groups = stage_groups(model, 8, 1, 0, "optim_grads_params")
+    layer = sum(layer_parameters(model, 8).values())
+    fp32_bytes = fsdp_bytes(groups, "optim_grads_params", 4, layer)
+    bf16_bytes = fsdp_bytes(groups, "optim_grads_params", 4, layer, grad_bytes=2)
+    assert bf16.per_device["gradients"] == bf16_bytes["gradients"] == fp32_bytes["gradients"] // 2
+    assert bf16.per_device["fsdp_gradient_buckets"] == bf16_bytes["fsdp_gradient_buckets"]
+    assert bf16_bytes["fsdp_gradient_buckets"] < fp32_bytes["fsdp_gradient_buckets"]
+
+
+def test_bf16_gradients_need_bf16():
+    layout = one_node(grad_reduce_in_bf16=True)
+    with pytest.raises(ValueError, match="--grad-reduce-in-bf16 needs"):
+        plan(layout, param_bytes=4)
+    with pytest.raises(ValueError, match="--grad-reduce-in-bf16 needs --bf16"):
+        pretrain_command(get_model("llama2-70b"), SEQ, layout, dtype_bytes=4)
+    assert "--grad-reduce-in-bf16" in pretrain_command(get_model("llama2-70b"), SEQ, layout)
+    assert "--grad-reduce-in-bf16" not in pretrain_command(get_model("llama2-70b"), SEQ, one_node())
+    assert layout.rung == "offload"
+
+
+def test_bf16_gradients_halve_the_gradient_reduction():
+    base = dict(tp=8, dp=4, recompute="full", global_batch_size=32)
+    fp32 = predict_step_time("llama2-70b", SEQ, Layout(**base), NPU, overlap_grad_reduce=False)
+    bf16 = predict_step_time(
+        "llama2-70b", SEQ, Layout(**base, grad_reduce_in_bf16=True), NPU, overlap_grad_reduce=False
+    )
+    key = "dp_grad_reduce_exposed"
+    assert bf16.breakdown[key] == pytest.approx(fp32.breakdown[key] / 2)
+
+
+def test_cli_grad_reduce_in_bf16(capsys):
+    args = ["--tp", "8", "--recompute", "full", "--global-batch-size", "32"]
+    args += [
+        "--optimizer-cpu-offload",
+        "--activation-offload-layers",
+        "39",
+        "--device-memory",
+        "64GB",
+    ]
+    assert main(args) == 1  # fp32 gradients: over
+    capsys.readouterr()
+    assert main(args + ["--grad-reduce-in-bf16"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "bf16 main gradients (--grad-reduce-in-bf16)" in out
+        and "--grad-reduce-in-bf16 --recompute" in out
+    )
+    assert main(args + ["--grad-reduce-in-bf16", "--json"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["grad_reduce_in_bf16"] is True
+    assert data["gradient_flags"] == ["--grad-reduce-in-bf16"]
+    assert data["per_device_bytes"]["gradients"] == 2 * P_TP8
+    assert main(args + ["--grad-reduce-in-bf16", "--dtype", "fp32"]) == 2
+    assert "--grad-reduce-in-bf16 needs --bf16" in capsys.readouterr().err
 
 
 def test_sensitivity_halves_and_doubles_each_assumption():
@@ -212,9 +357,14 @@ def test_cli_search_and_refusals(capsys):
     assert main(["--search", "--num-devices", "16", "--device-memory", "64GB", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "(rung: offload)" in out and "--optimizer-cpu-offload" in out and "host" in out
-    assert main(["--search", "--num-devices", "8", "--device-memory", "64GB"]) == 1
+    # 8 devices fit now, with bf16 main gradients; 4 do not even with them
+    assert main(["--search", "--num-devices", "8", "--device-memory", "64GB", "--top", "1"]) == 0
     out = capsys.readouterr().out
-    assert "closes the device gap: bf16 main gradients" in out
+    assert "bf16 main gradients (rung: offload)" in out and "--grad-reduce-in-bf16" in out
+    assert main(["--search", "--num-devices", "4", "--device-memory", "64GB"]) == 1
+    out = capsys.readouterr().out
+    assert "with bf16 main gradients (--grad-reduce-in-bf16, which the search tried too)" in out
+    assert "still over" in out
     assert (
         main(["--tp", "8", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"]) == 2
     )
