@@ -71,7 +71,7 @@ read -r PLAN_TP PLAN_PP PLAN_CP PLAN_SHARDING PLAN_RUNG PLAN_REST < <(
     --num-devices "$WORLD_SIZE" --global-batch-size "$GLOBAL_BATCH" --device-memory 64GB \
     --hardware ascend-910b-64g --top 1 --json |
   "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]
-offload = best.get("offload_flags", []) + (["--grad-reduce-in-bf16"] if lay.get("grad_reduce_in_bf16") and "--grad-reduce-in-bf16" not in best.get("offload_flags", []) else [])
+offload = best["offload_flags"] + best["gradient_flags"]
 print(lay["tp"], lay["pp"], lay["cp"], lay["fsdp"] or "none", best["rung"].replace(" ", "-"), *best["recompute_flags"], "::", *offload)'
 ) || { echo "mcore-flash plan --search found no layout of $WORLD_SIZE NPUs that fits 64 GB" >&2; exit 2; }
 PLAN_RECOMPUTE_ARGS=${PLAN_REST%%::*}

@@ -270,3 +270,41 @@ def test_70b_recipe_script_rehearses_zero3_on_8_emulated_npus(tmp_path):
         with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
             report = json.load(f)
         assert report["device"] == f"npu:{rank}" and report["inputs_the_kernels_would_copy"] == {}
+
+
+@pytest.mark.slow
+def test_70b_recipe_script_rehearses_the_one_node_plan_on_8_emulated_npus(tmp_path):
+    """NUM_DEVICES=8: the planner's one-node layout needs host offload (rung 4); the recipe's
+    flags with it (the optimizer state on the host, bf16 gradients, activation offload, full
+    recompute) run on 8 emulated NPUs, and every rank's optimizer state is where the plan puts
+    it: all of it on the host, in fp32."""
+    save = tmp_path / "run"
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "REHEARSAL_SAVE": str(save),
+        "PYTHONWARNINGS": "ignore",
+        "NUM_DEVICES": "8",
+    }
+    result = subprocess.run(
+        ["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    output = result.stdout + result.stderr
+    assert "rung offload" in output and "iteration 2/2" in output
+    plan = subprocess.run(
+        [sys.executable, "-m", "mcore_flash.planning.cli", "--search", "--model", "llama2-70b"]
+        + ["--seq-length", "131072", "--num-devices", "8", "--device-memory", "64GB"]
+        + ["--hardware", "ascend-910b-64g", "--global-batch-size", "32", "--top", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    layout = json.loads(plan.stdout)["layouts"][0]["layout"]
+    assert layout["optimizer_offload_fraction"] == 1.0
+    for rank in range(8):
+        with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
+            report = json.load(f)
+        assert report["optimizer_state_bytes"].keys() == {"cpu"}, (rank, report)
+        assert report["optimizer_state_bytes"]["cpu"].keys() == {"torch.float32"}
