@@ -139,7 +139,13 @@ def test_fsdp_equals_the_distributed_optimizer_at_two_ranks(tmp_path):
     _check(per_rank, TWO_RANK_CASES)
 
 
-NPU_RUNS = {name: TWO_RANKS[name] for name in ("dp2", "dp2-zero3", "dp2-zero2", "cp2", "cp2-zero3")}
+NPU_RUNS = {
+    name: TWO_RANKS[name]
+    for name in (
+        *("dp2", "dp2-zero3", "dp2-zero2", "cp2", "cp2-zero3"),
+        *("dp2-qkv", "dp2-qkv-zero3", "dp2-packed", "dp2-packed-zero3"),
+    )
+}
 
 
 def test_fsdp_equals_the_distributed_optimizer_on_the_emulated_npu(tmp_path):
@@ -281,3 +287,23 @@ def test_sigterm_and_divergence_stop_an_fsdp_run_as_without_it(tmp_path):
     for outcome in run_distributed(_w_stops, 2, str(tmp_path), timeout=300):
         assert outcome["sigterm"] == (1, 1)  # every rank stopped after iteration 1, saved it
         assert "training diverged" in outcome["diverged"] and "--lr" in outcome["diverged"]
+
+
+NPU_FOUR_RANKS = {
+    name: FOUR_RANKS[name]
+    for name in ("dp4", "dp4-zero3", "tp2sp-dp2", "tp2sp-dp2-zero3", "cp2-dp2", "cp2-dp2-zero3")
+}
+
+
+@pytest.mark.slow
+def test_fsdp_equals_the_distributed_optimizer_at_four_ranks_on_the_emulated_npu(tmp_path):
+    per_rank = run_distributed(
+        w_recipe_runs,
+        4,
+        list(NPU_FOUR_RANKS.items()),
+        str(tmp_path),
+        _weights,
+        timeout=900,
+        emulate_npu=True,
+    )
+    _check(per_rank, {name: FOUR_RANK_CASES[name] for name in NPU_FOUR_RANKS if "zero" in name})
