@@ -48,7 +48,7 @@ def upstream_defect(strategy: str, dp_cp: int) -> Optional[str]:
     """Why the installed megatron-core's Megatron-FSDP trains ``strategy`` at data x context
     parallel size ``dp_cp`` wrongly, as an error naming the flag; None if it does not. Pure
     Python (reads the installed version only). Measured against the distributed optimizer's
-    run (tests/training/test_fsdp.py; ``distributed/fsdp/src/megatron_fsdp/
+    run (tests/training/test_megatron_fsdp.py; ``distributed/fsdp/src/megatron_fsdp/
     param_and_grad_buffer.py``, 0.16.1 lines):
 
     * ``no_shard``: 0.16 fails at the first step (``fetch_bucket`` on the weight buffer

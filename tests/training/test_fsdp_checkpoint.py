@@ -3,8 +3,8 @@ verified, and crossed with torch_dist checkpoints.
 
 Oracles: the uninterrupted run (a resume must give its per-iteration loss and grad norm
 exactly, fp32); for weights crossing kinds, the saving run's own full weights, gathered
-here with megatron-FSDP's ``gather_and_compute_chunk_metadata`` (tests/training/test_fsdp.py's
-``_full_weights``), not by the code under test; for damaged and forged files, the byte this
+here with megatron-FSDP's ``gather_and_compute_chunk_metadata`` (``tests/_support/recipe_runs.py``'s
+``full_weights``), not by the code under test; for damaged and forged files, the byte this
 test flipped and a side effect that must not happen. One launch per world size loops over
 the configurations (process start-up dominates).
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _support.dist_utils import run_distributed
-from _support.recipe_runs import TINY
+from _support.recipe_runs import TINY, full_weights
 
 STEPS, SAVED = 4, 2
 STRATEGIES = {
@@ -101,10 +101,9 @@ def test_fsdp_resume_is_exact_on_the_emulated_npu(tmp_path):
 
 def _w_crossing(rank, world_size, root):
     """FSDP and torch_dist checkpoints at DP2: each kind's weights loaded into the other kind's
-    model (``_full_weights`` of both sides returned), and the optimizer state of the other
+    model (``full_weights`` of both sides returned), and the optimizer state of the other
     kind refused (the messages returned)."""
     from megatron.core import parallel_state
-    from test_fsdp import _full_weights
 
     fsdp_dir, dist_dir = os.path.join(root, "fsdp"), os.path.join(root, "dist")
     out = {}
@@ -121,22 +120,22 @@ def _w_crossing(rank, world_size, root):
             parallel_state.destroy_model_parallel()
 
     out["fsdp saved"] = run(
-        STRATEGIES["zero3"], fsdp_dir, steps=SAVED, body=lambda r: _full_weights(r.model)
+        STRATEGIES["zero3"], fsdp_dir, steps=SAVED, body=lambda r: full_weights(r.model)
     )
     distopt = ["--use-distributed-optimizer"]
     out["fsdp -> ddp"] = run(
         [*distopt, "--no-load-optim"],
         os.path.join(root, "a"),
         fsdp_dir,
-        body=lambda r: (r.iteration, _full_weights(r.model)),
+        body=lambda r: (r.iteration, full_weights(r.model)),
     )
-    out["dist saved"] = run(distopt, dist_dir, steps=SAVED, body=lambda r: _full_weights(r.model))
+    out["dist saved"] = run(distopt, dist_dir, steps=SAVED, body=lambda r: full_weights(r.model))
 
     out["dist -> fsdp"] = run(  # loaded into the bare model before FSDP shards it
         [*STRATEGIES["zero3"], "--finetune"],
         os.path.join(root, "b"),
         dist_dir,
-        body=lambda r: ((r.iteration, r.consumed_samples), _full_weights(r.model)),
+        body=lambda r: ((r.iteration, r.consumed_samples), full_weights(r.model)),
     )
 
     refusals = {}

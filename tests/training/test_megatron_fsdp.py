@@ -19,7 +19,7 @@ from mcore_flash.training.arguments import parse_config
 from mcore_flash.training.fsdp import upstream_defect
 
 from _support.dist_utils import run_distributed
-from _support.recipe_runs import TINY, w_recipe_runs
+from _support.recipe_runs import TINY, full_weights, w_recipe_runs
 
 ORACLE = ["--use-distributed-optimizer"]
 ZERO3 = ["--use-megatron-fsdp"]  # default strategy: optim_grads_params
@@ -29,49 +29,8 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 ATTENTION = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
 
 
-def _full_weights(model) -> dict[str, torch.Tensor]:
-    """``{name: the full weight}`` of ``model``: megatron's DDP (the tensor-parallel shards
-    concatenated along their partition dim) or FullyShardedDataParallel (its parameters are
-    DTensors, unevenly sharded over data x context and tensor parallel ranks: every rank's
-    shard placed at its offset (megatron-FSDP's ``gather_and_compute_chunk_metadata``), read from
-    its ``state_dict()``: between steps its modules' own parameters are views of the freed
-    all-gather buffers)."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        gather_and_compute_chunk_metadata,
-    )
-    from torch.distributed.tensor import DTensor
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if isinstance(model, FullyShardedDataParallel):
-        named = [(k, v) for k, v in model.state_dict().items() if isinstance(v, DTensor)]
-    else:
-        named = list(model.named_parameters())
-    weights = {}
-    for name, param in named:
-        if isinstance(param, DTensor):
-            offsets = gather_and_compute_chunk_metadata(param).offsets
-            shards = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(shards, (offsets, param.to_local().cpu()))
-            full = torch.zeros(param.shape, dtype=param.dtype)
-            for offset, shard in shards:
-                full[tuple(slice(o, o + n) for o, n in zip(offset, shard.shape))] = shard
-            param = full
-        elif tp > 1 and getattr(param, "tensor_model_parallel", False):
-            parts = [torch.empty_like(param) for _ in range(tp)]
-            torch.distributed.all_gather(
-                parts, param.detach(), group=parallel_state.get_tensor_model_parallel_group()
-            )
-            param = torch.cat(parts, dim=param.partition_dim)
-        while name.startswith("module."):
-            name = name.removeprefix("module.")
-        weights[name] = param.detach().cpu().clone()
-    return weights
-
-
 def _weights(recipe, _) -> dict:
-    return {"weights": _full_weights(recipe.model)}
+    return {"weights": full_weights(recipe.model)}
 
 
 def _assert_same_training(result, oracle, label):
