@@ -195,6 +195,41 @@ def test_a_cpu_tensor_in_a_trainer_collective_fails_the_rehearsal(tmp_path):
     assert "No backend type associated with device type cpu" in npu.stderr
 
 
+RECIPE_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
+
+
+def rehearse_recipe(save, *flags, **env) -> str:
+    """``bash scripts/pretrain_70b.sh --rehearse`` into ``save`` with ``env`` added; asserts it
+    succeeded and returns its output (progress on stdout, the [mcore-flash] notes on stderr)."""
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "REHEARSAL_SAVE": str(save),
+        "PYTHONWARNINGS": "ignore",
+        **env,
+    }
+    result = subprocess.run(
+        ["bash", RECIPE_SCRIPT, "--rehearse", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout + result.stderr
+
+
+def rank_reports(save, ranks: int = 8) -> list[dict]:
+    """The emulated ranks' rehearsal reports, each checked: rank r drove npu:r, no layout copies."""
+    reports = []
+    for rank in range(ranks):
+        with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
+            report = json.load(f)
+        assert report["device"] == f"npu:{rank}" and report["inputs_the_kernels_would_copy"] == {}
+        reports.append(report)
+    return reports
+
+
 @pytest.mark.slow
 def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
     """scripts/pretrain_70b.sh --rehearse as a continued-pretraining run: HF_CHECKPOINT (a
@@ -208,39 +243,14 @@ def test_70b_recipe_script_rehearses_on_8_emulated_npus(tmp_path):
 
     hf_dir = make_hf_llama(tmp_path / "hf", vocab=258, hidden=64, ffn=176, layers=4)
     save = tmp_path / "run"
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "REHEARSAL_SAVE": str(save),
-        "PYTHONWARNINGS": "ignore",
-        "HF_CHECKPOINT": hf_dir,
-        "RECOMPUTE": "qkv",
-    }
-    result = subprocess.run(
-        ["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    output = result.stdout + result.stderr  # progress on stdout, the [mcore-flash] notes on stderr
+    env = {"HF_CHECKPOINT": hf_dir, "RECOMPUTE": "qkv"}
+    output = rehearse_recipe(save, **env)
     assert "(TP 2, PP 2, CP 2, DP 1)" in output and "iteration 2/2" in output
     assert f"fine-tuning from {save}/hf_converted at iteration 0" in output
-    for rank in range(8):
-        with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
-            report = json.load(f)
-        assert report["device"] == f"npu:{rank}" and report["inputs_the_kernels_would_copy"] == {}
-        assert (
-            report["op_calls"]["npu_fusion_attention_grad[TND]"] > 0
-        )  # DOCUMENT_MASKING=1: packed
+    for report in rank_reports(save):  # DOCUMENT_MASKING=1: packed
+        assert report["op_calls"]["npu_fusion_attention_grad[TND]"] > 0
 
-    again = subprocess.run(
-        ["bash", script, "--rehearse", "--train-iters", "3"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
-    output = again.stdout + again.stderr
+    output = rehearse_recipe(save, "--train-iters", "3", **env)
     assert f"resumed from {save} at iteration 2" in output and "iteration 3/3" in output
 
 
@@ -251,25 +261,10 @@ def test_70b_recipe_script_rehearses_zero3_on_8_emulated_npus(tmp_path):
     attention backend) on 8 emulated NPUs: every FSDP all-gather and reduce-scatter goes
     through the HCCL-strict groups, and the run saves its checkpoint."""
     save = tmp_path / "run"
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "REHEARSAL_SAVE": str(save),
-        "PYTHONWARNINGS": "ignore",
-        "SHARDING": "optim_grads_params",
-    }
-    result = subprocess.run(
-        ["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    output = result.stdout + result.stderr
+    output = rehearse_recipe(save, SHARDING="optim_grads_params")
     assert "(TP 2, PP 1, CP 2, DP 2)" in output and "iteration 2/2" in output
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
-    for rank in range(8):
-        with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
-            report = json.load(f)
-        assert report["device"] == f"npu:{rank}" and report["inputs_the_kernels_would_copy"] == {}
+    rank_reports(save)
 
 
 @pytest.mark.slow
@@ -279,19 +274,7 @@ def test_70b_recipe_script_rehearses_the_one_node_plan_on_8_emulated_npus(tmp_pa
     recompute) run on 8 emulated NPUs, and every rank's optimizer state is where the plan puts
     it: all of it on the host, in fp32."""
     save = tmp_path / "run"
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "REHEARSAL_SAVE": str(save),
-        "PYTHONWARNINGS": "ignore",
-        "NUM_DEVICES": "8",
-    }
-    result = subprocess.run(
-        ["bash", script, "--rehearse"], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    output = result.stdout + result.stderr
+    output = rehearse_recipe(save, NUM_DEVICES="8")
     assert "rung offload" in output and "iteration 2/2" in output
     plan = subprocess.run(
         [sys.executable, "-m", "mcore_flash.planning.cli", "--search", "--model", "llama2-70b"]
@@ -303,8 +286,6 @@ def test_70b_recipe_script_rehearses_the_one_node_plan_on_8_emulated_npus(tmp_pa
     )
     layout = json.loads(plan.stdout)["layouts"][0]["layout"]
     assert layout["optimizer_offload_fraction"] == 1.0
-    for rank in range(8):
-        with open(save / f"emulated_npu_rank{rank:05d}.json") as f:
-            report = json.load(f)
-        assert report["optimizer_state_bytes"].keys() == {"cpu"}, (rank, report)
+    for report in rank_reports(save):
+        assert report["optimizer_state_bytes"].keys() == {"cpu"}, report
         assert report["optimizer_state_bytes"]["cpu"].keys() == {"torch.float32"}

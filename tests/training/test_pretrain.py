@@ -333,18 +333,24 @@ def test_dry_run_llama2_70b_counts_parameters_on_meta_device():
     assert "FITS" in result.stdout  # the planner's verdict for this layout
 
 
-def test_70b_recipe_script_dry_run_fits_64gb():
-    """scripts/pretrain_70b.sh --dry-run: validates the cluster flags for 256 ranks, counts
-    parameters on the meta device and asks the planner whether the layout fits 64 GB."""
+def _recipe_dry_run(**env) -> subprocess.CompletedProcess:
+    """``bash scripts/pretrain_70b.sh --dry-run`` with ``env`` added; asserts it succeeded."""
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
     result = subprocess.run(
         ["bash", script, "--dry-run"],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHON": sys.executable},
+        env={**os.environ, "PYTHON": sys.executable, **env},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_70b_recipe_script_dry_run_fits_64gb():
+    """scripts/pretrain_70b.sh --dry-run: validates the cluster flags for 256 ranks, counts
+    parameters on the meta device and asks the planner whether the layout fits 64 GB."""
+    result = _recipe_dry_run()
     assert "total parameters: 68,976,648,192" in result.stdout
     assert "FITS" in result.stdout and "of 64.00 GiB" in result.stdout
 
@@ -361,15 +367,7 @@ def test_70b_recipe_script_climbs_the_ladder_below_64_npus(devices, rung, flags)
     """NUM_DEVICES below 64: nothing fits without sharding (32) or host offload (16), so the
     script's planner layout carries those flags, the trainer's dry run accepts them for that
     many ranks, and its own plan of them fits 64 GB (and, offloaded, the node's host memory)."""
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_70b.sh")
-    result = subprocess.run(
-        ["bash", script, "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHON": sys.executable, "NUM_DEVICES": str(devices)},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _recipe_dry_run(NUM_DEVICES=str(devices))
     assert f"= {devices} devices" in result.stdout and "FITS" in result.stdout
     assert f"rung {rung}" in result.stderr and flags in result.stdout
 
