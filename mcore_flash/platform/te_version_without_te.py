@@ -1,12 +1,13 @@
 """Any device without Transformer Engine: megatron's ``is_te_min_version`` in the optimizer config.
 
-``optimizer/optimizer_config.py: OptimizerConfig.__post_init__`` (megatron-core 0.16.1 line 383;
-0.19.2 line 438), reached with ``use_precision_aware_optimizer=True`` (Megatron-LM's
+``optimizer/optimizer_config.py: OptimizerConfig.__post_init__`` (megatron-core 0.16.1 line 383),
+reached with ``use_precision_aware_optimizer=True`` (Megatron-LM's
 ``--use-precision-aware-optimizer``, which ``--optimizer-cpu-offload`` needs), calls
 ``is_te_min_version("2.1.0")``, and ``utils.py`` compares ``get_te_version()`` - None without
 TE - with a ``Version``: "TypeError: '>=' not supported between instances of 'NoneType' and
 'Version'". Without TE no version of it is installed, so the answer is False; the optimizer
-config module gets that function, the rest of megatron keeps its own.
+config module gets that function, the rest of megatron keeps its own. (0.19's
+``get_te_version()`` answers ``Version("0.0.0")`` without TE: nothing to adapt, skipped.)
 """
 
 from __future__ import annotations
