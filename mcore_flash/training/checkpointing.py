@@ -203,8 +203,17 @@ def load_checkpoint(
         _check_optimizer_layout(root, common, optimizer)
         _load_with_optimizer(path, common, model, optimizer, scheduler)
     else:
+        fsdp_run = fsdp_checkpoint.is_fsdp(model)
+        if fsdp_run and checkpoint_format(common) == fsdp_checkpoint.FORMAT:
+            raise ValueError(
+                f"--load {root}: the weights alone of an FSDP checkpoint (--no-load-optim / --finetune) do not "
+                "load into a --use-megatron-fsdp run: megatron-core's Megatron-FSDP has no model-to-main "
+                "parameter update (optimizer/distrib_optimizer.py: _copy_model_params_to_main_params); resume "
+                "with its optimizer state, or load the weights into a run without --use-megatron-fsdp"
+            )
         _load_model(root, path, common, model)
-        optimizer.reload_model_params()  # fp32 main parameters from the loaded weights
+        if not fsdp_run:  # FSDP copied the weights loaded before sharding into its buffers itself
+            optimizer.reload_model_params()  # fp32 main parameters from the loaded weights
     provenance = {key: common[key] for key in PROVENANCE_KEYS if key in common}
     if finetune:
         return 0, 0, provenance
