@@ -142,6 +142,7 @@ def _w_crossing(rank, world_size, root):
     for name, flags, load in (
         ("fsdp state into ddp", distopt, fsdp_dir),
         ("dist state into fsdp", STRATEGIES["zero3"], dist_dir),
+        ("fsdp weights alone into fsdp", [*STRATEGIES["zero3"], "--no-load-optim"], fsdp_dir),
     ):
         try:
             run(flags, os.path.join(root, name.replace(" ", "_")), load)
@@ -164,7 +165,11 @@ def test_weights_cross_between_fsdp_and_torch_dist_and_optimizer_state_is_refuse
     assert counters == (0, 0)  # --finetune: iteration 0
     _assert_same_weights(into_fsdp, result["dist saved"])
     refusals = result["refusals"]
-    assert set(refusals) == {"fsdp state into ddp", "dist state into fsdp"}, refusals
+    assert set(refusals) == {
+        "fsdp state into ddp",
+        "dist state into fsdp",
+        "fsdp weights alone into fsdp",  # Megatron-FSDP has no model-to-main update
+    }, refusals
     for message in refusals.values():
         assert "--no-load-optim" in message and "--finetune" in message, message
         assert "--use-megatron-fsdp" in message, message
