@@ -210,14 +210,16 @@ def launch(
     extra: tuple = (),
     log: Optional[str] = None,
     drill: Optional[Drill] = None,
+    torchrun_flags: tuple = (),
 ) -> tuple[int, str]:
-    """``torchrun`` 2 CPU ranks of ``mcore_flash.pretrain`` with ``drill``'s flags; returns
-    (exit code, stdout + stderr), which ``log`` (a file path) keeps."""
+    """``torchrun`` 2 CPU ranks of ``mcore_flash.pretrain`` with ``drill``'s flags (and
+    ``torchrun_flags``, torchrun's own); returns (exit code, stdout + stderr), which ``log``
+    (a file path) keeps."""
     env = _environment(fault)
     with open(log, "w+") if log else tempfile.TemporaryFile("w+") as output:
         try:
             code = subprocess.run(
-                _torchrun_command(save, load, extra, drill),
+                _torchrun_command(save, load, extra, drill, torchrun_flags),
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -310,7 +312,7 @@ def _disk_full(work_dir: str, reference: str) -> Row:
 
 
 def _torchrun_command(
-    save: str, load: bool, extra: tuple, drill: Optional[Drill] = None
+    save: str, load: bool, extra: tuple, drill: Optional[Drill] = None, torchrun_flags: tuple = ()
 ) -> list[str]:
     """torchrun's ``--standalone``: its store binds a free port itself (a port picked here and
     bound by torchrun seconds later could be taken in between, and the launch fail)."""
@@ -323,6 +325,7 @@ def _torchrun_command(
         "127.0.0.1",
         "--nproc-per-node",
         "2",
+        *torchrun_flags,
         "-m",
         "mcore_flash.pretrain",
         *(drill or DRILL).flags,

@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted as Megatron-LM's (which needs it with Megatron-FSDP); no kernel fuses it here",
     )
+    par.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10,
+        help="a collective that takes longer fails (torch.distributed's and megatron's groups), and a "
+        "rank whose iteration or save takes longer dumps its stacks and exits with code 3 (the watchdog, "
+        "docs/fault-tolerance.md); fractions allowed (Megatron-LM takes whole minutes)",
+    )
 
     rec = p.add_argument_group("recompute")
     rec.add_argument("--recompute-granularity", choices=["full", "selective"])

@@ -98,6 +98,8 @@ class TrainingConfig:
     use_megatron_fsdp: bool  # ZeRO-3 by megatron-core's Megatron-FSDP (:mod:`.fsdp`)
     data_parallel_sharding_strategy: Optional[str]  # FSDP's; None without FSDP
     no_gradient_accumulation_fusion: bool  # accepted as in Megatron-LM; nothing is fused here
+    # minutes: a collective's timeout, and the watchdog's limit per iteration and per save
+    distributed_timeout_minutes: float
     # host offload of the optimizer (megatron-core's HybridDeviceOptimizer)
     optimizer_cpu_offload: bool
     optimizer_offload_fraction: float  # of the optimizer state (parameters) stepped on the host
@@ -284,6 +286,11 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     for flag, value in at_least_one.items():
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not 0 < args.distributed_timeout_minutes < float("inf"):
+        raise ValueError(
+            "--distributed-timeout-minutes must be a positive number of minutes (fractions "
+            f"allowed: 0.5 = 30 s), got {args.distributed_timeout_minutes}"
+        )
     if world_size % (tp * pp * cp):
         raise ValueError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size x "

@@ -17,11 +17,20 @@ from mcore_flash.training.config import TrainingConfig
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
-def init_distributed(config: TrainingConfig, timeout_minutes: int = 10) -> str:
+def init_distributed(config: TrainingConfig) -> str:
     """Set up the device and ``torch.distributed`` + megatron's parallel state; returns the device.
 
     Under ``torchrun`` the usual RANK/WORLD_SIZE/MASTER_* variables are used; otherwise a
     one-process group on 127.0.0.1. ``config.world_size`` must match the real world size.
+
+    A collective that has not completed after ``config.distributed_timeout_minutes``
+    (Megatron-LM's ``--distributed-timeout-minutes``, default 10) fails, in the default
+    process group and in megatron's TP/PP/CP/DP groups alike (megatron-core's own default
+    for those is 30 minutes; Megatron-LM passes its flag to both, as here). The minutes are
+    a float, where Megatron-LM takes an int: every value it accepts means the same here,
+    and a test can ask for a few seconds through the flag itself (0.1 = 6 s) instead of a
+    switch that only tests would use. The watchdog (:mod:`.watchdog`) uses the same limit
+    per iteration and per save.
     """
     device = platform.setup()
     if "RANK" not in os.environ:
@@ -37,9 +46,9 @@ def init_distributed(config: TrainingConfig, timeout_minutes: int = 10) -> str:
             _BACKENDS[device],
             rank=int(os.environ["RANK"]),
             world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=datetime.timedelta(minutes=config.distributed_timeout_minutes),
         )
-    _init_parallel_state(config)
+    _init_parallel_state(config, distributed_timeout_minutes=config.distributed_timeout_minutes)
     return device
 
 

@@ -1,4 +1,4 @@
-"""Fault injection for tests: SIGKILL one rank at a named point of training or saving.
+"""Fault injection for tests: SIGKILL one rank, or hang it, at a named point of training or saving.
 
 Off unless the environment variable ``MCORE_FLASH_FAULT`` is set (read once, at import)::
 
@@ -9,6 +9,10 @@ The named rank (default 0) prints one line to stderr and kills itself with SIGKI
 ``finally`` block, atexit handler or signal handler runs, as when a node dies; ``torchrun``
 then ends the other ranks. A disk that fills up is not simulated here: the tests put
 ``--save`` on a small tmpfs, a real full disk (the drill, ``scripts/fault_drill.py``).
+
+``hang@ITERATION[:RANK]`` (:data:`HANG`) makes that rank sleep forever inside the forward
+pass of that iteration instead, as a stuck device or collective would: the other ranks wait
+for it in their next collective, and the watchdog (:mod:`.watchdog`) ends them all.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import NamedTuple, Optional
 
 ENV = "MCORE_FLASH_FAULT"
@@ -31,8 +36,9 @@ POINTS = {
     "save-manifest": "in the save: after the manifest, before the rename",
     "save-renamed": "in the save: after the rename, before the tracker update",
     "save-tracker": "in the save: after the tracker update",
-}
-MODEL_POINTS = ("forward", "backward")
+}  # the SIGKILL points: the rows of the fault drill (scripts/fault_drill.py)
+HANG = "hang"  # not a kill: the rank sleeps forever where ``forward`` would kill it
+MODEL_POINTS = ("forward", "backward", HANG)
 
 
 class Fault(NamedTuple):
@@ -45,9 +51,9 @@ def parse(spec: str) -> Fault:
     """``"POINT@ITERATION[:RANK]"`` -> :class:`Fault` (ValueError naming the variable)."""
     point, _, rest = spec.partition("@")
     iteration, _, rank = rest.partition(":")
-    if point not in POINTS or not iteration.isdigit() or not (rank or "0").isdigit():
+    if point not in (*POINTS, HANG) or not iteration.isdigit() or not (rank or "0").isdigit():
         raise ValueError(
-            f"{ENV}={spec!r}: expected POINT@ITERATION[:RANK], POINT one of {', '.join(POINTS)}"
+            f"{ENV}={spec!r}: expected POINT@ITERATION[:RANK], POINT one of {', '.join(POINTS)} or {HANG}"
         )
     return Fault(point, int(iteration), int(rank or 0))
 
@@ -63,17 +69,27 @@ def begin_iteration(iteration: int) -> None:
 
 
 def point(name: str, iteration: Optional[int] = None) -> None:
-    """Die here if ``MCORE_FLASH_FAULT`` names this point, iteration and this rank."""
+    """Die here (hang here, for :data:`HANG`) if ``MCORE_FLASH_FAULT`` names this point,
+    iteration and this rank."""
     if _FAULT is None or _FAULT.point != name:
         return
     iteration = _iteration if iteration is None else iteration
-    if iteration == _FAULT.iteration and _rank() == _FAULT.rank:
+    if iteration != _FAULT.iteration or _rank() != _FAULT.rank:
+        return
+    if name == HANG:
         print(
-            f"fault injection: SIGKILL at {name}, iteration {iteration}, rank {_FAULT.rank}",
+            f"fault injection: hang in the forward pass, iteration {iteration}, rank {_FAULT.rank}",
             file=sys.stderr,
             flush=True,
         )
-        os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # a SIGTERM (torchrun ending the job) only sets the loop's stop flag
+            time.sleep(60)
+    print(
+        f"fault injection: SIGKILL at {name}, iteration {iteration}, rank {_FAULT.rank}",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def install(model, config) -> None:
@@ -88,7 +104,8 @@ def install(model, config) -> None:
         while hasattr(model, "module"):  # DDP, or FSDP's adapter around MegatronFSDP
             model = model.module
         layers = model.decoder.layers
-        layers[-1].register_forward_pre_hook(lambda module, args: point("forward"))
+        entering = HANG if _FAULT.point == HANG else "forward"
+        layers[-1].register_forward_pre_hook(lambda module, args: point(entering))
         layers[-1].register_forward_hook(_die_in_backward)
     if _FAULT.point == "grad-reduce":
         finalize = config.finalize_model_grads_func

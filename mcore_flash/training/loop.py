@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_flash import platform
-from mcore_flash.training import checkpointing, faults, fsdp, offload
+from mcore_flash.training import checkpointing, faults, fsdp, offload, watchdog
 from mcore_flash.training.config import TrainingConfig
 from mcore_flash.training.data import build_train_dataset, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
@@ -75,6 +75,7 @@ class PretrainRecipe:
         self.data = self._micro_batches()
         self.forward_backward = get_forward_backward_func()
         self.stop = _StopSignal()
+        self.watchdog = watchdog.start(config, self.model, self.model_config, self.optimizer)
 
     def _resume(self) -> tuple[int, int, dict]:
         """``(iteration, consumed samples, provenance)`` of the checkpoint in ``--load``, or a
@@ -122,6 +123,7 @@ class PretrainRecipe:
         the loss None off the last pipeline stage."""
         config = self.config
         faults.begin_iteration(self.iteration + 1)
+        self.watchdog.begin_iteration(self.iteration + 1)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self.forward_backward(
@@ -189,6 +191,7 @@ class PretrainRecipe:
 
     def save(self) -> None:
         """Checkpoint the current iteration under ``--save`` (collective)."""
+        self.watchdog.begin_save(self.iteration)
         path = checkpointing.save_checkpoint(
             self.config.save,
             self.iteration,
@@ -203,8 +206,10 @@ class PretrainRecipe:
         self.logger.note(f"saved checkpoint {path}")
 
     def cleanup(self) -> None:
-        """Give SIGTERM back its previous handler; close ``metrics.jsonl`` and TensorBoard."""
+        """Give SIGTERM back its previous handler, stop the watchdog; close ``metrics.jsonl`` and
+        TensorBoard."""
         self.stop.restore()
+        self.watchdog.stop()
         self.logger.close()
 
 

@@ -1,0 +1,164 @@
+"""Hang detection: a rank whose iteration or save overruns the timeout dumps its stacks and exits.
+
+One daemon thread per rank. The loop arms it at the start of every iteration
+(:meth:`Watchdog.begin_iteration`) and of every save (:meth:`Watchdog.begin_save`); hooks
+(:meth:`Watchdog.install`) name the phase the rank is in: forward, backward, gradient
+reduction, optimizer, after the update (the loss and stop-signal all-reduces, logging), save.
+When the armed work has run for ``--distributed-timeout-minutes``, the thread
+
+1. writes every thread's Python stack to stderr (``faulthandler.dump_traceback``),
+2. writes one line naming the rank (global rank and its TP/PP/CP/DP coordinates), the
+   iteration, the phase, and that the last complete checkpoint in ``--save`` is where to
+   resume,
+3. ends the process with ``os._exit(EXIT_CODE)`` (no ``finally`` or ``atexit`` runs: the main
+   thread is stuck), so ``torchrun`` ends the job non-zero and the scheduler can restart it
+   with ``--load``.
+
+The same limit bounds every collective (:func:`.distributed.init_distributed`): a collective
+starts after the iteration (or save) that contains it, so this watchdog fires first, and it
+fires on the stuck rank too, which has no collective in flight to time out. It needs the
+stuck call to release the GIL, as collectives, device synchronizations and sleeps do.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+EXIT_CODE = 3  # the process's exit code when the watchdog fires (torchrun reports it)
+
+
+class Watchdog:
+    """Ends this process when the work armed last runs past ``timeout_s`` seconds.
+
+    ``rank``: how the message names this rank, e.g. ``"rank 1 (TP 0, PP 0, CP 0, DP 1)"``;
+    ``save``: the ``--save`` directory, named in the message as where to resume from.
+    """
+
+    def __init__(self, timeout_s: float, rank: str, save: str):
+        self.timeout_s = timeout_s
+        self._rank = rank
+        self._save = save
+        self._work: Optional[str] = None  # "iteration 3", "the save of iteration 2"
+        self._phase: Optional[str] = None
+        self._deadline: Optional[float] = None  # time.monotonic() seconds; None: disarmed
+        self._stopped = False
+        self._wake = threading.Condition()
+        self._hooks: list = []
+        self._thread = threading.Thread(
+            target=self._watch, name="mcore-flash-watchdog", daemon=True
+        )
+        self._thread.start()
+
+    def begin_iteration(self, iteration: int) -> None:
+        """Iteration ``iteration`` (1-based) starts now, with its first forward pass."""
+        self._arm(f"iteration {iteration}", "forward")
+
+    def begin_save(self, iteration: int) -> None:
+        """The checkpoint of iteration ``iteration`` is being saved from now on."""
+        self._arm(f"the save of iteration {iteration}", "save")
+
+    def phase(self, name: str) -> None:
+        """The rank enters phase ``name`` of the armed work (the deadline does not move)."""
+        self._phase = name
+
+    def install(self, model, model_config, optimizer) -> None:
+        """Mark the phases from hooks: a forward pre-hook on the GPTModel inside ``model``
+        (megatron's DDP or FSDP wrapper) marks "forward", a hook on its output's gradient
+        "backward"; ``model_config.finalize_model_grads_func`` (the gradient
+        reduce-scatter/all-reduce that megatron's schedule calls) and ``optimizer.step`` are
+        wrapped to mark "gradient reduction", "optimizer" and what follows the update."""
+        while hasattr(model, "module"):
+            model = model.module
+        self._hooks = [
+            model.register_forward_pre_hook(lambda module, args: self.phase("forward")),
+            model.register_forward_hook(self._mark_backward),
+        ]
+        finalize = model_config.finalize_model_grads_func
+
+        def finalize_marked(*args, **kwargs):
+            self.phase("gradient reduction")
+            return finalize(*args, **kwargs)
+
+        model_config.finalize_model_grads_func = finalize_marked
+        step = optimizer.step
+
+        def step_marked(*args, **kwargs):
+            self.phase("optimizer")
+            result = step(*args, **kwargs)
+            self.phase("after the update (loss and stop-signal all-reduces, logging)")
+            return result
+
+        optimizer.step = step_marked
+
+    def stop(self) -> None:
+        """Disarm for good, remove the model hooks and end the thread."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        for handle in self._hooks:
+            handle.remove()
+        self._thread.join(timeout=5)
+
+    def _arm(self, work: str, phase: str) -> None:
+        with self._wake:
+            self._work, self._phase = work, phase
+            self._deadline = time.monotonic() + self.timeout_s
+            self._wake.notify()
+
+    def _mark_backward(self, module, args, output) -> None:
+        import torch
+
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self.phase("backward"))
+
+    def _watch(self) -> None:
+        with self._wake:
+            while not self._stopped:
+                if self._deadline is None:
+                    self._wake.wait()
+                elif self._deadline > time.monotonic():
+                    self._wake.wait(self._deadline - time.monotonic())
+                else:
+                    self._fire()
+
+    def _fire(self) -> None:
+        """Stacks, the line, exit: written to file descriptor 2 itself, as ``sys.stderr`` may
+        be redirected to a buffer that ``os._exit`` would drop."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass  # closed or replaced: nothing of ours to flush
+        faulthandler.dump_traceback(file=2, all_threads=True)
+        line = (
+            f"mcore-flash pretrain: watchdog: {self._rank} is stuck: {self._work} did not finish "
+            f"within {self.timeout_s:g} s (--distributed-timeout-minutes), in phase {self._phase}; "
+            f"the stacks of its threads are above. Exiting with code {EXIT_CODE}: restart the job "
+            f"with --load {self._save} to resume from the last complete checkpoint in --save "
+            f"{self._save} (raise --distributed-timeout-minutes if this work is only slow)\n"
+        )
+        os.write(2, line.encode())
+        os._exit(EXIT_CODE)
+
+
+def start(config, model, model_config, optimizer) -> Watchdog:
+    """This rank's watchdog for a training run (after ``init_distributed``): the limit of
+    ``config.distributed_timeout_minutes``, the phase hooks installed (:meth:`Watchdog.install`);
+    disarmed until the first :meth:`~Watchdog.begin_iteration`."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    rank = (
+        f"rank {dist.get_rank()} (TP {parallel_state.get_tensor_model_parallel_rank()}, "
+        f"PP {parallel_state.get_pipeline_model_parallel_rank()}, "
+        f"CP {parallel_state.get_context_parallel_rank()}, "
+        f"DP {parallel_state.get_data_parallel_rank()})"
+    )
+    watchdog = Watchdog(config.distributed_timeout_minutes * 60, rank, config.save)
+    watchdog.install(model, model_config, optimizer)
+    return watchdog
