@@ -1,8 +1,8 @@
 """A rank that hangs ends the job within --distributed-timeout-minutes, naming itself.
 
 Oracle: the fault injected (``MCORE_FLASH_FAULT=hang@2:1``: rank 1 sleeps forever in the
-forward pass of iteration 2) and the checkpoint the drill's run saved before it (iteration
-1); the launch itself is bounded by the drill's 600 s subprocess timeout, so a watchdog that
+forward pass of iteration 2), the checkpoint the drill's run saved before it (iteration 1)
+and a resume from it; the launch itself is bounded by the drill's 600 s subprocess timeout, so a watchdog that
 does not fire fails this test instead of hanging it.
 """
 
@@ -12,6 +12,7 @@ import importlib
 import os
 import re
 import sys
+import time
 
 import pytest
 
@@ -32,6 +33,7 @@ def test_a_hung_rank_dumps_its_stack_names_itself_and_ends_the_job(tmp_path):
         # every line prefixed [default<rank>]: both ranks' watchdogs dump at once
         torchrun_flags=("--tee", "3", "--log-dir", str(tmp_path / "logs")),
     )
+    ended = time.time()
     assert code != 0, output[-3000:]
     stuck = "\n".join(line for line in output.splitlines() if line.startswith("[default1]:"))
     assert "fault injection: hang in the forward pass, iteration 2, rank 1" in output
@@ -43,8 +45,15 @@ def test_a_hung_rank_dumps_its_stack_names_itself_and_ends_the_job(tmp_path):
     assert f"--load {save}" in line.group(1)
     # faulthandler's dump of the stuck rank: its main thread sleeps in the fault point
     assert re.search(r'File ".*faults\.py", line \d+ in point', stuck), stuck[-3000:]
-    with open(os.path.join(save, MARKER)) as f:
+    tracker = os.path.join(save, MARKER)
+    with open(tracker) as f:
         assert f.read().strip() == "1"  # the checkpoint to resume from, named in the line
+    # the tracker is the last thing iteration 1 writes: from there every rank was gone within
+    # the limit + 30 s (torchrun reports once all are)
+    assert ended - os.path.getmtime(tracker) < 15 + 30
+    # nothing is lost: the run resumes from that checkpoint and finishes
+    code, output = fault_drill.launch(save, load=True, extra=("--train-iters", "3"))
+    assert code == 0 and fault_drill._resumed_from(output) == 1, output[-3000:]
 
 
 def test_hang_is_a_model_point_not_a_row_of_the_kill_drill():
