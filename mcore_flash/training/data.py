@@ -55,7 +55,28 @@ def build_train_dataset(config: TrainingConfig, tokenizer):
         reset_position_ids=config.reset_position_ids,
         eod_mask_loss=config.eod_mask_loss,
     )
+    if config.reset_attention_mask or config.eod_mask_loss:
+        _check_documents_end_with_eod(train, tokenizer.eod, config.seq_length)
     return train
+
+
+EOD_PROBE_SAMPLES = 16  # samples read to find an EOD before per-document flags are trusted
+
+
+def _check_documents_end_with_eod(dataset, eod: int, seq_length: int) -> None:
+    """``--reset-attention-mask`` / ``--eod-mask-loss`` act at EOD tokens only: on data with
+    no EOD in its first samples they would silently do nothing, so that is refused."""
+    probe = range(min(EOD_PROBE_SAMPLES, len(dataset)))
+    samples = (dataset[i] for i in probe)
+    if not any(
+        (torch.as_tensor(s[key]) == eod).any() for s in samples for key in ("tokens", "labels")
+    ):
+        raise ValueError(
+            f"--reset-attention-mask / --eod-mask-loss: the first {len(probe)} samples "
+            f"({len(probe) * seq_length:,} tokens) hold no EOD token (id {eod}), so no document "
+            "boundary would be seen; preprocess the data with `mcore-flash preprocess "
+            "--append-eod` (Megatron-LM's flag), or drop these flags"
+        )
 
 
 def _built_in_dataset(save: str, seq_length: int, seed: int) -> str:
