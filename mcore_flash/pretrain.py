@@ -74,12 +74,7 @@ def _train(config: TrainingConfig) -> tuple[int, Optional[dict]]:
         return 2, None
     finally:
         destroy_distributed()
-    if summary["first_loss"] is not None:
-        print(
-            f"done: {summary['iteration']} iterations, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
-            f"checkpoints and metrics.jsonl in {summary['save']}"
-        )
-    return 0, summary
+    return 0, summary  # the done line: the last rank's, from the loop
 
 
 def _write_rehearsal_report(save_dir: str, optimizer_state: dict) -> None:

@@ -262,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="save and exit after iteration N (same schedule)",
     )
+    ckpt.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        default=None,
+        help="save and exit 0 after the first iteration that ends past this many minutes of the run "
+        "(setup included; every rank agrees), to stop inside a scheduler's wall-time limit",
+    )
     ckpt.add_argument("--log-interval", type=int, default=10)
     ckpt.add_argument("--tensorboard-dir", default=None)
     ckpt.add_argument(

@@ -64,6 +64,21 @@ def unfinished_saves(root: Optional[str]) -> list[str]:
     return sorted(glob.glob(os.path.join(root, "iter_*.tmp"))) if root else []
 
 
+def refuse_overwrite(save: str, load: Optional[str]) -> None:
+    """Raise ValueError when ``save`` holds a run (a checkpoint, a save that did not finish,
+    or ``metrics.jsonl``) that this one does not resume (``load`` is not the same
+    directory): training would replace its checkpoints. Megatron-LM overwrites silently."""
+    names = sorted(os.listdir(save)) if os.path.isdir(save) else []
+    held = [n for n in names if n in (MARKER, "metrics.jsonl") or n.startswith("iter_")]
+    if held and not (load and os.path.realpath(load) == os.path.realpath(save)):
+        given = f"--load {load} is another directory" if load else "no --load is given"
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ValueError(
+            f"--save {save} holds a run already ({shown}) and {given}: training would overwrite "
+            f"it. Resume that run with --load {save}, or give this one another --save directory"
+        )
+
+
 def _marker_iteration(root: str) -> Optional[int]:
     """The iteration the marker names, or None (no marker, or one naming nothing)."""
     try:

@@ -151,6 +151,7 @@ class TrainingConfig:
     use_checkpoint_args: bool
     save_interval: int
     exit_interval: Optional[int]
+    exit_duration_in_mins: Optional[float]  # minutes from the start of the setup
     log_interval: int
     tensorboard_dir: Optional[str]
     hardware: Optional[HardwareProfile]  # the ``--hardware`` profile, loaded
@@ -286,6 +287,10 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     for flag, value in at_least_one.items():
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ValueError(
+            f"--exit-duration-in-mins must be a positive number of minutes, got {args.exit_duration_in_mins}"
+        )
     if not 0 < args.distributed_timeout_minutes < float("inf"):
         raise ValueError(
             "--distributed-timeout-minutes must be a positive number of minutes (fractions "

@@ -59,6 +59,8 @@ class PretrainRecipe:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.config = config
+        self.started = time.monotonic()  # --exit-duration-in-mins counts from here
+        checkpointing.refuse_overwrite(config.save, config.load)  # before anything is written
         self.tokenizer, self.padded_vocab_size = tokenizer_and_vocab(config)
         self.split_batch = _batch_splitter(config, self.tokenizer)
         self.model_config = transformer_config(config)
@@ -72,6 +74,7 @@ class PretrainRecipe:
         faults.install(self.model, self.model_config)
         self.logger = MetricsLogger(config, count_parameters(self.model), self.padded_vocab_size)
         self.iteration, self.consumed_samples, self.provenance = self._resume()
+        self.logger.begin(self.iteration)
         self.data = self._micro_batches()
         self.forward_backward = get_forward_backward_func()
         self.stop = _StopSignal()
@@ -118,9 +121,9 @@ class PretrainRecipe:
             parallel_state.get_data_parallel_world_size(),
         )
 
-    def train_step(self) -> tuple[Optional[float], Optional[float]]:
-        """Train iteration ``self.iteration + 1``; returns ``(mean token loss in nats, grad norm)``,
-        the loss None off the last pipeline stage."""
+    def train_step(self) -> tuple[Optional[float], Optional[float], float]:
+        """Train iteration ``self.iteration + 1``; returns ``(mean token loss in nats, grad norm,
+        the learning rate its update used)``, the loss None off the last pipeline stage."""
         config = self.config
         faults.begin_iteration(self.iteration + 1)
         self.watchdog.begin_iteration(self.iteration + 1)
@@ -136,12 +139,13 @@ class PretrainRecipe:
             decoder_seq_length=config.seq_length,
             forward_only=False,
         )
+        lr = self.optimizer.param_groups[0]["lr"]  # the scheduler's step below sets the next one
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=config.global_batch_size)
         self.iteration += 1
         faults.point("optimizer-step", self.iteration)
         self.consumed_samples += config.global_batch_size
-        return _reduce_loss(losses), grad_norm
+        return _reduce_loss(losses), grad_norm, lr
 
     def train(self) -> dict:
         """Iterate up to ``--train-iters``: log every ``--log-interval``, save every
@@ -151,7 +155,7 @@ class PretrainRecipe:
         first_loss = last_loss = None
         while self.iteration < config.train_iters:
             start = time.perf_counter()
-            loss, grad_norm = self.train_step()
+            loss, grad_norm, lr = self.train_step()
             if loss is not None and not math.isfinite(loss):
                 raise TrainingDiverged(
                     f"loss is {loss} at iteration {self.iteration}: training diverged. Lower --lr (now {config.lr}) "
@@ -161,7 +165,6 @@ class PretrainRecipe:
             last_loss = loss if loss is not None else last_loss
             last = self.iteration == config.train_iters
             if self.iteration % config.log_interval == 0 or last:
-                lr = self.optimizer.param_groups[0]["lr"]
                 self.logger.log(self.iteration, loss, lr, grad_norm, time.perf_counter() - start)
             stop_reason = self._stop_reason()
             if self.iteration % config.save_interval == 0 or last or stop_reason:
@@ -172,6 +175,7 @@ class PretrainRecipe:
                     f"stopped by {stop_reason} after iteration {self.iteration}; {resume}"
                 )
                 break
+        self.logger.done(self.iteration, first_loss, last_loss)
         return {
             "iteration": self.iteration,
             "first_loss": first_loss,
@@ -181,10 +185,17 @@ class PretrainRecipe:
         }
 
     def _stop_reason(self) -> Optional[str]:
-        """Why to stop after this iteration: "a signal" (SIGTERM on any rank; a collective, so
-        every rank asks every iteration), "--exit-interval", or None."""
-        if self.stop.requested():
+        """Why to stop after this iteration: "a signal" (SIGTERM on any rank), or
+        "--exit-duration-in-mins" (on any rank: as Megatron-LM, the ranks' clocks are combined
+        by a MAX all-reduce), both agreed in one collective every iteration; "--exit-interval";
+        or None."""
+        limit = self.config.exit_duration_in_mins
+        out_of_time = limit is not None and (time.monotonic() - self.started) / 60 > limit
+        signalled, out_of_time = self.stop.agreed(out_of_time)
+        if signalled:
             return "a signal"
+        if out_of_time:
+            return f"--exit-duration-in-mins {limit:g}"
         if self.config.exit_interval and self.iteration % self.config.exit_interval == 0:
             return "--exit-interval"
         return None
@@ -355,11 +366,12 @@ class _StopSignal:
     def _handler(self, signum, frame):
         self._flag = True
 
-    def requested(self) -> bool:
+    def agreed(self, out_of_time: bool) -> tuple[bool, bool]:
+        """``(SIGTERM on any rank, out_of_time on any rank)``: one MAX all-reduce (collective)."""
         # on the device: NCCL and HCCL groups serve device tensors only
-        flag = torch.tensor([int(self._flag)], device=platform.torch_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        flags = torch.tensor([int(self._flag), int(out_of_time)], device=platform.torch_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
 
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)

@@ -73,12 +73,12 @@ class MetricsLogger:
         self.tokens_per_iteration = config.global_batch_size * config.seq_length
         self.flops_per_iteration = model_flops_per_iteration(config, padded_vocab_size)
         self.writer = None
+        self.file = None  # metrics.jsonl, opened by :meth:`begin`
         self.started = time.perf_counter()
         if not self.active:
             return
         os.makedirs(config.save, exist_ok=True)
         self.path = os.path.join(config.save, "metrics.jsonl")
-        self.file = open(self.path, "a")
         if config.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -87,15 +87,46 @@ class MetricsLogger:
                     "--tensorboard-dir needs the tensorboard package: pip install 'mcore-flash[tensorboard]'"
                 ) from error
             self.writer = SummaryWriter(config.tensorboard_dir)
+        model = f"{config.num_layers} layers, hidden {config.hidden_size}"
+        model = (
+            f"the model of {config.load} ({model}, --use-checkpoint-args)"
+            if config.use_checkpoint_args
+            else f"{config.model} ({model})"
+        )
         self.note(
-            f"training {config.model}: {num_parameters:,} parameters on this rank, world size {config.world_size} "
+            f"training {model}: {num_parameters:,} parameters on this rank, world size {config.world_size} "
             f"(TP {config.tensor_model_parallel_size}, PP {config.pipeline_model_parallel_size}, "
             f"CP {config.context_parallel_size}, DP {config.data_parallel_size}), {config.train_iters} iterations of "
             f"{config.global_batch_size} x {config.seq_length} tokens on {platform.device_type()}"
         )
 
+    def begin(self, iteration: int) -> None:
+        """Open ``metrics.jsonl`` to append the iterations after ``iteration`` (0, or the
+        resumed one). The records of later iterations, which a run logged after its last
+        checkpoint and the resume trains again, are dropped first (the file is replaced
+        atomically), so each iteration has one record, in order; a record torn by a kill goes
+        with them."""
+        if not self.active:
+            return
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = f.readlines()
+            kept = [line for line in lines if _iteration_of(line) <= iteration]
+            if len(kept) < len(lines):
+                with open(self.path + ".tmp", "w") as f:
+                    f.writelines(kept)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(self.path + ".tmp", self.path)
+                self.note(
+                    f"metrics.jsonl: dropped {len(lines) - len(kept)} records past iteration {iteration}, "
+                    "where this run resumes"
+                )
+        self.file = open(self.path, "a")
+
     def log(self, iteration: int, loss, lr: float, grad_norm, seconds: float) -> None:
-        """Print, write and (with TensorBoard) add the record of ``iteration``, which took ``seconds``."""
+        """Print, write and (with TensorBoard) add the record of ``iteration``, which took
+        ``seconds``; ``lr`` is the learning rate its update used."""
         if not self.active:
             return
         devices = self.config.world_size
@@ -132,6 +163,22 @@ class MetricsLogger:
             flush=True,
         )
 
+    def done(self, iteration: int, first_loss, last_loss) -> None:
+        """The job's one summary line on stdout (the last rank's): the losses of the
+        iterations this launch trained, or that a resumed run had nothing left to train."""
+        if not self.active:
+            return
+        if first_loss is None:
+            print(
+                f"already done: {self.config.load} is at iteration {iteration} of --train-iters "
+                f"{self.config.train_iters}; nothing to train (raise --train-iters to train on)"
+            )
+        else:
+            print(
+                f"done: {iteration} iterations, loss {first_loss:.4f} -> {last_loss:.4f}; "
+                f"checkpoints and metrics.jsonl in {self.config.save}"
+            )
+
     def note(self, text: str) -> None:
         """``[mcore-flash] text`` on stderr."""
         if self.active:
@@ -140,6 +187,15 @@ class MetricsLogger:
     def close(self) -> None:
         """Close ``metrics.jsonl`` and the TensorBoard writer."""
         if self.active:
-            self.file.close()
+            if self.file is not None:
+                self.file.close()
             if self.writer is not None:
                 self.writer.close()
+
+
+def _iteration_of(line: str) -> float:
+    """The iteration of one ``metrics.jsonl`` line; infinity for a torn or foreign line."""
+    try:
+        return json.loads(line)["iteration"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

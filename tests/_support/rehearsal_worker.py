@@ -15,15 +15,17 @@ from mcore_flash.pretrain import main
 from mcore_flash.training import loop
 
 
-def _cpu_flag_requested(self) -> bool:
-    flag = torch.tensor([int(self._flag)])  # a CPU tensor: no NCCL/HCCL backend serves it
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def _cpu_flags_agreed(self, out_of_time: bool) -> tuple[bool, bool]:
+    flags = torch.tensor(
+        [int(self._flag), int(out_of_time)]
+    )  # a CPU tensor: no NCCL/HCCL backend serves it
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1])
 
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if "--plant-cpu-collective" in argv:
         argv.remove("--plant-cpu-collective")
-        loop._StopSignal.requested = _cpu_flag_requested
+        loop._StopSignal.agreed = _cpu_flags_agreed
     sys.exit(main(argv))

@@ -187,10 +187,10 @@ def test_emulated_checkpoint_resumes_exactly(tmp_path):
 def test_a_cpu_tensor_in_a_trainer_collective_fails_the_rehearsal(tmp_path):
     """Defect 1 of issue 10, planted back: the SIGTERM flag all-reduced as a CPU tensor.
     The CPU path cannot see it (gloo takes CPU tensors); the rehearsal must."""
-    argv = ["--plant-cpu-collective", *TINY, "--save", str(tmp_path), "--train-iters", "2"]
-    cpu = torchrun(2, argv, script=WORKER)
+    argv = ["--plant-cpu-collective", *TINY, "--train-iters", "2"]
+    cpu = torchrun(2, [*argv, "--save", str(tmp_path / "cpu")], script=WORKER)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
-    npu = torchrun(2, [*argv, "--emulate-npu"], script=WORKER)
+    npu = torchrun(2, [*argv, "--save", str(tmp_path / "npu"), "--emulate-npu"], script=WORKER)
     assert npu.returncode != 0
     assert "No backend type associated with device type cpu" in npu.stderr
 

@@ -463,3 +463,91 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path, hardware):
         points = events.Scalars(tag)
         assert [p.step for p in points] == [r["iteration"] for r in records] == [1, 2]
         assert [p.value for p in points] == pytest.approx([r[key] for r in records], rel=1e-6)
+
+
+def _metrics(save) -> list[dict]:
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_rerun_is_refused_resumes_with_load_cleans_metrics_and_says_done(tmp_path):
+    """No silent overwrite: a second run into a --save that holds a run, without --load, is
+    refused with both fixes; with --load it resumes, and the records a killed run logged past
+    its last checkpoint are dropped from metrics.jsonl (each iteration once, in order);
+    re-run once finished, it says so. The lr logged is the one the update used: linear
+    warm-up over 2 iterations from 0 (megatron-core's OptimizerParamScheduler) gives 0,
+    lr/2, lr."""
+    save = str(tmp_path / "run")
+    run = [*TINY, "--save", save, "--train-iters", "3", "--lr-warmup-iters", "2"]
+    first = _cli(*run, "--save-interval", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert first.stdout.count("done:") == 1
+    assert [r["lr"] for r in _metrics(save)] == [0.0, 5e-4, 1e-3]
+    trained = _metrics(save)
+
+    again = _cli(*run)
+    assert again.returncode == 2
+    assert f"--save {save} holds a run already" in again.stderr
+    assert f"Resume that run with --load {save}, or give this one another --save" in again.stderr
+    assert _metrics(save) == trained  # nothing written
+
+    # a kill after iteration 3 was logged but before its save finished: the tracker says 2
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    resumed = _cli(*run, "--load", save)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "dropped 1 records past iteration 2" in resumed.stderr
+    records = _metrics(save)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert records[2]["loss"] == trained[2]["loss"] and records[2]["lr"] == trained[2]["lr"]
+
+    # finished: a re-run says so; with --use-checkpoint-args the banner names the checkpoint's
+    # model (2 layers, hidden 64), not the tiny preset's (hidden 128)
+    done = _cli(*run, "--load", save, "--use-checkpoint-args")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"already done: {save} is at iteration 3 of --train-iters 3" in done.stdout
+    assert (
+        f"training the model of {save} (2 layers, hidden 64, --use-checkpoint-args)" in done.stderr
+    )
+    assert _metrics(save) == records
+
+
+def test_exit_duration_in_mins_saves_and_exits_0(tmp_path):
+    """--exit-duration-in-mins 0.001 (60 ms, less than the setup takes): the run stops after
+    its first iteration, saves it, and exits 0 saying why."""
+    save = tmp_path / "run"
+    result = _cli(
+        *TINY, "--save", str(save), "--train-iters", "1000", "--exit-duration-in-mins", "0.001"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "stopped by --exit-duration-in-mins 0.001 after iteration 1" in result.stderr
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_document_flags_on_data_without_eod_are_refused(tmp_path):
+    """--reset-attention-mask on data preprocessed without --append-eod would do nothing:
+    refused, naming the fix. The data: documents of plain bytes, no EOD (id 256)."""
+    from mcore_flash.data.preprocess import main as preprocess
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"text": "a b c d e f g h " * 40}) + "\n" for _ in range(20))
+    )
+    prefix = str(tmp_path / "no_eod")
+    assert preprocess(["--input", str(corpus), "--output-prefix", prefix]) == 0
+    result = _cli(
+        *TINY,
+        "--save",
+        str(tmp_path / "run"),
+        "--train-iters",
+        "2",
+        "--data-path",
+        prefix + "_text_document",
+        "--split",
+        "100,0,0",
+        "--reset-attention-mask",
+        "--reset-position-ids",
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "hold no EOD token (id 256)" in result.stderr
+    assert "mcore-flash preprocess --append-eod" in result.stderr
