@@ -54,6 +54,7 @@ def test_a_hung_rank_dumps_its_stack_names_itself_and_ends_the_job(tmp_path):
     # nothing is lost: the run resumes from that checkpoint and finishes
     code, output = fault_drill.launch(save, load=True, extra=("--train-iters", "3"))
     assert code == 0 and fault_drill._resumed_from(output) == 1, output[-3000:]
+    assert output.count("done:") == 1  # one summary line for the job, not one per rank
 
 
 def test_hang_is_a_model_point_not_a_row_of_the_kill_drill():
