@@ -81,7 +81,7 @@ def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(
 
 @pytest.mark.slow  # the chain's 13 launches: CI's Python 3.12 job runs the tests below (tests/conftest.py)
 def test_fault_drill_table(reference, fsdp_reference, tmp_path):
-    """Every fault point and the full disk: killed there, the tracker names a complete
+    """Every fault point and (as root) the full disk: killed there, the tracker names a complete
     checkpoint, the next launch resumes from it and writes the uninterrupted run's bytes;
     then every fault point again with --use-megatron-fsdp.
     docs/fault-tolerance.md holds exactly these tables."""
@@ -101,20 +101,24 @@ def test_fault_drill_table(reference, fsdp_reference, tmp_path):
     assert [row.fault.split("@")[0] for row in fsdp_rows] == list(faults.POINTS)
     table = docs.split(fsdp.begin)[1].split(fsdp.end)[0].strip()
     assert table == fault_drill.markdown(fsdp_rows)  # regenerate: ... --fsdp --write
-    rows = fault_drill.run_drill(str(tmp_path / "ddp"), reference)
+    disk_full = fault_drill.can_fill_a_disk()  # root only
+    rows = fault_drill.run_drill(str(tmp_path / "ddp"), reference, disk_full=disk_full)
     tmp_path = tmp_path / "ddp"
-    assert [row.fault.split("@")[0] for row in rows] == [*faults.POINTS, "disk full"]
+    chain = rows[:-1] if disk_full else rows
+    assert [row.fault.split("@")[0] for row in chain] == list(faults.POINTS)
     logs = sorted((tmp_path / "launches").iterdir())  # the chain's launches, in order
-    for index, row in enumerate(
-        rows[:-1]
-    ):  # the launch killed at the row's point, and the next one
+    for index, row in enumerate(chain):  # the launch killed at the row's point, and the next one
         assert row.ok, (
             row,
             *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in logs[index : index + 2]),
         )
-    assert rows[-1].ok, (rows[-1], (tmp_path / "disk_full" / "first.log").read_text()[-2000:])
-    assert [row.resumed_from for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 2]
+    assert [row.resumed_from for row in chain] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11]
     table = docs.split(fault_drill.BEGIN)[1].split(fault_drill.END)[0].strip()
+    if not disk_full:  # the table's other rows still match; the skip says what did not run
+        assert table.rsplit("\n", 1)[0] == fault_drill.markdown(rows)
+        pytest.skip(fault_drill.NO_DISK_FULL)
+    assert rows[-1].fault.startswith("disk full") and rows[-1].resumed_from == 2
+    assert rows[-1].ok, (rows[-1], (tmp_path / "disk_full" / "first.log").read_text()[-2000:])
     assert table == fault_drill.markdown(rows)  # regenerate: python scripts/fault_drill.py --write
 
 
