@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
     par.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="the distributed optimizer's parameter all-gather runs bucket by bucket in the next "
+        "forward instead of at the end of the step (needs --use-distributed-optimizer and "
+        "--overlap-grad-reduce, as in Megatron-LM)",
+    )
+    par.add_argument(
         "--grad-reduce-in-bf16",
         action="store_true",
         help="keep and reduce the main gradients in bf16 (half the bytes of fp32; needs --bf16)",

@@ -94,6 +94,7 @@ class TrainingConfig:
     sequence_parallel: bool
     use_distributed_optimizer: bool  # True with --use-megatron-fsdp, which implies it
     overlap_grad_reduce: bool
+    overlap_param_gather: bool  # the all-gather in the next forward (megatron's DDP hooks)
     grad_reduce_in_bf16: bool  # main gradients (and their reduction) in bf16 instead of fp32
     use_megatron_fsdp: bool  # ZeRO-3 by megatron-core's Megatron-FSDP (:mod:`.fsdp`)
     data_parallel_sharding_strategy: Optional[str]  # FSDP's; None without FSDP
@@ -343,6 +344,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         )
     sharding = _check_sharding(args, dp * cp)
     _check_optimizer_offload(args)
+    _check_overlap_param_gather(args)
     if args.data_path:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
@@ -375,6 +377,28 @@ def _recompute(args: SimpleNamespace, pp: int) -> RecomputeSettings:
                 f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_stage} layers per pipeline stage"
             )
     return recompute
+
+
+def _check_overlap_param_gather(args: SimpleNamespace) -> None:
+    """``--overlap-param-gather``: Megatron-LM's conditions (the distributed optimizer and
+    ``--overlap-grad-reduce``); Megatron-FSDP and the offloaded optimizer gather their own way."""
+    if not args.overlap_param_gather:
+        return
+    if args.use_megatron_fsdp:
+        raise ValueError(
+            "--overlap-param-gather is for --use-distributed-optimizer: Megatron-FSDP gathers "
+            "parameters in the forward pass already (optim_grads_params); drop the flag"
+        )
+    if not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        raise ValueError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+            "(as in Megatron-LM); add them or drop the flag"
+        )
+    if args.optimizer_cpu_offload:
+        raise ValueError(
+            "--overlap-param-gather with --optimizer-cpu-offload is not validated here (the "
+            "host optimizer copies the parameters back itself); drop one of them"
+        )
 
 
 def _check_activation_offload(args: SimpleNamespace, pp: int) -> None:

@@ -201,8 +201,12 @@ class PretrainRecipe:
         return None
 
     def save(self) -> None:
-        """Checkpoint the current iteration under ``--save`` (collective)."""
+        """Checkpoint the current iteration under ``--save`` (collective). With
+        ``--overlap-param-gather`` the model's parameters are gathered in the next forward, so
+        they are gathered first (megatron's hooks off, then on again, as Megatron-LM saves)."""
         self.watchdog.begin_save(self.iteration)
+        if self.config.overlap_param_gather:
+            self.model.disable_forward_pre_hook()  # and the all-gather, synchronously
         path = checkpointing.save_checkpoint(
             self.config.save,
             self.iteration,
@@ -214,6 +218,8 @@ class PretrainRecipe:
             self.model_args,
             self.provenance,
         )
+        if self.config.overlap_param_gather:
+            self.model.enable_forward_pre_hook()
         self.logger.note(f"saved checkpoint {path}")
 
     def cleanup(self) -> None:
@@ -245,6 +251,7 @@ def _data_parallel_model(
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=not config.grad_reduce_in_bf16,
         overlap_grad_reduce=config.overlap_grad_reduce,
+        overlap_param_gather=config.overlap_param_gather,
         use_distributed_optimizer=config.use_distributed_optimizer,
     )
     return DistributedDataParallel(model_config, ddp_config, model)
