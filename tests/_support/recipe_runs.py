@@ -61,7 +61,7 @@ def w_recipe_runs(rank, world_size, runs, save_root, measure, before=None):
         distributed.init_distributed(config)
         recipe = loop.PretrainRecipe(config)
         try:
-            steps = [recipe.train_step() for _ in range(STEPS)]
+            steps = [recipe.train_step()[:2] for _ in range(STEPS)]  # (loss, grad norm)
             results[name] = {"steps": steps, **measure(recipe, baseline)}
         finally:
             recipe.cleanup()

@@ -77,7 +77,7 @@ def test_main_job_learns_the_long_range_copy_as_the_readme_says(main_job_run):
 
     save, log = main_job_run
     task = make_task(256)
-    assert "training tiny: 467,584 parameters" in log
+    assert "training tiny (2 layers, hidden 128): 467,584 parameters" in log
     first, last = map(
         float, re.search(r"done: 1000 iterations, loss ([\d.]+) -> ([\d.]+)", log).groups()
     )

@@ -42,7 +42,7 @@ def _recipe(flags, save, load=None):
 
 def _steps(recipe, count):
     """``count`` iterations: ``[(loss, grad norm)]``."""
-    return [recipe.train_step() for _ in range(count)]
+    return [recipe.train_step()[:2] for _ in range(count)]
 
 
 def _w_resume(rank, world_size, runs, root):
