@@ -199,6 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--global-batch-size", type=int)
     opt.add_argument("--train-iters", type=int)
     opt.add_argument("--seed", type=int, default=1234)
+    opt.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="validation loss on the --split validation set every N iterations and at the end "
+        "(default: none)",
+    )
+    opt.add_argument(
+        "--eval-iters",
+        type=int,
+        default=100,
+        help="global batches per validation (Megatron-LM's default, 100)",
+    )
 
     data = p.add_argument_group("data")
     data.add_argument(

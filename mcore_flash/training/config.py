@@ -152,6 +152,8 @@ class TrainingConfig:
     use_checkpoint_args: bool
     save_interval: int
     exit_interval: Optional[int]
+    eval_interval: Optional[int]  # iterations between validations; None: no validation
+    eval_iters: int  # global batches per validation
     exit_duration_in_mins: Optional[float]  # minutes from the start of the setup
     log_interval: int
     tensorboard_dir: Optional[str]
@@ -334,6 +336,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
     _check_document_flags(args)
+    _check_validation(args)
     if args.window_attn_skip_freq is not None and (
         args.window_size is None or args.window_attn_skip_freq < 1
     ):
@@ -377,6 +380,28 @@ def _recompute(args: SimpleNamespace, pp: int) -> RecomputeSettings:
                 f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_stage} layers per pipeline stage"
             )
     return recompute
+
+
+def _check_validation(args: SimpleNamespace) -> None:
+    """``--eval-interval``: at least 1, on data with a validation split (the built-in task
+    has none; ``--mock-data`` has one, megatron's split 1,1,1)."""
+    if args.eval_interval is None:
+        return
+    if args.eval_interval < 1 or args.eval_iters < 1:
+        raise ValueError(
+            f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} must be >= 1"
+        )
+    if not (args.data_path or args.mock_data):
+        raise ValueError(
+            "--eval-interval needs a validation set: the built-in task has none; give --data-path "
+            "with a --split whose second weight is above 0 (e.g. 98,2,0), or --mock-data"
+        )
+    weights = args.split.replace("/", ",").split(",")
+    if args.data_path and (len(weights) < 2 or float(weights[1]) <= 0):
+        raise ValueError(
+            f"--eval-interval needs a validation split: --split {args.split} gives it no "
+            "documents; e.g. --split 98,2,0"
+        )
 
 
 def _check_overlap_param_gather(args: SimpleNamespace) -> None:

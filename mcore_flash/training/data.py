@@ -31,8 +31,10 @@ def tokenizer_and_vocab(config: TrainingConfig):
     )
 
 
-def build_train_dataset(config: TrainingConfig, tokenizer):
-    """megatron's GPTDataset over ``--data-path``, mock data, or the built-in long-range task."""
+def build_train_valid_datasets(config: TrainingConfig, tokenizer):
+    """``(train, valid)``: megatron's GPTDatasets over ``--data-path``, mock data, or the
+    built-in long-range task; ``valid`` (the ``--split`` validation set, sized for every
+    ``--eval-interval`` validation and the last) is None without ``--eval-interval``."""
     from mcore_flash.data.datasets import build_datasets
 
     data_path, split = config.data_path, config.split
@@ -41,7 +43,11 @@ def build_train_dataset(config: TrainingConfig, tokenizer):
             [_built_in_dataset(config.save, config.seq_length, config.seed)],
             "100,0,0",
         )
-    train, _, _ = build_datasets(
+    valid_samples = None if config.mock_data else 0
+    if config.eval_interval:
+        evaluations = config.train_iters // config.eval_interval + 1
+        valid_samples = evaluations * config.eval_iters * config.global_batch_size
+    train, valid, _ = build_datasets(
         data_path,
         config.mock_data,
         split,
@@ -49,7 +55,7 @@ def build_train_dataset(config: TrainingConfig, tokenizer):
         config.seed,
         tokenizer,
         config.train_iters * config.global_batch_size,
-        None if config.mock_data else 0,
+        valid_samples,
         None if config.mock_data else 0,
         cache_dir=config.data_cache_path or os.path.join(config.save, "data", "cache"),
         reset_position_ids=config.reset_position_ids,
@@ -57,7 +63,7 @@ def build_train_dataset(config: TrainingConfig, tokenizer):
     )
     if config.reset_attention_mask or config.eod_mask_loss:
         _check_documents_end_with_eod(train, tokenizer.eod, config.seq_length)
-    return train
+    return train, valid if config.eval_interval else None
 
 
 EOD_PROBE_SAMPLES = 16  # samples read to find an EOD before per-document flags are trusted

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from mcore_flash import platform
 from mcore_flash.training import checkpointing, faults, fsdp, offload, watchdog
 from mcore_flash.training.config import TrainingConfig
-from mcore_flash.training.data import build_train_dataset, micro_batches, tokenizer_and_vocab
+from mcore_flash.training.data import build_train_valid_datasets, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
 from mcore_flash.training.model import build_model, count_parameters, model_args, transformer_config
 from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
@@ -75,7 +75,7 @@ class PretrainRecipe:
         self.logger = MetricsLogger(config, count_parameters(self.model), self.padded_vocab_size)
         self.iteration, self.consumed_samples, self.provenance = self._resume()
         self.logger.begin(self.iteration)
-        self.data = self._micro_batches()
+        self.data, self.valid_data = self._micro_batches()
         self.forward_backward = get_forward_backward_func()
         self.stop = _StopSignal()
         self.watchdog = watchdog.start(config, self.model, self.model_config, self.optimizer)
@@ -109,17 +109,48 @@ class PretrainRecipe:
         return iteration, consumed, provenance
 
     def _micro_batches(self):
-        """This data-parallel rank's endless micro-batch iterator, from the consumed samples on."""
+        """This data-parallel rank's endless micro-batch iterators: training from the consumed
+        samples on; validation (None without ``--eval-interval``) from the samples the
+        validations before ``self.iteration`` took (Megatron-LM's ``consumed_valid_samples``),
+        so a resumed run validates on the samples an uninterrupted one would."""
         from megatron.core import parallel_state
 
-        return micro_batches(
-            build_train_dataset(self.config, self.tokenizer),
-            self.config.micro_batch_size,
-            self.config.global_batch_size,
-            self.consumed_samples,
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
+        config = self.config
+        train, valid = build_train_valid_datasets(config, self.tokenizer)
+        batches = functools.partial(
+            micro_batches,
+            micro_batch_size=config.micro_batch_size,
+            global_batch_size=config.global_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
         )
+        train_batches = batches(train, consumed_samples=self.consumed_samples)
+        if valid is None:
+            return train_batches, None
+        validated = self.iteration // config.eval_interval * config.eval_iters
+        return train_batches, batches(valid, consumed_samples=validated * config.global_batch_size)
+
+    def evaluate(self) -> Optional[float]:
+        """Mean token loss (nats) over ``--eval-iters`` global batches of the validation set,
+        forward only, dropout off, all data-parallel ranks; None off the last pipeline stage."""
+        config = self.config
+        self.watchdog.begin_evaluation(self.iteration)
+        self.model.eval()
+        losses = []
+        with torch.no_grad():
+            for _ in range(config.eval_iters):
+                losses += self.forward_backward(
+                    forward_step_func=functools.partial(_forward_step, self.split_batch),
+                    data_iterator=self.valid_data,
+                    model=[self.model],
+                    num_microbatches=config.num_micro_batches,
+                    seq_length=config.seq_length,
+                    micro_batch_size=config.micro_batch_size,
+                    decoder_seq_length=config.seq_length,
+                    forward_only=True,
+                )
+        self.model.train()
+        return _reduce_loss(losses)
 
     def train_step(self) -> tuple[Optional[float], Optional[float], float]:
         """Train iteration ``self.iteration + 1``; returns ``(mean token loss in nats, grad norm,
@@ -167,6 +198,8 @@ class PretrainRecipe:
             if self.iteration % config.log_interval == 0 or last:
                 self.logger.log(self.iteration, loss, lr, grad_norm, time.perf_counter() - start)
             stop_reason = self._stop_reason()
+            if config.eval_interval and (self.iteration % config.eval_interval == 0 or last):
+                self.logger.log_validation(self.iteration, self.evaluate())
             if self.iteration % config.save_interval == 0 or last or stop_reason:
                 self.save()
             if stop_reason:

@@ -17,6 +17,7 @@ no other peak, so fp16 and fp32 runs are measured against it too).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -40,6 +41,8 @@ TENSORBOARD_TAGS = {
     "tflops_per_device": "throughput",
     "mfu": "mfu",
     "peak_memory_bytes": "mem-max-allocated-bytes",
+    "validation_loss": "lm loss validation",
+    "validation_ppl": "lm loss validation ppl",
 }
 
 
@@ -146,13 +149,7 @@ class MetricsLogger:
         if self.config.hardware is not None:
             record["mfu"] = tflops / self.config.hardware.peak_bf16_tflops
             mfu_text = f" | MFU {record['mfu']:.1%}"
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.writer is not None:
-            for key, tag in TENSORBOARD_TAGS.items():
-                if record.get(key) is not None:
-                    self.writer.add_scalar(tag, record[key], iteration)
-            self.writer.flush()
+        self._write(record)
         width = len(str(self.config.train_iters))
         print(
             f"iteration {iteration:>{width}}/{self.config.train_iters} | loss {loss:.4f} | lr {lr:.2e} | "
@@ -162,6 +159,34 @@ class MetricsLogger:
             f"elapsed {time.perf_counter() - self.started:.0f} s",
             flush=True,
         )
+
+    def log_validation(self, iteration: int, loss: float) -> None:
+        """Print, write and add the validation loss after ``iteration`` (mean token loss in
+        nats) and its perplexity, ``exp(min(20, loss))`` as in Megatron-LM; its own record
+        in ``metrics.jsonl``: ``{"iteration", "validation_loss", "validation_ppl"}``."""
+        if not self.active:
+            return
+        record = {
+            "iteration": iteration,
+            "validation_loss": loss,
+            "validation_ppl": math.exp(min(20.0, loss)),
+        }
+        self._write(record)
+        print(
+            f"validation loss at iteration {iteration} | lm loss value: {loss:.6e} | "
+            f"lm loss PPL: {record['validation_ppl']:.6e}",
+            flush=True,
+        )
+
+    def _write(self, record: dict) -> None:
+        """One ``metrics.jsonl`` line, and its keys' TensorBoard scalars at its iteration."""
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, tag in TENSORBOARD_TAGS.items():
+                if record.get(key) is not None:
+                    self.writer.add_scalar(tag, record[key], record["iteration"])
+            self.writer.flush()
 
     def done(self, iteration: int, first_loss, last_loss) -> None:
         """The job's one summary line on stdout (the last rank's): the losses of the

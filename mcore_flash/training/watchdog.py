@@ -58,6 +58,10 @@ class Watchdog:
         """Iteration ``iteration`` (1-based) starts now, with its first forward pass."""
         self._arm(f"iteration {iteration}", "forward")
 
+    def begin_evaluation(self, iteration: int) -> None:
+        """The validation after iteration ``iteration`` runs from now on."""
+        self._arm(f"the validation after iteration {iteration}", "validation forward")
+
     def begin_save(self, iteration: int) -> None:
         """The checkpoint of iteration ``iteration`` is being saved from now on."""
         self._arm(f"the save of iteration {iteration}", "save")

@@ -9,6 +9,7 @@ built-in long-range dataset.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -53,7 +54,7 @@ TINY = [
 def _losses(save_dir: str) -> dict[int, float]:
     with open(os.path.join(save_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    return {r["iteration"]: r["loss"] for r in records}
+    return {r["iteration"]: r["loss"] for r in records if "loss" in r}  # not validation records
 
 
 def _w_pretrain(rank, world_size, argv):
@@ -201,6 +202,8 @@ def test_nan_loss_stops_with_clear_message(tmp_path):
         (["--window-attn-skip-freq", "2"], 1, "--window-size"),
         (["--overlap-param-gather", "--use-distributed-optimizer"], 1, "--overlap-grad-reduce"),
         (["--overlap-param-gather", "--use-megatron-fsdp"], 2, "Megatron-FSDP gathers"),
+        (["--eval-interval", "2"], 1, "the built-in task has none"),
+        (["--eval-interval", "2", "--data-path", "x", "--split", "100,0,0"], 1, "--split 100,0,0"),
     ],
 )
 def test_bad_flags_fail_before_allocation(tmp_path, argv, world_size, flag):
@@ -568,3 +571,42 @@ def test_overlap_param_gather_trains_and_saves_as_the_distributed_optimizer_does
     assert first == {k: straight[k] for k in (1, 2)}
     resumed = _pretrain(run, *flags, "--load", str(run), world_size=2)
     assert resumed == straight
+
+
+def _validation(save) -> dict[int, float]:
+    return {r["iteration"]: r["validation_loss"] for r in _metrics(save) if "validation_loss" in r}
+
+
+def test_validation_loss_equal_across_layouts_and_read_back_from_tensorboard(tmp_path):
+    """--eval-interval 2 --eval-iters 2 on mock data (megatron's split 1,1,1), 3 iterations:
+    a validation after iteration 2 and one at the end. From one checkpoint of iteration 1
+    (PP initialises each stage from its own seed, as Megatron-LM, so the layouts start from
+    the same weights by loading it), TP1's validation losses equal TP2 + SP's, CP2's and
+    PP2's (fp32, 1e-5 relative). TensorBoard's reader finds metrics.jsonl's values under
+    Megatron-LM's tags, the perplexity exp(loss)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = ["--mock-data", "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "2"]
+    start = tmp_path / "start"
+    _pretrain(start, *flags, "--exit-interval", "1")
+    assert _validation(start) == {}  # iteration 1: neither a multiple of 2 nor the last
+    layouts = {
+        "tp1": ["--tensorboard-dir", str(tmp_path / "tb")],
+        "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "cp2": ["--context-parallel-size", "2"],
+        "pp2": ["--pipeline-model-parallel-size", "2"],
+    }
+    for name, layout in layouts.items():
+        run = tmp_path / name
+        shutil.copytree(start, run, ignore=shutil.ignore_patterns("metrics.jsonl"))
+        _pretrain(run, *flags, "--load", str(run), *layout, world_size=1 if name == "tp1" else 2)
+    reference = _validation(tmp_path / "tp1")
+    assert list(reference) == [2, 3]
+    for name in ("tp2", "cp2", "pp2"):
+        assert _validation(tmp_path / name) == pytest.approx(reference, rel=1e-5), name
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = events.Scalars("lm loss validation")
+    assert {p.step: p.value for p in losses} == pytest.approx(reference, rel=1e-6)
+    ppl = events.Scalars("lm loss validation ppl")
+    assert [p.value for p in ppl] == pytest.approx([math.exp(p.value) for p in losses], rel=1e-5)
