@@ -10,8 +10,12 @@ Read from ``config.json``: ``hidden_size``, ``intermediate_size``, ``num_hidden_
 (transformers 4.x, the Hub) or ``rope_parameters`` (transformers 5.x): no scaling, Llama-3.1's
 ``"llama3"`` (megatron's fixed low/high frequency factors 1 and 4 over 8192 positions) or
 integer ``"linear"`` interpolation. ``head_dim``, ``hidden_act``, ``attention_bias``,
-``mlp_bias`` must have Llama's values. Any other field that would change the model is an
-error naming it, so a checkpoint is never converted into a silently different model.
+``mlp_bias`` must have Llama's values. Fields that ``transformers`` itself ignores or keeps as
+metadata are accepted: keys starting with ``_`` (``_name_or_path``, ``_attn_implementation_autoset``,
+...), ``PretrainedConfig``'s own attributes and the generation settings transformers 4.x stored
+in ``config.json`` (:data:`_PRETRAINED_CONFIG_FIELDS`, :data:`_GENERATION_FIELDS`). Any other field
+that would change the model (a non-empty ``pruned_heads`` among them) is an error naming it, so a
+checkpoint is never converted into a silently different model.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ class ConversionError(ValueError):
 
 ARCHITECTURE = "LlamaForCausalLM"
 
-# Fields that do not change the forward pass of a Llama (ids, training-time settings, metadata).
+# Fields that do not change the forward pass of a Llama (ids, training-time settings, metadata);
+# an export copies these from the config.json the checkpoint was converted from.
 _IGNORED = {
     "_name_or_path",
     "architectures",
@@ -51,6 +56,87 @@ _IGNORED = {
     "chunk_size_feed_forward",
     "is_encoder_decoder",
     "tie_encoder_decoder",
+}
+# PretrainedConfig's own attributes, which no Llama's forward pass reads: transformers 5.25's
+# (configuration_utils.py: the dataclass fields and the kwargs ``__post_init__`` pops) and those
+# 4.x's ``PretrainedConfig.__init__`` set and wrote into config.json. Not here: ``pruned_heads``
+# (4.x prunes the heads it lists: the model changes), ``tie_word_embeddings`` (read) and
+# ``per_layer_config`` (5.x's per-layer overrides).
+_PRETRAINED_CONFIG_FIELDS = {
+    "transformers_version",
+    "architectures",
+    "model_type",
+    "name_or_path",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "dtype",
+    "torch_dtype",
+    "attn_implementation",
+    "experts_implementation",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "is_decoder",
+    "add_cross_attention",
+    "cross_attention_hidden_size",
+    "tie_encoder_decoder",
+    "id2label",
+    "label2id",
+    "num_labels",
+    "problem_type",
+    "finetuning_task",
+    "torchscript",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "tokenizer_class",
+    "prefix",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "task_specific_params",
+}
+# Decoding settings transformers 4.x kept in config.json (5.x pops them when it reads a config:
+# ``GenerationConfig._get_default_generation_params()``); they belong in generation_config.json.
+_GENERATION_FIELDS = {
+    "max_length",
+    "max_new_tokens",
+    "min_length",
+    "min_new_tokens",
+    "do_sample",
+    "use_cache",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "min_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+    "assistant_lookbehind",
+    "target_lookbehind",
 }
 _READ = {
     "hidden_size",
@@ -100,7 +186,9 @@ def model_args_from_hf(config: dict) -> dict:
             f"the converter handles {ARCHITECTURE} (Llama-2/3/3.1/3.2 and models with its tensor names)"
         )
     unknown = sorted(
-        k for k in config if k not in _IGNORED | _READ and config[k] not in (None, False, 0, {}, [])
+        k
+        for k in config
+        if not is_metadata(k) and k not in _READ and config[k] not in (None, False, 0, {}, [])
     )
     if unknown:
         raise ConversionError(
@@ -134,6 +222,17 @@ def model_args_from_hf(config: dict) -> dict:
     )
     args.update(_rope_args(config))
     return args
+
+
+def is_metadata(field: str) -> bool:
+    """Whether ``field`` is one transformers ignores or keeps as metadata (it changes no weight
+    and no computation of a Llama)."""
+    return (
+        field.startswith("_")
+        or field in _IGNORED
+        or field in _PRETRAINED_CONFIG_FIELDS
+        or field in _GENERATION_FIELDS
+    )
 
 
 def _rope_args(config: dict) -> dict:

@@ -191,6 +191,25 @@ def _w_loss(rank, world_size, load, tokens):
         teardown_megatron()
 
 
+def _converted_and_transformers_losses(src, converted, vocab):
+    """``(transformers' model, tokens, our per-token losses, the oracle's)`` on random tokens: the
+    converted checkpoint's fp32 losses, and the cross-entropy of transformers' logits for the
+    Hugging Face model ``src`` with the padding rows' zero logits appended."""
+    from transformers import LlamaForCausalLM
+
+    tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(3))
+    [ours] = run_distributed(_w_loss, 1, str(converted), tokens)
+    hf = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(tokens[:, :-1]).logits.double()
+    padded = -(-vocab // 128) * 128
+    logits = torch.cat([logits, logits.new_zeros(*logits.shape[:2], padded - vocab)], dim=-1)
+    oracle = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
+    )
+    return hf, tokens, ours.double().flatten(), oracle
+
+
 FAMILIES = {
     # name: (vocabulary, config overrides)
     "llama3.1 (GQA, llama3 scaling)": (512, {}),
@@ -219,26 +238,14 @@ def test_loss_after_conversion_equals_transformers(tmp_path, family):
     logits are 0 and, as in Megatron-LM, enter the softmax, so the oracle is the cross-entropy
     of transformers' logits with 126 zero logits appended (and it differs from transformers'
     own loss)."""
-    from transformers import LlamaForCausalLM
-
     vocab, overrides = FAMILIES[family]
     overrides = dict(overrides)
     tie = overrides.pop("tie_word_embeddings", False)
     src = make_hf_llama(tmp_path / "hf", vocab=vocab, tie=tie, **overrides)
     run = convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
     assert ("vocabulary padded from 258 to 384 rows" in run.stdout) == (vocab == 258)
-    tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(3))
-    [ours] = run_distributed(_w_loss, 1, str(tmp_path / "mc"), tokens)
-
-    hf = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(tokens[:, :-1]).logits.double()
-    padded = -(-vocab // 128) * 128
-    logits = torch.cat([logits, logits.new_zeros(*logits.shape[:2], padded - vocab)], dim=-1)
-    oracle = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
-    )
-    torch.testing.assert_close(ours.double().flatten(), oracle, rtol=1e-5, atol=0)
+    hf, tokens, ours, oracle = _converted_and_transformers_losses(src, tmp_path / "mc", vocab)
+    torch.testing.assert_close(ours, oracle, rtol=1e-5, atol=0)
     if vocab == 258:
         with torch.no_grad():
             hf_loss = hf(tokens, labels=tokens).loss.item()
@@ -505,6 +512,7 @@ CONFIG_EDITS = {  # config.json changes the converter must refuse, and what its 
     "mlp bias": (dict(mlp_bias=True), "mlp_bias=True"),
     "gelu": (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     "head_dim": (dict(head_dim=32), "head_dim=32"),
+    "pruned heads": (dict(pruned_heads={"1": [0, 2]}), "pruned_heads"),
 }
 
 
@@ -535,6 +543,75 @@ def test_bad_hf_inputs_are_clear_errors_and_write_nothing(tmp_path, capsys, case
     code, err = _convert_in_process(capsys, *argv)
     assert code == 2 and expected in err and err.startswith("mcore-flash convert: error:"), err
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # no --save, no .tmp
+
+
+# config.json fields transformers ignores or keeps as metadata, with values published checkpoints
+# carry: underscore keys its loaders add, PretrainedConfig's own attributes (4.x and 5.x) and
+# the decoding settings 4.x kept in config.json
+TRANSFORMERS_METADATA = {
+    "_name_or_path": "meta-llama/Llama-3.2-1B",
+    "_model_name_or_path": "/models/llama-3.2-1b",
+    "_attn_implementation_autoset": True,
+    "_commit_hash": "4e20de362430cd3b72f300e6b0f18e50e7166e08",
+    "torch_dtype": "float32",
+    "return_dict": True,
+    "output_hidden_states": False,
+    "torchscript": False,
+    "use_bfloat16": False,
+    "pruned_heads": {},
+    "chunk_size_feed_forward": 0,
+    "is_decoder": False,
+    "add_cross_attention": False,
+    "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "prefix": "summarize: ",
+    "sep_token_id": 5,
+    "decoder_start_token_id": 1,
+    "task_specific_params": {"summarization": {"max_length": 128, "num_beams": 4}},
+    "max_length": 4096,
+    "min_length": 1,
+    "do_sample": True,
+    "num_beams": 1,
+    "temperature": 0.6,
+    "top_k": 50,
+    "top_p": 0.9,
+    "typical_p": 1.0,
+    "repetition_penalty": 1.1,
+    "length_penalty": 1.0,
+    "num_return_sequences": 1,
+    "bad_words_ids": [[3]],
+}
+
+
+def test_transformers_metadata_fields_are_accepted(tmp_path, capsys):
+    """A config.json with the fields transformers ignores converts, and the converted model's
+    losses still equal transformers' on that directory (1e-5 relative); every generic
+    attribute of the installed transformers' PretrainedConfig and GenerationConfig's defaults
+    is among them. A model-changing field next to them is still refused, named alone."""
+    import dataclasses
+
+    from transformers import GenerationConfig, PretrainedConfig
+
+    from mcore_flash.conversion.hf_config import is_metadata
+
+    generic = (
+        {f.name for f in dataclasses.fields(PretrainedConfig)}
+        | set(PretrainedConfig().to_dict())
+        | set(GenerationConfig._get_default_generation_params())
+    )
+    assert [field for field in sorted(generic) if not is_metadata(field)] == []
+
+    src = make_hf_llama(tmp_path / "hf", vocab=258)
+    _edit_config(src, **{**TRANSFORMERS_METADATA, "sliding_window": 16, "pruned_heads": {"1": [0]}})
+    code, err = _convert_in_process(
+        capsys, "hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "x"
+    )
+    assert code == 2 and "field(s) pruned_heads, sliding_window would change the model" in err, err
+    _edit_config(src, **TRANSFORMERS_METADATA, sliding_window=None)
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    _, _, ours, oracle = _converted_and_transformers_losses(src, tmp_path / "mc", 258)
+    torch.testing.assert_close(ours, oracle, rtol=1e-5, atol=0)
 
 
 def test_existing_target_is_refused_and_untouched(tmp_path, capsys):
