@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    from mcore_flash.quiet_imports import silence
+
+    silence()  # before the subcommand's imports: megatron-core warns when imported
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from mcore_flash.quiet_imports import silence
+
+    silence()
     args = build_parser().parse_args(argv)
     try:
         if args.direction == "hf-to-mcore":

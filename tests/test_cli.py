@@ -1,0 +1,88 @@
+"""The ``mcore-flash`` command line's edges: what every subcommand prints before it does anything."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from mcore_flash import quiet_imports
+
+from _support.hf_models import make_hf_llama
+
+COMMANDS = ["convert", "generate", "pretrain", "evaluate"]
+
+
+def _cli(*argv, python_flags=()):
+    """``mcore-flash ARGV`` in a fresh process, without the caller's PYTHONWARNINGS."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    return subprocess.run(
+        [sys.executable, *python_flags, "-m", "mcore_flash.cli", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _help(command, *python_flags):
+    return _cli(command, "--help", python_flags=python_flags)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_prints_nothing_on_stderr(command):
+    """megatron-core's import-time warnings (Transformer Engine / apex missing) are silenced:
+    ``--help`` prints its usage and nothing on stderr."""
+    run = _help(command)
+    assert run.returncode == 0 and "usage:" in run.stdout
+    assert run.stderr == ""
+
+
+def test_the_users_warning_options_win():
+    """With ``-W default`` (the user's choice) silence() steps aside: the same ``--help`` shows
+    megatron's warnings, so the test above sees a real silencing, not a quiet import."""
+    run = _help("generate", "-W", "default")
+    assert run.returncode == 0
+    assert "Transformer Engine and Apex are not installed" in run.stderr
+
+
+def test_silence_filters_only_the_listed_warnings_of_their_module():
+    """The exact message from its own module is dropped; the same message from another module
+    and any other warning of that module still print (no blanket ignore)."""
+    message = "Transformer Engine and Apex are not installed. Falling back to Torch optimizers."
+
+    def shown(text, module, category=UserWarning):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            quiet_imports.silence()
+            warnings.warn_explicit(text, category, f"/{module}.py", 1, module=module)
+        return len(caught)
+
+    saved = sys.warnoptions[:]
+    sys.warnoptions.clear()
+    try:
+        assert shown(message, "megatron.core.optimizer") == 0
+        assert shown(message, "megatron.core.optimizer.distrib_optimizer") == 1
+        assert shown(message, "mcore_flash.training.loop") == 1
+        assert shown(message + " (and more)", "megatron.core.optimizer") == 1
+        assert shown("another UserWarning", "megatron.core.optimizer") == 1
+        assert shown(message, "megatron.core.optimizer", DeprecationWarning) == 1
+    finally:
+        sys.warnoptions[:] = saved
+
+
+def test_a_conversion_and_generate_print_nothing_on_stderr(tmp_path):
+    """The warnings that come later (megatron's own cuda_graph_scope default, torch on megatron's
+    ShardedTensor and load_state_dict when a checkpoint loads) are silenced too: a conversion,
+    its export and a generate from it print nothing on stderr."""
+    src = make_hf_llama(tmp_path / "hf")
+    runs = [
+        _cli("convert", "hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc"),
+        _cli("convert", "mcore-to-hf", "--load", tmp_path / "mc", "--save-hf", tmp_path / "out"),
+        _cli("generate", "--load", tmp_path / "mc", "--prompt-ids", "1,2,3", "--max-new-tokens", 2),
+    ]
+    assert [(run.returncode, run.stderr) for run in runs] == [(0, "")] * 3
