@@ -1,13 +1,17 @@
 """``mcore-flash generate``: greedy decoding from a checkpoint with the trainer's model.
 
-    mcore-flash generate --load DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-new-tokens N [--json]
+    mcore-flash generate --load DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-new-tokens N
+        [--ignore-eos] [--json]
 
 The model is built exactly as ``mcore-flash pretrain`` builds it (its flags; those left out
 come from the checkpoint, as with ``--use-checkpoint-args``), so this is the first check
 that a converted or extended checkpoint works. Under ``torchrun`` it runs with TP and PP
-(context parallelism: 1). There is no KV cache: every step runs the whole sequence, and
-exactly ``--max-new-tokens`` tokens are produced (no stop token). Padding rows of the
-vocabulary are never chosen. ``--json`` prints ``{"prompt_ids": [...], "output_ids": [...]}``.
+(context parallelism: 1). There is no KV cache: every step runs the whole sequence.
+Generation stops, as transformers' does, after the first end-of-sequence token (included in
+the output), at most ``--max-new-tokens`` tokens: the EOS ids are those of the Hugging Face
+checkpoint it was converted from (:func:`end_of_sequence_ids`); ``--ignore-eos`` produces
+exactly ``--max-new-tokens``. Padding rows of the vocabulary are never chosen. ``--json``
+prints ``{"prompt_ids": [...], "output_ids": [...]}``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ def build_parser():
     prompt.add_argument("--prompt", help="text, tokenized with --tokenizer-type/--tokenizer-model")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     group.add_argument("--max-new-tokens", type=int, default=32)
+    group.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at the checkpoint's end-of-sequence ids: produce exactly --max-new-tokens",
+    )
     group.add_argument(
         "--json", action="store_true", help='print {"prompt_ids": [...], "output_ids": [...]}'
     )
@@ -79,7 +88,10 @@ def generate(args) -> tuple[list[int], list[int], str]:
     tokenizer, vocab = tokenizer_and_vocab(args)
     config = transformer_config(args)
     model = build_model(args, config, vocab, parallel_output=False).to(platform.torch_device())
-    checkpointing.load_weights(args.load, model, vocab, model_args(args, tokenizer.vocab_size))
+    common = checkpointing.load_weights(
+        args.load, model, vocab, model_args(args, tokenizer.vocab_size)
+    )
+    stop = set() if args.ignore_eos else set(end_of_sequence_ids(common))
     model.eval()
     if args.prompt_ids is not None:
         try:
@@ -99,8 +111,23 @@ def generate(args) -> tuple[list[int], list[int], str]:
     with torch.no_grad():
         for _ in range(args.max_new_tokens):
             ids.append(_next_token(model, config, ids, tokenizer.vocab_size))
+            if ids[-1] in stop:  # every rank has the token: all stop together
+                break
     new = ids[len(prompt) :]
     return prompt, new, tokenizer.detokenize(new)
+
+
+def end_of_sequence_ids(common: dict) -> list[int]:
+    """The token ids that end a generation from a checkpoint with common state ``common``, as
+    transformers takes them for the model it was converted from: ``eos_token_id`` (an int or a
+    list) of its ``generation_config.json`` where the Hugging Face directory had one, else of
+    its ``config.json``; none for a checkpoint that was not converted from Hugging Face."""
+    generation = common.get("generation_config")
+    source = generation if generation is not None else (common.get("hf_config") or {})
+    eos = source.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(token) for token in eos]
 
 
 def _next_token(model, config, ids: list[int], vocab_size: int) -> int:

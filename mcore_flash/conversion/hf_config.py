@@ -175,6 +175,22 @@ def read_config(hf_dir: str) -> dict:
         return json.load(f)
 
 
+def read_generation_config(hf_dir: str) -> dict | None:
+    """``generation_config.json`` of a Hugging Face directory (transformers' decoding defaults
+    for the model: ``eos_token_id``, an int or a list, ...), or None where there is none."""
+    path = os.path.join(hf_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
 def model_args_from_hf(config: dict) -> dict:
     """The trainer's ``model_args`` for a Llama ``config.json`` (raises ConversionError)."""
     architectures = config.get("architectures") or []

@@ -24,6 +24,7 @@ from mcore_flash.conversion.hf_config import (
     model_args_from_hf,
     model_flags,
     read_config,
+    read_generation_config,
 )
 from mcore_flash.conversion.llama import hf_shape, tensor_maps
 from mcore_flash.conversion.output import Progress, atomic_directory
@@ -53,6 +54,7 @@ def hf_to_mcore(
     from mcore_flash.training.arguments import parse_args
 
     config = read_config(hf_dir)
+    generation_config = read_generation_config(hf_dir)
     model_args = model_args_from_hf(config)
     flags = model_flags(model_args) + (["--bf16"] if bf16 else [])
     layout_flags = [
@@ -113,6 +115,7 @@ def hf_to_mcore(
                 "padded_vocab_size": padded,
                 "model_args": model_args,
                 "hf_config": config,
+                "generation_config": generation_config,  # None: the directory had none
                 "converted_from": os.path.abspath(hf_dir),
                 "model_only": True,
             },

@@ -254,14 +254,33 @@ def test_loss_after_conversion_equals_transformers(tmp_path, family):
         )  # the padding really is in the softmax
 
 
-def _hf_greedy(src, prompt, n):
+def _hf_greedy(src, prompt, n, stop_at_eos=True):
+    """transformers' `generate(do_sample=False)` of at most ``n`` tokens, stopping at the EOS ids
+    its generation config gives (as loaded from ``src``), or exactly ``n`` tokens."""
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # exactly n tokens, as `generate` makes
+    if not stop_at_eos:
+        hf.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, len(prompt) :].tolist()
+
+
+def _generate_ids(load, *argv, world_size=1):
+    """`mcore-flash generate --json` from ``load`` on ``world_size`` processes (rank 0's
+    output): ``(prompt ids, output ids)``."""
+    results = run_distributed(
+        _w_main,
+        world_size,
+        "mcore_flash.generate",
+        ["--load", str(load), "--json", *map(str, argv)],
+        timeout=300,
+    )
+    code, stdout = results[0]
+    assert code == 0
+    printed = json.loads(stdout.strip().splitlines()[-1])
+    return printed["prompt_ids"], printed["output_ids"]
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -279,53 +298,72 @@ def test_generate_equals_transformers_greedy(tmp_path, tp):
         tp,
     )
     prompt = [1, 17, 99, 4, 250, 31]
-    results = run_distributed(
-        _w_main,
+    printed = _generate_ids(
+        tmp_path / "mc",
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-new-tokens",
+        12,
+        "--tensor-model-parallel-size",
         tp,
-        "mcore_flash.generate",
-        [
-            "--load",
-            str(tmp_path / "mc"),
-            "--prompt-ids",
-            ",".join(map(str, prompt)),
-            "--max-new-tokens",
-            "12",
-            "--json",
-            "--tensor-model-parallel-size",
-            str(tp),
-        ],
-        timeout=300,
+        world_size=tp,
     )
-    code, stdout = results[0]
-    assert code == 0
-    printed = json.loads(stdout.strip().splitlines()[-1])
-    assert printed == {"prompt_ids": prompt, "output_ids": _hf_greedy(src, prompt, 12)}
+    assert printed == (prompt, _hf_greedy(src, prompt, 12))
 
 
 def test_generate_pipeline_parallel_and_text_prompt(tmp_path):
     """PP2 gives the same tokens; --prompt text goes through the (byte) tokenizer."""
     src = make_hf_llama(tmp_path / "hf", vocab=258)
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
-    results = run_distributed(
-        _w_main,
+    printed = _generate_ids(
+        tmp_path / "mc",
+        "--prompt",
+        "abc",
+        "--max-new-tokens",
+        5,
+        "--pipeline-model-parallel-size",
         2,
-        "mcore_flash.generate",
-        [
-            "--load",
-            str(tmp_path / "mc"),
-            "--prompt",
-            "abc",
-            "--max-new-tokens",
-            "5",
-            "--json",
-            "--pipeline-model-parallel-size",
-            "2",
-        ],
-        timeout=300,
+        world_size=2,
     )
-    printed = json.loads(results[0][1].strip().splitlines()[-1])
-    assert printed["prompt_ids"] == [97, 98, 99]
-    assert printed["output_ids"] == _hf_greedy(src, [97, 98, 99], 5)
+    assert printed == ([97, 98, 99], _hf_greedy(src, [97, 98, 99], 5))
+
+
+def test_generate_stops_at_the_checkpoints_eos_as_transformers_does(tmp_path):
+    """With an EOS id that greedy decoding reaches at its 3rd token (found by transformers'
+    own unstopped run), set in generation_config.json as a list and config.json saying
+    another id: `generate` equals transformers' `generate(do_sample=False)` on that directory
+    (it stops after the EOS, which it includes); `--ignore-eos` gives exactly --max-new-tokens.
+    Without generation_config.json the EOS comes from config.json, as in transformers."""
+    src = make_hf_llama(tmp_path / "hf", vocab=258)
+    prompt, n = [1, 17, 99, 4, 250, 31], 12
+    free = _hf_greedy(src, prompt, n, stop_at_eos=False)
+    eos = free[2]
+    assert eos not in free[:2]
+    generation_path = os.path.join(src, "generation_config.json")
+    with open(generation_path) as f:
+        generation = json.load(f)
+    with open(generation_path, "w") as f:
+        json.dump({**generation, "eos_token_id": [257, eos]}, f)
+    _edit_config(src, eos_token_id=free[1])  # what generation_config.json overrides
+    stopped = _hf_greedy(src, prompt, n)
+    assert stopped == free[:3]  # the oracle really stops there
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
+    ids = ",".join(map(str, prompt))
+    assert _generate_ids(tmp_path / "mc", "--prompt-ids", ids, "--max-new-tokens", n) == (
+        prompt,
+        stopped,
+    )
+    assert _generate_ids(
+        tmp_path / "mc", "--prompt-ids", ids, "--max-new-tokens", n, "--ignore-eos"
+    ) == (prompt, free)
+
+    os.remove(generation_path)
+    stopped = _hf_greedy(src, prompt, n)
+    assert stopped == free[:2]
+    convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc_no_generation_config")
+    assert _generate_ids(
+        tmp_path / "mc_no_generation_config", "--prompt-ids", ids, "--max-new-tokens", n
+    ) == (prompt, stopped)
 
 
 def _metrics(save):
