@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -34,8 +35,9 @@ def _help(command, *python_flags):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_prints_nothing_on_stderr(command):
-    """megatron-core's import-time warnings (Transformer Engine / apex missing) are silenced:
-    ``--help`` prints its usage and nothing on stderr."""
+    """megatron-core's import-time warnings (Transformer Engine / apex missing) and, with torch's
+    CUDA build, the import-time log record of torch's cpp_extension (no CUDA runtime) are
+    silenced: ``--help`` prints its usage and nothing on stderr."""
     run = _help(command)
     assert run.returncode == 0 and "usage:" in run.stdout
     assert run.stderr == ""
@@ -75,10 +77,71 @@ def test_silence_filters_only_the_listed_warnings_of_their_module():
         sys.warnoptions[:] = saved
 
 
+def test_silence_drops_only_the_listed_log_records_of_their_logger():
+    """A listed log record (its level, its whole message, its logger) is dropped; any other record
+    of that logger, the same message at another level or on another logger still print; and
+    with the user's warning options (``-W``) silence() adds no log filter either."""
+    no_cuda = "No CUDA runtime is found, using CUDA_HOME='%s'"
+    gpt_deprecated = (
+        "GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new features. "
+        "Please reference the migration guide `docs/user-guide/hybrid-model-migration.md` for "
+        "details on how to use `HybridModel`"
+    )
+    cuda, gpt = "torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"
+    loggers = {name: logging.getLogger(name) for name in (cuda, gpt, "torch.utils")}
+    saved = {name: logger.filters[:] for name, logger in loggers.items()}
+    # what the loggers had before any silence() in this process (a test may have called one)
+    bare = {
+        name: [f for f in filters if not isinstance(f, quiet_imports._DropRecord)]
+        for name, filters in saved.items()
+    }
+    saved_options = sys.warnoptions[:]
+
+    def shown(name, level, message, *args, warnoptions=()):
+        """How many records ``message % args`` at ``level`` on logger ``name`` makes, after
+        silence() on loggers without its filters (with ``warnoptions`` as the user's -W)."""
+        for other, filters in bare.items():
+            loggers[other].filters[:] = filters
+        sys.warnoptions[:] = warnoptions
+        quiet_imports.silence()
+        logger, kept = loggers[name], []
+        handler = logging.Handler()
+        handler.emit = kept.append
+        state = logger.level, logger.propagate
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False
+        try:
+            logger.log(level, message, *args)
+        finally:
+            logger.removeHandler(handler)
+            logger.level, logger.propagate = state
+        return len(kept)
+
+    try:
+        assert shown(cuda, logging.WARNING, no_cuda, "/usr/local") == 0
+        assert shown(cuda, logging.WARNING, no_cuda, "/opt/cuda-13.0") == 0
+        assert shown(cuda, logging.WARNING, no_cuda + " (and more)", "/usr/local") == 1
+        assert shown(cuda, logging.WARNING, "CUDA_HOME: " + no_cuda, "/usr/local") == 1
+        assert shown(cuda, logging.WARNING, "another cpp_extension warning") == 1
+        assert shown(cuda, logging.ERROR, no_cuda, "/usr/local") == 1
+        assert shown("torch.utils", logging.WARNING, no_cuda, "/usr/local") == 1
+        assert shown(gpt, logging.WARNING, gpt_deprecated) == 0
+        assert shown(gpt, logging.WARNING, "another GPTModel warning") == 1
+        assert shown(cuda, logging.WARNING, no_cuda, "/usr/local", warnoptions=["default"]) == 1
+        assert shown(gpt, logging.WARNING, gpt_deprecated, warnoptions=["default"]) == 1
+    finally:
+        for name, filters in saved.items():
+            loggers[name].filters[:] = filters
+        sys.warnoptions[:] = saved_options
+
+
 def test_a_conversion_and_generate_print_nothing_on_stderr(tmp_path):
-    """The warnings that come later (megatron's own cuda_graph_scope default, torch on megatron's
-    ShardedTensor and load_state_dict when a checkpoint loads) are silenced too: a conversion,
-    its export and a generate from it print nothing on stderr."""
+    """The warnings and log records that come later (megatron's own cuda_graph_scope /
+    cuda_graph_modules default and its GPTModel deprecation, torch on megatron's use of its
+    checkpoint API when a checkpoint loads, megatron on its load_common reading the converter's
+    common.pt) are silenced too: a conversion, its export and a generate from it print nothing
+    on stderr."""
     src = make_hf_llama(tmp_path / "hf")
     runs = [
         _cli("convert", "hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc"),
