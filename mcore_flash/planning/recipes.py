@@ -111,6 +111,7 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
     layout = Layout(
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
+        vp=args.virtual_pipeline_model_parallel_size or 1,
         cp=args.context_parallel_size,
         dp=args.data_parallel_size,
         sequence_parallel=args.sequence_parallel,

@@ -104,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="the interleaved 1F1B schedule: each pipeline rank holds (layers per stage / N) model chunks of N layers",
+    )
+    par.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="the interleaved 1F1B schedule with this many model chunks per pipeline rank",
+    )
     par.add_argument("--context-parallel-size", type=int, default=1)
     par.add_argument("--cp-comm-type", choices=["p2p", "a2a"], default="p2p")
     par.add_argument("--sequence-parallel", action="store_true")
@@ -326,8 +338,15 @@ def parse_args(
 ) -> argparse.Namespace:
     """For the tools that add flags to :func:`build_parser`'s (``parser``: evaluate, generate):
     the fields of the checked :class:`TrainingConfig` plus the tool's own flags, as one namespace
-    the tool may extend. The trainer itself uses :func:`parse_config`."""
+    the tool may extend. The trainer itself uses :func:`parse_config`. The tools run one model
+    chunk per pipeline stage: the interleaved schedule's flags are refused."""
     flags = vars((parser or build_parser()).parse_args(argv))
+    if flags["virtual_pipeline_model_parallel_size"] or flags["num_layers_per_virtual_pipeline_stage"]:
+        raise ValueError(
+            "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage: evaluation "
+            "and generation run one model chunk per pipeline stage; drop the flag (a checkpoint saved "
+            "with the interleaved schedule loads at any pipeline layout)"
+        )
     return argparse.Namespace(**{**flags, **resolve_config(flags, world_size).to_dict()})
 
 

@@ -104,7 +104,7 @@ def latest_iteration(root: str) -> Optional[int]:
 def save_checkpoint(
     root: str,
     iteration: int,
-    model,
+    model_chunks: list,
     optimizer,
     scheduler,
     consumed_samples: int,
@@ -112,7 +112,8 @@ def save_checkpoint(
     model_args: dict,
     provenance: Optional[dict] = None,
 ) -> str:
-    """Write checkpoint ``iteration`` under ``root`` atomically (collective over all ranks)."""
+    """Write checkpoint ``iteration`` of this rank's ``model_chunks`` (megatron's DDP or FSDP
+    wrappers) under ``root`` atomically (collective over all ranks)."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     rank = dist.get_rank()
@@ -133,7 +134,7 @@ def save_checkpoint(
         **(provenance or {}),
     )
     try:
-        _write_state(tmp, model, optimizer, scheduler, common)
+        _write_state(tmp, model_chunks, optimizer, scheduler, common)
         faults.point("save-shards", iteration)
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
         faults.point("save-rng", iteration)
@@ -159,12 +160,12 @@ def save_checkpoint(
     return final
 
 
-def _write_state(path: str, model, optimizer, scheduler, common: dict) -> None:
+def _write_state(path: str, model_chunks: list, optimizer, scheduler, common: dict) -> None:
     """The model, optimizer and scheduler with the ``common`` counters into ``path``
     (collective): megatron's ``dist_checkpointing.save`` (torch_dist), or DCP of the FSDP
     DTensors plus rank 0's ``common.pt`` with the scheduler (fsdp_dtensor)."""
-    if fsdp_checkpoint.is_fsdp(model):
-        fsdp_checkpoint.save(fsdp_checkpoint.state_dict(model, optimizer), path)
+    if fsdp_checkpoint.is_fsdp(model_chunks[0]):  # one chunk: FSDP runs without pipelining
+        fsdp_checkpoint.save(fsdp_checkpoint.state_dict(model_chunks[0], optimizer), path)
         fsdp_checkpoint.write_common(
             path,
             {**common, "ckpt_format": fsdp_checkpoint.FORMAT, "scheduler": scheduler.state_dict()},
@@ -173,7 +174,7 @@ def _write_state(path: str, model, optimizer, scheduler, common: dict) -> None:
     from megatron.core import dist_checkpointing
 
     dist_checkpointing.save(
-        {**_sharded_state(model, optimizer, scheduler, is_loading=False), **common}, path
+        {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common}, path
     )
 
 
@@ -185,7 +186,7 @@ def checkpoint_format(common: dict) -> str:
 
 def load_checkpoint(
     root: str,
-    model,
+    model_chunks: list,
     optimizer,
     scheduler,
     padded_vocab_size: int,
@@ -201,8 +202,9 @@ def load_checkpoint(
     ``load_optim=False`` (``--no-load-optim``) keeps the checkpoint's iteration and sample
     count but starts the optimizer afresh (the lr schedule is advanced to that point);
     ``load_rng=False`` keeps this run's seeds. Any TP/PP/DP layout loads any other
-    (dist_checkpointing reshards), as long as the model and the padded vocabulary agree;
-    distributed-optimizer state only at its TP and PP sizes (:func:`_check_optimizer_layout`).
+    (dist_checkpointing reshards; virtual pipeline sizes too: the layers' keys are global),
+    as long as the model and the padded vocabulary agree; distributed-optimizer state only
+    at its TP, PP and virtual pipeline sizes (:func:`_check_optimizer_layout`).
     With ``--use-megatron-fsdp`` (``fsdp_dtensor``): its own optimizer state at its TP and
     data x context parallel sizes; the weights of either kind load into a run of the other
     (a torch_dist checkpoint's through :func:`load_weights_before_sharding`).
@@ -216,9 +218,9 @@ def load_checkpoint(
         )
     if load_optim:
         _check_optimizer_layout(root, common, optimizer)
-        _load_with_optimizer(path, common, model, optimizer, scheduler)
+        _load_with_optimizer(path, common, model_chunks, optimizer, scheduler)
     else:
-        fsdp_run = fsdp_checkpoint.is_fsdp(model)
+        fsdp_run = fsdp_checkpoint.is_fsdp(model_chunks[0])
         if fsdp_run and checkpoint_format(common) == fsdp_checkpoint.FORMAT:
             raise ValueError(
                 f"--load {root}: the weights alone of an FSDP checkpoint (--no-load-optim / --finetune) do not "
@@ -226,7 +228,7 @@ def load_checkpoint(
                 "parameter update (optimizer/distrib_optimizer.py: _copy_model_params_to_main_params); resume "
                 "with its optimizer state, or load the weights into a run without --use-megatron-fsdp"
             )
-        _load_model(root, path, common, model)
+        _load_model(root, path, common, model_chunks)
         if not fsdp_run:  # FSDP copied the weights loaded before sharding into its buffers itself
             optimizer.reload_model_params()  # fp32 main parameters from the loaded weights
     provenance = {key: common[key] for key in PROVENANCE_KEYS if key in common}
@@ -243,19 +245,19 @@ def load_checkpoint(
     return int(common["iteration"]), consumed, provenance
 
 
-def _load_with_optimizer(path: str, common: dict, model, optimizer, scheduler) -> None:
+def _load_with_optimizer(path: str, common: dict, model_chunks: list, optimizer, scheduler) -> None:
     """Weights, optimizer state and scheduler of a checkpoint of this run's kind (collective)."""
-    if fsdp_checkpoint.is_fsdp(model):
-        fsdp_checkpoint.load_into(path, model, optimizer)
+    if fsdp_checkpoint.is_fsdp(model_chunks[0]):
+        fsdp_checkpoint.load_into(path, model_chunks[0], optimizer)
         scheduler.load_state_dict(common["scheduler"])
         return
     from megatron.core import dist_checkpointing
 
     _materialise_optimizer_state(optimizer)
     loaded = dist_checkpointing.load(
-        _sharded_state(model, optimizer, scheduler, is_loading=True), path
+        _sharded_state(model_chunks, optimizer, scheduler, is_loading=True), path
     )
-    _unwrap(model).load_state_dict(loaded["model"])
+    _load_chunk_states(model_chunks, loaded)
     with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_steps(optimizer, loaded["optimizer"])
@@ -263,10 +265,11 @@ def _load_with_optimizer(path: str, common: dict, model, optimizer, scheduler) -
 
 
 def load_weights(root: str, model, padded_vocab_size: int, model_args: dict) -> dict:
-    """Load only the model weights of the latest checkpoint under ``root`` (for inference);
-    returns the checkpoint's common state (iteration, ``model_args``, ...)."""
+    """Load only the model weights of the latest checkpoint under ``root`` into ``model`` (one
+    GPTModel, for inference); returns the checkpoint's common state (iteration,
+    ``model_args``, ...)."""
     path, common = _open_checkpoint(root, padded_vocab_size, model_args)
-    _load_model(root, path, common, model)
+    _load_model(root, path, common, [model])
     return common
 
 
@@ -285,7 +288,7 @@ def load_weights_before_sharding(
     path, common = _open_checkpoint(root, padded_vocab_size, model_args)
     if checkpoint_format(common) != TORCH_DIST:
         return False
-    _load_torch_dist_model(path, model)
+    _load_torch_dist_model(path, [model])
     setattr(model, _PRELOADED, path)
     return True
 
@@ -320,9 +323,10 @@ def read_latest(root: str, verify_all: bool = False) -> tuple[str, dict]:
     return path, safe_pickles.load_common_state(path)
 
 
-def _load_model(root: str, path: str, common: dict, model) -> None:
-    """The checkpoint's weights into ``model``, either kind into either (collective)."""
+def _load_model(root: str, path: str, common: dict, model_chunks: list) -> None:
+    """The checkpoint's weights into ``model_chunks``, either kind into either (collective)."""
     saved_fsdp = checkpoint_format(common) == fsdp_checkpoint.FORMAT
+    model = model_chunks[0]  # the only one where either side is FSDP
     if fsdp_checkpoint.is_fsdp(model) and saved_fsdp:
         fsdp_checkpoint.load_into(path, model)
     elif fsdp_checkpoint.is_fsdp(model):
@@ -335,22 +339,31 @@ def _load_model(root: str, path: str, common: dict, model) -> None:
         _check_fsdp_weights_layout(root, common)
         fsdp_checkpoint.load_unsharded(path, _gpt_model(model))
     else:
-        _load_torch_dist_model(path, model)
+        _load_torch_dist_model(path, model_chunks)
 
 
-def _load_torch_dist_model(path: str, model) -> None:
+def _load_torch_dist_model(path: str, model_chunks: list) -> None:
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(_sharded_state(model, None, None, is_loading=True), path)
-    _unwrap(model).load_state_dict(loaded["model"])
+    loaded = dist_checkpointing.load(
+        _sharded_state(model_chunks, None, None, is_loading=True), path
+    )
+    _load_chunk_states(model_chunks, loaded)
 
 
 def _check_fsdp_weights_layout(root: str, common: dict) -> None:
     """An FSDP checkpoint's weights load without FSDP at its tensor-parallel size only: each
     DTensor is the concatenation of the TP shards (SwiGLU's fc1 interleaves gate and up per
-    TP rank), which a run at another TP size would cut differently."""
+    TP rank), which a run at another TP size would cut differently; and without pipelining:
+    its keys are the whole model's (FSDP runs at PP 1), read by each stage's local names."""
     from megatron.core import parallel_state
 
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError(
+            f"--load {root}: its weights were saved with --use-megatron-fsdp and load without FSDP only at "
+            "--pipeline-model-parallel-size 1; convert them once through a run at PP 1 (its save is "
+            "torch_dist, which any layout loads), or resume with --use-megatron-fsdp"
+        )
     saved = (common.get("optimizer_layout") or {}).get("tensor_model_parallel_size", 1)
     now = parallel_state.get_tensor_model_parallel_world_size()
     if saved != now:
@@ -399,7 +412,8 @@ def _check_same_model(root: str, common: dict, padded_vocab_size: int, model_arg
 
 def optimizer_layout(optimizer) -> dict:
     """What decides whether optimizer state reloads: its format (``fsdp_dtensor`` with
-    Megatron-FSDP), distributed or not, the TP, PP and data x context parallel sizes."""
+    Megatron-FSDP), distributed or not, the TP, PP, virtual pipeline (1: no interleaving)
+    and data x context parallel sizes."""
     from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -412,6 +426,9 @@ def optimizer_layout(optimizer) -> dict:
         "distributed": any(isinstance(inner, DistributedOptimizer) for inner in inners),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": (
+            parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+        ),
         "data_context_parallel_size": parallel_state.get_data_parallel_world_size(
             with_context_parallel=True
         ),
@@ -422,8 +439,8 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
     """Refuse optimizer state that would not load into this run's optimizer (errors name the flag).
 
     The distributed optimizer's ``dp_reshardable`` state is cut into the DP ranks' flat
-    buffers of each TP/PP shard: it reloads under any data-parallel size, but only with the
-    TP and PP sizes it was saved with. The plain optimizer's state is per parameter and
+    buffers of each TP/PP shard and model chunk: it reloads under any data-parallel size, but
+    only with the TP, PP and virtual pipeline sizes it was saved with. The plain optimizer's state is per parameter and
     reshards like the weights. The two formats do not load into each other.
     """
     saved = common.get("optimizer_layout")
@@ -450,13 +467,18 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
             f"resume {which} it, {fresh}"
         )
     if now["distributed"]:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            if saved[name] != now[name]:
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+        ):
+            was = saved.get(name, 1)  # checkpoints before the interleaved schedule: 1
+            if was != now[name]:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(
-                    f"--load {root}: its distributed-optimizer state was saved at {flag} {saved[name]} and reloads "
+                    f"--load {root}: its distributed-optimizer state was saved at {flag} {was} and reloads "
                     f"under any data-parallel size but only at that {flag} (this run: {now[name]}); "
-                    f"pass {flag} {saved[name]}, {fresh}"
+                    f"pass {flag} {was}, {fresh}"
                 )
 
 
@@ -477,13 +499,29 @@ def _check_fsdp_optimizer_layout(root: str, saved: dict, now: dict, fresh: str) 
             )
 
 
-def _sharded_state(model, optimizer, scheduler, is_loading: bool) -> dict:
-    """The sharded part: model, and optimizer + scheduler unless ``optimizer`` is None."""
-    model_state = _unwrap(model).sharded_state_dict()
+def _model_keys(model_chunks: list) -> list[str]:
+    """Megatron-LM's keys of the chunks' states: ``model``, or ``model0``, ``model1``, ... with
+    the interleaved schedule (the tensors inside carry global layer numbers either way)."""
+    if len(model_chunks) == 1:
+        return ["model"]
+    return [f"model{index}" for index in range(len(model_chunks))]
+
+
+def _load_chunk_states(model_chunks: list, loaded: dict) -> None:
+    for key, chunk in zip(_model_keys(model_chunks), model_chunks):
+        _unwrap(chunk).load_state_dict(loaded[key])
+
+
+def _sharded_state(model_chunks: list, optimizer, scheduler, is_loading: bool) -> dict:
+    """The sharded part: the model chunks, and optimizer + scheduler unless ``optimizer`` is None."""
+    model_state = {
+        key: _unwrap(chunk).sharded_state_dict()
+        for key, chunk in zip(_model_keys(model_chunks), model_chunks)
+    }
     if optimizer is None:
-        return {"model": model_state}
+        return model_state
     return {
-        "model": model_state,
+        **model_state,
         # The distributed optimizer's 'dp_reshardable' format: megatron 0.16's default format is
         # refused by its own dist_checkpointing, and 'fully_reshardable' cannot load without
         # apex/TE (it drops torch Adam's per-parameter 'step'). So a distributed-optimizer

@@ -89,6 +89,9 @@ class TrainingConfig:
     # parallelism
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
+    # interleaved 1F1B: model chunks per pipeline rank (None: plain 1F1B); from either flag
+    virtual_pipeline_model_parallel_size: Optional[int]
+    num_layers_per_virtual_pipeline_stage: Optional[int]
     context_parallel_size: int
     cp_comm_type: str
     sequence_parallel: bool
@@ -352,9 +355,11 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_indexed_dataset(prefix, arg="--data-path", scan_tokens=0)
-    recompute = _recompute(args, pp)
+    vp = _virtual_pipeline_size(args, pp, global_batch_size // (args.micro_batch_size * dp))
+    recompute = _recompute(args, pp * (vp or 1))
     _check_activation_offload(args, pp)
     return dict(
+        virtual_pipeline_model_parallel_size=vp,
         world_size=world_size,
         data_parallel_size=dp,
         global_batch_size=global_batch_size,
@@ -365,8 +370,9 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     )
 
 
-def _recompute(args: SimpleNamespace, pp: int) -> RecomputeSettings:
-    """What the ``--recompute-*`` flags mean; full recompute of at most the layers of one stage."""
+def _recompute(args: SimpleNamespace, chunks: int) -> RecomputeSettings:
+    """What the ``--recompute-*`` flags mean; full recompute of at most the layers of one of the
+    ``chunks`` (pipeline stages x virtual stages) megatron's block recomputes within."""
     recompute = recompute_settings(
         args.recompute_granularity,
         args.recompute_method,
@@ -374,12 +380,62 @@ def _recompute(args: SimpleNamespace, pp: int) -> RecomputeSettings:
         args.recompute_modules,
     )
     if recompute.config.get("recompute_granularity") == "full":
-        per_stage = args.num_layers // pp
-        if args.recompute_num_layers > per_stage:
+        per_chunk = args.num_layers // chunks
+        if args.recompute_num_layers > per_chunk:
+            where = "virtual pipeline stage" if args.virtual_pipeline_model_parallel_size else "pipeline stage"
             raise ValueError(
-                f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_stage} layers per pipeline stage"
+                f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_chunk} layers per {where}"
             )
     return recompute
+
+
+def _virtual_pipeline_size(args: SimpleNamespace, pp: int, micro_batches: int) -> Optional[int]:
+    """Model chunks per pipeline rank of the interleaved schedule, from Megatron-LM's
+    ``--virtual-pipeline-model-parallel-size V`` or ``--num-layers-per-virtual-pipeline-stage
+    N`` (V = layers per stage / N); None (plain 1F1B) for neither or V = 1.
+
+    megatron-core's interleaved schedule runs the micro-batches in groups of PP per chunk
+    (``microbatch_group_size_per_vp_stage``): the micro-batches per iteration must be a
+    multiple of PP. Offloads and Megatron-FSDP are not validated with it (refused)."""
+    size, per_stage = args.virtual_pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if size is not None and per_stage is not None:
+        raise ValueError(
+            "--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage exclude "
+            "each other (as in Megatron-LM); give one"
+        )
+    if size is None and per_stage is None:
+        return None
+    flag = "--virtual-pipeline-model-parallel-size" if size is not None else "--num-layers-per-virtual-pipeline-stage"
+    value = size if size is not None else per_stage
+    stage_layers = args.num_layers // pp
+    if value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
+    if pp == 1:
+        raise ValueError(f"{flag} interleaves pipeline stages: it needs --pipeline-model-parallel-size > 1")
+    if stage_layers % value:
+        raise ValueError(
+            f"{flag} {value} does not divide the {stage_layers} layers per pipeline stage "
+            f"(--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})"
+        )
+    vp = size if size is not None else stage_layers // per_stage
+    if vp == 1:
+        return None
+    if micro_batches % pp:
+        raise ValueError(
+            f"{flag}: the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size "
+            f"{pp}, and this run has {micro_batches} per iteration (--global-batch-size / (--micro-batch-size x "
+            f"data-parallel size)); raise --global-batch-size to a multiple of {pp} micro-batches"
+        )
+    for name, on in (
+        ("--optimizer-cpu-offload", args.optimizer_cpu_offload),
+        ("--activation-offload-layers", args.activation_offload_layers),
+    ):
+        if on:
+            raise ValueError(
+                f"{flag} with {name} is not validated here (the offloads are tested with one model chunk "
+                "per rank); drop one of them"
+            )
+    return vp
 
 
 def _check_validation(args: SimpleNamespace) -> None:

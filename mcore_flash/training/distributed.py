@@ -74,6 +74,7 @@ def _init_parallel_state(config: TrainingConfig, **kwargs) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
             context_parallel_size=config.context_parallel_size,
             **kwargs,
         )

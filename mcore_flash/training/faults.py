@@ -92,15 +92,17 @@ def point(name: str, iteration: Optional[int] = None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install(model, config) -> None:
+def install(model_chunks: list, config) -> None:
     """Arm the points inside the model and the gradient reduction (a no-op when disarmed).
 
-    ``model``: megatron's DDP- or FSDP-wrapped GPTModel; ``config``: its TransformerConfig, whose
+    ``model_chunks``: megatron's DDP- or FSDP-wrapped GPTModel chunks of this rank (the points
+    sit in the last chunk's last layer); ``config``: their TransformerConfig, whose
     ``finalize_model_grads_func`` (the gradient reduce-scatter/all-reduce) gets wrapped.
     """
     if _FAULT is None:
         return
     if _FAULT.point in MODEL_POINTS:
+        model = model_chunks[-1]
         while hasattr(model, "module"):  # DDP, or FSDP's adapter around MegatronFSDP
             model = model.module
         layers = model.decoder.layers

@@ -6,7 +6,8 @@ distributed with ``--use-distributed-optimizer``, + ``OptimizerParamScheduler``;
 checkpoint in ``--load``; the data), then :meth:`~PretrainRecipe.train` runs one
 :meth:`~PretrainRecipe.train_step` per iteration: ``get_forward_backward_func()`` (no
 pipelining, or 1F1B across pipeline stages) over ``global_batch / (micro_batch x dp)``
-micro-batches, with per-token loss (``calculate_per_token_loss``) so any data-parallel size
+micro-batches (interleaved 1F1B over the rank's model chunks with a virtual pipeline size),
+with per-token loss (``calculate_per_token_loss``) so any data-parallel size
 gives the same update, then logs, saves and stops on a signal, ``--exit-interval`` or a
 non-finite loss.
 """
@@ -27,7 +28,7 @@ from mcore_flash.training import checkpointing, faults, fsdp, offload, watchdog
 from mcore_flash.training.config import TrainingConfig
 from mcore_flash.training.data import build_train_valid_datasets, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
-from mcore_flash.training.model import build_model, count_parameters, model_args, transformer_config
+from mcore_flash.training.model import build_model_chunks, count_parameters, model_args, transformer_config
 from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 from mcore_flash.transformer.packed_sequences import pack_documents
 
@@ -53,6 +54,8 @@ class PretrainRecipe:
 
     ``iteration`` and ``consumed_samples`` (sequences, all data-parallel ranks) count what
     has been trained, from the resumed checkpoint on; checkpoints store both.
+    ``model_chunks``: this rank's model in megatron's DDP (or FSDP) wrapper, one per virtual
+    pipeline stage (one without the interleaved schedule), as megatron's schedules take it.
     """
 
     def __init__(self, config: TrainingConfig):
@@ -65,20 +68,22 @@ class PretrainRecipe:
         self.split_batch = _batch_splitter(config, self.tokenizer)
         self.model_config = transformer_config(config)
         self.model_args = model_args(config, self.tokenizer.vocab_size)
-        self.model = _data_parallel_model(
+        self.model_chunks = _data_parallel_model_chunks(
             config, self.model_config, self.padded_vocab_size, self.model_args
         )
-        self.optimizer = _optimizer(config, self.model_config, self.model)
+        self.optimizer = _optimizer(config, self.model_config, self.model_chunks)
         self.scheduler = _lr_scheduler(config, self.optimizer)
-        _connect_model_config(self.model_config, self.model, self.optimizer)
-        faults.install(self.model, self.model_config)
-        self.logger = MetricsLogger(config, count_parameters(self.model), self.padded_vocab_size)
+        _connect_model_config(config, self.model_config, self.model_chunks, self.optimizer)
+        faults.install(self.model_chunks, self.model_config)
+        self.logger = MetricsLogger(
+            config, count_parameters(self.model_chunks), self.padded_vocab_size
+        )
         self.iteration, self.consumed_samples, self.provenance = self._resume()
         self.logger.begin(self.iteration)
         self.data, self.valid_data = self._micro_batches()
         self.forward_backward = get_forward_backward_func()
         self.stop = _StopSignal()
-        self.watchdog = watchdog.start(config, self.model, self.model_config, self.optimizer)
+        self.watchdog = watchdog.start(config, self.model_chunks, self.model_config, self.optimizer)
 
     def _resume(self) -> tuple[int, int, dict]:
         """``(iteration, consumed samples, provenance)`` of the checkpoint in ``--load``, or a
@@ -87,7 +92,7 @@ class PretrainRecipe:
         if config.load and checkpointing.latest_iteration(config.load) is not None:
             iteration, consumed, provenance = checkpointing.load_checkpoint(
                 config.load,
-                self.model,
+                self.model_chunks,
                 self.optimizer,
                 self.scheduler,
                 self.padded_vocab_size,
@@ -109,7 +114,8 @@ class PretrainRecipe:
         return iteration, consumed, provenance
 
     def _micro_batches(self):
-        """This data-parallel rank's endless micro-batch iterators: training from the consumed
+        """This data-parallel rank's endless micro-batch iterators, one per model chunk (each
+        chunk reads every micro-batch: its packing and positions): training from the consumed
         samples on; validation (None without ``--eval-interval``) from the samples the
         validations before ``self.iteration`` took (Megatron-LM's ``consumed_valid_samples``),
         so a resumed run validates on the samples an uninterrupted one would."""
@@ -124,32 +130,36 @@ class PretrainRecipe:
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
         )
-        train_batches = batches(train, consumed_samples=self.consumed_samples)
+        chunks = range(len(self.model_chunks))
+        train_batches = [batches(train, consumed_samples=self.consumed_samples) for _ in chunks]
         if valid is None:
             return train_batches, None
         validated = self.iteration // config.eval_interval * config.eval_iters
-        return train_batches, batches(valid, consumed_samples=validated * config.global_batch_size)
+        consumed = validated * config.global_batch_size
+        return train_batches, [batches(valid, consumed_samples=consumed) for _ in chunks]
 
     def evaluate(self) -> Optional[float]:
         """Mean token loss (nats) over ``--eval-iters`` global batches of the validation set,
         forward only, dropout off, all data-parallel ranks; None off the last pipeline stage."""
         config = self.config
         self.watchdog.begin_evaluation(self.iteration)
-        self.model.eval()
+        for chunk in self.model_chunks:
+            chunk.eval()
         losses = []
         with torch.no_grad():
             for _ in range(config.eval_iters):
                 losses += self.forward_backward(
                     forward_step_func=functools.partial(_forward_step, self.split_batch),
                     data_iterator=self.valid_data,
-                    model=[self.model],
+                    model=self.model_chunks,
                     num_microbatches=config.num_micro_batches,
                     seq_length=config.seq_length,
                     micro_batch_size=config.micro_batch_size,
                     decoder_seq_length=config.seq_length,
                     forward_only=True,
                 )
-        self.model.train()
+        for chunk in self.model_chunks:
+            chunk.train()
         return _reduce_loss(losses)
 
     def train_step(self) -> tuple[Optional[float], Optional[float], float]:
@@ -158,12 +168,13 @@ class PretrainRecipe:
         config = self.config
         faults.begin_iteration(self.iteration + 1)
         self.watchdog.begin_iteration(self.iteration + 1)
-        self.model.zero_grad_buffer()
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self.forward_backward(
             forward_step_func=functools.partial(_forward_step, self.split_batch),
             data_iterator=self.data,
-            model=[self.model],
+            model=self.model_chunks,
             num_microbatches=config.num_micro_batches,
             seq_length=config.seq_length,
             micro_batch_size=config.micro_batch_size,
@@ -239,11 +250,12 @@ class PretrainRecipe:
         they are gathered first (megatron's hooks off, then on again, as Megatron-LM saves)."""
         self.watchdog.begin_save(self.iteration)
         if self.config.overlap_param_gather:
-            self.model.disable_forward_pre_hook()  # and the all-gather, synchronously
+            for chunk in self.model_chunks:
+                chunk.disable_forward_pre_hook()  # and the all-gather, synchronously
         path = checkpointing.save_checkpoint(
             self.config.save,
             self.iteration,
-            self.model,
+            self.model_chunks,
             self.optimizer,
             self.scheduler,
             self.consumed_samples,
@@ -252,7 +264,8 @@ class PretrainRecipe:
             self.provenance,
         )
         if self.config.overlap_param_gather:
-            self.model.enable_forward_pre_hook()
+            for chunk in self.model_chunks:
+                chunk.enable_forward_pre_hook()
         self.logger.note(f"saved checkpoint {path}")
 
     def cleanup(self) -> None:
@@ -263,35 +276,42 @@ class PretrainRecipe:
         self.logger.close()
 
 
-def _data_parallel_model(
+def _data_parallel_model_chunks(
     config: TrainingConfig, model_config, padded_vocab_size: int, model_args: dict
-):
-    """This rank's GPTModel on the device, in megatron's ``DistributedDataParallel`` (fp32
-    gradient buffers, bf16 with ``--grad-reduce-in-bf16``; reduce-scattered with the
-    distributed optimizer), or with
+) -> list:
+    """This rank's GPTModel chunks on the device, each in megatron's ``DistributedDataParallel``
+    (fp32 gradient buffers, bf16 with ``--grad-reduce-in-bf16``; reduce-scattered with the
+    distributed optimizer; the chunks after the first in one bucket each, as Megatron-LM:
+    their gradients are ready only at the end of the pipeline's backward), or with
     ``--use-megatron-fsdp`` in its ``FullyShardedDataParallel`` (:mod:`.fsdp`). Weights of a
     checkpoint written without FSDP (``--finetune`` / ``--no-load-optim``: a converted Hugging
     Face checkpoint, say) go into the bare model first: FSDP copies them into its shards."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    model = build_model(config, model_config, padded_vocab_size).to(platform.torch_device())
-    if config.use_megatron_fsdp:
+    device = platform.torch_device()
+    chunks = [
+        chunk.to(device) for chunk in build_model_chunks(config, model_config, padded_vocab_size)
+    ]
+    if config.use_megatron_fsdp:  # one chunk: FSDP runs at --pipeline-model-parallel-size 1
         if config.finetune or config.no_load_optim:
             checkpointing.load_weights_before_sharding(
-                config.load, model, padded_vocab_size, model_args
+                config.load, chunks[0], padded_vocab_size, model_args
             )
-        return fsdp.fully_sharded(config, model_config, model, platform.torch_device())
+        return [fsdp.fully_sharded(config, model_config, chunks[0], device)]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=not config.grad_reduce_in_bf16,
         overlap_grad_reduce=config.overlap_grad_reduce,
         overlap_param_gather=config.overlap_param_gather,
         use_distributed_optimizer=config.use_distributed_optimizer,
     )
-    return DistributedDataParallel(model_config, ddp_config, model)
+    return [
+        DistributedDataParallel(model_config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
 
 
-def _optimizer(config: TrainingConfig, model_config, model):
-    """megatron's Adam (distributed with ``--use-distributed-optimizer``) over ``model``."""
+def _optimizer(config: TrainingConfig, model_config, model_chunks: list):
+    """megatron's Adam (distributed with ``--use-distributed-optimizer``) over the chunks."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     optimizer_config = OptimizerConfig(
@@ -308,7 +328,7 @@ def _optimizer(config: TrainingConfig, model_config, model):
         use_distributed_optimizer=config.use_distributed_optimizer,
         **offload.optimizer_settings(config),
     )
-    return get_megatron_optimizer(optimizer_config, [model])
+    return get_megatron_optimizer(optimizer_config, model_chunks)
 
 
 def _lr_scheduler(config: TrainingConfig, optimizer):
@@ -332,14 +352,21 @@ def _lr_scheduler(config: TrainingConfig, optimizer):
     )
 
 
-def _connect_model_config(model_config, model, optimizer) -> None:
-    """Give megatron's schedule the gradient reduction, loss scaling and no-sync context it
-    calls through the ``TransformerConfig``."""
+def _connect_model_config(config: TrainingConfig, model_config, model_chunks: list, optimizer) -> None:
+    """Give megatron's schedule what it calls through the ``TransformerConfig``, as Megatron-LM's
+    ``setup_model_and_optimizer`` does: the gradient finalisation, loss scaling, each chunk's
+    no-sync context and, with ``--overlap-grad-reduce``, each chunk's gradient reduction
+    (the interleaved schedule starts a chunk's as soon as its last backward is done)."""
     from megatron.core.distributed import finalize_model_grads
+
+    def per_chunk(functions: list):
+        return functions[0] if len(functions) == 1 else functions
 
     model_config.finalize_model_grads_func = finalize_model_grads
     model_config.grad_scale_func = optimizer.scale_loss
-    model_config.no_sync_func = model.no_sync
+    model_config.no_sync_func = per_chunk([chunk.no_sync for chunk in model_chunks])
+    if config.overlap_grad_reduce:
+        model_config.grad_sync_func = per_chunk([chunk.start_grad_sync for chunk in model_chunks])
 
 
 def _batch_splitter(config: TrainingConfig, tokenizer):

@@ -96,9 +96,11 @@ class MetricsLogger:
             if config.use_checkpoint_args
             else f"{config.model} ({model})"
         )
+        vp = config.virtual_pipeline_model_parallel_size
+        virtual = f"VP {vp}, " if vp else ""
         self.note(
             f"training {model}: {num_parameters:,} parameters on this rank, world size {config.world_size} "
-            f"(TP {config.tensor_model_parallel_size}, PP {config.pipeline_model_parallel_size}, "
+            f"(TP {config.tensor_model_parallel_size}, PP {config.pipeline_model_parallel_size}, {virtual}"
             f"CP {config.context_parallel_size}, DP {config.data_parallel_size}), {config.train_iters} iterations of "
             f"{config.global_batch_size} x {config.seq_length} tokens on {platform.device_type()}"
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,7 @@ def transformer_config(config: TrainingConfig):
         hidden_dropout=config.hidden_dropout,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
         context_parallel_size=config.context_parallel_size,
         cp_comm_type=config.cp_comm_type,
         window_size=config.window_size,
@@ -56,12 +59,27 @@ def _packed_pipeline_settings(config: TrainingConfig) -> dict:
     return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
 
 
+def build_model_chunks(config: TrainingConfig, model_config, padded_vocab_size: int) -> list:
+    """This rank's model chunks, in schedule order: one (:func:`build_model`), or with the
+    interleaved schedule one per virtual pipeline stage (``vp_stage`` 0..V-1; chunk v of
+    pipeline rank p holds the layers of virtual stage ``v * PP + p``)."""
+    vp = config.virtual_pipeline_model_parallel_size
+    if vp is None:
+        return [build_model(config, model_config, padded_vocab_size)]
+    return [build_model(config, model_config, padded_vocab_size, vp_stage=v) for v in range(vp)]
+
+
 def build_model(
-    config: TrainingConfig, model_config, padded_vocab_size: int, parallel_output: bool = True
+    config: TrainingConfig,
+    model_config,
+    padded_vocab_size: int,
+    parallel_output: bool = True,
+    vp_stage: Optional[int] = None,
 ):
     """This rank's pipeline stage of the GPT (on the current default device) for ``model_config``
     (:func:`transformer_config`'s), with ``padded_vocab_size`` embedding rows; with
-    ``parallel_output=False`` the logits are gathered over TP (full vocabulary on every rank).
+    ``parallel_output=False`` the logits are gathered over TP (full vocabulary on every rank);
+    ``vp_stage``: which of the rank's chunks under the interleaved schedule (None: the stage).
     With ``--activation-offload-layers N`` the first N layers of the stage park their saved
     tensors on the host (:mod:`mcore_flash.transformer.activation_offload`)."""
     from megatron.core import parallel_state
@@ -74,12 +92,13 @@ def build_model(
         get_gpt_decoder_block_flash_spec(
             model_config,
             attention_backend=config.attention_backend,
+            vp_stage=vp_stage,
             layer_recompute_modules=config.recompute.layer_modules,
         ),
         vocab_size=padded_vocab_size,
         max_sequence_length=max(config.max_position_embeddings, config.seq_length),
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
         position_embedding_type=config.position_embedding_type,
         rotary_base=config.rotary_base,
@@ -87,6 +106,7 @@ def build_model(
         rope_scaling_factor=config.rope_scaling_factor,
         seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
         parallel_output=parallel_output,
+        vp_stage=vp_stage,
     )
     if config.activation_offload_layers:  # ``model.activation_offload.events``: the copies' order
         model.activation_offload = activation_offload.install(
@@ -128,6 +148,6 @@ def model_args(config: TrainingConfig, vocab_size: int) -> dict:
     return {**out, "vocab_size": vocab_size}
 
 
-def count_parameters(model) -> int:
-    """Parameters (elements) held by this rank."""
-    return sum(p.numel() for p in model.parameters())
+def count_parameters(model_chunks: list) -> int:
+    """Parameters (elements) held by this rank (all its model chunks)."""
+    return sum(p.numel() for chunk in model_chunks for p in chunk.parameters())

@@ -70,18 +70,20 @@ class Watchdog:
         """The rank enters phase ``name`` of the armed work (the deadline does not move)."""
         self._phase = name
 
-    def install(self, model, model_config, optimizer) -> None:
-        """Mark the phases from hooks: a forward pre-hook on the GPTModel inside ``model``
-        (megatron's DDP or FSDP wrapper) marks "forward", a hook on its output's gradient
-        "backward"; ``model_config.finalize_model_grads_func`` (the gradient
+    def install(self, model_chunks: list, model_config, optimizer) -> None:
+        """Mark the phases from hooks: a forward pre-hook on the GPTModel inside each of
+        ``model_chunks`` (megatron's DDP or FSDP wrappers) marks "forward", a hook on its
+        output's gradient "backward"; ``model_config.finalize_model_grads_func`` (the gradient
         reduce-scatter/all-reduce that megatron's schedule calls) and ``optimizer.step`` are
         wrapped to mark "gradient reduction", "optimizer" and what follows the update."""
-        while hasattr(model, "module"):
-            model = model.module
-        self._hooks = [
-            model.register_forward_pre_hook(lambda module, args: self.phase("forward")),
-            model.register_forward_hook(self._mark_backward),
-        ]
+        self._hooks = []
+        for model in model_chunks:
+            while hasattr(model, "module"):
+                model = model.module
+            self._hooks += [
+                model.register_forward_pre_hook(lambda module, args: self.phase("forward")),
+                model.register_forward_hook(self._mark_backward),
+            ]
         finalize = model_config.finalize_model_grads_func
 
         def finalize_marked(*args, **kwargs):
@@ -150,7 +152,7 @@ class Watchdog:
         os._exit(EXIT_CODE)
 
 
-def start(config, model, model_config, optimizer) -> Watchdog:
+def start(config, model_chunks: list, model_config, optimizer) -> Watchdog:
     """This rank's watchdog for a training run (after ``init_distributed``): the limit of
     ``config.distributed_timeout_minutes``, the phase hooks installed (:meth:`Watchdog.install`);
     disarmed until the first :meth:`~Watchdog.begin_iteration`."""
@@ -164,5 +166,5 @@ def start(config, model, model_config, optimizer) -> Watchdog:
         f"DP {parallel_state.get_data_parallel_rank()})"
     )
     watchdog = Watchdog(config.distributed_timeout_minutes * 60, rank, config.save)
-    watchdog.install(model, model_config, optimizer)
+    watchdog.install(model_chunks, model_config, optimizer)
     return watchdog

@@ -120,22 +120,24 @@ def _w_crossing(rank, world_size, root):
             parallel_state.destroy_model_parallel()
 
     out["fsdp saved"] = run(
-        STRATEGIES["zero3"], fsdp_dir, steps=SAVED, body=lambda r: full_weights(r.model)
+        STRATEGIES["zero3"], fsdp_dir, steps=SAVED, body=lambda r: full_weights(r.model_chunks[0])
     )
     distopt = ["--use-distributed-optimizer"]
     out["fsdp -> ddp"] = run(
         [*distopt, "--no-load-optim"],
         os.path.join(root, "a"),
         fsdp_dir,
-        body=lambda r: (r.iteration, full_weights(r.model)),
+        body=lambda r: (r.iteration, full_weights(r.model_chunks[0])),
     )
-    out["dist saved"] = run(distopt, dist_dir, steps=SAVED, body=lambda r: full_weights(r.model))
+    out["dist saved"] = run(
+        distopt, dist_dir, steps=SAVED, body=lambda r: full_weights(r.model_chunks[0])
+    )
 
     out["dist -> fsdp"] = run(  # loaded into the bare model before FSDP shards it
         [*STRATEGIES["zero3"], "--finetune"],
         os.path.join(root, "b"),
         dist_dir,
-        body=lambda r: ((r.iteration, r.consumed_samples), full_weights(r.model)),
+        body=lambda r: ((r.iteration, r.consumed_samples), full_weights(r.model_chunks[0])),
     )
 
     refusals = {}
@@ -251,14 +253,22 @@ def test_fsdp_optimizer_state_refuses_another_layout_by_name(monkeypatch, now, e
     assert "--no-load-optim" in str(error.value), error.value
 
 
-def test_fsdp_weights_into_a_run_without_fsdp_refuse_another_tp_size(monkeypatch):
+def test_fsdp_weights_into_a_run_without_fsdp_refuse_another_tp_size_or_pipelining(monkeypatch):
     """An FSDP checkpoint's DTensors are the TP shards side by side (SwiGLU's fc1 interleaved
-    per TP rank): a run without FSDP at another TP size is refused naming the flag."""
+    per TP rank): a run without FSDP at another TP size is refused naming the flag; so is one
+    with pipeline stages (the DTensors carry the whole model's layer numbers, a stage reads
+    its own local ones)."""
     from megatron.core import parallel_state
 
     from mcore_flash.training import checkpointing
 
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     common = {"ckpt_format": "fsdp_dtensor", "optimizer_layout": FSDP_LAYOUT}
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     with pytest.raises(ValueError, match="pass --tensor-model-parallel-size 1"):
+        checkpointing._check_fsdp_weights_layout("/ckpt", common)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    checkpointing._check_fsdp_weights_layout("/ckpt", common)  # the saved layout: accepted
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="only at --pipeline-model-parallel-size 1"):
         checkpointing._check_fsdp_weights_layout("/ckpt", common)

@@ -30,7 +30,7 @@ ATTENTION = ["--recompute-granularity", "selective", "--recompute-modules", "cor
 
 
 def _weights(recipe, _) -> dict:
-    return {"weights": full_weights(recipe.model)}
+    return {"weights": full_weights(recipe.model_chunks[0])}
 
 
 def _assert_same_training(result, oracle, label):

@@ -52,7 +52,7 @@ def _device_bytes() -> int:
 def _device_and_state_bytes(recipe, bytes_before: int) -> dict:
     """The run's device bytes: those it added to what the launch held before it (the first
     run of a process also leaves what megatron allocates once: the warm-up run)."""
-    grads = [buffer.grad_data for buffer in recipe.model.buffers]
+    grads = [buffer.grad_data for buffer in recipe.model_chunks[0].buffers]
     return {
         "grad_buffer": [(g.numel(), g.dtype) for g in grads],
         "device_bytes": _device_bytes() - bytes_before,

@@ -185,7 +185,7 @@ TRAINER_CASES = {  # name: (layout flags, offloaded layers per stage)
 
 
 def _copies(recipe, _) -> dict:
-    offload = getattr(recipe.model.module, "activation_offload", None)
+    offload = getattr(recipe.model_chunks[0].module, "activation_offload", None)
     return {"d2h": 0 if offload is None else sum(e.startswith("d2h") for e in offload.events)}
 
 
