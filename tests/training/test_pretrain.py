@@ -190,6 +190,10 @@ def test_nan_loss_stops_with_clear_message(tmp_path):
     assert "training diverged" in result.stderr and "--lr" in result.stderr
 
 
+PP2 = ["--pipeline-model-parallel-size", "2"]
+PP2_4 = [*PP2, "--num-layers", "4"]
+
+
 @pytest.mark.parametrize(
     "argv,world_size,flag",
     [
@@ -204,6 +208,39 @@ def test_nan_loss_stops_with_clear_message(tmp_path):
         (["--overlap-param-gather", "--use-megatron-fsdp"], 2, "Megatron-FSDP gathers"),
         (["--eval-interval", "2"], 1, "the built-in task has none"),
         (["--eval-interval", "2", "--data-path", "x", "--split", "100,0,0"], 1, "--split 100,0,0"),
+        (
+            ["--virtual-pipeline-model-parallel-size", "2"],
+            1,
+            "needs --pipeline-model-parallel-size > 1",
+        ),
+        ([*PP2, "--virtual-pipeline-model-parallel-size", "3"], 2, "does not divide the 1 layers"),
+        (
+            [
+                *PP2_4,
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ],
+            2,
+            "exclude each other",
+        ),
+        (
+            [*PP2_4, "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "2"],
+            2,
+            "in groups of --pipeline-model-parallel-size 2",
+        ),
+        (
+            [
+                *PP2_4,
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--activation-offload-layers",
+                "1",
+            ],
+            2,
+            "with --activation-offload-layers is not validated",
+        ),
     ],
 )
 def test_bad_flags_fail_before_allocation(tmp_path, argv, world_size, flag):
