@@ -341,7 +341,10 @@ def parse_args(
     the tool may extend. The trainer itself uses :func:`parse_config`. The tools run one model
     chunk per pipeline stage: the interleaved schedule's flags are refused."""
     flags = vars((parser or build_parser()).parse_args(argv))
-    if flags["virtual_pipeline_model_parallel_size"] or flags["num_layers_per_virtual_pipeline_stage"]:
+    if (
+        flags["virtual_pipeline_model_parallel_size"]
+        or flags["num_layers_per_virtual_pipeline_stage"]
+    ):
         raise ValueError(
             "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage: evaluation "
             "and generation run one model chunk per pipeline stage; drop the flag (a checkpoint saved "

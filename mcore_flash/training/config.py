@@ -382,7 +382,11 @@ def _recompute(args: SimpleNamespace, chunks: int) -> RecomputeSettings:
     if recompute.config.get("recompute_granularity") == "full":
         per_chunk = args.num_layers // chunks
         if args.recompute_num_layers > per_chunk:
-            where = "virtual pipeline stage" if args.virtual_pipeline_model_parallel_size else "pipeline stage"
+            where = (
+                "virtual pipeline stage"
+                if args.virtual_pipeline_model_parallel_size
+                else "pipeline stage"
+            )
             raise ValueError(
                 f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_chunk} layers per {where}"
             )
@@ -397,7 +401,10 @@ def _virtual_pipeline_size(args: SimpleNamespace, pp: int, micro_batches: int) -
     megatron-core's interleaved schedule runs the micro-batches in groups of PP per chunk
     (``microbatch_group_size_per_vp_stage``): the micro-batches per iteration must be a
     multiple of PP. Offloads and Megatron-FSDP are not validated with it (refused)."""
-    size, per_stage = args.virtual_pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    size, per_stage = (
+        args.virtual_pipeline_model_parallel_size,
+        args.num_layers_per_virtual_pipeline_stage,
+    )
     if size is not None and per_stage is not None:
         raise ValueError(
             "--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage exclude "
@@ -405,13 +412,19 @@ def _virtual_pipeline_size(args: SimpleNamespace, pp: int, micro_batches: int) -
         )
     if size is None and per_stage is None:
         return None
-    flag = "--virtual-pipeline-model-parallel-size" if size is not None else "--num-layers-per-virtual-pipeline-stage"
+    flag = (
+        "--virtual-pipeline-model-parallel-size"
+        if size is not None
+        else "--num-layers-per-virtual-pipeline-stage"
+    )
     value = size if size is not None else per_stage
     stage_layers = args.num_layers // pp
     if value < 1:
         raise ValueError(f"{flag} must be >= 1, got {value}")
     if pp == 1:
-        raise ValueError(f"{flag} interleaves pipeline stages: it needs --pipeline-model-parallel-size > 1")
+        raise ValueError(
+            f"{flag} interleaves pipeline stages: it needs --pipeline-model-parallel-size > 1"
+        )
     if stage_layers % value:
         raise ValueError(
             f"{flag} {value} does not divide the {stage_layers} layers per pipeline stage "

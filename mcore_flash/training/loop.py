@@ -28,7 +28,12 @@ from mcore_flash.training import checkpointing, faults, fsdp, offload, watchdog
 from mcore_flash.training.config import TrainingConfig
 from mcore_flash.training.data import build_train_valid_datasets, micro_batches, tokenizer_and_vocab
 from mcore_flash.training.metrics import MetricsLogger
-from mcore_flash.training.model import build_model_chunks, count_parameters, model_args, transformer_config
+from mcore_flash.training.model import (
+    build_model_chunks,
+    count_parameters,
+    model_args,
+    transformer_config,
+)
 from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 from mcore_flash.transformer.packed_sequences import pack_documents
 
@@ -352,7 +357,9 @@ def _lr_scheduler(config: TrainingConfig, optimizer):
     )
 
 
-def _connect_model_config(config: TrainingConfig, model_config, model_chunks: list, optimizer) -> None:
+def _connect_model_config(
+    config: TrainingConfig, model_config, model_chunks: list, optimizer
+) -> None:
     """Give megatron's schedule what it calls through the ``TransformerConfig``, as Megatron-LM's
     ``setup_model_and_optimizer`` does: the gradient finalisation, loss scaling, each chunk's
     no-sync context and, with ``--overlap-grad-reduce``, each chunk's gradient reduction
