@@ -273,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
         "DTensors); default: fsdp_dtensor with --use-megatron-fsdp, else torch_dist",
     )
     ckpt.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write torch_dist checkpoints in the background (megatron-core's asynchronous "
+        "dist-checkpoint writer) while training goes on; published once every rank has written",
+    )
+    ckpt.add_argument(
         "--finetune",
         action="store_true",
         help="load the weights only from --load and start at iteration 0 (no optimizer, scheduler or RNG "

@@ -25,6 +25,7 @@ megatron reads anything.
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import os
 import random
@@ -111,9 +112,15 @@ def save_checkpoint(
     padded_vocab_size: int,
     model_args: dict,
     provenance: Optional[dict] = None,
+    background: Optional["BackgroundSaves"] = None,
 ) -> str:
     """Write checkpoint ``iteration`` of this rank's ``model_chunks`` (megatron's DDP or FSDP
-    wrappers) under ``root`` atomically (collective over all ranks)."""
+    wrappers) under ``root`` atomically (collective over all ranks); returns its directory.
+
+    With ``background`` (``--async-save``, torch_dist only) the shards are written by
+    megatron's asynchronous dist-checkpoint writer while training goes on: this returns once
+    they are staged, and the manifest, rename and tracker follow in
+    :meth:`BackgroundSaves.finalize`, once every rank's writer has finished."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     rank = dist.get_rank()
@@ -134,21 +141,39 @@ def save_checkpoint(
         **(provenance or {}),
     )
     try:
-        _write_state(tmp, model_chunks, optimizer, scheduler, common)
-        faults.point("save-shards", iteration)
+        if background is None:
+            _write_state(tmp, model_chunks, optimizer, scheduler, common)
+            faults.point("save-shards", iteration)
+        else:
+            request = _async_request(tmp, model_chunks, optimizer, scheduler, common)
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
         faults.point("save-rng", iteration)
+        if background is not None:
+            request.add_finalize_fn(lambda: _publish(root, iteration, tmp, final))
+            if request.async_fn is not None:  # the fault point inside the forked writer
+                writer = functools.partial(_write_in_background, iteration, request.async_fn)
+                request = request._replace(async_fn=writer)
+            background.schedule(request, root, iteration)
+            faults.point("save-scheduled", iteration)
+            return final
+    except (Exception, CheckpointException) as error:
+        raise _failed_save(root, iteration, error) from error
+    _publish(root, iteration, tmp, final)
+    return final
+
+
+def _publish(root: str, iteration: int, tmp: str, final: str) -> None:
+    """Every rank's files are in ``tmp``: the manifest, then rank 0 renames ``tmp`` to
+    ``final`` and points the tracker at it (collective)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
         dist.barrier()
         manifest.write_manifest(tmp)
     except (Exception, CheckpointException) as error:
-        message = _save_failure(
-            root, iteration, error
-        )  # measures the free space before the partial files go
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back
-        raise CheckpointSaveError(message) from error
+        raise _failed_save(root, iteration, error) from error
     faults.point("save-manifest", iteration)
-    if rank == 0:
+    if dist.get_rank() == 0:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -157,7 +182,63 @@ def save_checkpoint(
         write_marker(root, iteration)
         faults.point("save-tracker", iteration)
     dist.barrier()
-    return final
+
+
+def _failed_save(root: str, iteration: int, error: BaseException) -> "CheckpointSaveError":
+    """The error to raise for a save that failed: its message measures the free space before
+    rank 0 removes the partial files (giving the space back)."""
+    message = _save_failure(root, iteration, error)
+    if dist.get_rank() == 0:
+        shutil.rmtree(checkpoint_dir(root, iteration) + ".tmp", ignore_errors=True)
+    return CheckpointSaveError(message)
+
+
+def _write_in_background(iteration: int, write, *args, **kwargs) -> None:
+    """megatron's writer ``write``, in the process it forks for the save of ``iteration``."""
+    faults.point("save-writing", iteration)
+    write(*args, **kwargs)
+
+
+class BackgroundSaves:
+    """``--async-save``: megatron-core's ``AsyncCallsQueue`` (its forked writer per save, as
+    Megatron-LM's default), with at most one save in flight: a new save first waits for the
+    previous one (its ``.tmp`` directory would otherwise be taken for a stale one).
+
+    :meth:`finalize` is collective: every rank calls it at the same points (each iteration,
+    and blocking before a save, an exit or the end of training)."""
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+        self.pending: Optional[tuple[str, int]] = None  # (root, iteration) being written
+
+    def schedule(self, request, root: str, iteration: int) -> None:
+        self.queue.schedule_async_request(request)
+        self.pending = (root, iteration)
+
+    def finalize(self, blocking: bool) -> Optional[str]:
+        """Publish the save in flight if every rank's writer is done (with ``blocking``: wait
+        for them); returns the published checkpoint's directory, or None. A writer that
+        failed (or died) raises :class:`CheckpointSaveError` with the previous checkpoint
+        untouched, as a synchronous save does."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        if self.pending is None:
+            return None
+        root, iteration = self.pending
+        try:
+            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointSaveError:
+            self.pending = None
+            raise
+        except (Exception, CheckpointException) as error:
+            self.pending = None
+            raise _failed_save(root, iteration, error) from error
+        if not done:
+            return None
+        self.pending = None
+        return checkpoint_dir(root, iteration)
 
 
 def _write_state(path: str, model_chunks: list, optimizer, scheduler, common: dict) -> None:
@@ -175,6 +256,18 @@ def _write_state(path: str, model_chunks: list, optimizer, scheduler, common: di
 
     dist_checkpointing.save(
         {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common}, path
+    )
+
+
+def _async_request(path: str, model_chunks: list, optimizer, scheduler, common: dict):
+    """megatron's ``AsyncRequest`` writing the torch_dist checkpoint into ``path``: the common
+    state is written now, the shards (staged to host memory first) by the forked writer."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.save(
+        {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common},
+        path,
+        async_sharded_save=True,
     )
 
 

@@ -149,6 +149,7 @@ class TrainingConfig:
     save: str
     load: Optional[str]
     ckpt_format: str  # "torch_dist" (megatron's dist_checkpointing) or "fsdp_dtensor" (with FSDP)
+    async_save: bool  # torch_dist shards written in the background (``BackgroundSaves``)
     finetune: bool
     no_load_optim: bool
     no_load_rng: bool
@@ -581,6 +582,11 @@ def _check_sharding(args: SimpleNamespace, dp_cp: int) -> dict[str, Any]:
         raise ValueError(
             f"--ckpt-format {ckpt_format} holds Megatron-FSDP's sharded state: add --use-megatron-fsdp, "
             "or use --ckpt-format torch_dist"
+        )
+    if args.async_save and ckpt_format != "torch_dist":
+        raise ValueError(
+            f"--async-save writes --ckpt-format torch_dist checkpoints in the background (as Megatron-LM); "
+            f"{ckpt_format} (--use-megatron-fsdp) saves synchronously here: drop --async-save"
         )
     if not fsdp:
         return dict(ckpt_format=ckpt_format)

@@ -37,6 +37,11 @@ POINTS = {
     "save-renamed": "in the save: after the rename, before the tracker update",
     "save-tracker": "in the save: after the tracker update",
 }  # the SIGKILL points: the rows of the fault drill (scripts/fault_drill.py)
+BACKGROUND_POINTS = {
+    "save-scheduled": "--async-save: the shards handed to the background writer, which is writing them",
+    "save-writing": "--async-save: the background writer itself, before it writes (the rank trains on)",
+}  # the points only a background save (``--async-save``) passes: rows of the drill's async table
+KILL_POINTS = {**POINTS, **BACKGROUND_POINTS}
 HANG = "hang"  # not a kill: the rank sleeps forever where ``forward`` would kill it
 MODEL_POINTS = ("forward", "backward", HANG)
 
@@ -51,9 +56,9 @@ def parse(spec: str) -> Fault:
     """``"POINT@ITERATION[:RANK]"`` -> :class:`Fault` (ValueError naming the variable)."""
     point, _, rest = spec.partition("@")
     iteration, _, rank = rest.partition(":")
-    if point not in (*POINTS, HANG) or not iteration.isdigit() or not (rank or "0").isdigit():
+    if point not in (*KILL_POINTS, HANG) or not iteration.isdigit() or not (rank or "0").isdigit():
         raise ValueError(
-            f"{ENV}={spec!r}: expected POINT@ITERATION[:RANK], POINT one of {', '.join(POINTS)} or {HANG}"
+            f"{ENV}={spec!r}: expected POINT@ITERATION[:RANK], POINT one of {', '.join(KILL_POINTS)} or {HANG}"
         )
     return Fault(point, int(iteration), int(rank or 0))
 

@@ -88,6 +88,7 @@ class PretrainRecipe:
         self.data, self.valid_data = self._micro_batches()
         self.forward_backward = get_forward_backward_func()
         self.stop = _StopSignal()
+        self.background_saves = checkpointing.BackgroundSaves() if config.async_save else None
         self.watchdog = watchdog.start(config, self.model_chunks, self.model_config, self.optimizer)
 
     def _resume(self) -> tuple[int, int, dict]:
@@ -173,6 +174,7 @@ class PretrainRecipe:
         config = self.config
         faults.begin_iteration(self.iteration + 1)
         self.watchdog.begin_iteration(self.iteration + 1)
+        self._publish_background_save(blocking=False)
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -224,6 +226,8 @@ class PretrainRecipe:
                     f"stopped by {stop_reason} after iteration {self.iteration}; {resume}"
                 )
                 break
+        self.watchdog.begin_save(self.iteration)
+        self._publish_background_save(blocking=True)
         self.logger.done(self.iteration, first_loss, last_loss)
         return {
             "iteration": self.iteration,
@@ -252,8 +256,13 @@ class PretrainRecipe:
     def save(self) -> None:
         """Checkpoint the current iteration under ``--save`` (collective). With
         ``--overlap-param-gather`` the model's parameters are gathered in the next forward, so
-        they are gathered first (megatron's hooks off, then on again, as Megatron-LM saves)."""
+        they are gathered first (megatron's hooks off, then on again, as Megatron-LM saves).
+        With ``--async-save`` the previous save is published first (one in flight at a time)
+        and this one's shards are written in the background. The note says how long training
+        was stopped for it."""
         self.watchdog.begin_save(self.iteration)
+        self._publish_background_save(blocking=True)
+        start = time.perf_counter()
         if self.config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.disable_forward_pre_hook()  # and the all-gather, synchronously
@@ -267,11 +276,26 @@ class PretrainRecipe:
             self.padded_vocab_size,
             self.model_args,
             self.provenance,
+            background=self.background_saves,
         )
         if self.config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.enable_forward_pre_hook()
-        self.logger.note(f"saved checkpoint {path}")
+        stalled = time.perf_counter() - start
+        if self.background_saves is None:
+            self.logger.note(f"saved checkpoint {path} (training stopped {stalled:.2f} s)")
+        else:
+            self.logger.note(
+                f"writing checkpoint {path} in the background (training stopped {stalled:.2f} s)"
+            )
+
+    def _publish_background_save(self, blocking: bool) -> None:
+        """``--async-save``: publish the save in flight once every rank's writer is done
+        (``blocking``: wait for them); collective, a no-op without the flag."""
+        if self.background_saves is not None:
+            path = self.background_saves.finalize(blocking)
+            if path is not None:
+                self.logger.note(f"saved checkpoint {path} (written in the background)")
 
     def cleanup(self) -> None:
         """Give SIGTERM back its previous handler, stop the watchdog; close ``metrics.jsonl`` and
