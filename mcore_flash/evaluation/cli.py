@@ -4,6 +4,9 @@
                          [--num-samples 100] [--needle-length K] [--json] [--plot grid.png]
     mcore-flash evaluate --load DIR --task loss-by-position [--data-path P] [--num-samples 100]
                          [--json] [--plot loss.png]
+    mcore-flash evaluate --load DIR --task perplexity --input FILE.txt|FILE.jsonl [--stride S]
+                         [--json-key text] [--json]
+    mcore-flash evaluate --load DIR --task perplexity --data-path P [--num-samples 100] [--json]
 
 The model is built as ``mcore-flash pretrain`` builds it (its flags; those left out come from
 the checkpoint, as with ``--use-checkpoint-args``) and runs under ``torchrun`` with TP, PP and
@@ -11,9 +14,13 @@ CP. ``needle``: :mod:`mcore_flash.evaluation.needle` (haystack: held-out ``--dat
 documents, else the built-in digits; byte tokenizer). ``loss-by-position``:
 :mod:`mcore_flash.evaluation.loss_by_position` over held-out sequences of ``--seq-length``
 tokens: the validation split of ``--data-path`` (``--split``), else fresh documents of the
-built-in task. Lengths beyond the model's ``--max-position-embeddings`` need a RoPE extension
-(``--use-rope-scaling`` or ``--rotary-seq-len-interpolation-factor``) or a raised
-``--max-position-embeddings`` on this command.
+built-in task. ``perplexity``: :mod:`mcore_flash.evaluation.perplexity` (mean loss in
+nats/token, its exp, the token count) of ``--input`` texts in transformers' sliding windows of
+``--seq-length`` tokens moving by ``--stride``, or of the validation split's samples of
+``--data-path`` (the trainer's validation loss). Lengths beyond the model's
+``--max-position-embeddings`` need a RoPE extension (``--use-rope-scaling`` or
+``--rotary-seq-len-interpolation-factor``) or a raised ``--max-position-embeddings`` on this
+command.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch.distributed as dist
 from mcore_flash.training.arguments import build_parser as build_pretrain_parser
 from mcore_flash.training.arguments import parse_args
 
-TASKS = ("needle", "loss-by-position")
+TASKS = ("needle", "loss-by-position", "perplexity")
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 HELD_OUT_SEED_OFFSET = (
     1  # the built-in task's held-out documents: --seed + 1 (training uses --seed)
@@ -42,7 +49,7 @@ def build_parser():
     p = build_pretrain_parser()
     p.prog = "mcore-flash evaluate"
     p.description = (
-        "Needle retrieval by length x depth, or loss by token position, of a checkpoint."
+        "Needle retrieval by length x depth, loss by token position, or perplexity of a checkpoint."
     )
     group = p.add_argument_group("evaluation")
     group.add_argument("--task", choices=TASKS, required=True)
@@ -66,6 +73,22 @@ def build_parser():
         "--num-samples", type=int, default=100, help="samples per cell / held-out sequences"
     )
     group.add_argument("--eval-batch-size", type=int, default=20, help="sequences per forward pass")
+    group.add_argument(
+        "--input",
+        default=None,
+        help="perplexity: a .txt file (one text) or a .jsonl file (one text a line, under --json-key)",
+    )
+    group.add_argument(
+        "--json-key",
+        default="text",
+        help="perplexity: the text field of each --input .jsonl line (preprocess's --json-keys default)",
+    )
+    group.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="perplexity: tokens between window starts, 1..--seq-length (None: --seq-length, disjoint windows)",
+    )
     group.add_argument("--json", action="store_true", help="print the results as one JSON object")
     group.add_argument(
         "--plot", default=None, help="write a PNG: the needle heatmap or the loss-by-position line"
@@ -116,10 +139,15 @@ def resolve(argv: Optional[Sequence[str]]):
         check_needle_lengths(args.eval_lengths, args.eval_depths, args.needle_length)
     else:
         args.eval_lengths = [args.seq_length]
+    if args.task == "perplexity":
+        _resolve_perplexity(args)
+    elif args.input is not None or args.stride is not None:
+        raise ValueError(
+            f"--input and --stride are flags of --task perplexity, not of --task {args.task}"
+        )
     extended = args.use_rope_scaling or args.rotary_seq_len_interpolation_factor
-    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     flag = "--lengths" if args.task == "needle" else "--seq-length"
-    multiple = math.lcm(2 * cp if cp > 1 else 1, tp * cp if args.sequence_parallel else 1)
+    multiple = _length_multiple(args)
     for length in args.eval_lengths:
         if length > args.max_position_embeddings and not extended:
             raise ValueError(
@@ -133,6 +161,50 @@ def resolve(argv: Optional[Sequence[str]]):
                 f"{flag} {length} must be divisible by {multiple} with this TP/CP/SP layout"
             )
     return args
+
+
+def _length_multiple(args) -> int:
+    """What every sequence length must be a multiple of with this TP/CP/SP layout."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    return math.lcm(2 * cp if cp > 1 else 1, tp * cp if args.sequence_parallel else 1)
+
+
+def _resolve_perplexity(args) -> None:
+    """``--task perplexity``: one source, a stride in range; the ``--input`` texts read and
+    tokenized into ``args.eval_documents`` (``args.eval_bos``: a BOS is prepended)."""
+    from mcore_flash.data.tokenizers import build_tokenizer
+    from mcore_flash.evaluation.perplexity import TextEncoder, read_texts
+
+    if (args.input is None) == (not args.data_path):
+        raise ValueError(
+            "--task perplexity needs one source: --input FILE (.txt or .jsonl) or --data-path PREFIX "
+            "(the validation split's samples)" + (", not both" if args.input is not None else "")
+        )
+    if args.plot:
+        raise ValueError("--plot: --task perplexity prints numbers only; drop --plot")
+    if args.data_path:
+        if args.stride is not None:
+            raise ValueError(
+                "--stride applies to --input texts; --data-path is evaluated in the trainer's "
+                "--seq-length samples (drop --stride)"
+            )
+        return
+    if args.stride is None:
+        args.stride = args.seq_length
+    if not 1 <= args.stride <= args.seq_length:
+        raise ValueError(
+            f"--stride {args.stride} must be in [1, --seq-length {args.seq_length}]: windows of "
+            "--seq-length tokens start every --stride tokens"
+        )
+    texts = read_texts(args.input, args.json_key)
+    encode = TextEncoder(build_tokenizer(args.tokenizer_type, args.tokenizer_model))
+    args.eval_documents = [encode(text) for text in texts]
+    args.eval_bos = encode.bos
+    if all(len(ids) < 2 for ids in args.eval_documents):
+        raise ValueError(
+            f"--input {args.input}: no token to score; a text needs at least two tokens (nothing "
+            "predicts the first)"
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -169,6 +241,8 @@ def evaluate(args) -> dict:
             "needle_length": args.needle_length,
             "cells": [asdict(cell) for cell in _needle_cells(args, model)],
         }
+    elif args.task == "perplexity":
+        result = {"task": "perplexity", "iteration": model.iteration, **_perplexity(args, model)}
     else:
         result = {
             "task": "loss-by-position",
@@ -276,8 +350,63 @@ def _loss_buckets(args, model):
     return loss_by_position(model, batches)
 
 
+def _perplexity(args, model) -> dict:
+    from mcore_flash.evaluation.loss_by_position import stack_samples
+    from mcore_flash.evaluation.perplexity import perplexity_of_samples, perplexity_of_texts
+
+    if args.input is not None:
+        source = {
+            "input": args.input,
+            "seq_length": args.seq_length,
+            "stride": args.stride,
+            "bos": args.eval_bos,
+        }
+        result = perplexity_of_texts(
+            model,
+            args.eval_documents,
+            args.seq_length,
+            args.stride,
+            _length_multiple(args),
+            args.eval_batch_size,
+            lambda done, total: _progress(f"perplexity: {done}/{total} windows"),
+        )
+    else:
+        valid = _validation_split(args, model.tokenizer, args.seq_length)
+        samples = [valid[i] for i in range(min(args.num_samples, len(valid)))]
+        source = {
+            "data_path": list(args.data_path),
+            "split": args.split,
+            "seq_length": args.seq_length,
+        }
+        batches = (
+            stack_samples(samples[i : i + args.eval_batch_size])
+            for i in range(0, len(samples), args.eval_batch_size)
+        )
+        result = perplexity_of_samples(model, batches)
+    return {**source, **asdict(result)}
+
+
 def format_table(result: dict) -> str:
     """The human-readable table of a result."""
+    if result["task"] == "perplexity":
+        if "input" in result:
+            where = (
+                f"{result['input']}: {result['sequences']} text(s), {result['windows']} windows of "
+                f"{result['seq_length']} tokens, stride {result['stride']}, "
+                + ("BOS prepended" if result["bos"] else "no BOS")
+            )
+        else:
+            where = (
+                f"--data-path validation split: {result['sequences']} samples of "
+                f"{result['seq_length']} tokens"
+            )
+        return "\n".join(
+            [
+                f"perplexity {result['perplexity']:.4f}",
+                f"loss {result['loss']:.6f} nats/token over {result['tokens']} tokens",
+                f"({where}; checkpoint iteration {result['iteration']})",
+            ]
+        )
     if result["task"] == "needle":
         depths = sorted({c["depth"] for c in result["cells"]})
         lengths = sorted({c["length"] for c in result["cells"]})
