@@ -207,13 +207,23 @@ def measure(args, log: Callable[[str], None]) -> Report:
     )
 
 
+def run_conditions(r) -> str:
+    """How a timed attention benchmark ran, the end of its title: ``"{heads} heads, {kv_heads}
+    kv heads, d={head_dim}, {dtype}, backend {backend}, {threads} threads, median of {repeats},
+    torch {torch}"``, then ``", load average {before} -> {after}"`` where known. ``r``: a report
+    with those fields (``bench-packed``'s :class:`Report`, ``bench-window``'s)."""
+    load = f", load average {r.load_average}" if r.load_average else ""
+    return (
+        f"{r.heads} heads, {r.kv_heads} kv heads, d={r.head_dim}, {r.dtype}, backend {r.backend}, "
+        f"{r.threads} threads, median of {r.repeats}, torch {r.torch}{load}"
+    )
+
+
 def format_report(r: Report) -> str:
     """The markdown summary: a title line, a table and the document lengths."""
-    load = f", load average {r.load_average}" if r.load_average else ""
     title = (
-        f"S={r.seq_length}, mean document length {r.mean_document_length} (seed {r.seed}), {r.heads} heads, "
-        f"{r.kv_heads} kv heads, d={r.head_dim}, {r.dtype}, backend {r.backend}, {r.threads} threads, "
-        f"median of {r.repeats}, torch {r.torch}{load}"
+        f"S={r.seq_length}, mean document length {r.mean_document_length} (seed {r.seed}), "
+        + run_conditions(r)
     )
     lines = [
         title,

@@ -33,6 +33,7 @@ from mcore_flash.ops import flash_attn_func
 from mcore_flash.ops.backends.base import band_rows
 
 from .common import DTYPES, MegatronGroup, loadavg, progress_log
+from .packed import run_conditions
 
 
 def attended_pairs(seq_length: int, window: Optional[int]) -> int:
@@ -246,11 +247,9 @@ def measure(args, log) -> Report:
 
 def format_report(r: Report) -> str:
     """The markdown summary: a title line, a table (times in ms) and the pairs the cpu backend computes."""
-    load = f", load average {r.load_average}" if r.load_average else ""
     title = (
-        f"S={r.seq_length}, window {r.window}, hidden {r.hidden_size}, ffn {r.ffn_hidden_size}, {r.heads} heads, "
-        f"{r.kv_heads} kv heads, d={r.head_dim}, {r.dtype}, backend {r.backend}, {r.threads} threads, "
-        f"median of {r.repeats}, torch {r.torch}{load}"
+        f"S={r.seq_length}, window {r.window}, hidden {r.hidden_size}, ffn {r.ffn_hidden_size}, "
+        + run_conditions(r)
     )
     return "\n".join(
         [

@@ -21,7 +21,7 @@ that. Internally q, k, v are canonical float64 ``[B, N, S, D]`` (TND: ``[1, N, T
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, Optional, Sequence
 
 import torch
@@ -137,6 +137,15 @@ class FusionAttentionGradArgs(FusionAttentionArgs):
         "softmax_max",
         "softmax_sum",
     )
+
+
+def _given_args(cls: type, call: dict, **named) -> FusionAttentionArgs:
+    """``cls`` (:class:`FusionAttentionArgs` or :class:`FusionAttentionGradArgs`) of one op
+    call, from ``call``: the op's ``locals()`` on entry, its arguments by name. Each field is
+    the argument of its name, ``layout`` the op's ``input_layout``; ``named`` gives the fields
+    the op names otherwise (the grad op's ``scale_value``, the dropout draw it replays)."""
+    given = {"layout": call["input_layout"], **named}
+    return cls(**{f.name: given[f.name] if f.name in given else call[f.name] for f in fields(cls)})
 
 
 def _call_record(name: str, args: FusionAttentionArgs, dropout: DropoutDraw, score_shape) -> dict:
@@ -617,27 +626,7 @@ def make_ops(record: list):
         offset=0,
     ):
         """``-> (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``."""
-        args = FusionAttentionArgs(
-            query=query,
-            key=key,
-            value=value,
-            head_num=head_num,
-            layout=input_layout,
-            atten_mask=atten_mask,
-            scale=scale,
-            keep_prob=keep_prob,
-            pre_tockens=pre_tockens,
-            next_tockens=next_tockens,
-            inner_precise=inner_precise,
-            actual_seq_qlen=actual_seq_qlen,
-            actual_seq_kvlen=actual_seq_kvlen,
-            sparse_mode=sparse_mode,
-            softmax_layout=softmax_layout,
-            pse=pse,
-            padding_mask=padding_mask,
-            prefix=prefix,
-            sink=sink,
-        )
+        args = _given_args(FusionAttentionArgs, locals())
         q, k, v, _, _ = _canonical_qkv(args)
         _common_checks(args)
         if dropout_mask is not None or seed or offset:
@@ -712,30 +701,10 @@ def make_ops(record: list):
         sink=None,
     ):
         """``-> (dq, dk, dv, dpse, dsink)``: ``dpse`` None, ``dsink`` empty, as torch_npu 2.13."""
-        args = FusionAttentionGradArgs(
-            query=query,
-            key=key,
-            value=value,
-            head_num=head_num,
-            layout=input_layout,
-            atten_mask=atten_mask,
+        args = _given_args(
+            FusionAttentionGradArgs,
+            locals(),
             scale=scale_value,
-            keep_prob=keep_prob,
-            pre_tockens=pre_tockens,
-            next_tockens=next_tockens,
-            inner_precise=inner_precise,
-            actual_seq_qlen=actual_seq_qlen,
-            actual_seq_kvlen=actual_seq_kvlen,
-            sparse_mode=sparse_mode,
-            softmax_layout=softmax_layout,
-            pse=pse,
-            padding_mask=padding_mask,
-            prefix=prefix,
-            sink=sink,
-            dy=dy,
-            attention_in=attention_in,
-            softmax_max=softmax_max,
-            softmax_sum=softmax_sum,
             dropout=DropoutDraw(seed, offset, numels),
         )
         q, k, v, nq, nkv = _canonical_qkv(args)

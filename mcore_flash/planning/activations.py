@@ -173,6 +173,12 @@ def _profile(profile) -> Profile:
     return PROFILES[profile]
 
 
+def _norm_stats_bytes(model: ModelShape, p: Profile) -> Fraction:
+    """Bytes per token (row) of the fp32 statistics one norm keeps for backward: LayerNorm's
+    mean + rstd 8, RMSNorm's rstd 4; 0 where the profile's norms keep none."""
+    return F(8 if model.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
+
+
 def _dims(
     model: ModelShape,
     p: Profile,
@@ -221,7 +227,7 @@ def layer_terms(
         model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes
     )
     h, d, f, t = F(model.hidden_size), F(model.head_dim), F(model.ffn_hidden_size), F(tp)
-    stat = F(8 if model.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
+    stat = _norm_stats_bytes(model, p)
 
     layer_input = Term(
         "<layer>", "layer input (recompute checkpoint)", s_t * b * h * B, scope="layer"
@@ -377,7 +383,7 @@ def non_layer_terms(
         model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes
     )
     h, V, t = F(model.hidden_size), F(model.vocab_size), F(tp)
-    stat = F(8 if model.normalization == "LayerNorm" else 4) if p.norm_stats else F(0)
+    stat = _norm_stats_bytes(model, p)
     terms: list[Term] = []
 
     def add(module, name, nbytes, category="embeddings_logits"):

@@ -23,6 +23,7 @@ statistics show up as wrong or NaN gradients.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Optional
 
@@ -50,6 +51,23 @@ def _check_with_meta(op, args, kwargs, results) -> None:
                 got.dtype,
                 want.dtype,
             )
+
+
+def _checked_by_meta(op):
+    """Decorator for the double of ``op`` (a method of :class:`AtenDouble`): after the double
+    computes, :func:`_check_with_meta` runs ``op``'s meta kernel on the same call's arguments,
+    positional and keyword, as the backend passed them."""
+
+    def decorate(double):
+        @functools.wraps(double)
+        def checked(self, *args, **kw):
+            results = double(self, *args, **kw)
+            _check_with_meta(op, args, kw, results)
+            return results
+
+        return checked
+
+    return decorate
 
 
 def _flash_allowed(sq: int, sk: int, causal: bool, left, right, max_k: int) -> Tensor:
@@ -143,6 +161,7 @@ class AtenDouble:
         return keep
 
     # ---- flash -------------------------------------------------------------------------
+    @_checked_by_meta(aten._flash_attention_forward)
     def _flash_attention_forward(
         self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, **kw
     ):
@@ -167,21 +186,15 @@ class AtenDouble:
         else:
             out, lse = torch.cat([o[0] for o in outs]), torch.cat([x[0] for x in lses], dim=-1)
         rng = torch.tensor([seed, 0], dtype=torch.uint64)
-        results = (
+        return (
             torch.empty_like(q).copy_(out),
             lse.float(),
             rng,
             torch.empty((), dtype=torch.uint64),
             torch.empty(0, dtype=q.dtype),
         )
-        _check_with_meta(
-            aten._flash_attention_forward,
-            (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, False),
-            kw,
-            results,
-        )
-        return results
 
+    @_checked_by_meta(aten._flash_attention_backward)
     def _flash_attention_backward(
         self,
         dout,
@@ -212,27 +225,10 @@ class AtenDouble:
             dq4, dk4, dv4 = _backward(do4, q4, k4, v4, o4, lse4, allowed, kw["scale"], keep)
             for acc, rows, grad in zip(grads, (qs, ks, ks), (dq4, dk4, dv4)):
                 _put(acc, rows, grad)
-        results = tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
-        args = (
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            dropout_p,
-            is_causal,
-            rng,
-            unused,
-        )
-        _check_with_meta(aten._flash_attention_backward, args, kw, results)
-        return results
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
     # ---- cudnn -------------------------------------------------------------------------
+    @_checked_by_meta(aten._scaled_dot_product_cudnn_attention)
     def _scaled_dot_product_cudnn_attention(
         self, q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, **kw
     ):
@@ -244,7 +240,7 @@ class AtenDouble:
             *_f64(q, k, v), _top_left_allowed(q.shape[2], k.shape[2], is_causal), kw["scale"], keep
         )
         seed_t, offset_t = torch.tensor(seed), torch.tensor(0)
-        results = (
+        return (
             torch.empty_like(q).copy_(out),
             lse.float().unsqueeze(-1),
             None,
@@ -255,10 +251,8 @@ class AtenDouble:
             offset_t,
             None,
         )
-        args = (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask)
-        _check_with_meta(aten._scaled_dot_product_cudnn_attention, args, kw, results)
-        return results
 
+    @_checked_by_meta(aten._scaled_dot_product_cudnn_attention_backward)
     def _scaled_dot_product_cudnn_attention_backward(
         self,
         dout,
@@ -288,26 +282,7 @@ class AtenDouble:
         grads = _backward(
             *_f64(dout, q, k, v, out), lse[..., 0].double(), allowed, kw["scale"], keep
         )
-        results = tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
-        args = (
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            seed,
-            offset,
-            attn_bias,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            dropout_p,
-            is_causal,
-        )
-        _check_with_meta(aten._scaled_dot_product_cudnn_attention_backward, args, kw, results)
-        return results
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 def _take(x: Tensor, rows: Optional[slice]) -> Tensor:

@@ -14,37 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from _support.pretrain_flags import tiny_flags
+
 STEPS = 3
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "4",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--train-iters",
-    str(STEPS),
-    "--log-interval",
-    "1",
-    "--make-vocab-size-divisible-by",
-    "256",
-]
+TINY = tiny_flags(micro_batch_size=1, train_iters=STEPS)
 
 
 def w_recipe_runs(rank, world_size, runs, save_root, measure, before=None):

@@ -14,6 +14,8 @@ import sys
 
 from mcore_flash.benchmarks.common import MIB
 
+from _support.pretrain_flags import model_shape
+
 
 def _bench(command: str, *argv: str) -> str:
     result = subprocess.run(
@@ -70,16 +72,7 @@ def test_bench_attention_saves_exactly_qkv_out_lse():
 def test_bench_recompute_reports_bytes_calls_and_exact_gradients():
     out = _bench(
         "bench-recompute",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--ffn-hidden-size",
-        "128",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
+        *model_shape(),
         "--vocab-size",
         "128",
         "--seq-lengths",

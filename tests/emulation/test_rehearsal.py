@@ -22,34 +22,9 @@ import sys
 
 import pytest
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--log-interval",
-    "1",
-    "--make-vocab-size-divisible-by",
-    "256",
-]
+from _support.pretrain_flags import tiny_flags
+
+TINY = tiny_flags()
 WORKER = os.path.join(os.path.dirname(__file__), "..", "_support", "rehearsal_worker.py")
 
 LAYOUTS = {

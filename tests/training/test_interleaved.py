@@ -16,50 +16,17 @@ import os
 
 import pytest
 
-from _support.dist_utils import run_distributed
+from mcore_flash.planning.layout import RECOMPUTE_FLAGS
 
-BASE = [
-    "--num-layers",
-    "8",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "4",  # 4 micro-batches: the interleaved schedule takes them in groups of PP 2
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--train-iters",
-    "6",
-    "--log-interval",
-    "1",
-    "--make-vocab-size-divisible-by",
-    "256",
-]
+from _support.dist_utils import run_distributed
+from _support.pretrain_flags import tiny_flags
+
+# global batch 4 at micro-batch 1: 4 micro-batches, which the interleaved schedule takes in
+# groups of PP 2
+BASE = tiny_flags(num_layers=8, micro_batch_size=1, train_iters=6)
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VP2 = [*PP2, "--virtual-pipeline-model-parallel-size", "2"]
 VP4 = [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]
-QKV = ["--recompute-granularity", "selective", "--recompute-modules", "qkv"]
-FULL = [
-    "--recompute-granularity",
-    "full",
-    "--recompute-method",
-    "uniform",
-    "--recompute-num-layers",
-    "1",
-]
 DISTRIBUTED = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 
@@ -118,8 +85,8 @@ def test_vp2_and_vp4_train_as_pp1_with_recompute_resume_exactly_and_reload_anywh
     runs = [
         ("vp2", VP2),
         ("vp4", VP4),
-        ("vp2-qkv", [*VP2, *QKV]),
-        ("vp2-full", [*VP2, *FULL]),
+        ("vp2-qkv", [*VP2, *RECOMPUTE_FLAGS["qkv"]]),
+        ("vp2-full", [*VP2, *RECOMPUTE_FLAGS["full"]]),
         ("vp2-cut", [*VP2, "--exit-interval", "4"]),
         ("dp2-from-vp2", ["--load", f"{root}/vp2-cut"]),
         ("vp2-cut", [*VP2, "--load", f"{root}/vp2-cut"]),  # the resume
@@ -156,7 +123,7 @@ def test_vp2_with_cp2_trains_as_pp1(root):
 def test_vp2_on_the_emulated_npu_trains_as_pp1(root):
     """The interleaved schedule's device path (HCCL-strict groups, npu tensors): PP 2 x VP 2,
     plain and with qkv recompute, from the CPU's checkpoint, equal PP 1 on the CPU."""
-    runs = [("vp2-npu", VP2), ("vp2-qkv-npu", [*VP2, *QKV])]
+    runs = [("vp2-npu", VP2), ("vp2-qkv-npu", [*VP2, *RECOMPUTE_FLAGS["qkv"]])]
     assert run_distributed(_w_runs, 2, root, runs, timeout=600, emulate_npu=True) == [{}, {}]
     _assert_same(root, "vp2-npu", "pp1")
     _assert_same(root, "vp2-qkv-npu", "pp1")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_flash.planning.layout import RECOMPUTE_FLAGS
 from mcore_flash.training.arguments import parse_config
 from mcore_flash.training.fsdp import upstream_defect
 
@@ -26,7 +27,7 @@ ZERO3 = ["--use-megatron-fsdp"]  # default strategy: optim_grads_params
 ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 TP2 = ["--tensor-model-parallel-size", "2"]
-ATTENTION = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+ATTENTION = RECOMPUTE_FLAGS["attention"]
 
 
 def _weights(recipe, _) -> dict:
@@ -62,8 +63,8 @@ TWO_RANKS = {
     "dp2": ORACLE,
     "dp2-zero3": ZERO3,
     "dp2-zero2": ZERO2,
-    "dp2-qkv": [*ORACLE, "--recompute-granularity", "selective", "--recompute-modules", "qkv"],
-    "dp2-qkv-zero3": [*ZERO3, "--recompute-granularity", "selective", "--recompute-modules", "qkv"],
+    "dp2-qkv": [*ORACLE, *RECOMPUTE_FLAGS["qkv"]],
+    "dp2-qkv-zero3": [*ZERO3, *RECOMPUTE_FLAGS["qkv"]],
     "dp2-attention": [*ORACLE, *ATTENTION],
     "dp2-attention-zero3": [*ZERO3, *ATTENTION],
     "dp2-packed": [*ORACLE, *PACKED],
@@ -122,20 +123,12 @@ def test_fsdp_equals_the_distributed_optimizer_on_the_emulated_npu(tmp_path):
     _check(per_rank, {name: TWO_RANK_CASES[name] for name in NPU_RUNS if name in TWO_RANK_CASES})
 
 
-FULL = [
-    "--recompute-granularity",
-    "full",
-    "--recompute-method",
-    "uniform",
-    "--recompute-num-layers",
-    "1",
-]
 FOUR_RANKS = {
     "dp4": ORACLE,
     "dp4-zero3": ZERO3,
     "dp4-zero2": ZERO2,
-    "dp4-full": [*ORACLE, *FULL],
-    "dp4-full-zero3": [*ZERO3, *FULL],
+    "dp4-full": [*ORACLE, *RECOMPUTE_FLAGS["full"]],
+    "dp4-full-zero3": [*ZERO3, *RECOMPUTE_FLAGS["full"]],
     "tp2sp-dp2": [*ORACLE, *TP2, "--sequence-parallel"],
     "tp2sp-dp2-zero3": [*ZERO3, *TP2, "--sequence-parallel"],
     "cp2-dp2": [*ORACLE, "--context-parallel-size", "2"],

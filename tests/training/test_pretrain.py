@@ -20,35 +20,9 @@ import time
 import pytest
 
 from _support.dist_utils import run_distributed
+from _support.pretrain_flags import tiny_flags
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--log-interval",
-    "1",
-    "--make-vocab-size-divisible-by",
-    "256",  # 258 -> 512 rows at TP 1 and 2
-]
+TINY = tiny_flags()
 
 
 def _losses(save_dir: str) -> dict[int, float]:

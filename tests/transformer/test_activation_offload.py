@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_flash.planning.layout import RECOMPUTE_FLAGS
+
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.gpt_models import assert_same_bits, batch, flash_gpt, full_grads, tiny_config
 from _support.recipe_runs import TINY, w_recipe_runs
@@ -166,21 +168,15 @@ def test_offloaded_bytes_leave_the_device_on_the_emulated_npu():
             torch.testing.assert_close(grads2[name], grad, atol=0, rtol=0, msg=name)
 
 
-FULL = [
-    "--recompute-granularity",
-    "full",
-    "--recompute-method",
-    "uniform",
-    "--recompute-num-layers",
-    "1",
-]
-QKV = ["--recompute-granularity", "selective", "--recompute-modules", "qkv"]
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 TRAINER_CASES = {  # name: (layout flags, offloaded layers per stage)
-    "tp2-sp-full": (["--tensor-model-parallel-size", "2", "--sequence-parallel", *FULL], 2),
-    "cp2-qkv": (["--context-parallel-size", "2", *QKV], 2),
+    "tp2-sp-full": (
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", *RECOMPUTE_FLAGS["full"]],
+        2,
+    ),
+    "cp2-qkv": (["--context-parallel-size", "2", *RECOMPUTE_FLAGS["qkv"]], 2),
     "packed-none": (PACKED, 1),
-    "pp2-full": (["--pipeline-model-parallel-size", "2", *FULL], 1),
+    "pp2-full": (["--pipeline-model-parallel-size", "2", *RECOMPUTE_FLAGS["full"]], 1),
 }
 
 
@@ -224,7 +220,7 @@ def _refusal(argv, world_size=2) -> str:
             ["--activation-offload-layers 2", "0..1", "per pipeline stage"],
         ),
         (
-            ["--activation-offload-layers", "1", *FULL[:-1], "2"],
+            ["--activation-offload-layers", "1", *RECOMPUTE_FLAGS["full"][:-1], "2"],
             ["--recompute-method uniform", "--recompute-num-layers 1"],
         ),
         (

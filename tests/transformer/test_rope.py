@@ -13,23 +13,9 @@ import pytest
 import torch
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.pretrain_flags import model_shape
 
-SHAPE = [
-    "--num-layers",
-    "1",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "256",
-    "--max-position-embeddings",
-    "256",
-]
+SHAPE = model_shape(num_layers=1, seq_length=256)
 POSITIONS = 2048
 
 CASES = {
