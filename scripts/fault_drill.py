@@ -24,12 +24,16 @@ after the tmpfs is enlarged, the run resumes. Each outcome is one row of the tab
 ``--fsdp`` runs the same drill with ``--use-megatron-fsdp`` (ZeRO-3, ``fsdp_dtensor``
 checkpoints) instead of the distributed optimizer: every point of :data:`CHAIN`, no
 disk-full row (its table is the second one in the doc).
+``--async-save`` runs it with checkpoints written in the background: kills while a write is
+in flight, in the writer itself and in the publishing after it (:data:`ASYNC_DRILL`, the
+third table).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import re
 import shlex
@@ -43,6 +47,21 @@ from typing import NamedTuple, Optional
 
 from mcore_flash.training import faults
 from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
+
+
+def _tests_module(name: str):
+    """``tests/_support/<name>.py`` of this checkout (the drill runs in one), loaded by its path:
+    the drill's model is the tests' tiny model (:mod:`pretrain_flags`, standard library only)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(root, "tests", "_support", f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pretrain_flags = _tests_module("pretrain_flags")
 
 ITERATIONS = 12
 # (point, iteration, rank): each kill lands after the previous resume has made progress
@@ -59,30 +78,7 @@ CHAIN = (
     ("save-tracker", 11, 0),
 )
 FLAGS = (
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--log-interval",
-    "1",
+    *pretrain_flags.tiny_flags(vocab_multiple=None),
     "--train-iters",
     str(ITERATIONS),
     "--save-interval",
@@ -182,7 +178,7 @@ def run_drill(
         rows.append(
             Row(
                 _spec(point, iteration, rank),
-                faults.POINTS[point],
+                faults.KILL_POINTS[point],
                 killed,
                 tracker,
                 complete,
@@ -460,6 +456,25 @@ FSDP_DRILL = Drill(
     "<!-- fault-table-fsdp:begin -->",
     "<!-- fault-table-fsdp:end -->",
 )
+# --async-save: kills while a background write is in flight (the model points of the iteration
+# after a save, whose writer may still be running), in the background writer itself, and in the
+# publishing that follows it. Spaced so that each resumed launch publishes a checkpoint before
+# its kill (a save is published at the latest when the next save starts)
+ASYNC_DRILL = Drill(
+    (*FLAGS, "--async-save"),
+    (
+        ("forward", 2, 0),
+        ("save-scheduled", 4, 1),
+        ("save-writing", 6, 0),
+        ("backward", 8, 1),
+        ("save-manifest", 9, 0),
+        ("save-renamed", 10, 0),
+        ("save-tracker", 11, 0),
+    ),
+    ITERATIONS,
+    "<!-- fault-table-async:begin -->",
+    "<!-- fault-table-async:end -->",
+)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -477,16 +492,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--no-disk-full", action="store_true", help="skip the tmpfs case (it needs root)"
     )
-    parser.add_argument(
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument(
         "--fsdp",
         action="store_true",
         help="the drill with --use-megatron-fsdp (its chain, no disk-full row, its own table)",
     )
+    kind.add_argument(
+        "--async-save",
+        action="store_true",
+        help="the drill with --async-save (its own chain and table, no disk-full row)",
+    )
     args = parser.parse_args(argv)
-    drill = FSDP_DRILL if args.fsdp else DRILL
+    drill = FSDP_DRILL if args.fsdp else ASYNC_DRILL if args.async_save else DRILL
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         parser.error(f"--work-dir {args.work_dir} is not empty")
-    disk_full = not (args.no_disk_full or args.fsdp)
+    disk_full = not (args.no_disk_full or args.fsdp or args.async_save)
     if disk_full and not can_fill_a_disk():
         if args.write:
             parser.error(
