@@ -149,3 +149,22 @@ def test_a_conversion_and_generate_print_nothing_on_stderr(tmp_path):
         _cli("generate", "--load", tmp_path / "mc", "--prompt-ids", "1,2,3", "--max-new-tokens", 2),
     ]
     assert [(run.returncode, run.stderr) for run in runs] == [(0, "")] * 3
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["mcore_flash.training.arguments", "mcore_flash.generate", "mcore_flash.evaluation.cli"],
+)
+def test_help_shows_each_default_once(module):
+    """A flag whose help names its default does not get argparse's "(default: ...)" again, and
+    no flag shows a default of None or False (the preset, the device or a switch decides)."""
+    import importlib
+    import re
+
+    text = importlib.import_module(module).build_parser().format_help()
+    flags = re.split(r"\n  (?=-)", text)
+    assert len(flags) > 20
+    for flag in flags:
+        assert len(re.findall(r"\(default", flag)) <= 1, flag
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: 10)" in text  # a default the help does not name still shows (the timeout)

@@ -24,11 +24,23 @@ from mcore_flash.training.config import (
 )
 
 
+class _DefaultsOnceFormatter(argparse.HelpFormatter):
+    """argparse's ``ArgumentDefaultsHelpFormatter``, but a flag's default is shown once: not
+    when its help already says it ("(default tiny)", "default: the preset's") or when there
+    is none to show (``None``: the preset or the device decides; ``False``: a switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mcore-flash pretrain",
         description="Pretrain a Llama-style GPT on megatron-core with the fused-attention spec.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnceFormatter,
     )
     model = p.add_argument_group("model")
     model.add_argument(
