@@ -257,12 +257,14 @@ class PretrainRecipe:
         """Checkpoint the current iteration under ``--save`` (collective). With
         ``--overlap-param-gather`` the model's parameters are gathered in the next forward, so
         they are gathered first (megatron's hooks off, then on again, as Megatron-LM saves).
-        With ``--async-save`` the previous save is published first (one in flight at a time)
-        and this one's shards are written in the background. The note says how long training
-        was stopped for it."""
+        With ``--async-save`` the previous save is published first (one in flight at a time:
+        training waits for its write if it is still running) and this one's shards are
+        written in the background. The note says how long training was stopped for it, the
+        wait for the previous write included."""
         self.watchdog.begin_save(self.iteration)
-        self._publish_background_save(blocking=True)
         start = time.perf_counter()
+        self._publish_background_save(blocking=True)
+        waited = time.perf_counter() - start
         if self.config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.disable_forward_pre_hook()  # and the all-gather, synchronously
@@ -286,7 +288,8 @@ class PretrainRecipe:
             self.logger.note(f"saved checkpoint {path} (training stopped {stalled:.2f} s)")
         else:
             self.logger.note(
-                f"writing checkpoint {path} in the background (training stopped {stalled:.2f} s)"
+                f"writing checkpoint {path} in the background (training stopped {stalled:.2f} s, "
+                f"{waited:.2f} s of it for the previous save's write)"
             )
 
     def _publish_background_save(self, blocking: bool) -> None:
