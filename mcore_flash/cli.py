@@ -14,7 +14,7 @@ COMMANDS = {
     "preprocess": ("mcore_flash.data.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
     "convert": (
         "mcore_flash.conversion.cli",
-        "Hugging Face Llama <-> megatron checkpoints (hf-to-mcore, mcore-to-hf)",
+        "Hugging Face Llama / Qwen2 / Qwen3 <-> megatron checkpoints (hf-to-mcore, mcore-to-hf)",
     ),
     "generate": (
         "mcore_flash.generate",

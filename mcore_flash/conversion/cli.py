@@ -1,4 +1,4 @@
-"""``mcore-flash convert``: Hugging Face Llama <-> megatron checkpoints (streamed, any TP/PP).
+"""``mcore-flash convert``: Hugging Face Llama / Qwen2 / Qwen3 <-> megatron checkpoints (streamed, any TP/PP).
 
 mcore-flash convert hf-to-mcore --hf-dir DIR --save DIR [--tensor-model-parallel-size N]
     [--pipeline-model-parallel-size M] [--make-vocab-size-divisible-by K] [--bf16]
@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcore-flash convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="direction", required=True)
     to_mcore = sub.add_parser(
-        "hf-to-mcore", help="Hugging Face Llama directory -> megatron dist checkpoint"
+        "hf-to-mcore", help="Hugging Face Llama/Qwen2/Qwen3 directory -> megatron dist checkpoint"
     )
     to_mcore.add_argument(
         "--hf-dir", required=True, help="directory with config.json and *.safetensors"
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     to_mcore.add_argument("--bf16", action="store_true", help="store bf16 weights (default fp32)")
     to_hf = sub.add_parser(
-        "mcore-to-hf", help="megatron checkpoint -> Hugging Face Llama directory"
+        "mcore-to-hf", help="megatron checkpoint -> Hugging Face Llama/Qwen2/Qwen3 directory"
     )
     to_hf.add_argument(
         "--load", required=True, help="a pretrain --save directory (its latest checkpoint)"

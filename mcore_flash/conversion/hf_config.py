@@ -1,16 +1,29 @@
-"""Hugging Face Llama ``config.json`` <-> the trainer's model flags.
+"""Hugging Face ``config.json`` (Llama, Qwen2/Qwen2.5, Qwen3 dense) <-> the trainer's model flags.
 
 The model is described on our side by ``model_args``: a dict keyed by ``mcore-flash pretrain``
 argument names (``num_layers``, ``rotary_base``, ...) plus ``vocab_size`` (unpadded). It is
 stored in every checkpoint and turned into flags with :func:`model_flags`.
+
+Architectures (:data:`ARCHITECTURES`): ``LlamaForCausalLM``; ``Qwen2ForCausalLM`` (Qwen2,
+Qwen2.5: a Llama with q/k/v biases, no o_proj bias: ``--add-qkv-bias``); ``Qwen3ForCausalLM``
+(dense Qwen3: per-head q/k RMSNorm before RoPE, no biases, its own ``head_dim``, default 128 as
+in transformers' ``Qwen3Config``: ``--qk-layernorm --kv-channels``). Export picks the
+architecture from those flags.
 
 Read from ``config.json``: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
 ``num_attention_heads``, ``num_key_value_heads``, ``vocab_size``, ``rms_norm_eps``,
 ``max_position_embeddings``, ``tie_word_embeddings``, RoPE as ``rope_theta`` + ``rope_scaling``
 (transformers 4.x, the Hub) or ``rope_parameters`` (transformers 5.x): no scaling, Llama-3.1's
 ``"llama3"`` (megatron's fixed low/high frequency factors 1 and 4 over 8192 positions) or
-integer ``"linear"`` interpolation. ``head_dim``, ``hidden_act``, ``attention_bias``,
-``mlp_bias`` must have Llama's values. Fields that ``transformers`` itself ignores or keeps as
+integer ``"linear"`` interpolation. ``yarn`` is refused: megatron-core's ``YarnRotaryEmbedding``
+computes transformers' frequencies and attention factor (checked for Qwen's recipe), but
+``GPTModel(position_embedding_type="yarn")`` reads its settings from ``yarn_*`` config fields
+only ``MLATransformerConfig`` declares, and the trainer (whose flags are Megatron-LM's, which has
+none for them) does not set them.
+``hidden_act`` must be silu; Llama's ``head_dim``, ``attention_bias``, ``mlp_bias`` must have
+Llama's values, Qwen3's ``attention_bias`` false; Qwen's ``use_sliding_window`` must be false
+(then ``sliding_window`` and ``max_window_layers`` change nothing and are accepted) and its
+``layer_types``, where given, all ``full_attention``. Fields that ``transformers`` itself ignores or keeps as
 metadata are accepted: keys starting with ``_`` (``_name_or_path``, ``_attn_implementation_autoset``,
 ...), ``PretrainedConfig``'s own attributes and the generation settings transformers 4.x stored
 in ``config.json`` (:data:`_PRETRAINED_CONFIG_FIELDS`, :data:`_GENERATION_FIELDS`). Any other field
@@ -28,7 +41,12 @@ class ConversionError(ValueError):
     """Bad converter input; the message names the file, field or flag to fix."""
 
 
-ARCHITECTURE = "LlamaForCausalLM"
+LLAMA, QWEN2, QWEN3 = "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+ARCHITECTURE = LLAMA
+# architecture -> its model_type
+ARCHITECTURES = {LLAMA: "llama", QWEN2: "qwen2", QWEN3: "qwen3"}
+# transformers' Qwen3Config default head_dim (configuration_qwen3.py): a config without one has it
+QWEN3_DEFAULT_HEAD_DIM = 128
 
 # Fields that do not change the forward pass of a Llama (ids, training-time settings, metadata);
 # an export copies these from the config.json the checkpoint was converted from.
@@ -151,11 +169,24 @@ _READ = {
     "rope_theta",
     "rope_scaling",
     "rope_parameters",
-    "head_dim",
     "hidden_act",
-    "attention_bias",
-    "mlp_bias",
 }
+# read besides, per architecture
+_READ_BY_ARCHITECTURE = {
+    LLAMA: {"head_dim", "attention_bias", "mlp_bias"},
+    QWEN2: {"head_dim", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    QWEN3: {
+        "head_dim",
+        "attention_bias",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+    },
+}
+# Qwen fields that change nothing while use_sliding_window is false; an export copies them
+# from the config.json the checkpoint was converted from
+_QWEN_WINDOW_FIELDS = ("sliding_window", "max_window_layers")
 # megatron's RotaryEmbedding._apply_scaling fixes these (megatron/core/models/common/embeddings/
 # rotary_pos_embedding.py); a checkpoint with other values needs a different rotary embedding.
 _LLAMA3_FIXED = {
@@ -192,35 +223,43 @@ def read_generation_config(hf_dir: str) -> dict | None:
 
 
 def model_args_from_hf(config: dict) -> dict:
-    """The trainer's ``model_args`` for a Llama ``config.json`` (raises ConversionError)."""
-    architectures = config.get("architectures") or []
-    if (architectures and architectures != [ARCHITECTURE]) or config.get(
-        "model_type", "llama"
-    ) != "llama":
-        raise ConversionError(
-            f"config.json: architecture {architectures or config.get('model_type')!r} is not supported; "
-            f"the converter handles {ARCHITECTURE} (Llama-2/3/3.1/3.2 and models with its tensor names)"
-        )
+    """The trainer's ``model_args`` for a Llama, Qwen2 or Qwen3 ``config.json`` (raises
+    ConversionError naming the field)."""
+    architecture = _architecture(config)
+    read = _READ | _READ_BY_ARCHITECTURE[architecture]
     unknown = sorted(
         k
         for k in config
-        if not is_metadata(k) and k not in _READ and config[k] not in (None, False, 0, {}, [])
+        if not is_metadata(k) and k not in read and config[k] not in (None, False, 0, {}, [])
     )
     if unknown:
         raise ConversionError(
-            f"config.json: field(s) {', '.join(unknown)} would change the model and are not supported by the Llama converter"
+            f"config.json: field(s) {', '.join(unknown)} would change the model and are not supported "
+            f"by the {_FAMILY[architecture]} converter"
         )
     heads = _required(config, "num_attention_heads")
     hidden = _required(config, "hidden_size")
-    for field, llama in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if config.get(field, llama) != llama:
+    fixed = {"hidden_act": "silu"}
+    if architecture == LLAMA:
+        fixed.update(attention_bias=False, mlp_bias=False)
+    if architecture == QWEN3:
+        fixed["attention_bias"] = False
+    for field, value in fixed.items():
+        if config.get(field, value) != value:
             raise ConversionError(
-                f"config.json: {field}={config[field]!r} is not supported (Llama uses {llama!r})"
+                f"config.json: {field}={config[field]!r} is not supported "
+                f"({_FAMILY[architecture]} uses {value!r})"
             )
-    if config.get("head_dim") not in (None, hidden // heads):
-        raise ConversionError(
-            f"config.json: head_dim={config['head_dim']} differs from hidden_size / num_attention_heads = {hidden // heads}"
-        )
+    if architecture == LLAMA:
+        if config.get("head_dim") not in (None, hidden // heads):
+            raise ConversionError(
+                f"config.json: head_dim={config['head_dim']} differs from hidden_size / num_attention_heads = {hidden // heads}"
+            )
+        head_dim = hidden // heads
+    else:
+        _check_full_attention(config)
+        default = QWEN3_DEFAULT_HEAD_DIM if architecture == QWEN3 else hidden // heads
+        head_dim = config.get("head_dim") or default
     args = dict(
         num_layers=_required(config, "num_hidden_layers"),
         hidden_size=hidden,
@@ -233,11 +272,51 @@ def model_args_from_hf(config: dict) -> dict:
         vocab_size=_required(config, "vocab_size"),
         swiglu=True,
         disable_bias_linear=True,
+        add_qkv_bias=architecture == QWEN2,
+        qk_layernorm=architecture == QWEN3,
+        kv_channels=None if head_dim == hidden // heads else head_dim,
         normalization="RMSNorm",
         position_embedding_type="rope",
     )
     args.update(_rope_args(config))
     return args
+
+
+_FAMILY = {LLAMA: "Llama", QWEN2: "Qwen2", QWEN3: "Qwen3"}
+
+
+def _architecture(config: dict) -> str:
+    """The config's architecture among :data:`ARCHITECTURES` (a config without
+    ``architectures`` goes by its ``model_type``, Llama when it has none either)."""
+    architectures = config.get("architectures") or []
+    model_type = config.get("model_type")
+    by_type = {t: a for a, t in ARCHITECTURES.items()}
+    architecture = architectures[0] if architectures else by_type.get(model_type or "llama")
+    if (
+        len(architectures) > 1
+        or architecture not in ARCHITECTURES
+        or model_type not in (None, ARCHITECTURES[architecture])
+    ):
+        raise ConversionError(
+            f"config.json: architecture {architectures or model_type!r} is not supported; the converter "
+            f"handles {', '.join(ARCHITECTURES)} (Llama-2/3/3.1/3.2, Qwen2/Qwen2.5, dense Qwen3 and "
+            "models with their tensor names)"
+        )
+    return architecture
+
+
+def _check_full_attention(config: dict) -> None:
+    """Qwen: every layer attends to the whole causal context (no sliding-window layers)."""
+    if config.get("use_sliding_window"):
+        raise ConversionError(
+            f"config.json: use_sliding_window={config['use_sliding_window']!r} is not supported "
+            "(Qwen's sliding-window layers from max_window_layers on); only full attention converts"
+        )
+    sliding = sorted({t for t in config.get("layer_types") or [] if t != "full_attention"})
+    if sliding:
+        raise ConversionError(
+            f"config.json: layer_types {sliding} are not supported; only full_attention layers convert"
+        )
 
 
 def is_metadata(field: str) -> bool:
@@ -276,13 +355,34 @@ def _rope_args(config: dict) -> dict:
             **out,
             "rotary_seq_len_interpolation_factor": _whole(rope["factor"], "rope_scaling.factor"),
         }
+    reason = (
+        " (megatron-core builds its YaRN embedding from MLA-only config fields, which the "
+        "trainer does not set)"
+        if kind == "yarn"
+        else ""
+    )
     raise ConversionError(
-        f"config.json: rope_scaling type {kind!r} is not supported; supported: default, llama3, linear (integer factor)"
+        f"config.json: rope_scaling type {kind!r} is not supported{reason}; supported: default, "
+        "llama3, linear (integer factor)"
     )
 
 
+def architecture_of(model_args: dict) -> str:
+    """The Hugging Face architecture of a model: Qwen2 with ``add_qkv_bias``, Qwen3 with
+    ``qk_layernorm``, else Llama."""
+    qkv_bias, qk_norm = model_args.get("add_qkv_bias"), model_args.get("qk_layernorm")
+    if qkv_bias and qk_norm:
+        raise ConversionError(
+            "--add-qkv-bias with --qk-layernorm has no Hugging Face architecture here "
+            "(Qwen2 has the q/k/v biases, Qwen3 the q/k norms)"
+        )
+    return QWEN2 if qkv_bias else QWEN3 if qk_norm else LLAMA
+
+
 def hf_config_from_model_args(model_args: dict, base: dict | None = None) -> dict:
-    """A Llama ``config.json`` for ``model_args`` (transformers 4.x field names, which 5.x reads).
+    """The ``config.json`` for ``model_args`` (transformers 4.x field names, which 5.x reads):
+    ``Qwen2ForCausalLM`` with ``--add-qkv-bias``, ``Qwen3ForCausalLM`` with ``--qk-layernorm``,
+    else ``LlamaForCausalLM``.
 
     Non-architectural fields (token ids, ...) come from ``base``, the config the checkpoint was
     converted from, when there is one; everything that defines the model comes from ``model_args``,
@@ -295,19 +395,29 @@ def hf_config_from_model_args(model_args: dict, base: dict | None = None) -> dic
         or model_args.get("position_embedding_type", "rope") != "rope"
     ):
         raise ConversionError(
-            "only Llama-shaped models (RMSNorm, SwiGLU, no biases, RoPE) export to Hugging Face"
+            "only Llama-shaped models (RMSNorm, SwiGLU, no biases but Qwen2's q/k/v, RoPE) export "
+            "to Hugging Face"
         )
-    config = {k: v for k, v in (base or {}).items() if k in _IGNORED and k != "architectures"}
+    architecture = architecture_of(model_args)
+    heads = model_args["num_attention_heads"]
+    head_dim = model_args.get("kv_channels") or model_args["hidden_size"] // heads
+    if architecture == LLAMA and head_dim != model_args["hidden_size"] // heads:
+        raise ConversionError(
+            f"--kv-channels {head_dim} differs from --hidden-size / --num-attention-heads: a Llama "
+            "converts only with head_dim = hidden_size / num_attention_heads"
+        )
+    base = base or {}
+    config = {k: v for k, v in base.items() if k in _IGNORED and k != "architectures"}
     config.pop("rope_parameters", None)
     config.update(
-        architectures=[ARCHITECTURE],
-        model_type="llama",
+        architectures=[architecture],
+        model_type=ARCHITECTURES[architecture],
         hidden_size=model_args["hidden_size"],
         intermediate_size=model_args["ffn_hidden_size"],
         num_hidden_layers=model_args["num_layers"],
-        num_attention_heads=model_args["num_attention_heads"],
+        num_attention_heads=heads,
         num_key_value_heads=model_args["num_query_groups"],
-        head_dim=model_args["hidden_size"] // model_args["num_attention_heads"],
+        head_dim=head_dim,
         vocab_size=model_args["vocab_size"],
         rms_norm_eps=model_args["norm_epsilon"],
         max_position_embeddings=model_args["max_position_embeddings"],
@@ -315,9 +425,17 @@ def hf_config_from_model_args(model_args: dict, base: dict | None = None) -> dic
         rope_theta=float(model_args["rotary_base"]),
         rope_scaling=None,
         hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
     )
+    if architecture == LLAMA:
+        config.update(attention_bias=False, mlp_bias=False)
+    else:
+        if architecture == QWEN2 and not model_args.get("kv_channels"):
+            del config["head_dim"]  # Qwen2Config has none (the model takes hidden / heads)
+        if architecture == QWEN3:
+            config["attention_bias"] = False
+        config["use_sliding_window"] = False
+        if base.get("model_type") == config["model_type"]:
+            config.update({k: base[k] for k in _QWEN_WINDOW_FIELDS if k in base})
     if model_args["use_rope_scaling"]:
         config["rope_scaling"] = {
             "rope_type": "llama3",

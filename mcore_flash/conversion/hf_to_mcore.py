@@ -1,4 +1,4 @@
-"""Hugging Face Llama (safetensors) -> a megatron ``dist_checkpointing`` checkpoint, streamed.
+"""Hugging Face Llama / Qwen2 / Qwen3 (safetensors) -> a megatron ``dist_checkpointing`` checkpoint, streamed.
 
 The checkpoint's layout (keys, global shapes, chunks, megatron's per-module extra-state
 objects) is read off the model ``mcore-flash pretrain`` would build, instantiated on the meta
@@ -21,6 +21,7 @@ import torch
 from mcore_flash.conversion import dcp_stream
 from mcore_flash.conversion.hf_config import (
     ConversionError,
+    architecture_of,
     model_args_from_hf,
     model_flags,
     read_config,
@@ -95,7 +96,7 @@ def hf_to_mcore(
         by_tensor["output_layer.weight", None] = by_tensor["embedding.word_embeddings.weight", None]
     if expected != set(by_tensor):
         raise AssertionError(
-            f"megatron's checkpoint layout and the Llama mapping disagree: {expected ^ set(by_tensor)}"
+            f"megatron's checkpoint layout and the tensor mapping disagree: {expected ^ set(by_tensor)}"
         )
 
     with atomic_directory(save, "--save") as tmp:
@@ -222,7 +223,8 @@ def _check_tensors(reader: HFCheckpointReader, maps, model_args: dict) -> None:
     if extra:
         hint = " (config.json says tie_word_embeddings=true)" if "lm_head.weight" in extra else ""
         raise ConversionError(
-            f"unexpected tensor(s) in the checkpoint, not part of a Llama with this config.json{hint}: {extra[:5]}"
+            f"unexpected tensor(s) in the checkpoint, not part of a {architecture_of(model_args)} with this "
+            f"config.json{hint}: {extra[:5]}"
         )
     for name in sorted(wanted):
         shape, expected = reader.shape(name), hf_shape(name, model_args)

@@ -1,5 +1,5 @@
 """A megatron checkpoint (converted, or written by ``mcore-flash pretrain`` at any TP/PP) ->
-a Hugging Face Llama directory: ``config.json`` + ``*.safetensors`` (+ index), streamed.
+a Hugging Face Llama / Qwen2 / Qwen3 directory: ``config.json`` + ``*.safetensors`` (+ index), streamed.
 
 Each megatron tensor is read one layer at a time from its global layout
 (:func:`mcore_flash.conversion.dcp_stream.load_chunk`), split into its Hugging Face tensors
@@ -46,7 +46,7 @@ def mcore_to_hf(
     missing = sorted({source.key(m) for m in maps} - set(source.stored))
     if missing:
         raise ConversionError(
-            f"--load {load}: the checkpoint lacks {missing[:3]}: not a Llama-shaped GPT checkpoint"
+            f"--load {load}: the checkpoint lacks {missing[:3]}: not a checkpoint of the model its flags describe"
         )
     dtype = source.stored[source.key(maps[0])][1]
     plan = [

@@ -14,7 +14,8 @@ class ModelShape:
 
     ``kv_channels`` defaults to ``hidden_size // num_attention_heads``. ``gated_linear_unit``
     makes ``linear_fc1`` ``h -> 2 * ffn`` (SwiGLU); ``activation`` is ``"swiglu"`` or
-    ``"gelu"`` (the plain 2-matrix MLP). ``rope_scaling`` is Llama-3.1's frequency scaling
+    ``"gelu"`` (the plain 2-matrix MLP). ``add_qkv_bias`` gives ``linear_qkv`` alone a bias
+    (Qwen2/Qwen2.5; ``add_bias_linear`` gives every linear one). ``rope_scaling`` is Llama-3.1's frequency scaling
     (``rope_scaling_factor`` over 8192 original positions, low/high frequency factors 1 and
     4: megatron's ``RotaryEmbedding``); ``norm_epsilon`` the norms' epsilon.
     """
@@ -30,6 +31,7 @@ class ModelShape:
     normalization: str = "RMSNorm"  # or "LayerNorm" (weight + bias)
     activation: str = "swiglu"  # or "gelu"
     add_bias_linear: bool = False
+    add_qkv_bias: bool = False
     qk_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = True
     position_embedding_type: str = "rope"  # or "learned_absolute"
@@ -147,6 +149,55 @@ MODELS: dict[str, ModelShape] = {
             rotary_base=500000,
             rope_scaling=True,
             rope_scaling_factor=32.0,
+        ),
+        # Qwen2.5-72B (huggingface.co/Qwen/Qwen2.5-72B, config.json): 80 layers, hidden 8192,
+        # FFN 29568, 64 heads, 8 KV groups, vocab 152064, untied, q/k/v biases (no o_proj bias),
+        # rope_theta 1e6, 131072 positions, rms_norm_eps 1e-5.
+        ModelShape(
+            "qwen2.5-72b",
+            80,
+            8192,
+            29568,
+            64,
+            8,
+            152064,
+            add_qkv_bias=True,
+            max_position_embeddings=131072,
+            rotary_base=1000000,
+        ),
+        # Qwen3-32B (huggingface.co/Qwen/Qwen3-32B, config.json): 64 layers, hidden 5120,
+        # FFN 25600, 64 heads of head_dim 128 (64 x 128 = 8192, not 5120: kv_channels), 8 KV
+        # groups, vocab 151936, untied, per-head q/k RMSNorm, no biases, rope_theta 1e6,
+        # 40960 positions, rms_norm_eps 1e-6.
+        ModelShape(
+            "qwen3-32b",
+            64,
+            5120,
+            25600,
+            64,
+            8,
+            151936,
+            kv_channels=128,
+            qk_layernorm=True,
+            max_position_embeddings=40960,
+            rotary_base=1000000,
+            norm_epsilon=1e-6,
+        ),
+        # Qwen3-8B (huggingface.co/Qwen/Qwen3-8B, config.json): 36 layers, hidden 4096, FFN
+        # 12288, 32 heads (head_dim 128 = 4096 / 32), 8 KV groups, vocab 151936, untied,
+        # per-head q/k RMSNorm, rope_theta 1e6, 40960 positions, rms_norm_eps 1e-6.
+        ModelShape(
+            "qwen3-8b",
+            36,
+            4096,
+            12288,
+            32,
+            8,
+            151936,
+            qk_layernorm=True,
+            max_position_embeddings=40960,
+            rotary_base=1000000,
+            norm_epsilon=1e-6,
         ),
         # The model `mcore-flash pretrain --model tiny` trains (its default CPU job): 2 layers,
         # h 128, ffn 352, 4 heads, 2 groups, 256 positions; the byte-level tokenizer's 258 ids

@@ -48,9 +48,10 @@ def layer_parameters(model: ModelShape, tp: int = 1) -> dict[str, int]:
     qkv_out = _div((a + 2 * g) * d, tp, "query/key/value projection width")
     fc1_out = _div((2 if model.gated else 1) * f, tp, "linear_fc1 width")
     bias = model.add_bias_linear
+    qkv_bias = bias or model.add_qkv_bias  # megatron: bias=add_bias_linear or add_qkv_bias
     parts = {
         "input_layernorm": norm,
-        "self_attention.linear_qkv": h * qkv_out + (qkv_out if bias else 0),
+        "self_attention.linear_qkv": h * qkv_out + (qkv_out if qkv_bias else 0),
         "self_attention.linear_proj": _div(a * d, tp, "attention width") * h + (h if bias else 0),
         "pre_mlp_layernorm": norm,
         "mlp.linear_fc1": h * fc1_out + (fc1_out if bias else 0),
@@ -113,9 +114,9 @@ def _norm_shapes(prefix: str, width: int, model: ModelShape, unit: Optional[str]
     return [ParameterShape(f"{prefix}.{n}", (width,), unit) for n in names]
 
 
-def _linear_shapes(prefix: str, out: int, inp: int, model: ModelShape, unit: str):
+def _linear_shapes(prefix: str, out: int, inp: int, model: ModelShape, unit: str, bias=None):
     shapes = [ParameterShape(f"{prefix}.weight", (out, inp), unit)]
-    if model.add_bias_linear:
+    if model.add_bias_linear if bias is None else bias:
         shapes.append(ParameterShape(f"{prefix}.bias", (out,), unit))
     return shapes
 
@@ -141,6 +142,7 @@ def _layer_shapes(model: ModelShape, tp: int, index: int) -> list[ParameterShape
         h,
         model,
         pre,
+        bias=model.add_bias_linear or model.add_qkv_bias,
     )
     if model.qk_layernorm:
         shapes += _norm_shapes(f"{pre}.self_attention.q_layernorm", d, model, pre)
@@ -232,6 +234,7 @@ def build_flash_gpt(
         gated_linear_unit=model.gated,
         activation_func=torch.nn.functional.silu if model.gated else torch.nn.functional.gelu,
         add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
         tensor_model_parallel_size=tp,
         use_cpu_initialization=True,

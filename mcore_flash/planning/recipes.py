@@ -143,5 +143,8 @@ def model_shape_for_pretrain_args(args, vocab_size: Optional[int] = None) -> Mod
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         activation="swiglu" if args.swiglu else "gelu",
+        kv_channels=args.kv_channels,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
         vocab_size=preset.vocab_size if vocab_size is None else vocab_size,
     )

@@ -90,6 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--swiglu", action="store_true", default=None)
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     model.add_argument("--disable-bias-linear", action="store_true", default=None)
+    model.add_argument(
+        "--add-qkv-bias",
+        action="store_true",
+        default=None,
+        help="a bias on the query/key/value projection alone (Qwen2/Qwen2.5)",
+    )
+    model.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        default=None,
+        help="normalise queries and keys per head (Qwen3; --normalization's norm)",
+    )
+    model.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="attention head size (default --hidden-size / --num-attention-heads)",
+    )
     model.add_argument("--attention-dropout", type=float, default=0.0)
     model.add_argument("--hidden-dropout", type=float, default=0.0)
     model.add_argument(

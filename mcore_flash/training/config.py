@@ -81,6 +81,9 @@ class TrainingConfig:
     swiglu: bool
     untie_embeddings_and_output_weights: bool
     disable_bias_linear: bool
+    add_qkv_bias: bool  # a bias on linear_qkv alone (Qwen2)
+    qk_layernorm: bool  # per-head query/key norms (Qwen3)
+    kv_channels: Optional[int]  # head size; None: hidden_size / num_attention_heads
     attention_dropout: float
     hidden_dropout: float
     attention_backend: Optional[str]  # None: by device
@@ -246,6 +249,9 @@ def _preset_values(values: Mapping[str, Any]) -> dict[str, Any]:
         swiglu=shape.gated,
         untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
         disable_bias_linear=not shape.add_bias_linear,
+        add_qkv_bias=shape.add_qkv_bias,
+        qk_layernorm=shape.qk_layernorm,
+        kv_channels=shape.kv_channels,
         normalization=shape.normalization,
         position_embedding_type=shape.position_embedding_type,
         **TRAINING_DEFAULTS,
@@ -526,6 +532,8 @@ def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> Non
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}"
         )
+    if args.kv_channels is not None and args.kv_channels < 1:
+        raise ValueError(f"--kv-channels must be >= 1, got {args.kv_channels}")
     if args.num_attention_heads % args.num_query_groups:
         raise ValueError(
             f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads {args.num_attention_heads}"

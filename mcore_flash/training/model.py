@@ -27,6 +27,9 @@ def transformer_config(config: TrainingConfig):
         activation_func=F.silu if config.swiglu else F.gelu,
         use_te_activation_func=config.swiglu,  # megatron's activation hook -> our fused SwiGLU
         add_bias_linear=not config.disable_bias_linear,
+        add_qkv_bias=config.add_qkv_bias,
+        qk_layernorm=config.qk_layernorm,
+        kv_channels=config.kv_channels,
         attention_dropout=config.attention_dropout,
         hidden_dropout=config.hidden_dropout,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
@@ -128,6 +131,9 @@ SHAPE_ARGS = (
     "untie_embeddings_and_output_weights",
     "swiglu",
     "disable_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "kv_channels",
     "normalization",
     "position_embedding_type",
 )
@@ -145,6 +151,8 @@ def model_args(config: TrainingConfig, vocab_size: int) -> dict:
     """The model's defining flags (``SHAPE_ARGS`` + ``POSITION_ARGS``) and unpadded ``vocab_size``."""
     out = {name: getattr(config, name) for name in SHAPE_ARGS + POSITION_ARGS}
     out["use_rope_scaling"] = bool(out["use_rope_scaling"])
+    if out["kv_channels"] == config.hidden_size // config.num_attention_heads:
+        out["kv_channels"] = None  # the default head size, stored as such
     return {**out, "vocab_size": vocab_size}
 
 

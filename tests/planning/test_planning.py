@@ -524,6 +524,7 @@ def test_planner_tiny_is_the_model_pretrain_trains():
         else "gelu",
         "add_bias_linear": config.add_bias_linear,
         "qk_layernorm": config.qk_layernorm,
+        "add_qkv_bias": config.add_qkv_bias,
         "norm_epsilon": config.layernorm_epsilon,
         "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights,
         "position_embedding_type": args.position_embedding_type,
