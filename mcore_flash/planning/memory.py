@@ -29,15 +29,26 @@ With Megatron-FSDP (``layout.fsdp``) ``weights``, ``gradients`` and ``optimizer_
 ``dp * cp`` as the strategy says), and two more categories, :data:`.fsdp.FSDP_CATEGORIES`,
 hold what FSDP allocates per layer: the gathered units and the unsharded gradient buckets.
 
+Optimizer offload and bf16 main gradients with the distributed optimizer (megatron's DDP) are
+counted exactly, per data-parallel rank (:func:`rank_shards`, :func:`ddp_state_bytes`,
+:func:`ddp_host_bytes`; tests/emulation/test_offload_memory.py measures them on the emulated
+NPU): megatron's buffer layout (:func:`.parameters.ddp_buffer`: padded buffers, each rank's
+shard), the optimizer's parameter order, and ``HybridDeviceOptimizer`` moving whole
+parameters to the host in that order while the offloaded elements are below ``F`` x the
+rank's shard; ``weights``, ``gradients`` and ``optimizer_state`` are then the worst rank's.
+Without offload and bf16 gradients the DDP rows count parameters (``P``, ``12 P / (dp cp)``),
+not the padded buffers.
+
 Host offload (``layout.optimizer_offload_fraction``, ``layout.activation_offload_layers``;
-the ladder's 4th rung): ``optimizer_state`` keeps ``1 - F`` of the shard on the device;
+the ladder's 4th rung): ``optimizer_state`` keeps what the rank does not offload;
 ``activations`` and ``attention_statistics`` keep the layers not offloaded, and
 ``activation_offload_buffers`` holds what an offloaded layer has on the device while it
 runs (its own kept tensors and the next one's prefetch: ``min(N, 2)`` layers of one
 micro-batch, an estimate). The host side, per rank (:data:`HOST_CATEGORIES`, bytes):
-``host_optimizer_state`` = 12 B (fp32 master, Adam m, v) and ``host_gradient_copy`` = 4 B
-(megatron's pinned fp32 copy of the gradient, ``pin_cpu_grads``) per offloaded shard
-element; ``host_activations`` = the offloaded layers' kept tensors x micro-batches in
+``host_optimizer_state`` = 12 B (fp32 master, Adam m, v) per offloaded shard element and the
+4-byte step counter of each offloaded parameter, ``host_gradient_copy`` = 4 B (megatron's
+pinned fp32 copy of the gradient, ``pin_cpu_grads``) per offloaded element (the rank's own:
+a node sums its ranks'); ``host_activations`` = the offloaded layers' kept tensors x micro-batches in
 flight; ``host_runtime`` = the profile's ``host_runtime_bytes_per_rank`` (an assumption).
 Per node: the sum over the node's ranks (Megatron's rank order TP, CP, DP, PP) plus
 ``host_reserved_bytes``; a plan whose node needs more than ``host_memory`` does not fit.
@@ -50,6 +61,7 @@ there, never the bytes: whatever the mask, the fused attention keeps per-token t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -71,6 +83,8 @@ from .models import ModelShape
 from .parameters import (
     layer_parameters,
     optimizer_bytes_per_parameter,
+    optimizer_order,
+    stage_ddp_buffers,
     stage_parameters,
     total_parameters,
 )
@@ -89,6 +103,12 @@ __all__ = [
     "HostPlan",
     "device_gradient_bytes",
     "main_gradient_bytes",
+    "RankShard",
+    "rank_shards",
+    "offloaded_parameters",
+    "ddp_state_bytes",
+    "ddp_host_bytes",
+    "exact_ddp_state",
 ]
 
 CATEGORIES = (
@@ -124,6 +144,8 @@ HOST_OPTIMIZER_BYTES = 12  # fp32 master + Adam exp_avg + exp_avg_sq per offload
 HOST_GRADIENT_BYTES = 4  # megatron's pinned fp32 gradient copy per offloaded element
 FP32_BYTES = 4  # fp32 gradients of the logits, dK/dV of the context-parallel ring
 BF16_BYTES = 2
+ADAM_MOMENT_BYTES = 8  # Adam's exp_avg + exp_avg_sq, fp32, per element
+STEP_COUNTER_BYTES = 4  # torch AdamW's 0-dim fp32 "step" per parameter (fused: on its device)
 
 
 def main_gradient_bytes(layout: Layout) -> int:
@@ -137,10 +159,9 @@ def device_gradient_bytes(parameters: int, layout: Layout) -> int:
     2 B/element plus the fp32 gradients the optimizer gives the part of its fp32 master
     shard kept on the device (megatron's ``_copy_model_grads_to_main_grads``): 4 B x
     ``S (1 - F)``, ``S = parameters / (dp * cp)`` with the distributed optimizer (else
-    ``parameters``), ``F`` the optimizer offload fraction. Measured
-    (tests/training/test_offload.py, DP2): without offload bf16 saves ``2N - 4S`` (0 at
-    ``dp * cp = 2``, and costs ``2N`` at 1), with the whole optimizer offloaded ``2N``;
-    fractions between are interpolated (not measured)."""
+    ``parameters``), ``F`` the optimizer offload fraction. The plan uses it without the
+    distributed optimizer (exact there: no padding, no offload); with it, bf16 gradients
+    and offload are counted per rank from megatron's layout (:func:`ddp_state_bytes`)."""
     if not layout.grad_reduce_in_bf16:
         return parameters * FP32_BYTES
     shard = Fraction(parameters, layout.sharding_ranks if layout.distributed_optimizer else 1)
@@ -148,11 +169,126 @@ def device_gradient_bytes(parameters: int, layout: Layout) -> int:
     return parameters * BF16_BYTES + _ceil(kept * FP32_BYTES)
 
 
+@dataclass(frozen=True)
+class RankShard:
+    """One data x context parallel rank's distributed-optimizer shard of one pipeline stage
+    under megatron's DDP: ``buffer_elements`` (the stage's DDP buffers, padding included: what
+    the bf16 weights and the main gradients take, the same on every rank), the real
+    ``elements`` of its shard in ``parameters`` parameters (shards of), and of those the
+    ``offloaded_elements`` in ``offloaded_parameters`` that ``HybridDeviceOptimizer`` keeps on
+    the host."""
+
+    rank: int
+    buffer_elements: int
+    elements: int
+    parameters: int
+    offloaded_elements: int = 0
+    offloaded_parameters: int = 0
+
+    @property
+    def kept_elements(self) -> int:
+        return self.elements - self.offloaded_elements
+
+    @property
+    def kept_parameters(self) -> int:
+        return self.parameters - self.offloaded_parameters
+
+
+def offloaded_parameters(elements: list[int], fraction: float) -> int:
+    """How many of a rank's shard parameters (``elements`` each, in the optimizer's order)
+    megatron's ``HybridDeviceOptimizer`` moves to the host at offload ``fraction``: whole
+    parameters, in order, while the elements moved so far are below ``fraction`` x the shard
+    (``_get_sub_optimizer_param_groups``: ``offload_params_numel < offload_threshold``, the
+    threshold a float as there)."""
+    threshold = sum(elements) * fraction
+    moved = count = 0
+    for size in elements:
+        if not moved < threshold:
+            break
+        moved += size
+        count += 1
+    return count
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_shards(
+    model: ModelShape, tp: int, pp: int, vp: int, stage: int, ranks: int, fraction: float = 0.0
+) -> tuple[RankShard, ...]:
+    """Every rank's :class:`RankShard` of pipeline stage ``stage`` over ``ranks`` (dp x cp),
+    offloading ``fraction``: megatron's buffers (:func:`.parameters.stage_ddp_buffers`),
+    each rank's shard, its parameters in the optimizer's order
+    (:func:`.parameters.optimizer_order`) and :func:`offloaded_parameters` of them."""
+    buffers = stage_ddp_buffers(model, tp, pp, vp, stage, ranks)
+    per_buffer = [buffer.shards() for buffer in buffers]
+    total = sum(buffer.elements for buffer in buffers)
+    out = []
+    for rank in range(ranks):
+        order = [held for _, held in optimizer_order([shards[rank] for shards in per_buffer])]
+        moved = offloaded_parameters(order, fraction) if fraction else 0
+        out.append(RankShard(rank, total, sum(order), len(order), sum(order[:moved]), moved))
+    return tuple(out)
+
+
+def exact_ddp_state(layout: Layout) -> bool:
+    """Whether the plan counts ``layout``'s weights, gradients and optimizer state per rank
+    from megatron's buffer layout: the distributed optimizer under DDP with optimizer offload
+    or bf16 main gradients (measured exactly on the emulated NPU)."""
+    return (
+        layout.distributed_optimizer
+        and layout.fsdp is None
+        and bool(layout.optimizer_offload_fraction or layout.grad_reduce_in_bf16)
+    )
+
+
+def ddp_state_bytes(
+    shard: RankShard, layout: Layout, *, param_bytes: int = BF16_BYTES, after_step: bool = True
+) -> dict[str, int]:
+    """One rank's device bytes of ``weights``, ``gradients`` and ``optimizer_state`` under
+    megatron's DDP and distributed optimizer (mixed precision: bf16 parameters, Adam), after
+    setup or, ``after_step``, after a step (steady: the plan's).
+
+    ``weights`` / ``gradients``: the padded buffers, ``param_bytes`` and 4 B (2 with
+    ``--grad-reduce-in-bf16``) per element. Without offload ``optimizer_state`` is the fp32
+    master shard (4 B per shard element after setup) and, after a step, Adam's m and v (8 B);
+    with bf16 gradients the optimizer then holds fp32 gradients of its shard (4 B an element,
+    ``_copy_model_grads_to_main_grads``: ``grad.float()``), counted in ``gradients``. With
+    offload (``HybridDeviceOptimizer``, ``param_update_in_fp32``) the same for the elements
+    kept on the device (its fp32 copies, m, v and, with bf16 gradients, ``grad.to(fp32)``)
+    plus, after a step, the 4-byte step counter of each kept parameter (torch's fused AdamW
+    keeps it on the parameter's device; without offload it is on the host)."""
+    kept = shard.kept_elements
+    optimizer = FP32_BYTES * kept
+    if after_step:
+        optimizer += ADAM_MOMENT_BYTES * kept
+        if layout.optimizer_offload_fraction:
+            optimizer += STEP_COUNTER_BYTES * shard.kept_parameters
+    fp32_gradients = FP32_BYTES * kept if layout.grad_reduce_in_bf16 and after_step else 0
+    return {
+        "weights": shard.buffer_elements * param_bytes,
+        "gradients": shard.buffer_elements * main_gradient_bytes(layout) + fp32_gradients,
+        "optimizer_state": optimizer,
+    }
+
+
+def ddp_host_bytes(shard: RankShard) -> dict[str, int]:
+    """One rank's host bytes of its offloaded optimizer: ``host_optimizer_state`` (fp32
+    master, m, v: 12 B per offloaded element, and each offloaded parameter's 4-byte step)
+    and ``host_gradient_copy`` (the pinned fp32 gradient copy, 4 B per offloaded element)."""
+    return {
+        "host_optimizer_state": HOST_OPTIMIZER_BYTES * shard.offloaded_elements
+        + STEP_COUNTER_BYTES * shard.offloaded_parameters,
+        "host_gradient_copy": HOST_GRADIENT_BYTES * shard.offloaded_elements,
+    }
+
+
 @dataclass
 class StagePlan:
     """One pipeline stage's device: its ``parameters`` (one TP rank), its ``layers``, the
     model chunks x micro-batches ``in_flight`` at its peak and ``bytes`` by category
-    (:data:`CATEGORIES`)."""
+    (:data:`CATEGORIES`; with the exact DDP state its worst data-parallel rank's). Host:
+    ``host_bytes`` (:data:`HOST_CATEGORIES` but ``host_runtime``) of its fullest rank and,
+    where ranks differ, ``rank_host_bytes``: the offloaded optimizer's host bytes of each rank
+    of the data x context parallel group (a node sums its own ranks')."""
 
     stage: int
     parameters: int
@@ -160,6 +296,9 @@ class StagePlan:
     in_flight: int
     bytes: dict[str, int]
     host_bytes: dict[str, int] = field(default_factory=dict)  # one rank's, HOST_CATEGORIES
+    # per data x context parallel rank, where they differ (exact DDP state): each rank's host
+    # optimizer bytes (host_optimizer_state, host_gradient_copy)
+    rank_host_bytes: tuple[dict[str, int], ...] = ()
 
     @property
     def total(self) -> int:
@@ -608,7 +747,6 @@ def plan_memory(
     layers_per_stage = model.num_layers // layout.pp
     offloaded = Fraction(_offloaded_layers(layout, layers_per_stage), layers_per_stage)
     kept_layer = layer_activations + layer_statistics  # one layer, one micro-batch
-    offloaded_shard = Fraction(layout.optimizer_offload_fraction) / layout.sharding_ranks
     for stage in range(layout.pp):
         parameters = sum(stage_parameters(model, layout.tp, layout.pp, stage).values())
         chunks_in_flight = layout.in_flight(stage)
@@ -639,11 +777,7 @@ def plan_memory(
         nbytes = {
             "weights": parameters * param_bytes,
             "gradients": device_gradient_bytes(parameters, layout),
-            "optimizer_state": _ceil(
-                parameters
-                * optimizer_per_parameter
-                * (1 - Fraction(layout.optimizer_offload_fraction))
-            ),
+            "optimizer_state": _ceil(parameters * optimizer_per_parameter),
             "activations": _ceil(on_device * layer_activations + decoder),
             "attention_statistics": _ceil(on_device * layer_statistics),
             "embeddings_and_loss": _ceil(embeddings_and_loss),
@@ -656,13 +790,26 @@ def plan_memory(
         }
         if layout.activation_offload_layers:
             nbytes["activation_offload_buffers"] = _ceil(prefetch)
-        host_bytes = {
-            "host_optimizer_state": _ceil(parameters * offloaded_shard * HOST_OPTIMIZER_BYTES),
-            "host_gradient_copy": _ceil(parameters * offloaded_shard * HOST_GRADIENT_BYTES),
+        host_bytes = {  # the optimizer's host bytes: offload implies the exact DDP state
+            "host_optimizer_state": 0,
+            "host_gradient_copy": 0,
             "host_activations": _ceil(offloaded * layers_in_flight * kept_layer),
         }
+        rank_host: tuple[dict[str, int], ...] = ()
+        if exact_ddp_state(layout):  # the distributed optimizer with offload or bf16 gradients
+            nbytes, host_bytes, rank_host = _exact_ddp_stage(
+                model, layout, stage, param_bytes, nbytes, host_bytes
+            )
         stages.append(
-            StagePlan(stage, parameters, layers_per_stage, chunks_in_flight, nbytes, host_bytes)
+            StagePlan(
+                stage,
+                parameters,
+                layers_per_stage,
+                chunks_in_flight,
+                nbytes,
+                host_bytes,
+                rank_host,
+            )
         )
 
     fused = activation_profile.attention != "standard"
@@ -687,6 +834,67 @@ def plan_memory(
     )
 
 
+def _exact_ddp_stage(
+    model: ModelShape,
+    layout: Layout,
+    stage: int,
+    param_bytes: int,
+    nbytes: dict[str, int],
+    host_bytes: dict[str, int],
+) -> tuple[dict[str, int], dict[str, int], tuple[dict[str, int], ...]]:
+    """A stage's device bytes with ``weights``, ``gradients`` and ``optimizer_state`` those of
+    its worst rank (:func:`ddp_state_bytes`), the host bytes of its fullest rank (with the
+    stage's ``host_activations``) and every rank's offloaded optimizer (:func:`ddp_host_bytes`)."""
+    worst, rank_host, fullest = _exact_stage_state(
+        model,
+        layout.tp,
+        layout.pp,
+        layout.vp,
+        stage,
+        layout.sharding_ranks,
+        float(layout.optimizer_offload_fraction),
+        layout.grad_reduce_in_bf16,
+        param_bytes,
+    )
+    return {**nbytes, **worst}, {**host_bytes, **fullest}, rank_host
+
+
+@functools.lru_cache(maxsize=1024)
+def _exact_stage_state(
+    model: ModelShape,
+    tp: int,
+    pp: int,
+    vp: int,
+    stage: int,
+    ranks: int,
+    fraction: float,
+    bf16_gradients: bool,
+    param_bytes: int,
+) -> tuple[dict[str, int], tuple[dict[str, int], ...], dict[str, int]]:
+    """``(worst rank's device state, every rank's host optimizer, the fullest rank's)`` of
+    :func:`_exact_ddp_stage` (cached: the search plans the same stage under many
+    activation choices; ranks with the same shard sizes computed once)."""
+    layout = Layout(
+        dp=ranks, optimizer_offload_fraction=fraction, grad_reduce_in_bf16=bf16_gradients
+    )
+    states: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
+    rank_host = []
+    for shard in rank_shards(model, tp, pp, vp, stage, ranks, fraction):
+        key = (
+            shard.elements,
+            shard.parameters,
+            shard.offloaded_elements,
+            shard.offloaded_parameters,
+        )
+        if key not in states:
+            device = ddp_state_bytes(shard, layout, param_bytes=param_bytes)
+            states[key] = (device, ddp_host_bytes(shard))
+        rank_host.append(states[key][1])
+    worst = max((device for device, _ in states.values()), key=lambda d: sum(d.values()))
+    fullest = max((host for _, host in states.values()), key=lambda h: sum(h.values()))
+    return worst, tuple(rank_host), fullest
+
+
 def _offloaded_layers(layout: Layout, layers_per_stage: int) -> int:
     """``layout.activation_offload_layers``, or ValueError naming the flag when a stage has
     fewer layers."""
@@ -701,10 +909,21 @@ def _offloaded_layers(layout: Layout, layers_per_stage: int) -> int:
 def node_stages(layout: Layout, devices_per_node: int) -> list[list[int]]:
     """Per node, the pipeline stage of each of its ranks (Megatron's rank order TP, CP, DP,
     PP: rank ``r`` is on stage ``r // (tp * cp * dp)``)."""
+    return [[stage for stage, _ in node] for node in node_ranks(layout, devices_per_node)]
+
+
+def node_ranks(layout: Layout, devices_per_node: int) -> list[list[tuple[int, int]]]:
+    """Per node, ``(pipeline stage, rank in the data x context parallel group)`` of each of
+    its ranks: rank ``r`` is on stage ``r // (tp * cp * dp)`` and is rank
+    ``(r // tp) % (cp * dp)`` of its group (megatron's order TP, CP, DP, PP; the group's
+    ranks in global order)."""
     per_stage = layout.num_devices // layout.pp
     ranks = range(layout.num_devices)
     return [
-        [r // per_stage for r in ranks[start : start + devices_per_node]]
+        [
+            (r // per_stage, (r // layout.tp) % layout.sharding_ranks)
+            for r in ranks[start : start + devices_per_node]
+        ]
         for start in range(0, layout.num_devices, devices_per_node)
     ]
 
@@ -725,10 +944,16 @@ def _host_plan(
     if layout.offloads and host_memory is None:
         hardware.host("host_memory_bytes")  # raises, naming the figure
     best = None
-    for node in node_stages(layout, hardware.devices_per_node):
+    for node in node_ranks(layout, hardware.devices_per_node):
         by_category = {name: 0 for name in HOST_CATEGORIES}
-        for stage in node:
-            for name, value in {**stages[stage].host_bytes, "host_runtime": runtime}.items():
+        for stage, shard_rank in node:
+            plan = stages[stage]
+            rank_bytes = (
+                {**plan.host_bytes, **plan.rank_host_bytes[shard_rank]}
+                if plan.rank_host_bytes
+                else plan.host_bytes
+            )
+            for name, value in {**rank_bytes, "host_runtime": runtime}.items():
                 by_category[name] += value
         total = sum(by_category.values()) + reserved
         if best is None or total > best.per_node:

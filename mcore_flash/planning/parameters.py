@@ -9,10 +9,20 @@ Bytes per parameter (Megatron's mixed precision with bf16 params, fp32 main grad
 Adam): weights 2, gradients 4, optimizer 12 (fp32 master copy, exp_avg, exp_avg_sq); the
 distributed optimizer shards the 12 over the data-parallel group including context
 parallelism (``dp * cp`` ranks): ``6 + 12/d`` bytes per parameter instead of 18.
+
+:func:`ddp_buffer` mirrors megatron's DDP buffer layout under the distributed optimizer
+(``_ParamAndGradBuffer`` in 0.16.1, ``DistributedOptimizer._compute_per_buffer_param_layout``
+in 0.19.2: the same rules), :meth:`DdpBuffer.shards` the distributed optimizer's shard of
+each data-parallel rank (``_build_model_gbuf_range``) and :func:`optimizer_order` the order
+its inner optimizer sees them (``_get_param_groups``, ``_build_optimizer_group_ranges``):
+what the offloaded optimizer's bytes are computed from (:mod:`.memory`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
 from .models import ModelShape
@@ -24,6 +34,11 @@ __all__ = [
     "ParameterShape",
     "stage_parameter_shapes",
     "optimizer_bytes_per_parameter",
+    "BufferSlot",
+    "DdpBuffer",
+    "ddp_buffer",
+    "stage_ddp_buffers",
+    "optimizer_order",
     "meta_parameter_count",
     "build_flash_gpt",
 ]
@@ -200,6 +215,122 @@ def total_parameters(model: ModelShape) -> int:
 def optimizer_bytes_per_parameter(distributed: bool, dp: int, cp: int = 1) -> float:
     """Bytes of fp32 master weights + Adam states per parameter (12, or 12/(dp*cp) sharded)."""
     return 12.0 / (dp * cp) if distributed else 12.0
+
+
+# megatron's DDP buffer under the distributed optimizer: each parameter starts at a multiple of
+# 64 elements, each bucket ends at a multiple of lcm(dp x cp, 128) (pad_buckets_for_high_nccl_busbw
+# off, as the trainer leaves it)
+PARAM_START_ALIGNMENT = 64
+BUCKET_END_ALIGNMENT = 128
+
+
+def _pad(index: int, divisor: int) -> int:
+    return -(-index // divisor) * divisor
+
+
+class BufferSlot(NamedTuple):
+    """One parameter in megatron's DDP buffer: its ``name``, ``start`` element, ``elements``,
+    the ``bucket`` it is in, and whether it is in the optimizer's no-weight-decay group
+    (megatron's default: 1-D parameters and ``*.bias``)."""
+
+    name: str
+    start: int
+    elements: int
+    bucket: int
+    no_weight_decay: bool
+
+
+@dataclass(frozen=True)
+class DdpBuffer:
+    """One model chunk's DDP parameter/gradient buffer: its ``slots`` in buffer order (the
+    reverse of ``named_parameters``), its ``buckets`` as padded ``(start, end)`` elements and
+    the ``ranks`` (data x context parallel) its buckets are split over."""
+
+    slots: tuple[BufferSlot, ...]
+    buckets: tuple[tuple[int, int], ...]
+    ranks: int
+
+    @property
+    def elements(self) -> int:
+        """The buffer's elements, padding included (what megatron allocates)."""
+        return self.buckets[-1][1] if self.buckets else 0
+
+    def shards(self) -> list[list[tuple[BufferSlot, int]]]:
+        """Per rank, ``(slot, elements of it in the rank's shard)`` in buffer order: rank ``r``
+        owns elements ``[start + r * size/D, start + (r+1) * size/D)`` of every bucket
+        (megatron's ``_build_model_gbuf_range``); a parameter outside it is not the rank's."""
+        out: list[list[tuple[BufferSlot, int]]] = [[] for _ in range(self.ranks)]
+        for slot in self.slots:
+            low, high = self.buckets[slot.bucket]
+            per = (high - low) // self.ranks
+            begin, end = slot.start - low, slot.start - low + slot.elements
+            for rank in range(begin // per, (end - 1) // per + 1):
+                held = min(end, (rank + 1) * per) - max(begin, rank * per)
+                if held > 0:
+                    out[rank].append((slot, held))
+        return out
+
+
+def ddp_buffer(
+    params: Sequence[ParameterShape], ranks: int, distributed_optimizer: bool = True
+) -> DdpBuffer:
+    """megatron's DDP buffer of one model chunk's ``params`` (``named_parameters`` order), as
+    the trainer builds it (no ``--overlap-grad-reduce``: ``bucket_size`` None, one bucket, but
+    a ``shared_embedding`` parameter in a bucket of its own). With the distributed optimizer
+    (megatron's ``_pad_start_of_param_if_needed`` / ``_pad_end_of_bucket_if_needed``, 0.19's
+    ``pad_param_start`` / ``pad_bucket_end``): each parameter starts at a multiple of 64
+    elements and each bucket ends at a multiple of ``lcm(ranks, 128)``; without it nothing is
+    padded."""
+    pad_start = PARAM_START_ALIGNMENT if distributed_optimizer else 1
+    pad_end = math.lcm(ranks, BUCKET_END_ALIGNMENT) if distributed_optimizer else 1
+    slots: list[BufferSlot] = []
+    buckets: list[tuple[int, int]] = []
+    bucket_start = index = 0
+    members = 0
+    for param in reversed(params):  # "roughly backprop order"
+        index = _pad(index, pad_start)
+        if param.shared_embedding and distributed_optimizer and members:
+            buckets.append((bucket_start, _pad(index, pad_end)))
+            bucket_start = index = buckets[-1][1]
+            members = 0
+        elements = math.prod(param.shape)
+        no_decay = len(param.shape) == 1 or param.name.endswith(".bias")
+        slots.append(BufferSlot(param.name, index, elements, len(buckets), no_decay))
+        members += 1
+        index += elements
+        if param.shared_embedding and distributed_optimizer:
+            buckets.append((bucket_start, _pad(index, pad_end)))
+            bucket_start = index = buckets[-1][1]
+            members = 0
+    if members:
+        buckets.append((bucket_start, _pad(index, pad_end)))
+    return DdpBuffer(tuple(slots), tuple(buckets), ranks)
+
+
+@functools.lru_cache(maxsize=512)
+def stage_ddp_buffers(
+    model: ModelShape, tp: int, pp: int, vp: int, stage: int, ranks: int
+) -> tuple[DdpBuffer, ...]:
+    """The DDP buffers of pipeline stage ``stage``'s device, one per model chunk: with ``vp``
+    interleaved chunks, chunk ``v`` is virtual stage ``v * pp + stage`` of ``pp * vp``
+    (cached: the search asks for the same stage many times)."""
+    return tuple(
+        ddp_buffer(stage_parameter_shapes(model, tp, pp * vp, chunk * pp + stage), ranks)
+        for chunk in range(vp)
+    )
+
+
+def optimizer_order(
+    chunk_shards: Sequence[list[tuple[BufferSlot, int]]],
+) -> list[tuple[BufferSlot, int]]:
+    """One rank's shard parameters in the order megatron's inner optimizer holds them: its
+    parameter groups sorted with the default (weight-decay) group first, then the
+    no-weight-decay group (``_get_param_groups``: ``sorted(..., key=(override is not None,
+    ...))``), each in buffer order over the model chunks (``_build_optimizer_group_ranges``
+    walks the buffers' buckets). ``chunk_shards``: per model chunk, the rank's
+    :meth:`DdpBuffer.shards` entry."""
+    held = [entry for shard in chunk_shards for entry in shard]
+    return [e for e in held if not e[0].no_weight_decay] + [e for e in held if e[0].no_weight_decay]
 
 
 def build_flash_gpt(

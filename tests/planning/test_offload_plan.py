@@ -4,7 +4,16 @@ the step-time terms, the search's climb and the CLI's refusals.
 Hand figures: a TP8 rank of Llama-2-70B (h 8192, 64 heads, 8 KV groups of 128, FFN 28672,
 vocabulary 32000, 80 layers) holds per layer 8192*1280 (QKV) + 1024*8192 (proj) +
 8192*7168 (fc1) + 3584*8192 (fc2) + 2*8192 (norms) = 106,971,136 parameters; with the
-embedding and the output layer (4000*8192 each) and the final norm, 8,623,235,072.
+embedding and the output layer (4000*8192 each) and the final norm, 8,623,235,072, in
+80 * 6 + 3 = 483 parameters. Every one is a multiple of 8192 elements, so megatron's DDP
+buffer pads nothing here (parameters start at multiples of 64, the bucket ends at a multiple
+of lcm(dp, 128)): at dp = 1, 2, 4 each rank's shard is exactly P / dp.
+
+Offloading F of a shard, megatron's ``HybridDeviceOptimizer`` moves whole parameters in the
+optimizer's order (the weight-decay group, then the norms, each in buffer order: the reverse
+of ``named_parameters``: the output layer, then per layer from the last fc2, fc1, QKV,
+proj, ..., the embedding) while fewer than F x shard elements have moved; each parameter has
+a 4-byte step counter where its Adam runs (the host, or with offload the device).
 """
 
 from __future__ import annotations
@@ -15,7 +24,9 @@ from mcore_flash.planning import Layout, plan_memory, predict_step_time, search_
 from mcore_flash.planning.cli import main
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
 from mcore_flash.planning.layout import pretrain_command
+from mcore_flash.planning.memory import offloaded_parameters
 from mcore_flash.planning.models import get_model
+from mcore_flash.planning.parameters import ParameterShape, ddp_buffer, optimizer_order
 from mcore_flash.planning.search import Candidate, closest_offload, sensitivity
 from mcore_flash.planning.units import GiB
 
@@ -25,6 +36,13 @@ P_TP8 = 80 * LAYER_TP8 + 2 * 4000 * 8192 + 8192  # one TP8 rank, all 80 layers
 INPUT_TP8 = SEQ // 8 * 8192 * 2  # a layer's bf16 input under SP: what full recompute keeps
 NPU = HARDWARE_PROFILES["ascend-910b-64g"]
 RUNTIME, RESERVED = 16 * GiB, 64 * GiB  # the profile's host assumptions
+
+
+PARAMS_TP8 = 80 * 6 + 3  # parameters (tensors) of one TP8 rank
+FC2, FC1, QKV, PROJ = 8192 * 3584, 7168 * 8192, 1280 * 8192, 8192 * 1024
+OUTPUT = 4000 * 8192
+LAYER_WEIGHTS = FC2 + FC1 + QKV + PROJ  # a layer's weight-decay parameters, buffer order
+STEP = 4  # a parameter's fp32 step counter
 
 
 def one_node(**offload) -> Layout:
@@ -43,12 +61,63 @@ def test_hand_parameter_count():
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_optimizer_offload_moves_the_shard(fraction):
     p = plan(one_node(optimizer_offload_fraction=fraction))
-    assert p.per_device["optimizer_state"] == 12 * P_TP8 * (1 - fraction)
     host = p.stages[0].host_bytes
-    assert host["host_optimizer_state"] == 12 * P_TP8 * fraction
-    assert host["host_gradient_copy"] == 4 * P_TP8 * fraction
+    offloaded = host["host_gradient_copy"] // 4  # the pinned fp32 gradient copy: 4 B an element
+    moved = (host["host_optimizer_state"] - 12 * offloaded) // STEP  # and a step per parameter
+    # whole parameters: at least F of the shard (D = 1: all of P), less than F + the largest
+    assert fraction * P_TP8 <= offloaded < fraction * P_TP8 + FC1
+    assert 12 * offloaded + STEP * moved == host["host_optimizer_state"]
+    kept_steps = STEP * (PARAMS_TP8 - moved) if fraction else 0  # on the host without offload
+    assert p.per_device["optimizer_state"] == 12 * (P_TP8 - offloaded) + kept_steps
+    if fraction == 1.0:
+        assert (offloaded, moved) == (P_TP8, PARAMS_TP8)
     assert p.per_device["gradients"] == 4 * P_TP8  # fp32 main gradients stay
-    assert p.per_device["weights"] == 2 * P_TP8
+    assert p.per_device["weights"] == 2 * P_TP8  # no padding (above)
+
+
+def test_half_the_optimizer_offloads_in_the_optimizers_order():
+    # the threshold P/2 falls after the output layer and the last 40 layers' weights, inside
+    # layer 39's: its fc2 is the last parameter moved
+    half = P_TP8 / 2
+    assert OUTPUT + 40 * LAYER_WEIGHTS < half <= OUTPUT + 40 * LAYER_WEIGHTS + FC2
+    offloaded, moved = OUTPUT + 40 * LAYER_WEIGHTS + FC2, 1 + 40 * 4 + 1
+    p = plan(one_node(optimizer_offload_fraction=0.5))
+    assert p.stages[0].host_bytes["host_optimizer_state"] == 12 * offloaded + STEP * moved
+    assert p.stages[0].host_bytes["host_gradient_copy"] == 4 * offloaded
+    kept = 12 * (P_TP8 - offloaded) + STEP * (PARAMS_TP8 - moved)
+    assert p.per_device["optimizer_state"] == kept == 51_395_003_652
+
+
+def test_ddp_buffer_pads_and_shards_as_megatron():
+    # named_parameters order: a tied embedding split over stages (its own bucket), a 1-D
+    # weight, a 200-element weight; at D = 2 buckets end at multiples of lcm(2, 128) = 128
+    params = [
+        ParameterShape("embedding.word_embeddings.weight", (10, 10), "embedding", True),
+        ParameterShape("decoder.final_layernorm.weight", (3,), None),
+        ParameterShape("output_layer.weight", (20, 10), None),
+    ]
+    buffer = ddp_buffer(params, 2)
+    # reverse order: output 0..200; the norm starts at 256 (a multiple of 64), ends at 259;
+    # the embedding closes that bucket at 320 -> 384 and fills 384..484 -> 512 alone
+    assert [(s.name.split(".")[0], s.start, s.elements) for s in buffer.slots] == [
+        ("output_layer", 0, 200),
+        ("decoder", 256, 3),
+        ("embedding", 384, 100),
+    ]
+    assert buffer.buckets == ((0, 384), (384, 512)) and buffer.elements == 512
+    # rank 0 owns 0..192 and 384..448, rank 1 192..384 and 448..512 (each bucket halved)
+    shards = [[(s.name.split(".")[0], held) for s, held in shard] for shard in buffer.shards()]
+    assert shards == [
+        [("output_layer", 192), ("embedding", 64)],
+        [("output_layer", 8), ("decoder", 3), ("embedding", 36)],
+    ]
+    # the optimizer: weight-decay parameters first, the 1-D norm last
+    order = optimizer_order([buffer.shards()[1]])
+    assert [s.name.split(".")[0] for s, _ in order] == ["output_layer", "embedding", "decoder"]
+    # a fraction moves whole parameters while fewer than F x the shard (47) have moved
+    assert offloaded_parameters([8, 36, 3], 0.1) == 1  # 0 < 4.7: 8 moved, 8 >= 4.7
+    assert offloaded_parameters([8, 36, 3], 0.5) == 2  # 8 < 23.5: 44 moved
+    assert offloaded_parameters([8, 36, 3], 1.0) == 3
 
 
 def test_activation_offload_moves_the_layer_inputs():
@@ -64,7 +133,7 @@ def test_activation_offload_moves_the_layer_inputs():
 
 def test_host_bytes_per_node():
     p = plan(one_node(optimizer_offload_fraction=1.0, activation_offload_layers=80))
-    per_rank = 16 * P_TP8 + 80 * INPUT_TP8 + RUNTIME
+    per_rank = 16 * P_TP8 + STEP * PARAMS_TP8 + 80 * INPUT_TP8 + RUNTIME
     assert p.host.ranks_per_node == 8
     assert p.host.per_node == 8 * per_rank + RESERVED
     assert p.host.host_memory == 2 * 1024 * GiB  # the profile's default (an assumption)
@@ -76,14 +145,15 @@ def test_host_bytes_of_a_pipeline_span_nodes():
         tp=8, pp=2, recompute="full", global_batch_size=32, optimizer_offload_fraction=1.0
     )
     p = plan(layout)
-    stage0 = 40 * LAYER_TP8 + 4000 * 8192
-    stage1 = 40 * LAYER_TP8 + 4000 * 8192 + 8192
-    assert p.host.per_node == 8 * (16 * max(stage0, stage1) + RUNTIME) + RESERVED
+    stage0 = 40 * LAYER_TP8 + 4000 * 8192  # in 40 * 6 + 1 parameters
+    stage1 = 40 * LAYER_TP8 + 4000 * 8192 + 8192  # in 40 * 6 + 2 (final norm, output layer)
+    assert stage1 > stage0
+    assert p.host.per_node == 8 * (16 * stage1 + STEP * (40 * 6 + 2) + RUNTIME) + RESERVED
 
 
 def test_host_memory_refuses_a_plan():
     layout = one_node(optimizer_offload_fraction=1.0, activation_offload_layers=80)
-    needed = 8 * (16 * P_TP8 + 80 * INPUT_TP8 + RUNTIME) + RESERVED
+    needed = 8 * (16 * P_TP8 + STEP * PARAMS_TP8 + 80 * INPUT_TP8 + RUNTIME) + RESERVED
     layout = one_node(
         optimizer_offload_fraction=1.0, activation_offload_layers=80, grad_reduce_in_bf16=True
     )
@@ -247,8 +317,15 @@ def test_bf16_gradients_with_optimizer_offload_save_2n(dp):
 
 
 def test_bf16_gradients_with_part_of_the_optimizer_offloaded():
+    # 4 B of fp32 gradient per element kept on the device (S = N at D = 1): the threshold P/4
+    # falls after the output layer, the last 19 layers' weights and layer 60's fc2 and fc1,
+    # before its QKV, the last parameter moved
+    quarter = P_TP8 / 4
+    before = OUTPUT + 19 * LAYER_WEIGHTS + FC2 + FC1
+    assert before < quarter <= before + QKV
+    kept = P_TP8 - (before + QKV)
     bf16 = plan(one_node(optimizer_offload_fraction=0.25, grad_reduce_in_bf16=True))
-    assert bf16.per_device["gradients"] == 2 * P_TP8 + 3 * P_TP8  # 4 B x 0.75 S, S = N
+    assert bf16.per_device["gradients"] == 2 * P_TP8 + 4 * kept
 
 
 def test_bf16_gradients_without_the_distributed_optimizer():
