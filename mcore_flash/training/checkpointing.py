@@ -40,10 +40,15 @@ import torch.distributed as dist
 from mcore_flash.training import faults, fsdp_checkpoint, manifest, safe_pickles
 
 MARKER = "latest_checkpointed_iteration.txt"
-# Where the weights came from (a converted Hugging Face checkpoint's original config.json and
-# directory): read on load and written into every later checkpoint, so an export after
-# continued pretraining keeps the original token ids and metadata.
-PROVENANCE_KEYS = ("hf_config", "converted_from")
+# Where the weights came from (a converted Hugging Face checkpoint's original config.json,
+# generation_config.json and directory) and the record of the tokenizer stored beside the
+# checkpoints (``<save>/tokenizer/``, :func:`mcore_flash.data.tokenizers.tokenizer_record`):
+# read on load and written into every later checkpoint, so an export after continued
+# pretraining keeps the original token ids, decoding defaults, metadata and tokenizer. A run
+# that saves into another directory copies the tokenizer files there (:func:`save_checkpoint`).
+PROVENANCE_KEYS = ("hf_config", "converted_from", "generation_config", "tokenizer")
+# in the provenance load_checkpoint returns: the --load directory whose tokenizer/ to copy
+_TOKENIZER_SOURCE = "_tokenizer_source"
 # dist_checkpointing's index and non-tensor files, checked before anything is read
 COMMON_FILES = ("metadata.json", "common.pt", ".metadata")
 TORCH_DIST = "torch_dist"
@@ -126,10 +131,14 @@ def save_checkpoint(
     rank = dist.get_rank()
     final = checkpoint_dir(root, iteration)
     tmp = final + ".tmp"
+    provenance = dict(provenance or {})
+    tokenizer_source = provenance.pop(_TOKENIZER_SOURCE, None)
     if rank == 0:
         for stale in unfinished_saves(root):
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
+        if tokenizer_source is not None:
+            _carry_tokenizer(tokenizer_source, root, provenance["tokenizer"])
     dist.barrier()
     faults.point("save-begin", iteration)
     common = dict(
@@ -138,7 +147,7 @@ def save_checkpoint(
         padded_vocab_size=padded_vocab_size,
         model_args=model_args,
         optimizer_layout=optimizer_layout(optimizer),
-        **(provenance or {}),
+        **provenance,
     )
     try:
         if background is None:
@@ -261,13 +270,22 @@ def _write_state(path: str, model_chunks: list, optimizer, scheduler, common: di
 
 def _async_request(path: str, model_chunks: list, optimizer, scheduler, common: dict):
     """megatron's ``AsyncRequest`` writing the torch_dist checkpoint into ``path``: the common
-    state is written now, the shards (staged to host memory first) by the forked writer."""
+    state is written now, the shards (staged to host memory first) by the forked writer.
+    megatron-core's own writer (``async_strategy="mcore"``): 0.19 defaults to NVIDIA's
+    ``nvidia-resiliency-ext`` package instead (CUDA-only, not a dependency here) and logs that
+    its own is deprecated; 0.16 has only its own."""
+    import inspect
+
     from megatron.core import dist_checkpointing
 
+    strategy = {}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        strategy = {"async_strategy": "mcore"}
     return dist_checkpointing.save(
         {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common},
         path,
         async_sharded_save=True,
+        **strategy,
     )
 
 
@@ -324,7 +342,7 @@ def load_checkpoint(
         _load_model(root, path, common, model_chunks)
         if not fsdp_run:  # FSDP copied the weights loaded before sharding into its buffers itself
             optimizer.reload_model_params()  # fp32 main parameters from the loaded weights
-    provenance = {key: common[key] for key in PROVENANCE_KEYS if key in common}
+    provenance = _provenance(root, common)
     if finetune:
         return 0, 0, provenance
     consumed = int(common["consumed_samples"])
@@ -336,6 +354,43 @@ def load_checkpoint(
     ):  # a run resumed on another world size draws fresh RNG streams
         _set_rng_state(safe_pickles.load_rng_file(rng_file))
     return int(common["iteration"]), consumed, provenance
+
+
+def _provenance(root: str, common: dict) -> dict:
+    """``PROVENANCE_KEYS`` of the checkpoint under ``root``; with its stored tokenizer, where to
+    copy the files from. A tokenizer whose files are gone or changed is not carried forward (a
+    run without tokenizer flags has already stopped on it; one with them uses its own)."""
+    from mcore_flash.data.tokenizers import TOKENIZER_DIR, check_stored_tokenizer
+
+    provenance = {key: common[key] for key in PROVENANCE_KEYS if key in common}
+    if provenance.get("tokenizer"):
+        try:
+            check_stored_tokenizer(
+                os.path.join(root, TOKENIZER_DIR), provenance["tokenizer"], f"--load {root}"
+            )
+            provenance[_TOKENIZER_SOURCE] = os.path.abspath(root)
+        except ValueError as error:
+            del provenance["tokenizer"]
+            if dist.get_rank() == 0:
+                print(f"note: not carried into --save: {error}", file=sys.stderr)
+    return provenance
+
+
+def _carry_tokenizer(source: str, root: str, record: dict) -> None:
+    """Copy the tokenizer stored under the ``--load`` directory ``source`` into ``root``/tokenizer
+    (rank 0, once: not when ``root`` is ``source`` or already holds it)."""
+    from mcore_flash.data.tokenizers import TOKENIZER_DIR, check_stored_tokenizer, store_tokenizer
+
+    target = os.path.join(root, TOKENIZER_DIR)
+    if os.path.realpath(source) == os.path.realpath(root):
+        return
+    if os.path.isdir(target):
+        try:
+            check_stored_tokenizer(target, record, target)
+            return
+        except ValueError:
+            shutil.rmtree(target)  # another tokenizer's files: replaced by this run's
+    store_tokenizer(os.path.join(source, TOKENIZER_DIR), target, record)
 
 
 def _load_with_optimizer(path: str, common: dict, model_chunks: list, optimizer, scheduler) -> None:
