@@ -456,6 +456,22 @@ FSDP_DRILL = Drill(
     "<!-- fault-table-fsdp:begin -->",
     "<!-- fault-table-fsdp:end -->",
 )
+# the optimizer offload (megatron's HybridDeviceOptimizer: Adam state and step on the host) on the
+# emulated NPU (the CPU path has no device to offload from), bf16 parameters as it requires:
+# every point of the chain
+OFFLOAD_DRILL = Drill(
+    (
+        *FLAGS,
+        "--emulate-npu",
+        "--bf16",
+        "--use-precision-aware-optimizer",
+        "--optimizer-cpu-offload",
+    ),
+    CHAIN,
+    ITERATIONS,
+    "<!-- fault-table-offload:begin -->",
+    "<!-- fault-table-offload:end -->",
+)
 # --async-save: kills while a background write is in flight (the model points of the iteration
 # after a save, whose writer may still be running), in the background writer itself, and in the
 # publishing that follows it. Spaced so that each resumed launch publishes a checkpoint before
@@ -503,11 +519,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         action="store_true",
         help="the drill with --async-save (its own chain and table, no disk-full row)",
     )
+    kind.add_argument(
+        "--offload",
+        action="store_true",
+        help="the drill with --optimizer-cpu-offload on the emulated NPU (its own table, no disk-full row)",
+    )
     args = parser.parse_args(argv)
-    drill = FSDP_DRILL if args.fsdp else ASYNC_DRILL if args.async_save else DRILL
+    drill = (
+        FSDP_DRILL
+        if args.fsdp
+        else ASYNC_DRILL
+        if args.async_save
+        else OFFLOAD_DRILL
+        if args.offload
+        else DRILL
+    )
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         parser.error(f"--work-dir {args.work_dir} is not empty")
-    disk_full = not (args.no_disk_full or args.fsdp or args.async_save)
+    disk_full = not (args.no_disk_full or args.fsdp or args.async_save or args.offload)
     if disk_full and not can_fill_a_disk():
         if args.write:
             parser.error(
