@@ -11,7 +11,10 @@ Generation stops, as transformers' does, after the first end-of-sequence token (
 the output), at most ``--max-new-tokens`` tokens: the EOS ids are those of the Hugging Face
 checkpoint it was converted from (:func:`end_of_sequence_ids`); ``--ignore-eos`` produces
 exactly ``--max-new-tokens``. Padding rows of the vocabulary are never chosen. ``--json``
-prints ``{"prompt_ids": [...], "output_ids": [...]}``.
+prints ``{"prompt_ids": [...], "output_ids": [...]}``. The tokenizer is the one stored with the
+checkpoint unless ``--tokenizer-type``/``--tokenizer-model`` are given
+(:func:`mcore_flash.training.data.run_tokenizer`); ``--prompt`` is encoded without special
+tokens (no BOS), as Megatron-LM's tokenizers do.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ def build_parser():
     p.description = "Greedy decoding from a checkpoint with the trainer's model."
     group = p.add_argument_group("generation")
     prompt = group.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text, tokenized with --tokenizer-type/--tokenizer-model")
+    prompt.add_argument(
+        "--prompt",
+        help="text, tokenized with --tokenizer-type/--tokenizer-model, else with the tokenizer "
+        "stored with the checkpoint (convert hf-to-mcore copies the source's), else byte-level",
+    )
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     group.add_argument("--max-new-tokens", type=int, default=32)
     group.add_argument(

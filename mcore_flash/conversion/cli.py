@@ -3,6 +3,8 @@
 mcore-flash convert hf-to-mcore --hf-dir DIR --save DIR [--tensor-model-parallel-size N]
     [--pipeline-model-parallel-size M] [--make-vocab-size-divisible-by K] [--bf16]
 mcore-flash convert mcore-to-hf --load DIR --save-hf DIR [--max-shard-size 5GB]
+
+hf-to-mcore copies the source's tokenizer files into DIR/tokenizer; mcore-to-hf writes them back.
 """
 
 from __future__ import annotations
@@ -60,17 +62,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.make_vocab_size_divisible_by,
                 args.bf16,
             )
+            tokenizer = result["tokenizer"]
+            stored = (
+                f"; tokenizer ({', '.join(tokenizer['files'])}) in {result['path']}/tokenizer"
+                if tokenizer
+                else f"; {args.hf_dir} has no tokenizer files: later commands need --tokenizer-type/--tokenizer-model"
+            )
             print(
-                f"wrote {result['path']} (padded vocabulary {result['padded_vocab_size']}); continue training with:\n"
+                f"wrote {result['path']} (padded vocabulary {result['padded_vocab_size']}{stored}); "
+                f"continue training with:\n"
                 f"  mcore-flash pretrain --load {result['path']} --finetune --use-checkpoint-args ..."
             )
         else:
             from mcore_flash.conversion.mcore_to_hf import mcore_to_hf
 
             result = mcore_to_hf(args.load, args.save_hf, _bytes(args.max_shard_size))
+            tokenizer = result["tokenizer_files"]
             print(
                 f"wrote {args.save_hf}: config.json + {len(result['files'])} safetensors file(s) "
                 f"from iteration {result['iteration']}"
+                + (
+                    f" + tokenizer ({', '.join(tokenizer)})"
+                    if tokenizer
+                    else " (no tokenizer stored)"
+                )
             )
     except ValueError as error:  # ConversionError, or a checkpoint that is not there
         print(f"mcore-flash convert: error: {error}", file=sys.stderr)

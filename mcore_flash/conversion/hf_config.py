@@ -75,6 +75,20 @@ _IGNORED = {
     "is_encoder_decoder",
     "tie_encoder_decoder",
 }
+# The special-token ids transformers keeps in config.json (the tokenizer's, not the model's;
+# ``unk_token_id`` and the like are what a tokenizer's config adds): accepted, and an export
+# writes them back as the source had them.
+_TOKEN_ID_FIELDS = {
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "unk_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+    "decoder_start_token_id",
+}
+_IGNORED |= _TOKEN_ID_FIELDS
 # PretrainedConfig's own attributes, which no Llama's forward pass reads: transformers 5.25's
 # (configuration_utils.py: the dataclass fields and the kwargs ``__post_init__`` pops) and those
 # 4.x's ``PretrainedConfig.__init__`` set and wrote into config.json. Not here: ``pruned_heads``

@@ -9,6 +9,10 @@ megatron stores tensors in their global layout, which any TP/PP loads; the TP si
 decides the vocabulary padding (a multiple of ``--make-vocab-size-divisible-by`` x TP) and,
 with PP, is validated against the model. The result is written under ``<save>.tmp`` and
 renamed into place, like a training checkpoint: a failed conversion leaves nothing at ``--save``.
+
+The source's tokenizer files (whichever of :data:`mcore_flash.data.tokenizers.TOKENIZER_FILES`
+exist) are copied into ``<save>/tokenizer/`` and recorded in the checkpoint's common state, as
+its ``generation_config.json`` is, so later commands need no tokenizer flags.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from mcore_flash.conversion.hf_config import (
 from mcore_flash.conversion.llama import hf_shape, tensor_maps
 from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import HFCheckpointReader
-from mcore_flash.data.tokenizers import padded_vocab_size
+from mcore_flash.data.tokenizers import TOKENIZER_DIR, padded_vocab_size, store_tokenizer
 from mcore_flash.training import checkpointing, manifest
 
 # DCP's writer keeps the last chunk it wrote of every key alive until the file is done
@@ -51,7 +55,9 @@ def hf_to_mcore(
     bf16: bool = False,
     log=print,
 ) -> dict:
-    """Convert; returns ``{"model_args", "padded_vocab_size", "flags", "path"}``."""
+    """Convert; returns ``{"model_args", "padded_vocab_size", "flags", "path", "tokenizer"}``
+    (``tokenizer``: the record of the tokenizer files copied to ``<save>/tokenizer/``, None when
+    ``hf_dir`` has none)."""
     from mcore_flash.training.arguments import parse_args
 
     config = read_config(hf_dir)
@@ -100,6 +106,8 @@ def hf_to_mcore(
         )
 
     with atomic_directory(save, "--save") as tmp:
+        # the tokenizer beside the checkpoints (outside iter_*), recorded in their common state
+        tokenizer = store_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
         path = checkpointing.checkpoint_dir(tmp, 0)
         os.makedirs(path)
         dcp_stream.save_chunks(
@@ -117,13 +125,20 @@ def hf_to_mcore(
                 "model_args": model_args,
                 "hf_config": config,
                 "generation_config": generation_config,  # None: the directory had none
+                "tokenizer": tokenizer,  # None: likewise
                 "converted_from": os.path.abspath(hf_dir),
                 "model_only": True,
             },
         )
         manifest.write_manifest(path)
         checkpointing.write_marker(tmp, 0)
-    return {"model_args": model_args, "padded_vocab_size": padded, "flags": flags, "path": save}
+    return {
+        "model_args": model_args,
+        "padded_vocab_size": padded,
+        "flags": flags,
+        "path": save,
+        "tokenizer": tokenizer,
+    }
 
 
 class _ChunkSource:

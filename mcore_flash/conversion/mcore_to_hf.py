@@ -6,7 +6,11 @@ Each megatron tensor is read one layer at a time from its global layout
 and appended to the current safetensors shard. The model comes from the ``model_args``
 stored in the checkpoint, so RoPE settings changed by continued pretraining are exported;
 token ids and other metadata come from the original ``config.json`` when the checkpoint was
-converted from one. Written under ``<save-hf>.tmp`` and renamed into place.
+converted from one. The tokenizer files stored with the checkpoint (``<load>/tokenizer/``) are
+copied back, checked against the checkpoint's record, and its ``generation_config.json`` is
+written where the source had one, so ``AutoTokenizer``, ``AutoModelForCausalLM`` and
+``pipeline("text-generation")`` load the export. Written under ``<save-hf>.tmp`` and renamed into
+place.
 
 A ``--use-megatron-fsdp`` checkpoint (``fsdp_dtensor``) stores each module's weight under its
 own name, one tensor per layer, as the TP shards laid side by side (:class:`_Source`).
@@ -24,6 +28,7 @@ from mcore_flash.conversion.hf_config import ConversionError, hf_config_from_mod
 from mcore_flash.conversion.llama import tensor_maps
 from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import StreamingSafetensorsWriter
+from mcore_flash.data.tokenizers import TOKENIZER_DIR, store_tokenizer
 from mcore_flash.training import checkpointing
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
@@ -32,7 +37,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
 def mcore_to_hf(
     load: str, save_hf: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print
 ) -> dict:
-    """Export the latest checkpoint under ``load``; returns ``{"config", "files", "iteration"}``."""
+    """Export the latest checkpoint under ``load``; returns ``{"config", "files", "iteration",
+    "tokenizer_files"}``."""
     path, common = checkpointing.read_latest(load, verify_all=True)
     model_args = common.get("model_args")
     if model_args is None:
@@ -55,6 +61,14 @@ def mcore_to_hf(
         for name, t in zip(m.hf_names, m.to_hf(source.meta(m)))
     ]
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    tokenizer = common.get("tokenizer")
+    tokenizer_dir = os.path.join(load, TOKENIZER_DIR)
+    if tokenizer and not os.path.isdir(tokenizer_dir):
+        log(
+            f"warning: the checkpoint records tokenizer files ({', '.join(tokenizer['files'])}) but "
+            f"{tokenizer_dir} is gone: the export has no tokenizer (copy it from the source model)"
+        )
+        tokenizer = None
 
     progress = Progress(len(maps), log)
     with atomic_directory(save_hf, "--save-hf") as tmp:
@@ -66,7 +80,17 @@ def mcore_to_hf(
         files = writer.close()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-    return {"config": config, "files": files, "iteration": common["iteration"]}
+        if common.get("generation_config") is not None:
+            with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+                json.dump(common["generation_config"], f, indent=2)
+        if tokenizer:
+            store_tokenizer(tokenizer_dir, tmp, tokenizer)
+    return {
+        "config": config,
+        "files": files,
+        "iteration": common["iteration"],
+        "tokenizer_files": sorted(tokenizer["files"]) if tokenizer else [],
+    }
 
 
 class _Source:

@@ -2,12 +2,15 @@
 
     mcore-flash preprocess --input docs.jsonl --output-prefix data/my --json-keys text \\
         [--tokenizer-type ByteTokenizer|HuggingFaceTokenizer|SentencePieceTokenizer|NullTokenizer] \\
-        [--tokenizer-model FILE] [--vocab-size V] [--append-eod] [--workers N] [--log-interval K]
+        [--tokenizer-model FILE] [--vocab-size V] [--load CKPT] [--append-eod] [--workers N] \
+        [--log-interval K]
 
 writes ``data/my_text_document.bin/.idx`` (one per json key) through megatron's
 ``IndexedDatasetBuilder``: one sequence per document (no sentence splitting), token dtype
 uint16 below 65500 ids else int32 - byte-for-byte what Megatron-LM writes. Pass the prefix
-``data/my_text_document`` to ``--data-path``.
+``data/my_text_document`` to ``--data-path``. ``--load CKPT`` (a ``convert hf-to-mcore`` or
+``pretrain`` ``--save`` directory) tokenizes with the tokenizer stored with that checkpoint,
+unless ``--tokenizer-type``/``--tokenizer-model`` are given (they win, as in ``pretrain``).
 
 Input: one JSON object per line (``.jsonl`` or ``.jsonl.gz``); blank lines are skipped, and so
 are documents whose text tokenizes to nothing (as in Megatron-LM). Output is atomic: written to
@@ -130,19 +133,24 @@ def preprocess(
     input: str,
     output_prefix: str,
     json_keys: Sequence[str] = ("text",),
-    tokenizer_type: str = DEFAULT_TOKENIZER_TYPE,
+    tokenizer_type: Optional[str] = DEFAULT_TOKENIZER_TYPE,
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
     append_eod: bool = False,
     workers: int = 1,
     log_interval: int = 10000,
     log: Optional[IO[str]] = None,
+    load: Optional[str] = None,
 ) -> dict[str, str]:
     """Tokenize ``input`` (jsonl) into one Megatron dataset per key; return ``{key: prefix}``.
 
-    Raises :class:`DataError` (naming the flag or the input line) on bad input.
+    ``load``: a checkpoint directory whose stored tokenizer to use when ``tokenizer_type`` and
+    ``tokenizer_model`` are None (None alone: the default tokenizer). Raises
+    :class:`DataError` (naming the flag or the input line) on bad input.
     """
     log = sys.stderr if log is None else log
+    if load and tokenizer_type is None and tokenizer_model is None:
+        tokenizer_type, tokenizer_model = _checkpoint_tokenizer_args(load)
     if not os.path.exists(input):
         raise DataError(f"--input {input}: no such file")
     if not os.path.isfile(input):
@@ -241,6 +249,27 @@ def preprocess(
     return prefixes
 
 
+def _checkpoint_tokenizer_args(load: str) -> tuple[str, str]:
+    """``(tokenizer type, its directory)`` of the tokenizer stored with the checkpoint under
+    ``load`` (its files checked against the checkpoint's record)."""
+    from mcore_flash.data.tokenizers import check_stored_tokenizer
+    from mcore_flash.training.data import stored_tokenizer_record
+
+    try:
+        stored = stored_tokenizer_record(load)
+    except (ValueError, OSError) as err:  # no marker, a damaged checkpoint
+        raise DataError(str(err)) from None
+    if stored is None or stored[0].get("type") is None:
+        raise DataError(
+            f"--load {load}: no checkpoint there stores a tokenizer (one converted by `convert "
+            "hf-to-mcore` from a directory with tokenizer files does); pass --tokenizer-type / "
+            "--tokenizer-model"
+        )
+    record, directory, _ = stored
+    check_stored_tokenizer(directory, record, f"--load {load}")
+    return record["type"], directory
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mcore-flash preprocess",
@@ -257,11 +286,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tokenizer-type",
-        default=DEFAULT_TOKENIZER_TYPE,
-        help=f"one of {', '.join(TOKENIZER_TYPES)} (default: {DEFAULT_TOKENIZER_TYPE}, no download)",
+        default=None,
+        help=f"one of {', '.join(TOKENIZER_TYPES)} (default: the --load checkpoint's, else "
+        f"{DEFAULT_TOKENIZER_TYPE}, no download)",
     )
     p.add_argument("--tokenizer-model", default=None, help="tokenizer.json or SentencePiece .model")
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only: number of ids")
+    p.add_argument(
+        "--load",
+        default=None,
+        metavar="CKPT",
+        help="a checkpoint directory (convert hf-to-mcore / pretrain --save): use the tokenizer "
+        "stored with it, unless --tokenizer-type/--tokenizer-model are given",
+    )
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     p.add_argument(
@@ -283,6 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.append_eod,
             args.workers,
             args.log_interval,
+            load=args.load,
         )
     except DataError as err:
         print(f"mcore-flash preprocess: error: {err}", file=sys.stderr)

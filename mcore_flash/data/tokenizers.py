@@ -37,14 +37,23 @@ Tokenizer types (``--tokenizer-type``; the names are Megatron-LM's where it has 
 ``NullTokenizer``          ``--vocab-size V``: text is space-separated integer ids < V; ``eod`` = V,
                            ``vocab_size`` = V + 1 (Megatron-LM's NullTokenizer).
 =========================  ======================================================================
+
+**A checkpoint's tokenizer** (:func:`store_tokenizer`): ``convert hf-to-mcore`` copies the source
+directory's tokenizer files (:data:`TOKENIZER_FILES`, whichever exist) into ``<save>/tokenizer/``
+and records them in the checkpoint's common state (:func:`tokenizer_record`: the type they load
+as, each file's SHA-256); ``pretrain`` copies them into every new ``--save`` it writes, and the
+commands given no ``--tokenizer-type``/``--tokenizer-model`` load them
+(:func:`stored_tokenizer`, through ``mcore_flash.training.data.run_tokenizer``).
 """
 
 from __future__ import annotations
 
 import abc
 import difflib
+import hashlib
 import json
 import os
+import shutil
 from collections import OrderedDict
 from typing import Iterable, Optional
 
@@ -60,6 +69,12 @@ __all__ = [
     "DEFAULT_TOKENIZER_TYPE",
     "build_tokenizer",
     "padded_vocab_size",
+    "TOKENIZER_DIR",
+    "TOKENIZER_FILES",
+    "tokenizer_record",
+    "store_tokenizer",
+    "check_stored_tokenizer",
+    "stored_tokenizer",
 ]
 
 DEFAULT_TOKENIZER_TYPE = "ByteTokenizer"
@@ -347,3 +362,128 @@ def padded_vocab_size(
     ``make_vocab_size_divisible_by * tensor_model_parallel_size``."""
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
+
+
+# The directory, next to the ``iter_*`` checkpoints under a --save directory, that holds the
+# tokenizer the checkpoints were converted or trained with (a Hugging Face tokenizer directory:
+# ``transformers.AutoTokenizer.from_pretrained`` reads it as it is).
+TOKENIZER_DIR = "tokenizer"
+# A Hugging Face model directory's tokenizer: these files, whichever exist (the fast tokenizer,
+# its settings and special tokens, a SentencePiece model, the slow tokenizers' vocabularies and
+# the chat templates transformers writes beside them).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _sha256(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def tokenizer_record(directory: str) -> Optional[dict]:
+    """What a checkpoint records of the tokenizer files in ``directory``:
+    ``{"type": tokenizer type, "files": {name: sha256}}``, or None when it holds none of
+    :data:`TOKENIZER_FILES`. ``type`` is ``HuggingFaceTokenizer`` with a ``tokenizer.json``,
+    ``SentencePieceTokenizer`` with only a ``tokenizer.model``, else None (the files travel to
+    an export, but the trainer cannot load them: it still needs ``--tokenizer-type``)."""
+    files = {
+        name: _sha256(os.path.join(directory, name))
+        for name in TOKENIZER_FILES
+        if os.path.isfile(os.path.join(directory, name))
+    }
+    if not files:
+        return None
+    kind = (
+        "HuggingFaceTokenizer"
+        if "tokenizer.json" in files
+        else "SentencePieceTokenizer"
+        if "tokenizer.model" in files
+        else None
+    )
+    return {"type": kind, "files": files}
+
+
+def check_stored_tokenizer(directory: str, record: dict, what: str) -> None:
+    """Raise :class:`DataError` unless ``directory`` holds the files ``record`` lists, unchanged
+    (``what`` names the checkpoint in the message)."""
+    for name, sha in record["files"].items():
+        path = os.path.join(directory, name)
+        problem = (
+            "is missing"
+            if not os.path.isfile(path)
+            else "has changed since the checkpoint was written"
+            if _sha256(path) != sha
+            else None
+        )
+        if problem:
+            raise DataError(
+                f"{what}: the checkpoint's tokenizer file {path} {problem}; restore it from the "
+                "source model, or pass --tokenizer-type / --tokenizer-model explicitly"
+            )
+
+
+def store_tokenizer(source: str, target: str, record: Optional[dict] = None) -> Optional[dict]:
+    """Copy the tokenizer files of directory ``source`` (those ``record`` lists, checked against
+    it; default: whichever of :data:`TOKENIZER_FILES` exist) into directory ``target``; returns
+    the record (None: no tokenizer files, nothing written).
+
+    A missing ``target`` is written as ``<target>.tmp`` and renamed into place, so it is never
+    half there; an existing one (an export directory) is written into."""
+    if record is None:
+        record = tokenizer_record(source)
+        if record is None:
+            return None
+    else:
+        check_stored_tokenizer(source, record, source)
+    fresh = not os.path.isdir(target)
+    into = target.rstrip("/") + ".tmp" if fresh else target
+    if fresh:
+        shutil.rmtree(into, ignore_errors=True)
+        os.makedirs(into)
+    try:
+        for name in record["files"]:
+            shutil.copyfile(os.path.join(source, name), os.path.join(into, name))
+        check_stored_tokenizer(into, record, target)
+        if fresh:
+            os.replace(into, target)
+    except BaseException:
+        if fresh:
+            shutil.rmtree(into, ignore_errors=True)
+        raise
+    return record
+
+
+def stored_tokenizer(
+    directory: str, record: dict, model_vocab_size: Optional[int] = None, what: str = ""
+) -> Tokenizer:
+    """The tokenizer a checkpoint stores in ``directory`` (as ``record`` describes it, checked).
+
+    ``model_vocab_size``: the checkpoint's (unpadded) vocabulary. A Hugging Face model may have
+    more embedding rows than its tokenizer has tokens (Qwen2.5: 152064 rows, 151665 tokens); the
+    tokenizer's ``vocab_size`` is then the model's, as in transformers (the extra ids are never
+    produced by ``tokenize``; ``detokenize`` drops them)."""
+    if record.get("type") is None:
+        raise DataError(
+            f"{what or directory}: the checkpoint's tokenizer files ({', '.join(record['files'])}) hold "
+            "no tokenizer.json or tokenizer.model; pass --tokenizer-type / --tokenizer-model"
+        )
+    check_stored_tokenizer(directory, record, what or directory)
+    tokenizer = build_tokenizer(record["type"], directory)
+    if model_vocab_size is not None and model_vocab_size > tokenizer.vocab_size:
+        tokenizer._vocab_size = model_vocab_size
+        tokenizer.unique_identifiers["model_vocab_size"] = model_vocab_size
+        tokenizer.unique_description = json.dumps(tokenizer.unique_identifiers, indent=4)
+    return tokenizer

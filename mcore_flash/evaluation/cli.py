@@ -131,10 +131,17 @@ def resolve(argv: Optional[Sequence[str]]):
         args.eval_depths = _float_list(args.depths, "--depths")
         if args.needle_length is None:
             args.needle_length = max(2, args.seq_length // 16)
-        if args.tokenizer_type not in (None, "ByteTokenizer"):
+        kind, whose = args.tokenizer_type, ""
+        if kind is None and args.tokenizer_model is None:
+            from mcore_flash.training.data import stored_tokenizer_record
+
+            stored = stored_tokenizer_record(args.load)  # the tokenizer the model runner takes
+            kind = stored[0].get("type") if stored else None
+            whose = " (stored with the checkpoint)"
+        if kind not in (None, "ByteTokenizer"):
             raise ValueError(
                 f"--task needle writes its markers and key letters as byte-tokenizer ids; --tokenizer-type "
-                f"{args.tokenizer_type} is not supported by it (use --task loss-by-position)"
+                f"{kind} is not supported by it{whose} (use --task loss-by-position)"
             )
         check_needle_lengths(args.eval_lengths, args.eval_depths, args.needle_length)
     else:
@@ -172,8 +179,8 @@ def _length_multiple(args) -> int:
 def _resolve_perplexity(args) -> None:
     """``--task perplexity``: one source, a stride in range; the ``--input`` texts read and
     tokenized into ``args.eval_documents`` (``args.eval_bos``: a BOS is prepended)."""
-    from mcore_flash.data.tokenizers import build_tokenizer
     from mcore_flash.evaluation.perplexity import TextEncoder, read_texts
+    from mcore_flash.training.data import run_tokenizer
 
     if (args.input is None) == (not args.data_path):
         raise ValueError(
@@ -197,7 +204,7 @@ def _resolve_perplexity(args) -> None:
             "--seq-length tokens start every --stride tokens"
         )
     texts = read_texts(args.input, args.json_key)
-    encode = TextEncoder(build_tokenizer(args.tokenizer_type, args.tokenizer_model))
+    encode = TextEncoder(run_tokenizer(args))  # the flags', else the checkpoint's tokenizer
     args.eval_documents = [encode(text) for text in texts]
     args.eval_bos = encode.bos
     if all(len(ids) < 2 for ids in args.eval_documents):

@@ -113,3 +113,45 @@ def hf_padded_token_losses(src, tokens, padded_vocab):
     return torch.nn.functional.cross_entropy(
         torch.cat([logits, pad], dim=-1).flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
     )
+
+
+TOKENIZER_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a long context needs a long memory, and a tokenizer that travels",
+    "hello world, hello megatron: checkpoints carry their tokenizers",
+] * 20
+# the special tokens of make_hf_tokenizer, in id order (ids 0..3)
+TOKENIZER_SPECIALS = {
+    "pad_token": "<pad>",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+}
+
+
+def make_hf_tokenizer(path, vocab=300):
+    """A byte-level BPE tokenizer of ``vocab`` tokens trained by the `tokenizers` library on a
+    small corpus (ids 0..3: ``<pad> <s> </s> <unk>``), with a chat template, saved into the
+    directory ``path`` by transformers' ``PreTrainedTokenizerFast.save_pretrained``
+    (tokenizer.json, tokenizer_config.json, chat_template.jinja). Returns the special-token ids
+    as config.json names them (``pad_token_id``, ``bos_token_id``, ...)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(TOKENIZER_SPECIALS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    assert tokenizer.get_vocab_size() == vocab, tokenizer.get_vocab_size()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **TOKENIZER_SPECIALS)
+    fast.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    fast.save_pretrained(str(path))
+    return {
+        f"{name}_id": tokenizer.token_to_id(token) for name, token in TOKENIZER_SPECIALS.items()
+    }

@@ -174,7 +174,11 @@ def test_direct_round_trip_bf16_single_file(tmp_path):
     src = make_hf_llama(tmp_path / "hf")
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc", "--bf16")
     convert("mcore-to-hf", "--load", tmp_path / "mc", "--save-hf", tmp_path / "out")
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "out")) == [  # the source's generation config travels
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     before, after = hf_tensors(src), hf_tensors(tmp_path / "out")
     for name in before:
         assert after[name].dtype == torch.bfloat16 and torch.equal(
