@@ -337,5 +337,6 @@ def pretrain_command(
     if mean_document_length is not None:  # the plan assumes document masking
         args += ["--reset-attention-mask", "--reset-position-ids"]
     args += recompute_flags(layout)
-    args.append("--bf16" if dtype_bytes == 2 else "--fp32")
+    if dtype_bytes == 2:
+        args.append("--bf16")  # fp32 is the trainer's default (Megatron-LM has no --fp32)
     return " ".join([program] + [shlex.quote(a) for a in args])

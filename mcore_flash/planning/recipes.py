@@ -99,14 +99,21 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
 
     Megatron's selective recompute counts as ``attention`` when it includes ``core_attn``
     (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``
-    otherwise (a conservative upper bound).
+    otherwise (a conservative upper bound). Full recompute by ``block`` is partial recompute:
+    its ``--recompute-num-layers`` layers of each chunk whole, the others by the modules.
     """
     config = args.recompute.config
-    recompute = config.get("recompute_granularity")
-    if "qkv" in args.recompute.layer_modules:
+    modules = args.recompute.layer_modules
+    granularity = config.get("recompute_granularity")
+    partial = granularity == "full" and config["recompute_method"] == "block"
+    if granularity == "full" and not partial:
+        recompute = "full"
+    elif "qkv" in modules:
         recompute = "qkv"
-    elif recompute == "selective":
-        recompute = "attention" if "core_attn" in config["recompute_modules"] else "none"
+    elif "core_attn" in (modules if partial else config.get("recompute_modules") or ()):
+        recompute = "attention"
+    else:
+        recompute = "none"
     shape = model_shape_for_pretrain_args(args)
     layout = Layout(
         tp=args.tensor_model_parallel_size,
@@ -115,7 +122,8 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
         cp=args.context_parallel_size,
         dp=args.data_parallel_size,
         sequence_parallel=args.sequence_parallel,
-        recompute=recompute or "none",
+        recompute=recompute,
+        recompute_num_layers=config["recompute_num_layers"] if partial else 0,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         distributed_optimizer=args.use_distributed_optimizer,

@@ -290,6 +290,7 @@ def _climb(
         and host_offload
         and layout.distributed_optimizer
         and layout.fsdp is None
+        and layout.vp == 1  # the trainer refuses the offloads with the interleaved schedule
         and _knows_host(plan_kwargs["hardware"])
     ):
         return [_least_offload(plan, plan_kwargs) or plan]
@@ -298,6 +299,7 @@ def _climb(
         or layout.sharding_ranks == 1
         or layout.fsdp is not None
         or not layout.distributed_optimizer
+        or layout.pp > 1  # the trainer runs Megatron-FSDP at --pipeline-model-parallel-size 1
     ):
         return [plan]
     sharded = [
