@@ -41,16 +41,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _dry_run(config: TrainingConfig) -> int:
-    """Count each pipeline stage's parameters on the meta device and print the planner's
-    memory plan for this layout; 0 when it fits ``--device-memory``."""
+    """Count each pipeline stage's parameters on the meta device, build each stage's DDP (or
+    FSDP) and optimizer from these flags at a shrunk shape (:mod:`.training.dry_run`), and
+    print the planner's memory plan for this layout; 0 when it fits ``--device-memory``, 2
+    when a constructor refuses the flags."""
     from mcore_flash.planning.recipes import plan_for_pretrain_args
     from mcore_flash.planning.report import format_plan
     from mcore_flash.training.dry_run import dry_run
 
-    result = dry_run(config)
+    try:
+        result = dry_run(config)
+    except ValueError as error:  # a flag the DDP / optimizer / offload constructors refuse
+        print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
+        return 2
     for stage, count in enumerate(result["per_stage"]):
         print(f"pipeline stage {stage}: {count:,} parameters per rank")
     print(f"total parameters: {result['total']:,}")
+    shape = ", ".join(f"{name} {value}" for name, value in result["shrunk"].items())
+    print(f"built for training on {result['device']}, at a shrunk shape ({shape}):")
+    for stage, built in enumerate(result["built"]):
+        print(
+            f"pipeline stage {stage}: {built['chunks']} x {built['model']}, optimizer {built['optimizer']}"
+        )
     plan = plan_for_pretrain_args(config, device_memory=config.device_memory)
     print(format_plan(plan))
     return 0 if plan.fits else 1
