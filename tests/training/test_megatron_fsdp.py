@@ -30,6 +30,26 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 ATTENTION = RECOMPUTE_FLAGS["attention"]
 
 
+# A Megatron-FSDP launch on the CPU has twice lost a rank mid-collective on a loaded 2-core
+# machine (its gloo peers then report "Connection reset by peer"; stop 36 on py312, stop 41 on
+# py311 at four ranks), and never when rerun alone. Such a launch is retried once, and only
+# for that signature: the retried launch must still equal the oracle.
+_LOST_RANK = ("Connection reset by peer", "exited without a result")
+
+
+def _fsdp_runs(world_size: int, runs: list, save_root: str, measure, **kwargs):
+    """``run_distributed(w_recipe_runs, ...)``, retried once (into fresh ``--save``
+    directories) after a lost rank (see above)."""
+    try:
+        return run_distributed(w_recipe_runs, world_size, runs, save_root, measure, **kwargs)
+    except RuntimeError as error:
+        if not any(sign in str(error) for sign in _LOST_RANK):
+            raise
+        print(f"a rank was lost, retrying the launch once:\n{str(error)[-1500:]}")
+        retry = f"{save_root}/retry"
+        return run_distributed(w_recipe_runs, world_size, runs, retry, measure, **kwargs)
+
+
 def _weights(recipe, _) -> dict:
     return {"weights": full_weights(recipe.model_chunks[0])}
 
@@ -93,9 +113,7 @@ if DP1_TRAINS:
 
 
 def test_fsdp_equals_the_distributed_optimizer_at_two_ranks(tmp_path):
-    per_rank = run_distributed(
-        w_recipe_runs, 2, list(TWO_RANKS.items()), str(tmp_path), _weights, timeout=600
-    )
+    per_rank = _fsdp_runs(2, list(TWO_RANKS.items()), str(tmp_path), _weights, timeout=600)
     _check(per_rank, TWO_RANK_CASES)
 
 
@@ -111,8 +129,7 @@ NPU_RUNS = {
 def test_fsdp_equals_the_distributed_optimizer_on_the_emulated_npu(tmp_path):
     """npu tensors, HCCL-strict groups (which refuse AVG and PREMUL_SUM, and any CPU tensor in
     a collective), the npu attention backend's op doubles."""
-    per_rank = run_distributed(
-        w_recipe_runs,
+    per_rank = _fsdp_runs(
         2,
         list(NPU_RUNS.items()),
         str(tmp_path),
@@ -145,9 +162,7 @@ FOUR_RANK_CASES = {
 
 @pytest.mark.slow
 def test_fsdp_equals_the_distributed_optimizer_at_four_ranks(tmp_path):
-    per_rank = run_distributed(
-        w_recipe_runs, 4, list(FOUR_RANKS.items()), str(tmp_path), _weights, timeout=900
-    )
+    per_rank = _fsdp_runs(4, list(FOUR_RANKS.items()), str(tmp_path), _weights, timeout=900)
     _check(per_rank, FOUR_RANK_CASES)
 
 
@@ -249,8 +264,7 @@ NPU_FOUR_RANKS = {
 
 @pytest.mark.slow
 def test_fsdp_equals_the_distributed_optimizer_at_four_ranks_on_the_emulated_npu(tmp_path):
-    per_rank = run_distributed(
-        w_recipe_runs,
+    per_rank = _fsdp_runs(
         4,
         list(NPU_FOUR_RANKS.items()),
         str(tmp_path),
