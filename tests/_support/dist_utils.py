@@ -2,7 +2,7 @@
 
     from _support.dist_utils import run_distributed, init_megatron, teardown_megatron
 
-    def _worker(rank, world_size, x):          # top level: spawn pickles it by name
+    def _worker(rank, world_size, x):          # top level: pickled by name
         init_megatron(tp=world_size)
         try:
             return do_something(x)               # must be picklable (tensors are fine)
@@ -14,6 +14,12 @@
 
 A worker's exception fails the test with that worker's traceback. Everything is bounded
 by ``timeout`` seconds (process-group init and collectives included).
+
+The processes fork from multiprocessing's fork server, which imports torch and megatron-core
+once per test session (:data:`PRELOAD`): a spawned process spent about 5 s importing them,
+most of a small distributed test's time. Everything of ours (``mcore_flash``, the test
+module) is still imported in each process, and each gets the caller's environment and its
+standard output and error as a spawned process did (so ``capfd`` sees what ranks print).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import queue as queue_mod
 import sys
 import time
 import traceback
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -45,7 +52,43 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device, threads):
+# third-party modules only: their import has no state of ours, and a spawned rank imported them
+# all the same. Not megatron's GPT model: tests/platform/test_platform.py imports it first after
+# the platform's setup (which must reach modules imported later too)
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+]
+
+
+class _CallersFd:
+    """A file descriptor of the caller that the forked process gets a duplicate of (its
+    fd 1 and 2 are the fork server's, not the caller's, which pytest's capture redirects)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_CallersFd._detach, (reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _detach(duplicate) -> int:
+        return duplicate.detach()
+
+
+def _worker(
+    rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device, threads, caller
+):
+    environment, stdout, stderr = caller
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -95,7 +138,7 @@ def run_distributed(
     bind_device: bool = True,
     threads: int = 1,
 ):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes forked from the fork server.
 
     ``emulate_npu``: the processes import the emulated ``torch_npu`` first, bind rank r to
     ``npu:r`` (unless ``bind_device=False``) and use the HCCL-strict ``hccl`` backend.
@@ -103,7 +146,11 @@ def run_distributed(
     Returns the per-rank return values (rank order). Raises RuntimeError carrying the
     failing worker's traceback, or TimeoutError after ``timeout`` seconds.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    caller = (dict(os.environ), _CallersFd(1), _CallersFd(2))
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -120,6 +167,7 @@ def run_distributed(
                 emulate_npu,
                 bind_device,
                 threads,
+                caller,
             ),
             daemon=False,  # workers may start processes (dist-ckpt save does)
         )
