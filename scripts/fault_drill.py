@@ -94,6 +94,9 @@ FSDP_FLAGS = tuple(
     "--use-megatron-fsdp" if flag == "--use-distributed-optimizer" else flag for flag in FLAGS
 )
 NOT_COMPARED = (".metadata", "manifest.json")
+DOCS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "fault-tolerance.md"
+)
 _TOKEN = "MCORE_FLASH_DRILL_LAUNCH"  # marks every process of one launch
 
 
@@ -197,6 +200,28 @@ def run_drill(
         rows.append(_disk_full(work_dir, reference))
         log(f"fault drill: disk full: {'ok' if rows[-1].ok else 'FAILED'}")
     return rows
+
+
+def failures(rows: list[Row], work_dir: str) -> list[str]:
+    """The rows of a :func:`run_drill` into ``work_dir`` that are not ok, each with the end of
+    its two launches' output (the launch killed at the row's point, and the next one)."""
+    logs = sorted(os.listdir(os.path.join(work_dir, "launches")))
+    chain = [row for row in rows if not row.fault.startswith("disk full")]
+    return [
+        f"{row}\n"
+        + "\n".join(
+            f"{name}: ...{_read(os.path.join(work_dir, 'launches', name))[-2000:]}"
+            for name in logs[index : index + 2]
+        )
+        for index, row in enumerate(chain)
+        if not row.ok
+    ]
+
+
+def documented_table(drill: Drill, path: str = DOCS) -> str:
+    """The drill's table as ``path`` (docs/fault-tolerance.md) holds it, between its markers."""
+    with open(path) as f:
+        return f.read().split(drill.begin)[1].split(drill.end)[0].strip()
 
 
 def launch(

@@ -79,47 +79,41 @@ def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(
     assert "the checkpoint of iteration 2 is intact" in message and f"--load {tmp_path}" in message
 
 
-@pytest.mark.slow  # the chain's 13 launches: CI's Python 3.12 job runs the tests below (tests/conftest.py)
-def test_fault_drill_table(reference, fsdp_reference, tmp_path):
+@pytest.mark.slow  # the chain's 12 launches: CI's Python 3.12 job runs the tests below (tests/conftest.py)
+def test_fault_drill_table(reference, tmp_path):
     """Every fault point and (as root) the full disk: killed there, the tracker names a complete
-    checkpoint, the next launch resumes from it and writes the uninterrupted run's bytes;
-    then every fault point again with --use-megatron-fsdp.
-    docs/fault-tolerance.md holds exactly these tables."""
-    docs = open(
-        os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fault-tolerance.md")
-    ).read()
-    fsdp = fault_drill.FSDP_DRILL
-    fsdp_rows = fault_drill.run_drill(
-        str(tmp_path / "fsdp"), fsdp_reference, disk_full=False, drill=fsdp
-    )
-    fsdp_logs = sorted((tmp_path / "fsdp" / "launches").iterdir())
-    for index, row in enumerate(fsdp_rows):
-        assert row.ok, (
-            row,
-            *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in fsdp_logs[index : index + 2]),
-        )
-    assert [row.fault.split("@")[0] for row in fsdp_rows] == list(faults.POINTS)
-    table = docs.split(fsdp.begin)[1].split(fsdp.end)[0].strip()
-    assert table == fault_drill.markdown(fsdp_rows)  # regenerate: ... --fsdp --write
+    checkpoint, the next launch resumes from it and writes the uninterrupted run's bytes.
+    docs/fault-tolerance.md holds exactly this table."""
     disk_full = fault_drill.can_fill_a_disk()  # root only
-    rows = fault_drill.run_drill(str(tmp_path / "ddp"), reference, disk_full=disk_full)
-    tmp_path = tmp_path / "ddp"
+    rows = fault_drill.run_drill(str(tmp_path), reference, disk_full=disk_full)
     chain = rows[:-1] if disk_full else rows
     assert [row.fault.split("@")[0] for row in chain] == list(faults.POINTS)
-    logs = sorted((tmp_path / "launches").iterdir())  # the chain's launches, in order
-    for index, row in enumerate(chain):  # the launch killed at the row's point, and the next one
-        assert row.ok, (
-            row,
-            *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in logs[index : index + 2]),
-        )
+    assert fault_drill.failures(rows, str(tmp_path)) == []
     assert [row.resumed_from for row in chain] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11]
-    table = docs.split(fault_drill.BEGIN)[1].split(fault_drill.END)[0].strip()
+    table = fault_drill.documented_table(fault_drill.DRILL)
     if not disk_full:  # the table's other rows still match; the skip says what did not run
         assert table.rsplit("\n", 1)[0] == fault_drill.markdown(rows)
         pytest.skip(fault_drill.NO_DISK_FULL)
     assert rows[-1].fault.startswith("disk full") and rows[-1].resumed_from == 2
     assert rows[-1].ok, (rows[-1], (tmp_path / "disk_full" / "first.log").read_text()[-2000:])
     assert table == fault_drill.markdown(rows)  # regenerate: python scripts/fault_drill.py --write
+
+
+@pytest.mark.slow  # each chain's 11 launches: CI's Python 3.11 job
+@pytest.mark.parametrize("kind", ["fsdp", "offload"])
+def test_fault_drill_table_of_zero3_and_of_the_offloaded_optimizer(kind, tmp_path, request):
+    """The drill at every fault point with --use-megatron-fsdp (fsdp_dtensor checkpoints), and
+    with --optimizer-cpu-offload on the emulated NPU (the optimizer state and step on the host):
+    docs/fault-tolerance.md holds these tables (regenerate: ... --fsdp / --offload --write)."""
+    if kind == "fsdp":
+        drill, reference = fault_drill.FSDP_DRILL, request.getfixturevalue("fsdp_reference")
+    else:
+        drill = fault_drill.OFFLOAD_DRILL
+        reference = fault_drill.run_uninterrupted(str(tmp_path / "uninterrupted"), drill)
+    rows = fault_drill.run_drill(str(tmp_path / "chain"), reference, disk_full=False, drill=drill)
+    assert fault_drill.failures(rows, str(tmp_path / "chain")) == []
+    assert [row.fault.split("@")[0] for row in rows] == list(faults.POINTS)
+    assert fault_drill.documented_table(drill) == fault_drill.markdown(rows)
 
 
 @pytest.mark.parametrize("ok", [True, False])

@@ -200,31 +200,3 @@ def test_offloaded_optimizer_resumes_exactly(tmp_path):
     assert pretrain("--save", str(resumed), "--exit-interval", "2") == [0, 0]
     assert pretrain("--save", str(resumed), "--load", str(resumed)) == [0, 0]
     assert _metrics(resumed) == _metrics(straight) and len(_metrics(straight)) == 4
-
-
-@pytest.mark.slow  # the chain's launches: CI's Python 3.11 job
-def test_offload_drill_table(tmp_path):
-    """The fault drill with --optimizer-cpu-offload on the emulated NPU: killed at every fault
-    point, the tracker names a complete checkpoint, the next launch resumes from it and writes
-    the uninterrupted offloaded run's bytes. docs/fault-tolerance.md holds this table."""
-    import importlib
-    import os
-    import sys
-
-    from mcore_flash.training import faults
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-    fault_drill = importlib.import_module("fault_drill")  # a CI harness, not in the package
-    drill = fault_drill.OFFLOAD_DRILL
-    reference = fault_drill.run_uninterrupted(str(tmp_path / "uninterrupted"), drill)
-    rows = fault_drill.run_drill(str(tmp_path / "chain"), reference, disk_full=False, drill=drill)
-    logs = sorted((tmp_path / "chain" / "launches").iterdir())
-    for index, row in enumerate(rows):
-        assert row.ok, (
-            row,
-            *(f"{log.name}: ...{log.read_text()[-2000:]}" for log in logs[index : index + 2]),
-        )
-    assert [row.fault.split("@")[0] for row in rows] == list(faults.POINTS)
-    docs_path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fault-tolerance.md")
-    table = open(docs_path).read().split(drill.begin)[1].split(drill.end)[0].strip()
-    assert table == fault_drill.markdown(rows)  # regenerate: ... --offload --write
