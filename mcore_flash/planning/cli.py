@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .activations import PROFILES
 from .compare import DEFAULT_SEQ_LENGTHS, compare_standard
@@ -293,26 +293,42 @@ def _dp(args) -> int:
     return args.dp or 1
 
 
+class Inputs(NamedTuple):
+    """What ``plan``'s name and size flags say, resolved once at the edge."""
+
+    model: ModelShape  # --model
+    hardware: HardwareProfile  # --hardware
+    device_memory: Optional[int]  # --device-memory, bytes (None: not given)
+    dtype_bytes: int  # --dtype: bytes per parameter and activation element
+
+
+def resolve(args) -> Inputs:
+    """The typed inputs of parsed ``args`` (ValueError naming the flag for a bad one)."""
+    return Inputs(
+        model=get_model(args.model),
+        hardware=load_hardware(args.hardware),
+        device_memory=None if args.device_memory is None else parse_bytes(args.device_memory),
+        dtype_bytes=DTYPE_BYTES[args.dtype],
+    )
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        model = get_model(args.model)
-        dtype_bytes = DTYPE_BYTES[args.dtype]
+        inputs = resolve(args)
         if args.compare_standard and args.mean_document_length is not None:
             raise ValueError(
                 "--mean-document-length changes FLOPs, not the saved bytes --compare-standard compares; drop it"
             )
         check_mean_document_length(args.seq_length, args.mean_document_length)
         if args.compare_standard:
-            return _compare(args, model, dtype_bytes)
-        hardware = load_hardware(args.hardware)
-        device_memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+            return _compare(args, inputs.model, inputs.dtype_bytes)
         if args.search:
-            if args.num_devices is None or device_memory is None:
+            if args.num_devices is None or inputs.device_memory is None:
                 parser.error("--search needs --num-devices and --device-memory")
-            return _search(args, model, device_memory, dtype_bytes, hardware)
-        return _plan(args, model, device_memory, dtype_bytes, hardware)
+            return _search(args, inputs)
+        return _plan(args, inputs)
     except ValueError as error:
         print(f"mcore-flash plan: {error}", file=sys.stderr)
         return 2
@@ -337,13 +353,8 @@ def _step_options(args) -> dict:
     )
 
 
-def _plan(
-    args,
-    model: ModelShape,
-    device_memory: Optional[int],
-    dtype_bytes: int,
-    hardware: HardwareProfile,
-) -> int:
+def _plan(args, inputs: Inputs) -> int:
+    model, hardware, device_memory, dtype_bytes = inputs
     dp = _dp(args)
     gbs = args.global_batch_size or default_global_batch_size(
         args.seq_length, args.micro_batch_size, dp
@@ -400,16 +411,16 @@ def _plan(
     return 0 if plan.fits is not False else 1
 
 
-def _search(
-    args, model: ModelShape, device_memory: int, dtype_bytes: int, hardware: HardwareProfile
-) -> int:
-    if args.grad_reduce_in_bf16 and dtype_bytes != 2:
+def search_candidates(args, inputs: Inputs) -> list[Candidate]:
+    """Every layout ``plan --search`` finds for parsed ``args``, best predicted step time
+    first (it shows the first ``--top``)."""
+    if args.grad_reduce_in_bf16 and inputs.dtype_bytes != 2:
         raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
-    found = search_layouts(
-        model,
+    return search_layouts(
+        inputs.model,
         args.seq_length,
         args.num_devices,
-        device_memory,
+        inputs.device_memory,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         vp_choices=[int(v) for v in args.interleave.split(",")],
@@ -420,10 +431,15 @@ def _search(
         climb="each" if args.use_megatron_fsdp else "needed",
         offload=args.offload,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        hardware=hardware,
+        hardware=inputs.hardware,
         step_options=_step_options(args),
-        **_plan_kwargs(args, dtype_bytes),
+        **_plan_kwargs(args, inputs.dtype_bytes),
     )
+
+
+def _search(args, inputs: Inputs) -> int:
+    model, hardware, device_memory, dtype_bytes = inputs
+    found = search_candidates(args, inputs)
     shown = found[: args.top]
     rows = (
         sensitivity(

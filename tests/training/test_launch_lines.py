@@ -23,12 +23,8 @@ import time
 import pytest
 
 from mcore_flash.planning import cli as plan_cli
-from mcore_flash.planning.hardware import load_hardware
 from mcore_flash.planning.memory import launch_command
-from mcore_flash.planning.models import get_model
 from mcore_flash.planning.report import verdict
-from mcore_flash.planning.search import search_layouts
-from mcore_flash.planning.units import parse_bytes
 from mcore_flash.training.arguments import parse_config
 
 from _support.dist_utils import run_distributed
@@ -104,27 +100,9 @@ def _plan_argv(seq: int, devices: int, options: tuple) -> list[str]:
 @functools.cache
 def _search(seq: int, devices: int, options: tuple) -> tuple:
     """The candidates ``plan --search`` shows for this grid point (its ``--top``), by the
-    planner's API with the CLI's own flag defaults and mapping."""
+    function the CLI prints them from."""
     args = plan_cli.build_parser().parse_args(_plan_argv(seq, devices, options))
-    dtype_bytes = plan_cli.DTYPE_BYTES[args.dtype]
-    found = search_layouts(
-        get_model(args.model),
-        args.seq_length,
-        args.num_devices,
-        parse_bytes(args.device_memory),
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        vp_choices=[int(v) for v in args.interleave.split(",")],
-        max_tp=args.max_tp,
-        sequence_parallel=args.sequence_parallel,
-        distributed_optimizer=args.distributed_optimizer,
-        offload=args.offload,
-        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        hardware=load_hardware(args.hardware),
-        step_options=plan_cli._step_options(args),
-        **plan_cli._plan_kwargs(args, dtype_bytes),
-    )
-    return tuple(found[: args.top])
+    return tuple(plan_cli.search_candidates(args, plan_cli.resolve(args))[: args.top])
 
 
 @functools.cache
