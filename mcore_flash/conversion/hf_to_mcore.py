@@ -91,15 +91,10 @@ def hf_to_mcore(
         )
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    chunks, objects = _checkpoint_layout(parse_args(flags + ["--dry-run"], world_size=1), padded)
+    chunks, objects = _checkpoint_layout(_layout_config(flags, model_args), padded)
     chunks = [block for chunk in chunks for block in _row_blocks(chunk, BLOCK_BYTES)]
     by_tensor = {(m.key, m.layer): m for m in maps}
     expected = {(c.key, c.offsets[0] if _layered(c) else None) for c in chunks}
-    if ("output_layer.weight", None) in expected - set(by_tensor) and not model_args[
-        "untie_embeddings_and_output_weights"
-    ]:
-        # megatron (0.16) also stores a tied output layer under its own key: the embedding again
-        by_tensor["output_layer.weight", None] = by_tensor["embedding.word_embeddings.weight", None]
     if expected != set(by_tensor):
         raise AssertionError(
             f"megatron's checkpoint layout and the tensor mapping disagree: {expected ^ set(by_tensor)}"
@@ -192,6 +187,20 @@ def _row_blocks(chunk: dcp_stream.Chunk, max_bytes: int) -> list[dcp_stream.Chun
 
 def _layered(chunk: dcp_stream.Chunk) -> bool:
     return chunk.key.startswith("decoder.layers.")
+
+
+def _layout_config(flags: list[str], model_args: dict):
+    """The one-process training config of the model ``model_args`` describes. ``flags`` leave
+    out a model flag whose value is false, which the trainer then takes from its default preset
+    (``--use-checkpoint-args`` takes them from the checkpoint): here every model field is the
+    checkpoint's, so that a tied model's layout has one embedding, as the trainer saves it."""
+    from mcore_flash.training.arguments import parse_config
+
+    config = parse_config(flags + ["--dry-run"], world_size=1)
+    fields = {f.name for f in dataclasses.fields(config)}
+    return dataclasses.replace(
+        config, **{name: value for name, value in model_args.items() if name in fields}
+    )
 
 
 def _checkpoint_layout(args, padded: int):

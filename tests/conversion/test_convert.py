@@ -46,6 +46,22 @@ def hf_tensors(path) -> dict[str, torch.Tensor]:
     return {name: t for f in files for name, t in load_file(os.path.join(path, f)).items()}
 
 
+def _model_tensor_keys(save, iteration: int) -> set[str]:
+    """The model tensors' keys in the torch_dist checkpoint of ``iteration`` under ``save``
+    (DCP's index; the optimizer's left out)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from mcore_flash.training.checkpointing import checkpoint_dir
+
+    metadata = FileSystemReader(checkpoint_dir(str(save), iteration)).read_metadata()
+    return {
+        key
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata) and not key.startswith("optimizer.")
+    }
+
+
 def _w_main(rank, world_size, module, argv):
     import importlib
 
@@ -73,6 +89,42 @@ TRAIN = [
     "--log-interval",
     "1",
 ]
+
+
+def lr0_step(world_size, load, save, *flags):
+    """The trainer loads ``load`` (``--finetune --use-checkpoint-args``), takes one step at
+    learning rate 0 under ``flags`` (the layout) and saves to ``save``: the weights pass
+    through its load, model chunks and save unchanged in value."""
+    pretrain(
+        world_size,
+        "--load",
+        load,
+        "--finetune",
+        "--use-checkpoint-args",
+        "--save",
+        save,
+        "--train-iters",
+        1,
+        "--lr",
+        0,
+        "--min-lr",
+        0,
+        "--lr-warmup-iters",
+        0,
+        *TRAIN,
+        *flags,
+    )
+
+
+def assert_same_tensors(src, out):
+    """Every tensor of the Hugging Face directory ``out`` equals ``src``'s bit for bit (same
+    names, dtypes)."""
+    before, after = hf_tensors(src), hf_tensors(out)
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]), (
+            name
+        )
 
 
 @pytest.mark.parametrize(
@@ -105,27 +157,14 @@ def test_round_trip_through_the_trainer_is_bit_exact(tmp_path, tp, pp, vp, tie):
         "--pipeline-model-parallel-size",
         pp,
     )
-    pretrain(
+    lr0_step(
         tp * pp,
-        "--load",
         tmp_path / "mc",
-        "--finetune",
-        "--use-checkpoint-args",
-        "--save",
         tmp_path / "run",
         "--tensor-model-parallel-size",
         tp,
         "--pipeline-model-parallel-size",
         pp,
-        "--train-iters",
-        1,
-        "--lr",
-        0,
-        "--min-lr",
-        0,
-        "--lr-warmup-iters",
-        0,
-        *TRAIN,
         *interleaved,
     )
     convert(
@@ -138,12 +177,11 @@ def test_round_trip_through_the_trainer_is_bit_exact(tmp_path, tp, pp, vp, tie):
         "150KB",
     )
 
-    before, after = hf_tensors(src), hf_tensors(tmp_path / "out")
-    assert sorted(before) == sorted(after) and ("lm_head.weight" in after) == (not tie)
-    for name in before:
-        assert after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]), (
-            name
-        )
+    assert_same_tensors(src, tmp_path / "out")
+    assert ("lm_head.weight" in hf_tensors(tmp_path / "out")) == (not tie)
+    # the converted checkpoint holds the tensors the trainer's own save holds: a tied
+    # model's embedding once
+    assert _model_tensor_keys(tmp_path / "mc", 0) == _model_tensor_keys(tmp_path / "run", 1)
     assert os.path.exists(tmp_path / "out" / "model.safetensors.index.json")
 
     from transformers import AutoConfig

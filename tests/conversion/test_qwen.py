@@ -14,14 +14,13 @@ import os
 import pytest
 import torch
 from test_convert import (
-    TRAIN,
     _convert_in_process,
     _edit_config,
     _generate_ids,
     _w_loss,
+    assert_same_tensors,
     convert,
-    hf_tensors,
-    pretrain,
+    lr0_step,
 )
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
@@ -45,12 +44,7 @@ def _same_model(src, out):
     transformers reads the same architecture and shape from both config.json files."""
     from transformers import AutoConfig
 
-    before, after = hf_tensors(src), hf_tensors(out)
-    assert sorted(before) == sorted(after)
-    for name in before:
-        assert after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]), (
-            name
-        )
+    assert_same_tensors(src, out)
     a, b = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(out)
     for field in (
         "architectures",
@@ -109,25 +103,7 @@ def test_qwen_at_tp2_trains_generates_and_exports_bit_exact(tmp_path, family):
     src = make(tmp_path / "hf")
     tp = ["--tensor-model-parallel-size", 2]
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc", *tp)
-    pretrain(
-        2,
-        "--load",
-        tmp_path / "mc",
-        "--finetune",
-        "--use-checkpoint-args",
-        "--save",
-        tmp_path / "run",
-        *tp,
-        "--train-iters",
-        1,
-        "--lr",
-        0,
-        "--min-lr",
-        0,
-        "--lr-warmup-iters",
-        0,
-        *TRAIN,
-    )
+    lr0_step(2, tmp_path / "mc", tmp_path / "run", *tp)
     printed = _generate_ids(
         tmp_path / "run",
         "--prompt-ids",
