@@ -18,7 +18,7 @@ COMMANDS = {
     ),
     "generate": (
         "mcore_flash.generate",
-        "greedy decoding from a checkpoint (does the converted model speak?)",
+        "decoding from a checkpoint: KV cache, greedy or sampled, --chat (does it speak?)",
     ),
     "evaluate": (
         "mcore_flash.evaluation.cli",
@@ -52,6 +52,10 @@ COMMANDS = {
     "bench-window": (
         "mcore_flash.benchmarks.window",
         "a sliding-window layer vs full causal attention, next to the pairs ratio",
+    ),
+    "bench-generate": (
+        "mcore_flash.benchmarks.generate",
+        "decoding time with megatron's KV cache vs --no-kv-cache",
     ),
     "bench-cuda": (
         "mcore_flash.benchmarks.cuda_kernels",

@@ -11,6 +11,7 @@ added a call (0.19's ``torch.cuda.current_stream()`` in DDP: ``platform.megatron
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -64,3 +65,17 @@ def hybrid_stack_parts():
             "upgrade megatron-core (Python 3.12), or build GPTModel with get_gpt_decoder_block_flash_spec"
         ) from error
     return HybridStack, HybridStackSubmodules, MLPLayer
+
+
+def static_inference_scope():
+    """The scope megatron's static inference engine runs the model in.
+
+    0.19 (``inference/utils.py: InferenceMode``, set by ``engines/static_engine.py``): the
+    model reads a process-wide flag instead of ``inference_context is not None``; while it is
+    set ``GPTModel._postprocess`` computes only the last position's logits of a prefill.
+    0.16.1 has no such flag (the context alone marks inference): a no-op scope.
+    """
+    from megatron.core.inference import utils
+
+    mode = getattr(utils, "InferenceMode", None)
+    return contextlib.nullcontext() if mode is None else mode.active()

@@ -1,33 +1,64 @@
-"""``mcore-flash generate``: greedy decoding from a checkpoint with the trainer's model.
+"""``mcore-flash generate``: decoding from a checkpoint with the trainer's model.
 
-    mcore-flash generate --load DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-new-tokens N
-        [--ignore-eos] [--json]
+    mcore-flash generate --load DIR (--prompt TEXT [--chat] | --prompt-ids 1,2,3) --max-new-tokens N
+        [--temperature T [--top-k K] [--top-p P] [--seed S]] [--no-kv-cache] [--ignore-eos] [--json]
 
 The model is built exactly as ``mcore-flash pretrain`` builds it (its flags; those left out
 come from the checkpoint, as with ``--use-checkpoint-args``), so this is the first check
-that a converted or extended checkpoint works. Under ``torchrun`` it runs with TP and PP
-(context parallelism: 1). There is no KV cache: every step runs the whole sequence.
+that a converted or extended checkpoint works.
+
+KV cache: megatron-core's own static-batching cache (``StaticInferenceContext``, as its static
+inference engine uses it). The prompt runs once (prefill: causal attention over the prompt,
+every layer's keys and values stored), then each step runs the newest token alone at its
+position (decode: its query against the cached keys; megatron sets the mask type to
+``no_mask`` once the cache holds tokens, which holds only earlier ones).
+``--no-kv-cache`` runs the whole sequence every step instead: the slow path the cache is
+tested against. (Megatron-LM's text generation server has no such flag; its older
+generation tools called it ``--recompute``, which here would read as activation recompute.)
+
+Sampling: greedy (the argmax) unless ``--temperature T`` > 0. Then the logits over the real
+vocabulary are divided by T, cut to the ``--top-k K`` largest (ties with the K-th kept) and
+then to the smallest set of most probable tokens whose probability reaches ``--top-p P``
+(transformers' order; Megatron-LM's ``--top_k``/``--top_p`` spellings are accepted), and one
+token is drawn from their softmax, in float64, by ``torch.multinomial`` with a CPU generator
+seeded with ``--seed`` (default 1234): a seed gives the same tokens on every device. The
+token is chosen on the last pipeline stage and broadcast from its first tensor-parallel rank,
+so every rank continues with the same one. Padding rows of the vocabulary are never chosen.
+
+``--chat``: ``--prompt`` becomes one user message in the tokenizer's chat template followed by
+the assistant's header (transformers' ``add_generation_prompt=True``), rendered as
+transformers renders it (:mod:`mcore_flash.data.chat_template`). It needs a Hugging Face
+tokenizer with a template: the one ``convert hf-to-mcore`` stores with the checkpoint, or
+``--tokenizer-model``.
+
+Layout: the processes ``torchrun`` starts are one model replica: TP x PP (context
+parallelism 1) must be their number, given by ``--tensor-model-parallel-size`` and
+``--pipeline-model-parallel-size`` (the checkpoint does not record the layout it was written
+at, and loads at any whose vocabulary padding matches). The training batch flags are not
+checked against the process count: nothing trains.
+
 Generation stops, as transformers' does, after the first end-of-sequence token (included in
 the output), at most ``--max-new-tokens`` tokens: the EOS ids are those of the Hugging Face
 checkpoint it was converted from (:func:`end_of_sequence_ids`); ``--ignore-eos`` produces
-exactly ``--max-new-tokens``. Padding rows of the vocabulary are never chosen. ``--json``
-prints ``{"prompt_ids": [...], "output_ids": [...]}``. The tokenizer is the one stored with the
-checkpoint unless ``--tokenizer-type``/``--tokenizer-model`` are given
-(:func:`mcore_flash.training.data.run_tokenizer`); ``--prompt`` is encoded without special
-tokens (no BOS), as Megatron-LM's tokenizers do.
+exactly ``--max-new-tokens``. ``--json`` prints ``{"prompt_ids": [...], "output_ids": [...]}``.
+The tokenizer is the one stored with the checkpoint unless ``--tokenizer-type``/
+``--tokenizer-model`` are given (:func:`mcore_flash.training.data.run_tokenizer`); ``--prompt``
+is encoded without special tokens (no BOS), as Megatron-LM's tokenizers do.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from mcore_flash import platform
+from mcore_flash import compat, platform
 from mcore_flash.training.arguments import build_parser as build_pretrain_parser
 from mcore_flash.training.arguments import parse_args
 
@@ -35,7 +66,9 @@ from mcore_flash.training.arguments import parse_args
 def build_parser():
     p = build_pretrain_parser()
     p.prog = "mcore-flash generate"
-    p.description = "Greedy decoding from a checkpoint with the trainer's model."
+    p.description = (
+        "Decoding (KV cache; greedy or sampled) from a checkpoint with the trainer's model."
+    )
     group = p.add_argument_group("generation")
     prompt = group.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
@@ -44,6 +77,12 @@ def build_parser():
         "stored with the checkpoint (convert hf-to-mcore copies the source's), else byte-level",
     )
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    group.add_argument(
+        "--chat",
+        action="store_true",
+        help="put --prompt in the tokenizer's chat template as one user message, followed by the "
+        "assistant's header",
+    )
     group.add_argument("--max-new-tokens", type=int, default=32)
     group.add_argument(
         "--ignore-eos",
@@ -51,7 +90,28 @@ def build_parser():
         help="do not stop at the checkpoint's end-of-sequence ids: produce exactly --max-new-tokens",
     )
     group.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="run the whole sequence every step instead of megatron's KV cache (slow; the cache's oracle)",
+    )
+    group.add_argument(
         "--json", action="store_true", help='print {"prompt_ids": [...], "output_ids": [...]}'
+    )
+    sampling = p.add_argument_group("sampling (--seed seeds the draws)")
+    sampling.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample from softmax(logits / T); the default 0 is greedy decoding",
+    )
+    sampling.add_argument(
+        "--top-k", "--top_k", type=int, help="sample among the K most probable tokens only"
+    )
+    sampling.add_argument(
+        "--top-p",
+        "--top_p",
+        type=float,
+        help="sample among the fewest most probable tokens whose probability reaches P (0 < P <= 1)",
     )
     p.set_defaults(use_checkpoint_args=True)
     return p
@@ -61,22 +121,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from mcore_flash.training.distributed import destroy_distributed, init_distributed
 
     try:
-        args = parse_args(argv, parser=build_parser())
-        if not args.load:
-            raise ValueError("--load is required: the checkpoint to generate from")
-        if args.context_parallel_size != 1:
-            raise ValueError("generate runs with --context-parallel-size 1")
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        args = parse_generate_args(argv)
     except ValueError as error:
-        print(f"mcore-flash generate: error: {error}", file=sys.stderr)
-        return 2
+        return _error(error)
     init_distributed(args)
     try:
         prompt_ids, output_ids, text = generate(args)
     except ValueError as error:
-        print(f"mcore-flash generate: error: {error}", file=sys.stderr)
-        return 2
+        return _error(error)
     finally:
         destroy_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
@@ -86,6 +138,61 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _error(error: ValueError) -> int:
+    print(f"mcore-flash generate: error: {error}", file=sys.stderr)
+    return 2
+
+
+def parse_generate_args(argv: Optional[Sequence[str]] = None):
+    """generate's flags, checked (ValueError names the flag). The launcher's processes
+    (``WORLD_SIZE``, 1 without a launcher) are one model replica: the model-parallel flags
+    must multiply to their number, and the training batch flags are checked for that one
+    replica (generation has no data parallelism and no batch arithmetic)."""
+    parser = build_parser()
+    flags = parser.parse_args(argv)
+    if flags.context_parallel_size != 1:
+        raise ValueError("generate runs with --context-parallel-size 1")
+    tp, pp = flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp * pp != world:
+        raise ValueError(
+            f"generate runs the {world} processes started as one model replica: "
+            f"--tensor-model-parallel-size x --pipeline-model-parallel-size must be {world}, "
+            f"got {tp} x {pp}; pass the layout to run the checkpoint at"
+        )
+    args = parse_args(argv, world_size=world, parser=parser)
+    _check_generation_flags(args)
+    return args
+
+
+def _check_generation_flags(args) -> None:
+    if not args.load:
+        raise ValueError("--load is required: the checkpoint to generate from")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.sequence_parallel:
+        raise ValueError(
+            "--sequence-parallel: generate runs without it (a decoded token cannot be split over "
+            "the tensor-parallel ranks; megatron-core's static inference refuses it too); drop the flag"
+        )
+    if args.chat and args.prompt is None:
+        raise ValueError(
+            "--chat puts --prompt TEXT in the chat template; it does not take --prompt-ids"
+        )
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value]
+    if given and args.temperature == 0:
+        raise ValueError(
+            f"{' and '.join(given)} restrict sampling: give --temperature > 0 (without it "
+            "decoding is greedy)"
+        )
+
+
 def generate(args) -> tuple[list[int], list[int], str]:
     """``(prompt ids, generated ids, decoded text)``; call after ``init_distributed(args)``."""
     from mcore_flash.training import checkpointing
@@ -93,13 +200,28 @@ def generate(args) -> tuple[list[int], list[int], str]:
     from mcore_flash.training.model import build_model, model_args, transformer_config
 
     tokenizer, vocab = tokenizer_and_vocab(args)
-    config = transformer_config(args)
-    model = build_model(args, config, vocab, parallel_output=False).to(platform.torch_device())
+    prompt = prompt_ids(args, tokenizer)
+    model = build_model(args, transformer_config(args), vocab, parallel_output=False)
+    model = model.to(platform.torch_device())
     common = checkpointing.load_weights(
         args.load, model, vocab, model_args(args, tokenizer.vocab_size)
     )
-    stop = set() if args.ignore_eos else set(end_of_sequence_ids(common))
     model.eval()
+    new = decode(
+        model,
+        prompt,
+        args.max_new_tokens,
+        tokenizer.vocab_size,
+        Sampling.from_args(args),
+        stop=() if args.ignore_eos else end_of_sequence_ids(common),
+        kv_cache=not args.no_kv_cache,
+    )
+    return prompt, new, tokenizer.detokenize(new)
+
+
+def prompt_ids(args, tokenizer) -> list[int]:
+    """The prompt's token ids: ``--prompt-ids`` as given, or ``--prompt`` (in the chat
+    template with ``--chat``) encoded without adding special tokens; all in the vocabulary."""
     if args.prompt_ids is not None:
         try:
             prompt = [int(token) for token in args.prompt_ids.split(",")]
@@ -108,20 +230,35 @@ def generate(args) -> tuple[list[int], list[int], str]:
                 f"--prompt-ids {args.prompt_ids!r}: give comma-separated integers, e.g. 1,2,3"
             ) from None
     else:
-        prompt = list(tokenizer.tokenize(args.prompt))
+        text = chat_text(tokenizer, args.prompt) if args.chat else args.prompt
+        prompt = list(tokenizer.tokenize(text))
     bad = [token for token in prompt if not 0 <= token < tokenizer.vocab_size]
     if not prompt or bad:
         raise ValueError(
             f"the prompt must be non-empty token ids in [0, {tokenizer.vocab_size}); got {bad or 'none'}"
         )
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(args.max_new_tokens):
-            ids.append(_next_token(model, config, ids, tokenizer.vocab_size))
-            if ids[-1] in stop:  # every rank has the token: all stop together
-                break
-    new = ids[len(prompt) :]
-    return prompt, new, tokenizer.detokenize(new)
+    return prompt
+
+
+def chat_text(tokenizer, text: str) -> str:
+    """``text`` as one user message in ``tokenizer``'s chat template, followed by the
+    assistant's header (``add_generation_prompt=True``)."""
+    import jinja2
+
+    from mcore_flash.data.chat_template import ChatTemplate
+
+    template = ChatTemplate.from_directory(tokenizer.directory) if tokenizer.directory else None
+    if template is None:
+        where = f" in {tokenizer.directory}" if tokenizer.directory else ""
+        raise ValueError(
+            f"--chat: the tokenizer ({type(tokenizer).__name__}{where}) has no chat template "
+            "(chat_template.jinja, or chat_template in tokenizer_config.json); use a Hugging Face "
+            "tokenizer that has one (--tokenizer-model DIR), or drop --chat"
+        )
+    try:
+        return template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    except jinja2.TemplateError as error:
+        raise ValueError(f"--chat: the tokenizer's chat template failed: {error}") from None
 
 
 def end_of_sequence_ids(common: dict) -> list[int]:
@@ -137,34 +274,148 @@ def end_of_sequence_ids(common: dict) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(token) for token in eos]
 
 
-def _next_token(model, config, ids: list[int], vocab_size: int) -> int:
-    """The argmax over the real vocabulary after ``ids``, computed on the last pipeline stage
-    and sent to every rank."""
-    from megatron.core import parallel_state
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen from the last position's logits (module docstring)."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0  # 1: no limit
+    seed: int = 1234
+
+    @classmethod
+    def from_args(cls, args) -> "Sampling":
+        top_p = 1.0 if args.top_p is None else args.top_p
+        return cls(args.temperature, args.top_k or 0, top_p, args.seed)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sampling probabilities, float64 ``[vocab]`` on the CPU, from ``logits`` ``[vocab]``
+        over the real vocabulary (``temperature > 0``): temperature, top-k, then top-p."""
+        scores = logits.detach().double().cpu() / self.temperature
+        if self.top_k:
+            kth = torch.topk(scores, min(self.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probabilities = torch.softmax(scores, dim=-1)
+        if self.top_p < 1:
+            ordered, order = probabilities.sort(descending=True, stable=True)
+            before = torch.cat([ordered.new_zeros(1), ordered.cumsum(0)[:-1]])  # mass ahead
+            drop = torch.empty_like(order, dtype=torch.bool).scatter_(
+                0, order, before >= self.top_p
+            )
+            probabilities = probabilities.masked_fill(drop, 0.0)
+            probabilities = probabilities / probabilities.sum()
+        return probabilities
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator) -> int:
+        """The next token from ``logits`` ``[vocab]``: the argmax, or one draw from
+        :meth:`probabilities` with ``generator`` (a CPU one)."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(self.probabilities(logits), 1, generator=generator))
+
+
+GREEDY = Sampling()
+
+
+def decode(
+    model,
+    prompt: list[int],
+    max_new_tokens: int,
+    vocab_size: int,
+    sampling: Sampling = GREEDY,
+    stop: Sequence[int] = (),
+    kv_cache: bool = True,
+) -> list[int]:
+    """The tokens ``model`` (this rank's pipeline stage, in ``eval()``, built with gathered
+    logits) generates after ``prompt``: at most ``max_new_tokens``, ending after the first one
+    in ``stop``, chosen among the first ``vocab_size`` rows (the rest pad the vocabulary).
+    Every rank returns the same list."""
+    generator = torch.Generator().manual_seed(sampling.seed)
+    last_logits = (
+        _cached_steps(model, vocab_size, len(prompt) + max_new_tokens)
+        if kv_cache
+        else (lambda ids: _last_logits(model, vocab_size, ids, 0, None))
+    )
+    ids = list(prompt)
+    scope = compat.static_inference_scope() if kv_cache else contextlib.nullcontext()
+    with torch.no_grad(), scope:
+        for _ in range(max_new_tokens):
+            logits = last_logits(ids)
+            ids.append(_shared_token(-1 if logits is None else sampling.choose(logits, generator)))
+            if ids[-1] in stop:  # every rank has the token: all stop together
+                break
+    return ids[len(prompt) :]
+
+
+def _cached_steps(model, vocab_size: int, max_length: int) -> Callable:
+    """``ids -> last logits`` (as :func:`_last_logits`) through megatron's static KV cache for
+    one sequence of at most ``max_length`` tokens: the first call runs ``ids`` whole (prefill),
+    each later call the tokens added since (decode), at their positions."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    context = StaticInferenceContext(max_batch_size=1, max_sequence_length=max_length)
+
+    def step(ids: list[int]) -> Optional[torch.Tensor]:
+        start = context.sequence_len_offset
+        logits = _last_logits(model, vocab_size, ids[start:], start, context)
+        context.increment_sequence_len_offset(len(ids) - start)
+        context.enable_decode_mode()
+        return logits
+
+    return step
+
+
+def _last_logits(
+    model, vocab_size: int, tokens: list[int], start: int, context
+) -> Optional[torch.Tensor]:
+    """The logits after ``tokens`` (at positions ``start, start + 1, ...``; with an inference
+    ``context`` the earlier ones are in its cache, else ``start`` is 0) over the real
+    vocabulary: float32 ``[vocab_size]`` on the last pipeline stage, None on the others."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = platform.torch_device()
-    tokens = torch.tensor([ids], device=device)
-    positions = torch.arange(len(ids), device=device).unsqueeze(0)
-    chosen = torch.zeros(1, dtype=torch.long, device=device)
+    token_ids = torch.tensor([tokens], device=device)  # [1, s]
+    positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
+    kept = []
 
     def forward_step(data_iterator, model):
-        def keep_argmax(logits):  # [1, s, padded vocab]
-            chosen.copy_(logits[0, -1, :vocab_size].float().argmax().reshape(1))
+        def keep_last(logits):  # [1, s | 1 (megatron may compute the last position only), padded]
+            kept.append(logits[0, -1, :vocab_size].float())
             return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
-        return model(tokens, positions, None), keep_argmax
+        output = model(
+            token_ids, positions, None, inference_context=context, runtime_gather_output=True
+        )
+        return output, keep_last
 
     get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter([None]),
         model=[model],
         num_microbatches=1,
-        seq_length=len(ids),
+        seq_length=len(tokens),
         micro_batch_size=1,
-        decoder_seq_length=len(ids),
+        decoder_seq_length=len(tokens),
         forward_only=True,
     )
+    return kept[0] if kept else None
+
+
+def _shared_token(token: int) -> int:
+    """The token of the last pipeline stage's first tensor-parallel rank, on every rank (the
+    stage's TP ranks drew it from equal logits with equal generators; this makes it certain)."""
+    from megatron.core import parallel_state
+
+    chosen = torch.tensor([token], device=platform.torch_device())
+    if (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_world_size() > 1
+    ):
+        dist.broadcast(
+            chosen,
+            parallel_state.get_tensor_model_parallel_src_rank(),
+            group=parallel_state.get_tensor_model_parallel_group(),
+        )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(
             chosen,

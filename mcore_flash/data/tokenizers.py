@@ -109,6 +109,8 @@ class Tokenizer(abc.ABC):
     """
 
     tokenizer_type: str = ""
+    # the directory of a Hugging Face tokenizer's files (its chat template, special tokens)
+    directory: Optional[str] = None
 
     def __init__(self, vocab_size: int, eod: int, pad: int, **identifiers) -> None:
         self._vocab_size, self._eod, self._pad = vocab_size, eod, pad
@@ -243,6 +245,7 @@ class HFTokenizer(Tokenizer):
             eod, size = size, size + 1
         pad = next((vocab[t] for t in _HF_PAD_CANDIDATES if t in vocab), -1)
         super().__init__(size, eod, pad, tokenizer_path=[os.path.abspath(file)])
+        self.directory = os.path.dirname(os.path.abspath(file))
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -42,6 +42,17 @@ parallelism (ring: chunk pairs outside every window are skipped, for packed docu
 document). With a causal mask type the right side is 0, as in
 flash-attn (Megatron's own mask would take ``right`` as given).
 
+Inference with megatron's static KV cache (``StaticInferenceContext``; ``mcore-flash
+generate``): megatron-core 0.16 and 0.19 pass the prompt as causal self-attention (``sq ==
+sk``), then each new token's query alone against every cached key (``sq = 1``, ``sk`` = the
+tokens so far) with ``attn_mask_type=no_mask``, ``attention_mask=None`` and no
+``packed_seq_params``. Both take the dense path as they are: the one query sees every key,
+as the last row of causal attention over the whole sequence does (sliding windows count back
+from it, bottom-right). A causal call with ``sq < sk`` (several new tokens against a cache;
+megatron's static cache sends none, which is why it feeds one token at a time after the
+prompt) is aligned bottom-right too: the last ``sq`` rows of causal attention
+(``test_kv_cache_calls_give_the_last_rows_of_causal_attention``).
+
 Differences from the stock module: causal is aligned bottom-right when ``sq != sk``
 (flash-attn >= 2.1; identical when ``sq == sk``), and a query row whose keys are all
 masked gives 0 (Megatron's -10000 fill gives a uniform average).

@@ -230,6 +230,19 @@ def test_bench_window_reports_pairs_predictions_and_both_levels():
     assert result["max_abs_diff_first_window"] < 1e-5  # fp32; 0 on our machine
 
 
+def test_bench_generate_times_both_paths_which_give_the_same_tokens():
+    """bench-generate on the tests' tiny model: one row per path, each with the prompt and
+    new-token counts asked for, and the two paths' greedy tokens equal (exit code 0)."""
+    argv = ("--prompt-length", "24", "--new-tokens", "5", "--repeats", "1", *model_shape())
+    out = _bench("bench-generate", *argv)
+    rows = _rows(out, "megatron's") + _rows(out, "none")
+    assert [row[:3] for row in rows] == [
+        ["megatron's (default)", "24", "5"],
+        ["none (--no-kv-cache)", "24", "5"],
+    ]
+    assert "same tokens: yes" in out
+
+
 def test_bench_cuda_counts_flash_attn_flops_and_needs_a_gpu(capsys):
     """The forward term equals torch's FLOP counter on attention's two matmuls (non-causal,
     so nothing is skipped); the total is flash-attn's 3.5 forwards. Without a GPU the command

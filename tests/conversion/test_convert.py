@@ -20,22 +20,9 @@ import sys
 import pytest
 import torch
 
+from _support.cli_runs import convert
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.hf_models import make_hf_llama
-
-
-def convert(*argv, check=True):
-    """`mcore-flash convert ...` in a fresh process; returns the CompletedProcess."""
-    run = subprocess.run(
-        [sys.executable, "-m", "mcore_flash.cli", "convert", *map(str, argv)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    if check:
-        assert run.returncode == 0, run.stderr[-3000:]
-    return run
 
 
 def hf_tensors(path) -> dict[str, torch.Tensor]:

@@ -126,7 +126,7 @@ def _w_teacher_forced_vs_greedy(rank, world_size, load, depth):
     """Per sample: (one teacher-forced pass says 'retrieved', greedy decoding retrieves)."""
     from mcore_flash.evaluation.model_runner import LoadedModel
     from mcore_flash.evaluation.needle import digit_filler, needle_samples, score_needles
-    from mcore_flash.generate import _next_token
+    from mcore_flash.generate import decode
     from mcore_flash.training.arguments import parse_args
     from mcore_flash.training.distributed import init_distributed
 
@@ -139,12 +139,8 @@ def _w_teacher_forced_vs_greedy(rank, world_size, load, depth):
     for row, row_mask in zip(tokens, mask):
         scored, _ = score_needles(model, row[None], row_mask[None])
         prompt = row[: 256 - 16 - 1].tolist()  # up to and including '?'
-        ids = list(prompt)
-        for _ in range(16):
-            ids.append(_next_token(model.model, model.config, ids, model.vocab_size))
-        pairs.append(
-            (scored == 1, ids[len(prompt) :] == row[len(prompt) : len(prompt) + 16].tolist())
-        )
+        greedy = decode(model.model, prompt, 16, model.vocab_size, kv_cache=False)
+        pairs.append((scored == 1, greedy == row[len(prompt) : len(prompt) + 16].tolist()))
     return pairs
 
 

@@ -348,3 +348,28 @@ def test_window_attn_skip_freq_picks_the_sliding_window_layers(skip_freq, expect
 def test_bad_window_size_names_the_flag():
     with pytest.raises(ValueError, match="--window-size"):
         _attention(window_size=(4.5, 0))
+
+
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_kv_cache_calls_give_the_last_rows_of_causal_attention(window):
+    """What megatron's static KV cache (``StaticInferenceContext``) passes to core attention:
+    the newest token's query against every cached key with ``attn_mask_type=no_mask`` (decode),
+    and a causal query shorter than its keys (a prompt fed after cached tokens). Both are the
+    last rows of causal attention over the whole sequence (flash-attn's bottom-right
+    alignment), sliding window included: the float64 oracle's."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from _support import oracle
+
+    attention = _attention(window_size=window)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(12, 2, 4, 16, generator=generator)
+    k, v = (torch.randn(12, 2, 2, 16, generator=generator) for _ in range(2))
+    full, _ = oracle.attention(
+        *(x.transpose(0, 1) for x in (q, k, v)), causal=True, window=window or (-1, -1)
+    )
+    full = full.transpose(0, 1).reshape(12, 2, 64).float()  # [s, b, np * hn]
+    decode = attention(q[-1:], k, v, None, attn_mask_type=AttnMaskType.no_mask)
+    chunk = attention(q[-3:], k, v, None, attn_mask_type=AttnMaskType.causal)
+    torch.testing.assert_close(decode, full[-1:], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(chunk, full[-3:], atol=ATOL, rtol=1e-5)
