@@ -39,7 +39,13 @@ import torch.multiprocessing as mp
 
 from mcore_flash.ports import free_port
 
-__all__ = ["run_distributed", "free_port", "init_megatron", "teardown_megatron"]
+__all__ = [
+    "run_distributed",
+    "retried_after_a_lost_rank",
+    "free_port",
+    "init_megatron",
+    "teardown_megatron",
+]
 
 
 def _dumps(obj) -> bytes:
@@ -218,6 +224,27 @@ def run_distributed(
                 p.join(timeout=5)
         results.close()
     return [out[r] for r in range(world_size)]
+
+
+# A Megatron-FSDP launch on the CPU has lost a rank mid-collective on a loaded 2-core machine
+# (its gloo peers then report the connection reset or closed by that peer: stop 36 on py312,
+# stop 41 at four ranks, stop 42 in test_fsdp_checkpoint.py), never when rerun alone. The tests
+# of those launches retry such a launch once, for that signature only; the retried launch
+# must still pass every assertion.
+LOST_RANK = ("Connection reset by peer", "Connection closed by peer", "exited without a result")
+
+
+def retried_after_a_lost_rank(launch, root: str):
+    """``(launch(root), root)``, or after a lost rank (:data:`LOST_RANK`) ``(launch(retry),
+    retry)`` with ``retry = root/retry``: fresh directories for what the launch writes."""
+    try:
+        return launch(root), root
+    except RuntimeError as error:
+        if not any(sign in str(error) for sign in LOST_RANK):
+            raise
+        print(f"a rank was lost, retrying the launch once:\n{str(error)[-1500:]}")
+        retry = os.path.join(root, "retry")
+        return launch(retry), retry
 
 
 def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, **kwargs):

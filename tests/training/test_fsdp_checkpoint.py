@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from _support.dist_utils import run_distributed
+from _support.dist_utils import retried_after_a_lost_rank, run_distributed
 from _support.recipe_runs import TINY, full_weights
 
 STEPS, SAVED = 4, 2
@@ -84,17 +84,23 @@ def _assert_exact_resume(per_rank):
 def test_fsdp_resume_is_exact_for_each_strategy(tmp_path):
     """optim_grads_params and optim_grads at DP2 on the CPU: saved after 2 iterations and
     resumed, iterations 3 and 4 give the uninterrupted run's loss and grad norm exactly."""
-    per_rank = run_distributed(_w_resume, 2, list(STRATEGIES.items()), str(tmp_path), timeout=600)
+    per_rank, root = retried_after_a_lost_rank(
+        lambda root: run_distributed(_w_resume, 2, list(STRATEGIES.items()), root, timeout=600),
+        str(tmp_path),
+    )
     _assert_exact_resume(per_rank)
-    saved = tmp_path / "zero3" / "iter_0000002"
+    saved = os.path.join(root, "zero3", "iter_0000002")
     assert {"common.pt", ".metadata", "manifest.json"} <= set(os.listdir(saved))
 
 
 def test_fsdp_resume_is_exact_on_the_emulated_npu(tmp_path):
     """The same on the emulated NPU (npu tensors, HCCL-strict groups): DCP writes npu
     DTensors (``per_thread_copy_ahead=0``) and the one metadata gather runs on HCCL."""
-    per_rank = run_distributed(
-        _w_resume, 2, list(STRATEGIES.items()), str(tmp_path), timeout=600, emulate_npu=True
+    per_rank, _ = retried_after_a_lost_rank(
+        lambda root: run_distributed(
+            _w_resume, 2, list(STRATEGIES.items()), root, timeout=600, emulate_npu=True
+        ),
+        str(tmp_path),
     )
     _assert_exact_resume(per_rank)
 
@@ -159,7 +165,10 @@ def test_weights_cross_between_fsdp_and_torch_dist_and_optimizer_state_is_refuse
     iteration kept), a torch_dist checkpoint's into an FSDP model (loaded before sharding),
     each equal to the saving run's full weights; the other kind's optimizer state is refused
     naming --no-load-optim and --finetune; ``convert mcore-to-hf`` exports the FSDP checkpoint."""
-    result = run_distributed(_w_crossing, 2, str(tmp_path), timeout=600)[0]
+    per_rank, root = retried_after_a_lost_rank(
+        lambda root: run_distributed(_w_crossing, 2, root, timeout=600), str(tmp_path)
+    )
+    result = per_rank[0]
     iteration, into_ddp = result["fsdp -> ddp"]
     assert iteration == SAVED
     _assert_same_weights(into_ddp, result["fsdp saved"])
@@ -175,7 +184,7 @@ def test_weights_cross_between_fsdp_and_torch_dist_and_optimizer_state_is_refuse
     for message in refusals.values():
         assert "--no-load-optim" in message and "--finetune" in message, message
         assert "--use-megatron-fsdp" in message, message
-    _assert_exports(str(tmp_path / "fsdp"), str(tmp_path / "hf"), result["fsdp saved"])
+    _assert_exports(os.path.join(root, "fsdp"), os.path.join(root, "hf"), result["fsdp saved"])
 
 
 def _assert_exports(load: str, save_hf: str, weights: dict) -> None:

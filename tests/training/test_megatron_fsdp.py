@@ -19,7 +19,7 @@ from mcore_flash.planning.layout import RECOMPUTE_FLAGS
 from mcore_flash.training.arguments import parse_config
 from mcore_flash.training.fsdp import upstream_defect
 
-from _support.dist_utils import run_distributed
+from _support.dist_utils import retried_after_a_lost_rank, run_distributed
 from _support.recipe_runs import TINY, full_weights, w_recipe_runs
 
 ORACLE = ["--use-distributed-optimizer"]
@@ -30,24 +30,14 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 ATTENTION = RECOMPUTE_FLAGS["attention"]
 
 
-# A Megatron-FSDP launch on the CPU has twice lost a rank mid-collective on a loaded 2-core
-# machine (its gloo peers then report "Connection reset by peer"; stop 36 on py312, stop 41 on
-# py311 at four ranks), and never when rerun alone. Such a launch is retried once, and only
-# for that signature: the retried launch must still equal the oracle.
-_LOST_RANK = ("Connection reset by peer", "exited without a result")
-
-
 def _fsdp_runs(world_size: int, runs: list, save_root: str, measure, **kwargs):
     """``run_distributed(w_recipe_runs, ...)``, retried once (into fresh ``--save``
-    directories) after a lost rank (see above)."""
-    try:
-        return run_distributed(w_recipe_runs, world_size, runs, save_root, measure, **kwargs)
-    except RuntimeError as error:
-        if not any(sign in str(error) for sign in _LOST_RANK):
-            raise
-        print(f"a rank was lost, retrying the launch once:\n{str(error)[-1500:]}")
-        retry = f"{save_root}/retry"
-        return run_distributed(w_recipe_runs, world_size, runs, retry, measure, **kwargs)
+    directories) after a lost rank (``dist_utils.LOST_RANK``)."""
+
+    def launch(root):
+        return run_distributed(w_recipe_runs, world_size, runs, root, measure, **kwargs)
+
+    return retried_after_a_lost_rank(launch, save_root)[0]
 
 
 def _weights(recipe, _) -> dict:
