@@ -210,9 +210,12 @@ def test_explicit_flags_win_and_checkpoints_without_a_tokenizer_behave_as_before
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": TEXT}) + "\n")
     with pytest.raises(DataError, match="no checkpoint there stores a tokenizer"):
         preprocess(
-            str(tmp_path / "docs.jsonl"), str(tmp_path / "d"), tokenizer_type=None,
-            log=io.StringIO(), load=str(tmp_path / "plain_mc"),
-        )  # fmt: skip
+            str(tmp_path / "docs.jsonl"),
+            str(tmp_path / "d"),
+            tokenizer_type=None,
+            log=io.StringIO(),
+            load=str(tmp_path / "plain_mc"),
+        )
     code, out, err = _convert(
         "mcore-to-hf", "--load", tmp_path / "plain_mc", "--save-hf", tmp_path / "plain_out"
     )
