@@ -26,6 +26,7 @@ import pytest
 import torch
 from evaluation.test_perplexity import _assert_matches, _expected
 from test_convert import _generate_ids, _w_loss, _w_main, convert, hf_tensors, pretrain
+from test_tokenizer_travels import corpus_from
 
 from _support.dist_utils import run_distributed
 from _support.hf_models import hf_greedy, hf_padded_token_losses
@@ -177,23 +178,10 @@ def test_finetune_then_export_loads_in_transformers_with_our_logits(published):
     `AutoTokenizer` and `AutoModelForCausalLM` load the export, the tokenizer encodes and
     templates as the published one, and transformers' losses on TEXT equal the fine-tuned
     checkpoint's; the fine-tune moved them (mean loss changed by over 10x the tolerance)."""
-    import io
-
     from transformers import AutoConfig, AutoTokenizer
 
-    from mcore_flash.data.preprocess import preprocess
-
     root, mc, tokens = published["root"], published["mc"], published["tokens"]
-    with open(root / "corpus.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": text}) + "\n" for text in FINETUNE_TEXTS * 4)
-    prefixes = preprocess(
-        str(root / "corpus.jsonl"),
-        str(root / "corpus"),
-        tokenizer_type=None,
-        append_eod=True,
-        log=io.StringIO(),
-        load=mc,
-    )
+    prefixes = corpus_from(root, FINETUNE_TEXTS * 4, mc)
     pretrain(
         1,
         "--load",

@@ -85,6 +85,24 @@ def _same_files(a, b, names):
             assert fa.read() == fb.read(), name
 
 
+def corpus_from(root, texts: list[str], load) -> dict:
+    """``texts`` as ``root/corpus.jsonl``, tokenized by ``preprocess --load load`` (the
+    checkpoint's own tokenizer, an end of document after each) into ``root/corpus``; returns
+    the output prefixes by JSON key."""
+    from mcore_flash.data.preprocess import preprocess
+
+    with open(root / "corpus.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+    return preprocess(
+        str(root / "corpus.jsonl"),
+        str(root / "corpus"),
+        tokenizer_type=None,
+        append_eod=True,
+        log=io.StringIO(),
+        load=str(load),
+    )
+
+
 def test_converted_checkpoint_generates_finetunes_and_exports_with_its_tokenizer(source):
     """No tokenizer flag anywhere: the converted checkpoint holds the source's tokenizer files
     (byte-identical, recorded in its common state); `generate --prompt` tokenizes as
@@ -95,8 +113,6 @@ def test_converted_checkpoint_generates_finetunes_and_exports_with_its_tokenizer
     source's special-token ids in config.json and its generation_config.json."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-    from mcore_flash.data.preprocess import preprocess
 
     root, src, mc, oracle = source["root"], source["hf"], source["mc"], source["oracle"]
     files = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
@@ -112,16 +128,7 @@ def test_converted_checkpoint_generates_finetunes_and_exports_with_its_tokenizer
     assert output == hf_greedy(src, prompt, 8)
 
     documents = [f"{line} ({i})" for i, line in enumerate([TEXT, "the lazy dog"] * 20)]
-    with open(root / "corpus.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": text}) + "\n" for text in documents)
-    prefixes = preprocess(
-        str(root / "corpus.jsonl"),
-        str(root / "corpus"),
-        tokenizer_type=None,
-        append_eod=True,
-        log=io.StringIO(),
-        load=mc,
-    )
+    prefixes = corpus_from(root, documents, mc)
     dataset = IndexedDataset(prefixes["text"])
     eos = source["ids"]["eos_token_id"]  # </s>: the tokenizer's end of document
     assert [list(dataset[i]) for i in (0, 1)] == [
