@@ -78,17 +78,20 @@ TRAIN = [
 ]
 
 
+def finetune(world_size, load, save, *flags):
+    """``pretrain --load load --finetune --use-checkpoint-args --save save`` with ``flags``:
+    the trainer continues a converted checkpoint with its model flags."""
+    return pretrain(
+        world_size, "--load", load, "--finetune", "--use-checkpoint-args", "--save", save, *flags
+    )
+
+
 def lr0_step(world_size, load, save, *flags):
-    """The trainer loads ``load`` (``--finetune --use-checkpoint-args``), takes one step at
-    learning rate 0 under ``flags`` (the layout) and saves to ``save``: the weights pass
-    through its load, model chunks and save unchanged in value."""
-    pretrain(
+    """:func:`finetune` for one step at learning rate 0 under ``flags`` (the layout): the
+    weights pass through the trainer's load, model chunks and save unchanged in value."""
+    finetune(
         world_size,
-        "--load",
         load,
-        "--finetune",
-        "--use-checkpoint-args",
-        "--save",
         save,
         "--train-iters",
         1,

@@ -25,7 +25,7 @@ import shutil
 import pytest
 import torch
 from evaluation.test_perplexity import _assert_matches, _expected
-from test_convert import _generate_ids, _w_loss, _w_main, convert, hf_tensors, pretrain
+from test_convert import _generate_ids, _w_loss, _w_main, convert, finetune, hf_tensors
 from test_tokenizer_travels import corpus_from
 
 from _support.dist_utils import run_distributed
@@ -182,12 +182,10 @@ def test_finetune_then_export_loads_in_transformers_with_our_logits(published):
 
     root, mc, tokens = published["root"], published["mc"], published["tokens"]
     prefixes = corpus_from(root, FINETUNE_TEXTS * 4, mc)
-    pretrain(
+    finetune(
         1,
-        "--load",
         mc,
-        "--finetune",
-        "--use-checkpoint-args",
+        root / "ft",
         "--train-iters",
         3,
         "--seq-length",
@@ -208,8 +206,6 @@ def test_finetune_then_export_loads_in_transformers_with_our_logits(published):
         prefixes["text"],
         "--split",
         "100,0,0",
-        "--save",
-        root / "ft",
     )
     convert("mcore-to-hf", "--load", root / "ft", "--save-hf", root / "out")
 

@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 import torch
-from test_convert import TRAIN, _generate_ids, pretrain
+from test_convert import TRAIN, _generate_ids, finetune
 
 from _support.hf_models import hf_greedy, make_hf_llama, make_hf_tokenizer
 
@@ -136,20 +136,7 @@ def test_converted_checkpoint_generates_finetunes_and_exports_with_its_tokenizer
     ]
 
     ft = root / "ft"
-    pretrain(
-        1,
-        "--load",
-        mc,
-        "--finetune",
-        "--use-checkpoint-args",
-        "--train-iters",
-        1,
-        *TRAIN,
-        "--data-path",
-        prefixes["text"],
-        "--save",
-        ft,
-    )
+    finetune(1, mc, ft, "--train-iters", 1, *TRAIN, "--data-path", prefixes["text"])
     _same_files(src, ft / "tokenizer", files)
     common = _common(ft)
     assert common["tokenizer"] == record and common["model_args"]["vocab_size"] == MODEL_VOCAB
