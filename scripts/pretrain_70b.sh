@@ -43,6 +43,9 @@
 # (--reset-attention-mask --reset-position-ids --eod-mask-loss: documents end at EOD tokens,
 # data preprocessed with --append-eod; every document split over the CP ranks); 0 attends
 # across the whole 128K sample.
+# HOST_MEMORY (e.g. 1.2TB; default the 910B profile's assumed 2 TiB) is each node's host memory
+# for the planner: where fp32 optimizer state does not fit it, the plan keeps Adam's moments in
+# bf16 on the host (--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16).
 # Without HF_CHECKPOINT it trains from random weights. Export the result with
 #   mcore-flash convert mcore-to-hf --load $SAVE --save-hf <dir>
 # Extra flags after the script's name are passed on to `mcore-flash pretrain`.
@@ -69,7 +72,7 @@ PYTHON=${PYTHON:-python}
 read -r PLAN_TP PLAN_PP PLAN_CP PLAN_SHARDING PLAN_RUNG PLAN_REST < <(
   "$PYTHON" -m mcore_flash.planning.cli --search --model llama2-70b --seq-length "$SEQ_LENGTH" \
     --num-devices "$WORLD_SIZE" --global-batch-size "$GLOBAL_BATCH" --device-memory 64GB \
-    --hardware ascend-910b-64g --top 1 --json |
+    --hardware ascend-910b-64g ${HOST_MEMORY:+--host-memory "$HOST_MEMORY"} --top 1 --json |
   "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]
 offload = best["offload_flags"] + best["gradient_flags"]
 print(lay["tp"], lay["pp"], lay["cp"], lay["fsdp"] or "none", best["rung"].replace(" ", "-"), *best["recompute_flags"], "::", *offload)'

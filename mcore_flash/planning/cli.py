@@ -18,8 +18,10 @@ copies' and the host optimizer step's time); ``--host-memory`` is the host memor
 (default the profile's); ``--search`` climbs to offload when nothing fits on ZeRO-3 and,
 when nothing fits even there with fp32 main gradients, tries bf16 main gradients
 (``--grad-reduce-in-bf16``, the rung's narrower state; the flag plans a layout, or every
-layout of ``--search``, with them), and when nothing fits then either says by how much and
-what closes the gap; ``--sensitivity``
+layout of ``--search``, with them), then bf16 host moments as well (``--exp-avg-dtype bf16
+--exp-avg-sq-dtype bf16``, the whole optimizer offloaded; the flags plan a layout, or every
+offloaded layout of ``--search``, with them), and when nothing fits then either says by how
+much and what closes the gap; ``--sensitivity``
 shows how the prediction moves when each figure the profile marks an assumption halves or
 doubles.
 
@@ -38,7 +40,7 @@ from .compare import DEFAULT_SEQ_LENGTHS, compare_standard
 from .flops import check_mean_document_length
 from .fsdp import FSDP_STRATEGIES, PLANNED_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile, load_hardware
-from .layout import Layout
+from .layout import HOST_MOMENT_BYTES, Layout
 from .memory import plan_memory
 from .models import MODELS, ModelShape, get_model
 from .report import (
@@ -169,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
         "plus the distributed optimizer's fp32 gradients of its device shard; --search tries them anyway on "
         "the offload rung when nothing fits with fp32 gradients",
     )
+    for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        p.add_argument(
+            flag,
+            choices=tuple(HOST_MOMENT_BYTES),
+            default="fp32",
+            help="Adam's moments on the host in bf16 (the trainer's host step; both flags alike, the whole "
+            "optimizer offloaded); --search tries them anyway on the offload rung when the host is too small",
+        )
     p.add_argument(
         "--host-memory",
         help="host memory per node, e.g. 2TB (binary; default the hardware profile's, an assumption for the 910B)",
@@ -282,6 +292,16 @@ def _offload_fraction(args) -> float:
     return fraction
 
 
+def _host_moment_dtype(args) -> str:
+    """The host moments' dtype of ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` (planned alike)."""
+    if args.exp_avg_dtype != args.exp_avg_sq_dtype:
+        raise ValueError(
+            f"--exp-avg-dtype {args.exp_avg_dtype} and --exp-avg-sq-dtype {args.exp_avg_sq_dtype}: the planner "
+            "plans both moments in one dtype; give them alike"
+        )
+    return args.exp_avg_dtype
+
+
 def _dp(args) -> int:
     unit = args.tp * args.pp * args.cp
     if args.num_devices is not None:
@@ -376,6 +396,7 @@ def _plan(args, inputs: Inputs) -> int:
         activation_offload_layers=args.activation_offload_layers,
         overlap_cpu_optimizer=args.overlap_cpu_optimizer,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        host_moment_dtype=_host_moment_dtype(args),
     )
     if layout.grad_reduce_in_bf16 and dtype_bytes != 2:
         raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
@@ -431,6 +452,7 @@ def search_candidates(args, inputs: Inputs) -> list[Candidate]:
         climb="each" if args.use_megatron_fsdp else "needed",
         offload=args.offload,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        host_moment_dtype=_host_moment_dtype(args),
         hardware=inputs.hardware,
         step_options=_step_options(args),
         **_plan_kwargs(args, inputs.dtype_bytes),

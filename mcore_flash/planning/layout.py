@@ -19,6 +19,7 @@ from .models import ModelShape
 __all__ = [
     "Layout",
     "RECOMPUTE_FLAGS",
+    "HOST_MOMENT_BYTES",
     "recompute_flags",
     "recompute_text",
     "fsdp_flags",
@@ -43,6 +44,8 @@ RECOMPUTE_FLAGS = {
     ],
     "core_attention": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
 }
+# bytes of one Adam moment per element, by the host state's dtype (--exp-avg-dtype's names)
+HOST_MOMENT_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,10 @@ class Layout:
     ``activation_offload_layers`` is the first that many layers of each pipeline stage whose
     kept tensors wait for their backward in host memory (``--activation-offload-layers``).
     ``overlap_cpu_optimizer`` (``--overlap-cpu-optimizer-d2h-h2d``) overlaps the offloaded
-    optimizer's copies with its host step.
+    optimizer's copies with its host step. ``host_moment_dtype`` ``"bf16"`` stores both Adam
+    moments of the host's state in bf16 (``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``, the
+    trainer's own host step: 8 B per offloaded element with the fp32 master instead of 12); the
+    trainer takes it with the whole optimizer offloaded only.
 
     ``grad_reduce_in_bf16`` (Megatron-LM's ``--grad-reduce-in-bf16``; needs the bf16
     parameters the planner assumes, ``--bf16``): bf16 main gradients, 2 B per element of the
@@ -92,6 +98,7 @@ class Layout:
     activation_offload_layers: int = 0
     overlap_cpu_optimizer: bool = False
     grad_reduce_in_bf16: bool = False
+    host_moment_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "vp", "micro_batch_size"):
@@ -140,6 +147,16 @@ class Layout:
             raise ValueError(
                 "--overlap-cpu-optimizer-d2h-h2d overlaps the offloaded optimizer's copies: it needs "
                 "--optimizer-cpu-offload with --optimizer-offload-fraction > 0"
+            )
+        if self.host_moment_dtype not in HOST_MOMENT_BYTES:
+            raise ValueError(
+                f"host moment dtype {self.host_moment_dtype!r} (--exp-avg-dtype / --exp-avg-sq-dtype): "
+                f"choose one of {tuple(HOST_MOMENT_BYTES)}"
+            )
+        if self.host_moment_dtype != "fp32" and self.optimizer_offload_fraction != 1.0:
+            raise ValueError(
+                f"--exp-avg-dtype {self.host_moment_dtype} is the host step's: it needs the whole optimizer "
+                "offloaded (--optimizer-cpu-offload --optimizer-offload-fraction 1)"
             )
         if not self.offloads:
             return
@@ -257,6 +274,9 @@ def offload_flags(layout: Layout) -> list[str]:
         flags += ["--optimizer-offload-fraction", f"{layout.optimizer_offload_fraction:g}"]
         if layout.overlap_cpu_optimizer:
             flags.append("--overlap-cpu-optimizer-d2h-h2d")
+        if layout.host_moment_dtype != "fp32":
+            for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
+                flags += [flag, layout.host_moment_dtype]
     if layout.activation_offload_layers:
         flags += ["--activation-offload-layers", str(layout.activation_offload_layers)]
     return flags
@@ -274,6 +294,8 @@ def offload_text(layout: Layout) -> str:
         parts.append(f"optimizer offload {layout.optimizer_offload_fraction:g}")
     if layout.activation_offload_layers:
         parts.append(f"activation offload {layout.activation_offload_layers} layers/stage")
+    if layout.host_moment_dtype != "fp32":
+        parts.append(f"{layout.host_moment_dtype} host moments")
     if layout.grad_reduce_in_bf16:
         parts.append("bf16 main gradients")
     return ", ".join(parts)

@@ -72,6 +72,7 @@ from .flops import pipeline_bubble, recompute_overhead
 from .fsdp import FSDP_CATEGORIES, fsdp_bytes, stage_groups
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
 from .layout import (
+    HOST_MOMENT_BYTES,
     Layout,
     fsdp_flags,
     gradient_flags,
@@ -140,7 +141,7 @@ HOST_CATEGORIES = (
     "host_activations",
     "host_runtime",
 )
-HOST_OPTIMIZER_BYTES = 12  # fp32 master + Adam exp_avg + exp_avg_sq per offloaded element
+HOST_MASTER_BYTES = 4  # the fp32 master copy per offloaded element (Adam's m, v: HOST_MOMENT_BYTES)
 HOST_GRADIENT_BYTES = 4  # megatron's pinned fp32 gradient copy per offloaded element
 FP32_BYTES = 4  # fp32 gradients of the logits, dK/dV of the context-parallel ring
 BF16_BYTES = 2
@@ -270,12 +271,14 @@ def ddp_state_bytes(
     }
 
 
-def ddp_host_bytes(shard: RankShard) -> dict[str, int]:
+def ddp_host_bytes(shard: RankShard, moment_dtype: str = "fp32") -> dict[str, int]:
     """One rank's host bytes of its offloaded optimizer: ``host_optimizer_state`` (fp32
-    master, m, v: 12 B per offloaded element, and each offloaded parameter's 4-byte step)
-    and ``host_gradient_copy`` (the pinned fp32 gradient copy, 4 B per offloaded element)."""
+    master and Adam's m, v in ``moment_dtype``: 12 B per offloaded element, 8 with bf16
+    moments, and each offloaded parameter's 4-byte step) and ``host_gradient_copy`` (the
+    pinned fp32 gradient copy, 4 B per offloaded element)."""
+    per_element = HOST_MASTER_BYTES + 2 * HOST_MOMENT_BYTES[moment_dtype]
     return {
-        "host_optimizer_state": HOST_OPTIMIZER_BYTES * shard.offloaded_elements
+        "host_optimizer_state": per_element * shard.offloaded_elements
         + STEP_COUNTER_BYTES * shard.offloaded_parameters,
         "host_gradient_copy": HOST_GRADIENT_BYTES * shard.offloaded_elements,
     }
@@ -855,6 +858,7 @@ def _exact_ddp_stage(
         float(layout.optimizer_offload_fraction),
         layout.grad_reduce_in_bf16,
         param_bytes,
+        layout.host_moment_dtype,
     )
     return {**nbytes, **worst}, {**host_bytes, **fullest}, rank_host
 
@@ -870,6 +874,7 @@ def _exact_stage_state(
     fraction: float,
     bf16_gradients: bool,
     param_bytes: int,
+    moment_dtype: str,
 ) -> tuple[dict[str, int], tuple[dict[str, int], ...], dict[str, int]]:
     """``(worst rank's device state, every rank's host optimizer, the fullest rank's)`` of
     :func:`_exact_ddp_stage` (cached: the search plans the same stage under many
@@ -888,7 +893,7 @@ def _exact_stage_state(
         )
         if key not in states:
             device = ddp_state_bytes(shard, layout, param_bytes=param_bytes)
-            states[key] = (device, ddp_host_bytes(shard))
+            states[key] = (device, ddp_host_bytes(shard, moment_dtype))
         rank_host.append(states[key][1])
     worst = max((device for device, _ in states.values()), key=lambda d: sum(d.values()))
     fullest = max((host for _, host in states.values()), key=lambda h: sum(h.values()))

@@ -149,9 +149,12 @@ def format_gap(gap: OffloadGap) -> str:
             "closes the device gap: more devices"
         )
     if gap.host_over > 0:
+        narrow = gap.narrow_state.host
         lines.append(
-            f"closes the host gap: {format_bytes(plan.host.per_node)} of host memory per node (--host-memory), or a "
-            "narrower host optimizer state (bf16 moments)"
+            f"closes the host gap: {format_bytes(plan.host.per_node)} of host memory per node (--host-memory); "
+            f"with bf16 main gradients and bf16 host moments (--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16, "
+            f"which the search tried too): {format_bytes(narrow.per_node)} per node "
+            f"({'fits' if narrow.fits else 'still over'})"
         )
     return "\n".join(lines)
 

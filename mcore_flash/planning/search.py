@@ -25,7 +25,10 @@ When nothing fits there with fp32 main gradients, the rung's narrower-state choi
 same again with bf16 main gradients (``Layout.grad_reduce_in_bf16``,
 ``--grad-reduce-in-bf16``; ``bf16_gradients``, with bf16 parameters only), least offload
 first (without offload bf16 gradients save ``2N - 4N/(dp*cp)`` only, nothing at
-``dp*cp = 2``, and cost ``2N`` at 1, so they can fit only where they save). A plan fits when the
+``dp*cp = 2``, and cost ``2N`` at 1, so they can fit only where they save); when the host
+still cannot hold the state, bf16 host moments as well (``Layout.host_moment_dtype``,
+``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``; ``bf16_moments``), which need the whole
+optimizer offloaded. A plan fits when the
 device holds its worst stage and the host its fullest node. ``Candidate.rung`` says which
 rung it needed; :func:`closest_offload` says, when nothing fits, by how much and what
 closes the gap; :func:`sensitivity` how the prediction moves with each assumed figure.
@@ -123,6 +126,8 @@ def search_layouts(
     offload: bool = True,
     bf16_gradients: bool = True,
     grad_reduce_in_bf16: bool = False,
+    bf16_moments: bool = True,
+    host_moment_dtype: str = "fp32",
     hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
     step_options: Optional[dict] = None,
     **plan_kwargs,
@@ -142,8 +147,9 @@ def search_layouts(
     that does not fit without it; when nothing fits on ZeRO-3 either and ``offload``, every
     layout is retried with host offload (just enough), and when that fails too and
     ``bf16_gradients`` (with bf16 parameters and activations), with bf16 main gradients and
-    host offload (just enough); ``grad_reduce_in_bf16`` plans every layout with bf16 main
-    gradients. ``hardware`` and ``step_options``
+    host offload (just enough), and when that fails too and ``bf16_moments``, with bf16 host
+    moments as well; ``grad_reduce_in_bf16`` plans every layout with bf16 main gradients,
+    ``host_moment_dtype`` every offloaded one with those moments. ``hardware`` and ``step_options``
     (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
     ``mean_document_length`` ...).
@@ -175,10 +181,14 @@ def search_layouts(
     )
 
     def run(
-        choices: Sequence[str], host_offload: bool = False, bf16: bool = grad_reduce_in_bf16
+        choices: Sequence[str],
+        host_offload: bool = False,
+        bf16: bool = grad_reduce_in_bf16,
+        moments: str = host_moment_dtype,
     ) -> list[Candidate]:
         """Every layout (with ``bf16`` main gradients), climbing to the FSDP strategies
-        ``choices`` (or with ``host_offload`` to host offload) where needed."""
+        ``choices`` (or with ``host_offload`` to host offload, its moments in ``moments``)
+        where needed."""
         found = []
         for tp in tps:
             for pp in pps:
@@ -225,6 +235,7 @@ def search_layouts(
                                 choices,
                                 plan_kwargs,
                                 host_offload,
+                                moments,
                             ):
                                 if plan.fits and plan.headroom < safety_margin * device_memory:
                                     plan.notes.append(
@@ -254,6 +265,11 @@ def search_layouts(
         retry = bf16_gradients and narrow and not grad_reduce_in_bf16
         if retry and not any(c.plan.fits for c in found):
             found = run((), host_offload=True, bf16=True)  # the narrower state: bf16 gradients
+        retry = bf16_moments and narrow and host_moment_dtype == "fp32"
+        if retry and not any(c.plan.fits for c in found):  # ... and bf16 host moments
+            found = run(
+                (), host_offload=True, bf16=bf16_gradients or grad_reduce_in_bf16, moments="bf16"
+            )
     found.sort(key=lambda candidate: rank_key(candidate, safety_margin))
     return found
 
@@ -274,12 +290,13 @@ def _climb(
     fsdp_choices: Sequence[str],
     plan_kwargs: dict,
     host_offload: bool = False,
+    moments: str = "fp32",
 ) -> list[MemoryPlan]:
     """The plans of ``layout`` up the ladder: itself (with just enough partial recompute);
     if that does not fit, one plan per FSDP strategy of ``fsdp_choices`` (dp x cp > 1),
     each with just enough partial recompute, or with ``host_offload`` its least host
-    offload that fits (:func:`_least_offload`), keeping the non-fitting first plan only
-    when nothing fits either."""
+    offload that fits (:func:`_least_offload`, host moments in ``moments``), keeping the
+    non-fitting first plan only when nothing fits either."""
     plan = _fitting(
         plan_memory(model, seq_length, layout, device_memory=device_memory, **plan_kwargs),
         partial_recompute,
@@ -293,7 +310,7 @@ def _climb(
         and layout.vp == 1  # the trainer refuses the offloads with the interleaved schedule
         and _knows_host(plan_kwargs["hardware"])
     ):
-        return [_least_offload(plan, plan_kwargs) or plan]
+        return [_least_offload(plan, plan_kwargs, moments) or plan]
     if (
         plan.fits
         or layout.sharding_ranks == 1
@@ -325,19 +342,27 @@ def _knows_host(hardware: HardwareProfile) -> bool:
     return all(getattr(hardware, name) is not None for name in HOST_FIELDS)
 
 
-def _least_offload(plan: MemoryPlan, plan_kwargs: dict) -> Optional[MemoryPlan]:
-    """The fitting plan of ``plan``'s layout with the least host offload: the least optimizer
-    offload fraction of :data:`OFFLOAD_FRACTIONS`, else the whole optimizer and the fewest
+def _least_offload(
+    plan: MemoryPlan, plan_kwargs: dict, moments: str = "fp32"
+) -> Optional[MemoryPlan]:
+    """The fitting plan of ``plan``'s layout with the least host offload, Adam's host moments
+    in ``moments``: the least optimizer offload fraction of :data:`OFFLOAD_FRACTIONS` (bf16
+    moments: the whole optimizer only), else the whole optimizer and the fewest
     activation-offloaded layers per stage (device bytes fall as that number grows:
     bisection); None when even every layer offloaded does not fit (or the host cannot
     hold the optimizer)."""
 
     def planned(fraction: float, layers: int) -> MemoryPlan:
         return _replanned(
-            plan, plan_kwargs, optimizer_offload_fraction=fraction, activation_offload_layers=layers
+            plan,
+            plan_kwargs,
+            optimizer_offload_fraction=fraction,
+            activation_offload_layers=layers,
+            host_moment_dtype=moments,
         )
 
-    for fraction in OFFLOAD_FRACTIONS:
+    fractions = OFFLOAD_FRACTIONS if moments == "fp32" else (1.0,)
+    for fraction in fractions:
         candidate = planned(fraction, 0)
         if candidate.fits:
             return candidate
@@ -411,10 +436,13 @@ class OffloadGap:
     its device bytes over the device memory (``device_over``, bytes; <= 0: fits) and the
     host bytes over the node's (``host_over``); ``bf16_gradients``, the same plan with bf16
     main gradients (``Layout.grad_reduce_in_bf16``, Megatron-LM's ``--grad-reduce-in-bf16``:
-    2 B per parameter instead of 4 with the whole optimizer offloaded)."""
+    2 B per parameter instead of 4 with the whole optimizer offloaded); ``narrow_state``, with
+    bf16 host moments as well (``Layout.host_moment_dtype``: 8 B of host optimizer state per
+    parameter instead of 12)."""
 
     plan: MemoryPlan
     bf16_gradients: MemoryPlan
+    narrow_state: MemoryPlan
 
     @property
     def device_over(self) -> int:
@@ -435,6 +463,11 @@ class OffloadGap:
                 "device_bytes": self.bf16_gradients.total,
                 "device_fits": self.bf16_gradients.device_fits,
                 "host_fits": self.bf16_gradients.host.fits,
+            },
+            "with_bf16_gradients_and_host_moments": {
+                "host_bytes_per_node": self.narrow_state.host.per_node,
+                "device_fits": self.narrow_state.device_fits,
+                "host_fits": self.narrow_state.host.fits,
             },
         }
 
@@ -483,7 +516,7 @@ def closest_offload(
         return None
     closest = min(offloaded, key=lambda p: (p.total, p.host.per_node))
     bf16 = _replanned(closest, kwargs, grad_reduce_in_bf16=True)
-    return OffloadGap(closest, bf16)
+    return OffloadGap(closest, bf16, _replanned(bf16, kwargs, host_moment_dtype="bf16"))
 
 
 def sensitivity(

@@ -232,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="megatron-core's precision-aware optimizer state (with the distributed optimizer)",
     )
+    for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
+        opt.add_argument(
+            flag,
+            choices=["fp32", "bf16"],
+            default="fp32",
+            help=f"storage dtype of Adam's {moment} moment (Megatron-LM's flag); bf16 needs "
+            "--optimizer-cpu-offload: the host step widens it to fp32 for the update",
+        )
     opt.add_argument(
         "--overlap-cpu-optimizer-d2h-h2d",
         action="store_true",

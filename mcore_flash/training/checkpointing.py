@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_flash.training import faults, fsdp_checkpoint, manifest, safe_pickles
+from mcore_flash.training.host_adam import MOMENT_DTYPES
 
 MARKER = "latest_checkpointed_iteration.txt"
 # Where the weights came from (a converted Hugging Face checkpoint's original config.json,
@@ -329,6 +330,7 @@ def load_checkpoint(
         )
     if load_optim:
         _check_optimizer_layout(root, common, optimizer)
+        _check_moment_dtypes(root, common, optimizer)
         _load_with_optimizer(path, common, model_chunks, optimizer, scheduler)
     else:
         fsdp_run = fsdp_checkpoint.is_fsdp(model_chunks[0])
@@ -522,6 +524,22 @@ def _check_fsdp_weights_layout(root: str, common: dict) -> None:
         )
 
 
+def _check_moment_dtypes(root: str, common: dict, optimizer) -> None:
+    """Refuse Adam moments stored in another dtype than this run's (``--exp-avg-dtype`` /
+    ``--exp-avg-sq-dtype``: the offloaded host step's narrower state), naming the flag."""
+    saved = common.get("optimizer_layout") or {}
+    now = optimizer_layout(optimizer)
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        was = saved.get(key, "fp32")  # checkpoints before the flags: fp32
+        if was != now[key]:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"--load {root}: its Adam moments were saved as {flag} {was}, and this run stores them as "
+                f"{now[key]}; pass {flag} {was}, or --no-load-optim to load the weights, iteration and "
+                "schedule with a fresh optimizer"
+            )
+
+
 def read_model_args(root: str) -> dict:
     """The ``model_args`` stored with the latest checkpoint under ``root`` (``--use-checkpoint-args``)."""
     saved = read_latest(root)[1].get("model_args")
@@ -561,11 +579,13 @@ def _check_same_model(root: str, common: dict, padded_vocab_size: int, model_arg
 def optimizer_layout(optimizer) -> dict:
     """What decides whether optimizer state reloads: its format (``fsdp_dtensor`` with
     Megatron-FSDP), distributed or not, the TP, PP, virtual pipeline (1: no interleaving)
-    and data x context parallel sizes."""
+    and data x context parallel sizes, and the storage dtypes of Adam's moments."""
     from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    names = {dtype: name for name, dtype in MOMENT_DTYPES.items()}
+    groups = [group for inner in inners for group in inner.optimizer.param_groups]
     fsdp = any(
         getattr(getattr(inner, "ddp_config", None), "use_megatron_fsdp", False) for inner in inners
     )
@@ -580,6 +600,11 @@ def optimizer_layout(optimizer) -> dict:
         "data_context_parallel_size": parallel_state.get_data_parallel_world_size(
             with_context_parallel=True
         ),
+        # Adam's moments (the host step's bf16 ones: mcore_flash.training.offload)
+        **{
+            key: names[groups[0].get(key, torch.float32)] if groups else "fp32"
+            for key in ("exp_avg_dtype", "exp_avg_sq_dtype")
+        },
     }
 
 

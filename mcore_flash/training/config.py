@@ -111,6 +111,8 @@ class TrainingConfig:
     optimizer_cpu_offload: bool
     optimizer_offload_fraction: float  # of the optimizer state (parameters) stepped on the host
     use_precision_aware_optimizer: bool
+    exp_avg_dtype: str  # "fp32" or "bf16": storage of Adam's moments (bf16: the host step's)
+    exp_avg_sq_dtype: str
     overlap_cpu_optimizer_d2h_h2d: bool
     # activation recompute (the flags; ``recompute`` below is what they mean)
     recompute_granularity: Optional[str]
@@ -357,6 +359,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         )
     sharding = _check_sharding(args, dp * cp)
     _check_optimizer_offload(args)
+    _check_moment_dtypes(args)
     _check_overlap_param_gather(args)
     if args.data_path:
         prefixes, _ = parse_data_path(args.data_path)
@@ -678,6 +681,35 @@ def _check_optimizer_offload(args: SimpleNamespace) -> None:
         raise ValueError(
             "--optimizer-cpu-offload with --use-megatron-fsdp fails in megatron-core (HybridDeviceOptimizer "
             "pins DTensor parameters, which torch cannot): offload with --use-distributed-optimizer only"
+        )
+
+
+def _check_moment_dtypes(args: SimpleNamespace) -> None:
+    """``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` bf16: Adam's moments stored narrower. Only the
+    offloaded optimizer's host step (:mod:`mcore_flash.training.host_adam`) has such a step here
+    (megatron-core passes the dtypes to Transformer Engine's FusedAdam alone), so all the state
+    must be on the host: ``--optimizer-cpu-offload`` at fraction 1."""
+    narrow = [
+        f"{flag} {dtype}"
+        for flag, dtype in (
+            ("--exp-avg-dtype", args.exp_avg_dtype),
+            ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype),
+        )
+        if dtype != "fp32"
+    ]
+    if not narrow:
+        return
+    if not args.optimizer_cpu_offload:
+        raise ValueError(
+            f"{narrow[0]} is stepped by the host optimizer only (the device's Adam without Transformer "
+            "Engine keeps fp32 moments): add --optimizer-cpu-offload --use-precision-aware-optimizer "
+            "--use-distributed-optimizer --bf16, or drop the flag"
+        )
+    if args.optimizer_offload_fraction != 1.0:
+        raise ValueError(
+            f"{narrow[0]} with --optimizer-offload-fraction {args.optimizer_offload_fraction}: the part "
+            "kept on the device would step with fp32 moments; offload it all (--optimizer-offload-fraction "
+            "1) or drop the flag"
         )
 
 

@@ -344,7 +344,7 @@ def _data_parallel_model_chunks(
 
 def _optimizer(config: TrainingConfig, model_config, model_chunks: list):
     """megatron's Adam (distributed with ``--use-distributed-optimizer``) over the chunks."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig
 
     optimizer_config = OptimizerConfig(
         optimizer="adam",
@@ -360,7 +360,7 @@ def _optimizer(config: TrainingConfig, model_config, model_chunks: list):
         use_distributed_optimizer=config.use_distributed_optimizer,
         **offload.optimizer_settings(config),
     )
-    return get_megatron_optimizer(optimizer_config, model_chunks)
+    return offload.build_optimizer(config, optimizer_config, model_chunks)
 
 
 def _lr_scheduler(config: TrainingConfig, optimizer):

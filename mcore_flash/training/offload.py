@@ -13,7 +13,11 @@ from (nothing is ``is_cuda``, and megatron-core then fails with a ``KeyError``):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from mcore_flash.training.host_adam import MOMENT_DTYPES, HostAdamW
 
 
 def optimizer_settings(config) -> dict:
@@ -27,8 +31,48 @@ def optimizer_settings(config) -> dict:
             optimizer_cpu_offload=True,
             optimizer_offload_fraction=config.optimizer_offload_fraction,
             overlap_cpu_optimizer_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d,
+            **moment_dtypes(config),
         )
     return settings
+
+
+def moment_dtypes(config) -> dict[str, torch.dtype]:
+    """``{"exp_avg_dtype": ..., "exp_avg_sq_dtype": ...}``: the storage dtypes of Adam's moments
+    (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``, megatron's ``OptimizerConfig`` names)."""
+    return {
+        "exp_avg_dtype": MOMENT_DTYPES[config.exp_avg_dtype],
+        "exp_avg_sq_dtype": MOMENT_DTYPES[config.exp_avg_sq_dtype],
+    }
+
+
+def build_optimizer(config, optimizer_config, model_chunks: list):
+    """megatron-core's ``get_megatron_optimizer``; with narrower moments its offloaded optimizer's
+    host step is :class:`.host_adam.HostAdamW`. megatron-core builds that step from its module's
+    ``CPUAdam`` (torch's AdamW: ``optimizer/__init__.py``, ``_get_megatron_optimizer_based_on_param_groups``),
+    replaced while it builds; the dtypes go into the hybrid optimizer's param groups, which it
+    copies into its sub-optimizers' before every step (``_sync_hdo_param_groups_to_sub_optimizers``)
+    and which checkpoints keep."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    dtypes = moment_dtypes(config)
+    if set(dtypes.values()) == {torch.float32}:
+        return megatron_optimizer.get_megatron_optimizer(optimizer_config, model_chunks)
+    with _replaced(megatron_optimizer, "CPUAdam", HostAdamW):
+        optimizer = megatron_optimizer.get_megatron_optimizer(optimizer_config, model_chunks)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in inner.optimizer.param_groups:
+            group.update(dtypes)
+    return optimizer
+
+
+@contextlib.contextmanager
+def _replaced(module, name: str, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def check_device() -> None:

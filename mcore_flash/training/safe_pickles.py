@@ -21,8 +21,8 @@ The RNG files are ours and are loaded with ``weights_only=True`` directly.
 One exception to "data only": megatron-core's ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``)
 keeps its sub-optimizers' classes in its param groups (``cpu_optimizer_cls``,
 ``gpu_optimizer_cls``: ``optimizer/cpu_offloading/hybrid_optimizer.py``), so the byte items may
-name torch's own optimizer classes (:data:`OPTIMIZER_CLASSES`); naming them imports nothing
-new, and building one runs only torch's optimizer constructor.
+name torch's own optimizer classes and ours (:data:`OPTIMIZER_CLASSES`); naming them imports
+nothing new, and building one runs only an optimizer constructor.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import pickle
 
 import torch
 
+from mcore_flash.training.host_adam import HostAdamW
 from mcore_flash.training.manifest import CorruptCheckpoint
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
@@ -47,8 +48,9 @@ _ALLOWED = {
 }
 
 
-# the classes megatron-core's offloaded optimizer stores in its param groups
-OPTIMIZER_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+# the classes megatron-core's offloaded optimizer stores in its param groups (HostAdamW: its host
+# step with narrower moments, :mod:`.host_adam`)
+OPTIMIZER_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, HostAdamW)
 
 
 class UnsafeCheckpoint(CorruptCheckpoint):

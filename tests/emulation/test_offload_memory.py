@@ -33,7 +33,7 @@ import gc
 from dataclasses import replace
 
 from mcore_flash.planning import Layout, get_model, plan_memory
-from mcore_flash.planning.memory import ddp_state_bytes, rank_shards
+from mcore_flash.planning.memory import ddp_host_bytes, ddp_state_bytes, rank_shards
 
 from _support.dist_utils import run_distributed
 
@@ -68,6 +68,10 @@ LAYOUTS = {  # the runs measured against the resident one, and their flags
         Layout(dp=DP, optimizer_offload_fraction=0.5, grad_reduce_in_bf16=True),
         [*OFFLOAD, "--optimizer-offload-fraction", "0.5", *BF16_GRADS],
     ),
+    "offload 1.0 + bf16 moments": (
+        Layout(dp=DP, optimizer_offload_fraction=1.0, host_moment_dtype="bf16"),
+        [*OFFLOAD, "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
+    ),
 }
 # the first run of a process also allocates what megatron and the npu backend keep for the
 # process (the compressed causal mask of the first attention): a warm-up run takes them
@@ -99,12 +103,29 @@ def _w_measure(rank, world_size, root):
             assert recipe.padded_vocab_size == MODEL.vocab_size
             setup = _allocated() - start
             recipe.train_step()
-            out[name] = {"setup": setup, "step": _allocated() - start}
+            out[name] = {"setup": setup, "step": _allocated() - start, **_host(recipe.optimizer)}
         finally:
             recipe.cleanup()
             parallel_state.destroy_model_parallel()
             del recipe
     return out
+
+
+def _host(optimizer) -> dict[str, int]:
+    """The offloaded optimizer's host bytes: its state (fp32 master, m, v, the 0-dim step
+    counters) and the pinned gradient copies of its host parameters."""
+    import torch
+
+    state = grads = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        hybrid = inner.optimizer
+        for values in hybrid.state.values():
+            for value in values.values():
+                if torch.is_tensor(value) and value.device.type == "cpu":
+                    state += value.numel() * value.element_size()
+        for copy in getattr(hybrid, "cpu_copy_map_grad", {}).values():
+            grads += copy.numel() * copy.element_size()
+    return {"host_optimizer_state": state, "host_gradient_copy": grads}
 
 
 def _predicted(layout: Layout, after_step: bool) -> list[int]:
@@ -129,6 +150,13 @@ def test_offload_and_bf16_gradient_device_bytes_equal_the_planners_at_dp2(tmp_pa
             print(f"{name}, after {key}: measured {measured}, planner {predicted}")
             if measured != predicted:
                 failures.append((name, key, measured, predicted))
+        # the host: the offloaded state and gradient copies of each rank, after the step
+        shards = rank_shards(MODEL, 1, 1, 1, 0, DP, float(layout.optimizer_offload_fraction))
+        host = [ddp_host_bytes(shard, layout.host_moment_dtype) for shard in shards]
+        measured = [{k: r[name][k] for k in host[0]} for r in per_rank]
+        print(f"{name}, host: measured {measured}, planner {host}")
+        if layout.optimizer_offload_fraction and measured != host:
+            failures.append((name, "host", measured, host))
         # the plan holds the worst rank's bytes (the offload rung's, not the resident one's)
         plan = plan_memory(MODEL, SEQ, layout).per_device
         worst = max(_predicted(layout, True))

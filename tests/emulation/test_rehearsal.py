@@ -244,23 +244,29 @@ def test_70b_recipe_script_rehearses_zero3_on_8_emulated_npus(tmp_path):
 
 @pytest.mark.slow
 def test_70b_recipe_script_rehearses_the_one_node_plan_on_8_emulated_npus(tmp_path):
-    """NUM_DEVICES=8: the planner's one-node layout needs host offload (rung 4); the recipe's
-    flags with it (the optimizer state on the host, bf16 gradients, activation offload, full
-    recompute) run on 8 emulated NPUs, and every rank's optimizer state is where the plan puts
-    it: all of it on the host, in fp32."""
+    """NUM_DEVICES=8 on nodes of HOST_MEMORY=1.2TB: the planner's one-node layout needs host
+    offload (rung 4) and, the host too small for fp32 optimizer state, bf16 host moments; the
+    recipe's flags with it (the optimizer state on the host with bf16 moments, bf16 gradients,
+    activation offload, full recompute) run on 8 emulated NPUs, and every rank's optimizer state
+    is where the plan puts it: all of it on the host, the fp32 master copy and the two bf16
+    moments of equal bytes (4 and 2 + 2 per element)."""
     save = tmp_path / "run"
-    output = rehearse_recipe(save, NUM_DEVICES="8")
+    output = rehearse_recipe(save, NUM_DEVICES="8", HOST_MEMORY="1.2TB")
     assert "rung offload" in output and "iteration 2/2" in output
     plan = subprocess.run(
         [sys.executable, "-m", "mcore_flash.planning.cli", "--search", "--model", "llama2-70b"]
         + ["--seq-length", "131072", "--num-devices", "8", "--device-memory", "64GB"]
-        + ["--hardware", "ascend-910b-64g", "--global-batch-size", "32", "--top", "1", "--json"],
+        + ["--hardware", "ascend-910b-64g", "--global-batch-size", "32", "--top", "1", "--json"]
+        + ["--host-memory", "1.2TB"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     layout = json.loads(plan.stdout)["layouts"][0]["layout"]
     assert layout["optimizer_offload_fraction"] == 1.0
+    assert layout["host_moment_dtype"] == "bf16"
     for report in rank_reports(save):
         assert report["optimizer_state_bytes"].keys() == {"cpu"}, report
-        assert report["optimizer_state_bytes"]["cpu"].keys() == {"torch.float32"}
+        by_dtype = report["optimizer_state_bytes"]["cpu"]
+        assert by_dtype.keys() == {"torch.float32", "torch.bfloat16"}, report
+        assert by_dtype["torch.float32"] == by_dtype["torch.bfloat16"], report

@@ -4,7 +4,10 @@ on the host, on the emulated NPU (the CPU path has no device to offload from: re
 
 Oracle: the same run without offload (bf16 parameters, the distributed optimizer): losses and grad norms must be identical, the offloaded state must
 really sit on the host (tensor devices), and the device's byte counter (exact in the emulation)
-must fall by exactly the bytes of the state that moved there.
+must fall by exactly the bytes of the state that moved there. With bf16 host moments
+(``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``, :mod:`mcore_flash.training.host_adam`) the
+moments are bf16 on the host, the device holds what it holds with fp32 moments, the first step
+is the same and training stays within bf16's precision of the fp32-moment run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import pytest
 import torch
 
+from mcore_flash.training import offload
 from mcore_flash.training.arguments import parse_config
 
 from _support.dist_utils import run_distributed
@@ -22,6 +26,7 @@ from _support.recipe_runs import TINY, w_recipe_runs
 
 DISTRIBUTED = ["--use-distributed-optimizer", "--bf16"]
 OFFLOAD = [*DISTRIBUTED, "--use-precision-aware-optimizer", "--optimizer-cpu-offload"]
+BF16_MOMENTS = ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
 
 
 def _state_bytes(optimizer, scalars: bool = False) -> dict[str, int]:
@@ -58,6 +63,7 @@ def _device_and_state_bytes(recipe, bytes_before: int) -> dict:
         "device_bytes": _device_bytes() - bytes_before,
         "state_bytes": _state_bytes(recipe.optimizer),
         "state_bytes_with_steps": _state_bytes(recipe.optimizer, scalars=True),
+        "placement": offload.state_placement(recipe.optimizer),
     }
 
 
@@ -68,6 +74,7 @@ RUNS = {
     "offload-half": [*OFFLOAD, "--optimizer-offload-fraction", "0.5"],
     "bf16-grads": [*DISTRIBUTED, "--grad-reduce-in-bf16"],
     "offload-bf16-grads": [*OFFLOAD, "--grad-reduce-in-bf16"],
+    "offload-bf16-moments": [*OFFLOAD, *BF16_MOMENTS],
 }
 # bf16 main gradients, against fp32 ones (set before measuring, from bf16's 8 significant bits:
 # a gradient summed over 4 micro-batches and 2 ranks in bf16 is off by a few units of 2**-8)
@@ -99,6 +106,23 @@ def test_offloaded_optimizer_trains_alike_with_its_state_on_the_host(tmp_path):
             assert left_the_device == resident["state_bytes_with_steps"]["npu"] - state_on_device
         assert runs["offload-half"]["state_bytes"]["cpu"] < runs["offload"]["state_bytes"]["cpu"]
         _assert_bf16_gradients(runs, rank)
+        _assert_bf16_moments(runs, rank)
+
+
+def _assert_bf16_moments(runs: dict, rank: int) -> None:
+    """bf16 host moments: the fp32 master copy (4 bytes a shard element) and m, v in bf16 (2 + 2)
+    on the host, nothing of it on the device (its bytes those of the fp32-moment run); the first
+    step the same (no update before it), the others within bf16's precision."""
+    shard = runs["resident"]["state_bytes"]["npu"] // 12  # fp32 master + m + v per shard element
+    narrow, offload = runs["offload-bf16-moments"], runs["offload"]
+    assert narrow["placement"] == {"cpu": {"torch.float32": 4 * shard, "torch.bfloat16": 4 * shard}}
+    assert offload["placement"] == {"cpu": {"torch.float32": 12 * shard}}
+    assert narrow["device_bytes"] == offload["device_bytes"], rank
+    assert narrow["steps"][0] == offload["steps"][0], rank
+    assert narrow["steps"] != offload["steps"], rank  # the moments were rounded
+    for (loss, norm), (want_loss, want_norm) in zip(narrow["steps"], offload["steps"]):
+        assert loss == pytest.approx(want_loss, rel=BF16_LOSS_REL), rank
+        assert norm == pytest.approx(want_norm, rel=BF16_GRAD_NORM_REL), rank
 
 
 def _assert_bf16_gradients(runs: dict, rank: int) -> None:
@@ -145,6 +169,11 @@ def _assert_bf16_gradients(runs: dict, rank: int) -> None:
         ),
         (["--optimizer-offload-fraction", "0.5"], ["--optimizer-cpu-offload"]),
         ([*OFFLOAD, "--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
+        ([*DISTRIBUTED, *BF16_MOMENTS], ["--exp-avg-dtype bf16", "--optimizer-cpu-offload"]),
+        (
+            [*OFFLOAD, "--exp-avg-sq-dtype", "bf16", "--optimizer-offload-fraction", "0.5"],
+            ["--exp-avg-sq-dtype bf16", "--optimizer-offload-fraction 1"],
+        ),
         (["--use-precision-aware-optimizer"], ["--use-distributed-optimizer"]),
         (["--use-distributed-optimizer", "--grad-reduce-in-bf16"], ["--bf16"]),
         (
@@ -186,11 +215,13 @@ def _metrics(save) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_offloaded_optimizer_resumes_exactly(tmp_path):
-    """Save at iteration 2 with the state on the host, resume: iterations 3-4 equal the
-    uninterrupted run's bit for bit (the host state and its step count came back; the byte
-    items naming torch's optimizer classes pass the checkpoint's pickle check)."""
-    argv = [*TINY, *OFFLOAD, "--emulate-npu", "--train-iters", "4"]
+def test_offloaded_optimizer_with_bf16_moments_resumes_exactly(tmp_path):
+    """Save at iteration 2 with the state on the host and its moments in bf16, resume:
+    iterations 3-4 equal the uninterrupted run's bit for bit (the host state and its step
+    count came back; the byte items naming the optimizer classes, ours among them, pass the
+    checkpoint's pickle check). fp32 moments: the offload fault drill
+    (test_fault_tolerance.py) resumes them at every fault point."""
+    argv = [*TINY, *OFFLOAD, *BF16_MOMENTS, "--emulate-npu", "--train-iters", "4"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
 
     def pretrain(*extra):
@@ -200,3 +231,23 @@ def test_offloaded_optimizer_resumes_exactly(tmp_path):
     assert pretrain("--save", str(resumed), "--exit-interval", "2") == [0, 0]
     assert pretrain("--save", str(resumed), "--load", str(resumed)) == [0, 0]
     assert _metrics(resumed) == _metrics(straight) and len(_metrics(straight)) == 4
+
+
+@pytest.mark.parametrize(
+    "saved, now, flag",
+    [
+        ({}, {"exp_avg_dtype": "bf16"}, "--exp-avg-dtype fp32"),
+        ({"exp_avg_sq_dtype": "bf16"}, {}, "--exp-avg-sq-dtype bf16"),
+    ],
+)
+def test_moments_of_another_dtype_are_refused_by_name(monkeypatch, saved, now, flag):
+    """Adam moments saved in one dtype do not load as another: refused before any tensor is
+    read, naming the flag and --no-load-optim (a checkpoint without the record: fp32)."""
+    from mcore_flash.training import checkpointing
+
+    fp32 = {"exp_avg_dtype": "fp32", "exp_avg_sq_dtype": "fp32"}
+    monkeypatch.setattr(checkpointing, "optimizer_layout", lambda _: {**fp32, **now})
+    with pytest.raises(ValueError, match=flag) as error:
+        checkpointing._check_moment_dtypes("/ckpt", {"optimizer_layout": saved}, None)
+    assert "--no-load-optim" in str(error.value), error.value
+    checkpointing._check_moment_dtypes("/ckpt", {"optimizer_layout": {**fp32, **now}}, None)
