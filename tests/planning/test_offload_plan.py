@@ -18,6 +18,8 @@ a 4-byte step counter where its Adam runs (the host, or with offload the device)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mcore_flash.planning import Layout, plan_memory, predict_step_time, search_layouts
@@ -151,6 +153,35 @@ def test_host_bytes_of_a_pipeline_span_nodes():
     assert p.host.per_node == 8 * (16 * stage1 + STEP * (40 * 6 + 2) + RUNTIME) + RESERVED
 
 
+def test_bf16_host_moments_take_8_bytes_an_element_and_show_in_the_command():
+    # fp32 master 4 + m 2 + v 2 (instead of 4 + 4 + 4); the gradient copy, activations,
+    # runtime and the device unchanged
+    fp32 = plan(one_node(optimizer_offload_fraction=1.0, activation_offload_layers=80))
+    bf16 = plan(
+        one_node(
+            optimizer_offload_fraction=1.0, activation_offload_layers=80, host_moment_dtype="bf16"
+        )
+    )
+    per_rank = 12 * P_TP8 + STEP * PARAMS_TP8 + 80 * INPUT_TP8 + RUNTIME
+    assert bf16.host.per_node == 8 * per_rank + RESERVED
+    assert fp32.host.per_node - bf16.host.per_node == 8 * 4 * P_TP8
+    assert bf16.per_device == fp32.per_device
+    command = pretrain_command(get_model("llama2-70b"), SEQ, bf16.layout)
+    assert "--optimizer-offload-fraction 1 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16" in command
+
+
+def test_search_keeps_bf16_host_moments_for_a_node_too_small_for_fp32_state():
+    # the one-node layout needs 1298 GiB of host with fp32 state, 1041 with bf16 moments
+    node = int(1.2 * 1024 * GiB)
+    found = search_layouts("llama2-70b", SEQ, 8, "64GB", host_memory=node)
+    assert found and all(c.plan.layout.host_moment_dtype == "bf16" for c in found)
+    best = found[0].plan
+    assert best.fits and best.layout.optimizer_offload_fraction == 1.0
+    fp32 = plan(replace(best.layout, host_moment_dtype="fp32"), host_memory=node)
+    assert fp32.device_fits and not fp32.fits  # the host is what the bf16 moments free
+    assert fp32.host.per_node - best.host.per_node == 8 * 4 * P_TP8
+
+
 def test_host_memory_refuses_a_plan():
     layout = one_node(optimizer_offload_fraction=1.0, activation_offload_layers=80)
     needed = 8 * (16 * P_TP8 + STEP * PARAMS_TP8 + 80 * INPUT_TP8 + RUNTIME) + RESERVED
@@ -196,6 +227,12 @@ def test_offload_flags_of_the_command():
         ),
         (dict(activation_offload_layers=-1), "--activation-offload-layers"),
         (dict(overlap_cpu_optimizer=True), "--overlap-cpu-optimizer-d2h-h2d"),
+        (dict(host_moment_dtype="bf16"), "--optimizer-offload-fraction 1"),
+        (
+            dict(host_moment_dtype="bf16", optimizer_offload_fraction=0.5),
+            "--optimizer-offload-fraction 1",
+        ),
+        (dict(host_moment_dtype="fp16", optimizer_offload_fraction=1.0), "--exp-avg-dtype"),
     ],
 )
 def test_refused_layouts_name_the_flag(changes, flag):
@@ -450,6 +487,16 @@ def test_cli_search_and_refusals(capsys):
     assert "--use-megatron-fsdp" in capsys.readouterr().err
     assert main(["--tp", "8", "--optimizer-offload-fraction", "0.5"]) == 2
     assert "needs --optimizer-cpu-offload" in capsys.readouterr().err
+    moments = ["--tp", "8", "--optimizer-cpu-offload", "--exp-avg-dtype", "bf16"]
+    assert main(moments) == 2
+    assert "plans both moments in one dtype" in capsys.readouterr().err
+    assert (
+        main([*moments, "--exp-avg-sq-dtype", "bf16", "--optimizer-offload-fraction", "0.5"]) == 2
+    )
+    assert "--optimizer-offload-fraction 1" in capsys.readouterr().err
+    four = ["--search", "--num-devices", "4", "--device-memory", "64GB", "--host-memory", "1TB"]
+    assert main(four) == 1
+    assert "bf16 host moments (--exp-avg-dtype bf16" in capsys.readouterr().out
 
 
 def test_cli_host_memory_refusal(capsys):
