@@ -317,8 +317,8 @@ def load_checkpoint(
     (dist_checkpointing reshards; virtual pipeline sizes too: the layers' keys are global),
     as long as the model and the padded vocabulary agree; distributed-optimizer state only
     at its TP, PP and virtual pipeline sizes (:func:`_check_optimizer_layout`).
-    With ``--use-megatron-fsdp`` (``fsdp_dtensor``): its own optimizer state at its TP and
-    data x context parallel sizes; the weights of either kind load into a run of the other
+    With ``--use-megatron-fsdp`` (``fsdp_dtensor``): its own optimizer state at its TP size
+    and any data x context parallel size; the weights of either kind load into a run of the other
     (a torch_dist checkpoint's through :func:`load_weights_before_sharding`).
     """
     path, common = _open_checkpoint(root, padded_vocab_size, model_args)
@@ -614,7 +614,9 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
     The distributed optimizer's ``dp_reshardable`` state is cut into the DP ranks' flat
     buffers of each TP/PP shard and model chunk: it reloads under any data-parallel size, but
     only with the TP, PP and virtual pipeline sizes it was saved with. The plain optimizer's state is per parameter and
-    reshards like the weights. The two formats do not load into each other.
+    reshards like the weights. Megatron-FSDP's reloads at any data x context parallel size but
+    only at its TP size (:func:`_check_fsdp_optimizer_layout`). The two formats do not load
+    into each other.
     """
     saved = common.get("optimizer_layout")
     if saved is None:  # written before the layout was recorded
@@ -631,7 +633,7 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
             f"{which} --use-megatron-fsdp, or pass --no-load-optim (or --finetune) to load its weights only"
         )
     if now["format"] == fsdp_checkpoint.FORMAT:
-        _check_fsdp_optimizer_layout(root, saved, now, fresh)
+        _check_fsdp_optimizer_layout(root, saved, now)
         return
     if saved["distributed"] != now["distributed"]:
         which = "with" if saved["distributed"] else "without"
@@ -655,21 +657,28 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
                 )
 
 
-def _check_fsdp_optimizer_layout(root: str, saved: dict, now: dict, fresh: str) -> None:
-    """Megatron-FSDP's optimizer state reloads at the data x context parallel and TP sizes it
-    was saved with: its shards follow FSDP's uneven cut of each parameter's rows, and resuming
-    it at another size has not been shown exact here (a run at data x context parallel size
-    1 is refused on megatron-core 0.16 anyway)."""
-    names = {
-        "data_context_parallel_size": "data x context parallel size",
-        "tensor_model_parallel_size": "--tensor-model-parallel-size",
-    }
-    for name, what in names.items():
-        if saved.get(name) != now[name]:
-            raise ValueError(
-                f"--load {root}: FSDP optimizer state reloads only at {what} {saved.get(name)} "
-                f"(this run: {now[name]}): launch with that layout, {fresh}"
-            )
+def _check_fsdp_optimizer_layout(root: str, saved: dict, now: dict) -> None:
+    """Megatron-FSDP's optimizer state reloads at any data x context parallel size but only at
+    the TP size it was saved with.
+
+    Each DTensor (weight, Adam's moments) is stored whole, its rows cut unevenly over the
+    saving ranks with the offsets :func:`fsdp_checkpoint.attach_chunks` records, so DCP reads
+    any other cut from them: DP2 -> DP4, DP4 -> DP2, DP2 -> DP1 x CP2 (and DP1 on megatron-core
+    0.19) resume with the saved state bit for bit and the uninterrupted run's loss and grad
+    norm (``tests/training/test_fsdp_checkpoint.py``). Another TP size is refused: the same
+    key holds the TP shards side by side (``make_fsdp_dtensor``; SwiGLU's fc1 is each TP
+    rank's gate and up halves in turn), so DCP loads it without an error into rows that mean
+    something else (TP1 x DP2 -> TP2 x DP1 by hand on 0.19.2: iteration 3's loss 6.1653, the
+    uninterrupted run's 6.1513)."""
+    was, tp = saved.get("tensor_model_parallel_size"), now["tensor_model_parallel_size"]
+    if was != tp:
+        raise ValueError(
+            f"--load {root}: FSDP optimizer state reloads at any data x context parallel size but only at "
+            f"--tensor-model-parallel-size {was} (this run: {tp}): resume at that TP size; to change it, "
+            "start a fresh optimizer from its weights: load them into a run without --use-megatron-fsdp at "
+            f"--tensor-model-parallel-size {was} with --no-load-optim, whose save (torch_dist) a "
+            "--use-megatron-fsdp run at any TP size loads with --finetune or --no-load-optim"
+        )
 
 
 def _model_keys(model_chunks: list) -> list[str]:

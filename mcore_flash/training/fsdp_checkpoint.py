@@ -7,7 +7,10 @@ optimizer.sharded_state_dict(..., metadata={"distrib_optim_sharding_type": "fsdp
 uneven chunk (``distributed/fsdp/src/megatron_fsdp/uneven_dtensor.py``), saved and loaded
 with ``torch.distributed.checkpoint``. Megatron-FSDP cuts each parameter's rows unevenly
 over the data x context parallel ranks (a rank may hold none), so DCP's own even-split
-offsets are wrong and every DTensor needs its real offset.
+offsets are wrong and every DTensor needs its real offset. With them recorded, DCP's planner
+reads any other cut from the stored chunks: the weights and the optimizer state resume at
+another data x context parallel size (not another TP size:
+``checkpointing._check_fsdp_optimizer_layout``).
 
 megatron-core's ``preprocess_state_dict_for_uneven_dtensor`` finds the offsets with one
 ``all_gather_object`` per DTensor, and the ranks hold different optimizer keys (Adam has

@@ -1,12 +1,15 @@
-"""``--use-megatron-fsdp`` checkpoints (``--ckpt-format fsdp_dtensor``): saved, resumed exactly,
-verified, and crossed with torch_dist checkpoints.
+"""``--use-megatron-fsdp`` checkpoints (``--ckpt-format fsdp_dtensor``): saved, resumed exactly
+(also at another data x context parallel size), verified, and crossed with torch_dist checkpoints.
 
 Oracles: the uninterrupted run (a resume must give its per-iteration loss and grad norm
-exactly, fp32); for weights crossing kinds, the saving run's own full weights, gathered
-here with megatron-FSDP's ``gather_and_compute_chunk_metadata`` (``tests/_support/recipe_runs.py``'s
-``full_weights``), not by the code under test; for damaged and forged files, the byte this
-test flipped and a side effect that must not happen. One launch per world size loops over
-the configurations (process start-up dominates).
+exactly, fp32; after a change of data x context parallel size to 1e-5 relative, only the
+reductions' order differing); for weights crossing kinds, the saving run's own full weights,
+gathered here with megatron-FSDP's ``gather_and_compute_chunk_metadata``
+(``tests/_support/recipe_runs.py``'s ``full_weights``), not by the code under test; for
+resharded optimizer state, the saving run's fp32 weights and Adam moments gathered the same
+way, bit for bit; for damaged and forged files, the byte this test flipped and a side effect
+that must not happen. One launch per world size loops over the configurations (process
+start-up dominates; the reshard test needs a second DP2 launch, after DP4's save).
 """
 
 from __future__ import annotations
@@ -233,6 +236,152 @@ def _assert_same_weights(got: dict, expected: dict) -> None:
         assert torch.equal(got[name], expected[name]), name
 
 
+def _full_optimizer_state(recipe) -> dict:
+    """``{parameter name: {"param", "exp_avg", "exp_avg_sq": the full fp32 tensor, "step"}}``
+    of the FSDP run's optimizer, gathered without the checkpoint code under test: every rank's
+    local shard of the optimizer's own DTensor parameters and of torch Adam's state for them,
+    placed at the offset megatron-FSDP's ``gather_and_compute_chunk_metadata`` gives. Asserted:
+    every element is held by some rank, and ranks holding the same element (TP ranks of a
+    replicated weight) agree."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        gather_and_compute_chunk_metadata,
+    )
+
+    model, optimizer = recipe.model_chunks[0], recipe.optimizer
+    (inner,) = getattr(optimizer, "chained_optimizers", [optimizer])
+    names = {id(p): name.removeprefix("module.module.") for name, p in model.named_parameters()}
+    mine = {}
+    for group in inner.optimizer.param_groups:
+        for param in group["params"]:
+            offsets = tuple(gather_and_compute_chunk_metadata(param).offsets)  # collective
+            state = inner.optimizer.state.get(param, {})
+            local = {"param": param.to_local()}
+            local |= {k: state[k].to_local() for k in ("exp_avg", "exp_avg_sq") if k in state}
+            step = state["step"].item() if "step" in state else None
+            mine[names[id(param)]] = (tuple(param.shape), offsets, local, step)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    full = {}
+    for name, (shape, _, _, _) in mine.items():
+        tensors = {k: torch.zeros(shape) for k in ("param", "exp_avg", "exp_avg_sq")}
+        written = {k: torch.zeros(shape, dtype=torch.int64) for k in tensors}
+        steps = set()
+        for rank_state in gathered:
+            _, offsets, local, step = rank_state[name]
+            if local["param"].numel() == 0:
+                continue
+            steps.add(step)
+            at = tuple(slice(o, o + n) for o, n in zip(offsets, local["param"].shape))
+            for k in tensors:
+                before = written[k][at] > 0  # held by another rank too (replicated over TP)
+                assert torch.equal(tensors[k][at][before], local[k][before]), (name, k)
+                tensors[k][at] = local[k]
+                written[k][at] += 1
+        for k, count in written.items():
+            assert bool((count > 0).all()), (name, k, "not held by any rank")
+        assert len(steps) == 1, (name, steps)
+        full[name] = {**tensors, "step": steps.pop()}
+    return full
+
+
+def _w_reshard(rank, world_size, root, runs):
+    """Per ``(name, flags, load)`` (``optim_grads_params``; ``load`` None or another run's
+    name): without ``load``, an uninterrupted run of STEPS iterations that saves after SAVED
+    ("steps": its ``(loss, grad norm)``; "saved": :func:`_full_optimizer_state` right after
+    the save); with ``load``, that run's checkpoint resumed here ("at": the iteration it
+    resumed at, "loaded": the state right after the load, "steps": the remaining iterations)."""
+    from megatron.core import parallel_state
+
+    results = {}
+    for name, flags, load in runs:
+        recipe = _recipe(
+            [*STRATEGIES["zero3"], *flags],
+            os.path.join(root, name),
+            os.path.join(root, load) if load else None,
+        )
+        try:
+            if load is None:
+                out = {"steps": _steps(recipe, SAVED)}
+                recipe.save()
+                out["saved"] = _full_optimizer_state(recipe)
+                out["steps"] += _steps(recipe, STEPS - SAVED)
+            else:
+                out = {"at": recipe.iteration, "loaded": _full_optimizer_state(recipe)}
+                out["steps"] = _steps(recipe, STEPS - recipe.iteration)
+        finally:
+            recipe.cleanup()
+            parallel_state.destroy_model_parallel()
+        results[name] = out
+    return results
+
+
+def _reshard_launches(root: str, launches: list) -> dict:
+    """``{run name: rank 0's outcome}`` of :func:`_w_reshard` over ``[(world size, runs)]``,
+    launched in order (a lost gloo rank retries the whole sequence once, in fresh directories)."""
+
+    def launch(root):
+        results = {}
+        for world_size, runs in launches:
+            results |= run_distributed(_w_reshard, world_size, root, runs, timeout=600)[0]
+        return results
+
+    return retried_after_a_lost_rank(launch, root)[0]
+
+
+def _assert_resumes_as_saved(results: dict, resumed: str, saved: str) -> None:
+    """The run ``resumed`` holds, right after loading ``saved``'s checkpoint, the optimizer
+    state ``saved`` held right after writing it, bit for bit (fp32 weights, Adam's moments,
+    its step), and its remaining iterations give the loss and grad norm of ``saved``'s own
+    continuation to 1e-5 relative (fp32; only the order of the reductions differs)."""
+    got, expected = results[resumed], results[saved]
+    assert got["at"] == SAVED, (resumed, got["at"])
+    assert expected["saved"], saved  # the saving run held Adam state, no moment all zeros
+    assert all(
+        state[k].any() for state in expected["saved"].values() for k in ("exp_avg", "exp_avg_sq")
+    )
+    assert set(got["loaded"]) == set(expected["saved"]), resumed
+    for name, state in expected["saved"].items():
+        loaded = got["loaded"][name]
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded[key], state[key]), (resumed, name, key)
+        assert loaded["step"] == state["step"] == SAVED, (resumed, name)
+    continued = [value for step in expected["steps"][SAVED:] for value in step]
+    assert [value for step in got["steps"] for value in step] == pytest.approx(
+        continued, rel=1e-5
+    ), (resumed, got["steps"], expected["steps"])
+
+
+@pytest.mark.slow  # a 4-rank launch
+def test_fsdp_optimizer_state_reshards_between_dp2_and_dp4(tmp_path):
+    """optim_grads_params saved at DP2 resumes at DP4 and saved at DP4 resumes at DP2 (three
+    launches: DP2 saves, DP4 saves and resumes DP2's, DP2 resumes DP4's): each resumed run
+    holds the saving run's optimizer state bit for bit and continues as it did."""
+    dp2, dp4 = ("dp2", [], None), ("dp4", [], None)
+    results = _reshard_launches(
+        str(tmp_path),
+        [(2, [dp2]), (4, [dp4, ("dp4-from-dp2", [], "dp2")]), (2, [("dp2-from-dp4", [], "dp4")])],
+    )
+    _assert_resumes_as_saved(results, "dp4-from-dp2", "dp2")
+    _assert_resumes_as_saved(results, "dp2-from-dp4", "dp4")
+
+
+def test_fsdp_optimizer_state_of_dp2_resumes_at_cp2_and_at_dp1(tmp_path):
+    """optim_grads_params saved at DP2 resumes at DP1 x CP2 (the same data x context parallel
+    size: the same cut) and, on megatron-core 0.19 (FSDP at size 1 doubles the gradients
+    before), in one process: the saving run's optimizer state bit for bit, and its loss and
+    grad norm. The megatron calls of the DP2 <-> DP4 test, fast enough for CI's 0.19 job."""
+    from mcore_flash.training import fsdp
+
+    launches = [(2, [("dp2", [], None), ("cp2-from-dp2", ["--context-parallel-size", "2"], "dp2")])]
+    at_dp1 = fsdp._megatron_release() >= fsdp.DP1_FIXED_IN
+    if at_dp1:
+        launches.append((1, [("dp1-from-dp2", [], "dp2")]))
+    results = _reshard_launches(str(tmp_path), launches)
+    _assert_resumes_as_saved(results, "cp2-from-dp2", "dp2")
+    if at_dp1:
+        _assert_resumes_as_saved(results, "dp1-from-dp2", "dp2")
+
+
 FSDP_LAYOUT = {
     "format": "fsdp_dtensor",
     "distributed": True,
@@ -245,14 +394,13 @@ FSDP_LAYOUT = {
 @pytest.mark.parametrize(
     "now,expected",
     [
-        ({"data_context_parallel_size": 4}, "only at data x context parallel size 2"),
         ({"tensor_model_parallel_size": 2}, "only at --tensor-model-parallel-size 1"),
         ({"format": "torch_dist"}, "saved with --use-megatron-fsdp"),
     ],
 )
 def test_fsdp_optimizer_state_refuses_another_layout_by_name(monkeypatch, now, expected):
-    """What FSDP optimizer state cannot reload into (another DP x CP or TP size, a run without
-    FSDP) is refused before any tensor is read, naming the way out; the saved layout as
+    """What FSDP optimizer state cannot reload into (another TP size, a run without FSDP) is
+    refused before any tensor is read, naming the way out; the saved layout as
     save_checkpoint records it, this run's stubbed (no process group needed)."""
     from mcore_flash.training import checkpointing
 
@@ -260,6 +408,17 @@ def test_fsdp_optimizer_state_refuses_another_layout_by_name(monkeypatch, now, e
     with pytest.raises(ValueError, match=expected) as error:
         checkpointing._check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
     assert "--no-load-optim" in str(error.value), error.value
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_fsdp_optimizer_state_is_accepted_at_another_data_context_parallel_size(monkeypatch, size):
+    """Another data x context parallel size passes the check (DCP reshards the state:
+    ``test_fsdp_optimizer_state_reshards_between_dp2_and_dp4``), at the saved TP size."""
+    from mcore_flash.training import checkpointing
+
+    layout = {**FSDP_LAYOUT, "data_context_parallel_size": size}
+    monkeypatch.setattr(checkpointing, "optimizer_layout", lambda _: layout)
+    checkpointing._check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
 
 
 def test_fsdp_weights_into_a_run_without_fsdp_refuse_another_tp_size_or_pipelining(monkeypatch):
