@@ -39,9 +39,10 @@ it). For S=256, K=16: 2.407 and 2.204.
 
 Documents are exactly ``seq_length`` long, so with megatron's GPTDataset at the same
 ``seq_length`` (which reads ``seq_length + 1`` tokens per sample, overlapping by one) every
-sample is one whole document plus the next document's first token: samples start at ``@`` and
-position ids match the layout. Generation is vectorised numpy, deterministic in ``seed``
-(a few thousand 256-token documents: well under a second).
+sample is one whole document plus the next document's first token: samples start where a
+document does (at ``@`` in the fixed task) and position ids match the layout. Generation is
+numpy (vectorised for the fixed task, a row at a time for the uniform one), deterministic in
+``seed`` (a few thousand 256-token documents: well under a second).
 """
 
 from __future__ import annotations
