@@ -23,11 +23,26 @@ is near ``local_floor`` it can only fall further through long-range attention; t
 answer-token loss (``answer_loss_mask``) falls from log 26 = 3.26 towards 0. For S=256: K=16,
 distance=238, local floor 2.386, perfect floor 2.182.
 
+``key_depth="uniform"`` (``pretrain --synthetic-key-depth uniform``) places the key at a
+uniformly random depth instead, in exactly the layout of ``mcore-flash evaluate --task needle``
+(:func:`mcore_flash.evaluation.needle.needle_samples`)::
+
+    [lead filler]  @  k1 .. kK  :  [rest filler]  ?  k1 .. kK  <eod>
+
+with ``F = seq_length - 2K - 4`` digits in all, ``lead ~ U{0..F}`` drawn per document and the
+query ``?`` always at ``seq_length - K - 2``: the key-to-answer distance runs from ``K + 2``
+(lead ``F``, depth 1) to ``seq_length - K - 2`` (lead 0, depth 0: the fixed document). Where
+the ``@`` falls is itself ``log(F + 1)`` nats of entropy per document, so both floors are the
+fixed task's plus ``log(F + 1) / seq_length``; ``local_floor`` is then the best loss of a model
+that never copies the key (near depth 1 the key is close enough for a short-range head to copy
+it). For S=256, K=16: 2.407 and 2.204.
+
 Documents are exactly ``seq_length`` long, so with megatron's GPTDataset at the same
 ``seq_length`` (which reads ``seq_length + 1`` tokens per sample, overlapping by one) every
-sample is one whole document plus the next document's first token: samples start at ``@`` and
-position ids match the layout. Generation is vectorised numpy, deterministic in ``seed``
-(a few thousand 256-token documents: well under a second).
+sample is one whole document plus the next document's first token: samples start where a
+document does (at ``@`` in the fixed task) and position ids match the layout. Generation is
+numpy (vectorised for the fixed task, a row at a time for the uniform one), deterministic in
+``seed`` (a few thousand 256-token documents: well under a second).
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ from mcore_flash.data.errors import DataError
 from mcore_flash.data.tokenizers import ByteTokenizer
 
 __all__ = [
+    "KEY_DEPTHS",
     "LongRangeTask",
     "make_task",
     "generate_documents",
@@ -62,22 +78,37 @@ KEY_ALPHABET = numpy.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=numpy.uint8
 FILLER_ALPHABET = numpy.frombuffer(b"0123456789", dtype=numpy.uint8).astype(numpy.int64)
 START, SEP, QUERY = ord("@"), ord(":"), ord("?")
 EOD = ByteTokenizer.EOD
+# Where the key sits: "fixed" (``distance`` back from the answer, the default run's task) or
+# "uniform" (a uniformly random depth per document, the needle evaluation's layout).
+KEY_DEPTHS = ("fixed", "uniform")
 
 
 @dataclass(frozen=True)
 class LongRangeTask:
-    """Layout of one document (positions are 0-based within the document)."""
+    """Layout of one document (positions are 0-based within the document).
+
+    ``key_depth="uniform"``: the key's depth varies per document; ``distance`` is then the
+    longest (depth 0) and the per-document positions (``lead_length``, ``filler_length``,
+    ``key_start``) raise ValueError; ``query_position``, ``answer_start``, ``digits`` and the
+    floors hold for every document."""
 
     seq_length: int
     key_length: int
     distance: int
+    key_depth: str = "fixed"
+
+    def _fixed_only(self, what: str) -> None:
+        if self.key_depth != "fixed":
+            raise ValueError(f"{what}: varies per document with key_depth={self.key_depth!r}")
 
     @property
     def lead_length(self) -> int:
+        self._fixed_only("lead_length")
         return self.seq_length - self.key_length - self.distance - 2
 
     @property
     def filler_length(self) -> int:
+        self._fixed_only("filler_length")
         return self.distance - self.key_length - 2
 
     @property
@@ -85,24 +116,35 @@ class LongRangeTask:
         return self.lead_length + 1
 
     @property
+    def digits(self) -> int:
+        """Filler digits per document, lead and rest together: ``seq_length - 2K - 4``."""
+        return self.seq_length - 2 * self.key_length - 4
+
+    @property
     def query_position(self) -> int:
-        return self.key_start + self.key_length + 1 + self.filler_length
+        return self.seq_length - self.key_length - 2
 
     @property
     def answer_start(self) -> int:
         return self.query_position + 1
 
     @property
+    def _placement_entropy(self) -> float:
+        """Nats per document in where the key sits: 0 fixed, ``log(F + 1)`` uniform."""
+        return math.log(self.digits + 1) if self.key_depth == "uniform" else 0.0
+
+    @property
     def local_floor(self) -> float:
-        """Best mean loss (nats/token) without attending ``distance`` back."""
-        digits = self.lead_length + self.filler_length
-        return (digits * math.log(10) + 2 * self.key_length * math.log(26)) / self.seq_length
+        """Best mean loss (nats/token) without attending ``distance`` back (uniform: without
+        copying the key at all)."""
+        nats = self.digits * math.log(10) + 2 * self.key_length * math.log(26)
+        return (nats + self._placement_entropy) / self.seq_length
 
     @property
     def perfect_floor(self) -> float:
         """Best mean loss (nats/token) of a model that copies the key across the gap."""
-        digits = self.lead_length + self.filler_length
-        return (digits * math.log(10) + self.key_length * math.log(26)) / self.seq_length
+        nats = self.digits * math.log(10) + self.key_length * math.log(26)
+        return (nats + self._placement_entropy) / self.seq_length
 
     @property
     def answer_chance_loss(self) -> float:
@@ -111,10 +153,19 @@ class LongRangeTask:
 
 
 def make_task(
-    seq_length: int, key_length: Optional[int] = None, distance: Optional[int] = None
+    seq_length: int,
+    key_length: Optional[int] = None,
+    distance: Optional[int] = None,
+    key_depth: str = "fixed",
 ) -> LongRangeTask:
     """Validate the layout. Defaults: ``key_length = max(2, seq_length // 16)``,
-    ``distance = seq_length - key_length - 2`` (the longest)."""
+    ``distance = seq_length - key_length - 2`` (the longest). ``key_depth`` is one of
+    :data:`KEY_DEPTHS`; "uniform" takes no ``distance`` (each document draws its own)."""
+    if key_depth not in KEY_DEPTHS:
+        raise DataError(
+            f"synthetic key_depth {key_depth!r}: must be one of {', '.join(KEY_DEPTHS)} "
+            "(pretrain's --synthetic-key-depth)"
+        )
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 8:
         raise DataError(
             f"--seq-length {seq_length!r}: the synthetic task needs a sequence of at least 8 tokens"
@@ -127,6 +178,11 @@ def make_task(
             f"synthetic key_length {key_length}: must be in [1, {max_key}] for seq_length {seq_length}"
         )
     longest = seq_length - key_length - 2
+    if key_depth == "uniform" and distance is not None:
+        raise DataError(
+            f"synthetic distance {distance}: the key depth is uniform, so each document draws "
+            "its own distance; give no distance"
+        )
     if distance is None:
         distance = longest
     if not key_length + 2 <= distance <= longest:
@@ -134,11 +190,13 @@ def make_task(
             f"synthetic distance {distance}: must be in [{key_length + 2}, {longest}] for seq_length "
             f"{seq_length} and key_length {key_length}"
         )
-    return LongRangeTask(seq_length, key_length, distance)
+    return LongRangeTask(seq_length, key_length, distance, key_depth)
 
 
 def generate_documents(task: LongRangeTask, num_docs: int, seed: int) -> numpy.ndarray:
     """``[num_docs, seq_length]`` int64 token ids of the task, deterministic in ``seed``."""
+    if task.key_depth == "uniform":
+        return _uniform_depth_documents(task, num_docs, seed)
     rng = numpy.random.default_rng(seed)
     s, k = task.seq_length, task.key_length
     docs = FILLER_ALPHABET[rng.integers(0, len(FILLER_ALPHABET), size=(num_docs, s))]
@@ -152,6 +210,22 @@ def generate_documents(task: LongRangeTask, num_docs: int, seed: int) -> numpy.n
     return docs
 
 
+def _uniform_depth_documents(task: LongRangeTask, num_docs: int, seed: int) -> numpy.ndarray:
+    """``key_depth="uniform"``: per document ``lead ~ U{0..F}`` digits, ``@ key :``, the other
+    ``F - lead`` digits, ``? key <eod>`` (the needle evaluation's layout, ``needle_samples``)."""
+    rng = numpy.random.default_rng(seed)
+    f, k = task.digits, task.key_length
+    leads = rng.integers(0, f + 1, size=num_docs)
+    digits = FILLER_ALPHABET[rng.integers(0, len(FILLER_ALPHABET), size=(num_docs, f))]
+    keys = KEY_ALPHABET[rng.integers(0, len(KEY_ALPHABET), size=(num_docs, k))]
+    docs = numpy.empty((num_docs, task.seq_length), dtype=numpy.int64)
+    for row, (lead, filler, key) in enumerate(zip(leads, digits, keys)):
+        docs[row] = numpy.concatenate(
+            [filler[:lead], [START], key, [SEP], filler[lead:], [QUERY], key, [EOD]]
+        )
+    return docs
+
+
 def write_synthetic_dataset(
     output_prefix: str,
     num_docs: int,
@@ -159,12 +233,13 @@ def write_synthetic_dataset(
     seed: int,
     key_length: Optional[int] = None,
     distance: Optional[int] = None,
+    key_depth: str = "fixed",
 ) -> LongRangeTask:
     """Write ``num_docs`` task documents to ``output_prefix.bin/.idx`` (Megatron format, uint16,
     ByteTokenizer ids, one sequence per document; atomic). Returns the task (floors, layout)."""
     if isinstance(num_docs, bool) or not isinstance(num_docs, int) or num_docs < 1:
         raise DataError(f"synthetic num_docs {num_docs!r}: must be a positive integer")
-    task = make_task(seq_length, key_length, distance)
+    task = make_task(seq_length, key_length, distance, key_depth)
     docs = generate_documents(task, num_docs, seed).astype(numpy.uint16)
     parent = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(parent, exist_ok=True)
@@ -184,19 +259,23 @@ def synthetic_dataset(
     key_length: Optional[int] = None,
     distance: Optional[int] = None,
     *,
+    key_depth: str = "fixed",
     create: bool = True,
 ) -> tuple[str, LongRangeTask]:
     """The prefix of the synthetic dataset for these settings under ``directory``, written
     if it is not there yet (or is damaged). Returns ``(prefix, task)`` for ``--data-path``.
+    The name records every setting, the key placement included (``_d<distance>_`` fixed,
+    ``_duniform_`` uniform), so a dataset is only ever reused for the settings it was drawn with.
 
     ``create=False``: only look; raise DataError if the dataset is missing or damaged (the
     non-writing ranks of a distributed run, which must not race the writer)."""
     from mcore_flash.data.indexed import check_indexed_dataset
 
-    task = make_task(seq_length, key_length, distance)
+    task = make_task(seq_length, key_length, distance, key_depth)
+    placement = task.distance if key_depth == "fixed" else key_depth
     prefix = os.path.join(
         directory,
-        f"longrange_s{seq_length}_k{task.key_length}_d{task.distance}_n{num_docs}_seed{seed}",
+        f"longrange_s{seq_length}_k{task.key_length}_d{placement}_n{num_docs}_seed{seed}",
     )
     try:
         summary = check_indexed_dataset(prefix, arg="synthetic dataset")
@@ -209,7 +288,15 @@ def synthetic_dataset(
             "--save must be a directory every rank shares (or pass --data-path / --mock-data)"
         )
     if not ok:
-        write_synthetic_dataset(prefix, num_docs, seq_length, seed, task.key_length, task.distance)
+        write_synthetic_dataset(
+            prefix,
+            num_docs,
+            seq_length,
+            seed,
+            task.key_length,
+            None if key_depth == "uniform" else task.distance,
+            key_depth,
+        )
     return prefix, task
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+from mcore_flash.data.synthetic import KEY_DEPTHS
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
 from mcore_flash.planning.models import MODELS
 from mcore_flash.training.config import (
@@ -289,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
     data.add_argument("--data-cache-path", default=None)
+    data.add_argument(
+        "--synthetic-key-depth",
+        choices=KEY_DEPTHS,
+        default=None,
+        help="ours, the built-in task only: where each document's key sits. fixed (default): "
+        "always --seq-length - K - 2 tokens before its copy (the main job); uniform: at a "
+        "uniformly random depth, the layout of `mcore-flash evaluate --task needle`. Pass it on "
+        "every launch of a run (a checkpoint does not record it)",
+    )
 
     device = p.add_argument_group("device")
     device.add_argument(

@@ -148,6 +148,7 @@ class TrainingConfig:
     reset_position_ids: bool
     eod_mask_loss: bool
     data_cache_path: Optional[str]
+    synthetic_key_depth: Optional[str]  # the built-in task's key placement; None: fixed
     # device
     emulate_npu: bool
     # checkpoints and logging
@@ -348,6 +349,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
     _check_document_flags(args)
+    _check_synthetic_key_depth(args)
     _check_validation(args)
     if args.window_attn_skip_freq is not None and (
         args.window_size is None or args.window_attn_skip_freq < 1
@@ -459,6 +461,16 @@ def _virtual_pipeline_size(args: SimpleNamespace, pp: int, micro_batches: int) -
                 "per rank); drop one of them"
             )
     return vp
+
+
+def _check_synthetic_key_depth(args: SimpleNamespace) -> None:
+    """``--synthetic-key-depth`` shapes the built-in task: with other data it would do nothing."""
+    if args.synthetic_key_depth is not None and (args.data_path or args.mock_data):
+        source = "--data-path" if args.data_path else "--mock-data"
+        raise ValueError(
+            f"--synthetic-key-depth places the key of the built-in task, which {source} replaces; "
+            f"drop one of them"
+        )
 
 
 def _check_validation(args: SimpleNamespace) -> None:

@@ -84,7 +84,14 @@ def build_train_valid_datasets(config: TrainingConfig, tokenizer):
     data_path, split = config.data_path, config.split
     if not data_path and not config.mock_data:
         data_path, split = (
-            [_built_in_dataset(config.save, config.seq_length, config.seed)],
+            [
+                _built_in_dataset(
+                    config.save,
+                    config.seq_length,
+                    config.seed,
+                    key_depth=config.synthetic_key_depth or "fixed",
+                )
+            ],
             "100,0,0",
         )
     valid_samples = None if config.mock_data else 0
@@ -129,16 +136,19 @@ def _check_documents_end_with_eod(dataset, eod: int, seq_length: int) -> None:
         )
 
 
-def _built_in_dataset(save: str, seq_length: int, seed: int) -> str:
+def _built_in_dataset(save: str, seq_length: int, seed: int, key_depth: str = "fixed") -> str:
     """Prefix of the built-in long-range task (documents of ``seq_length`` tokens drawn with
-    ``seed``) under ``save``/data: global rank 0 writes it (if absent), then every other rank
-    checks it, so no two ranks write the same files."""
+    ``seed``, the key placed as ``key_depth`` says: ``--synthetic-key-depth``) under
+    ``save``/data: global rank 0 writes it (if absent), then every other rank checks it, so no
+    two ranks write the same files."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     writer = not distributed or torch.distributed.get_rank() == 0
     if distributed and not writer:
         torch.distributed.barrier()  # released once rank 0 has written
     data_dir = os.path.join(save, "data")
-    prefix, _ = synthetic_dataset(data_dir, SYNTHETIC_DOCS, seq_length, seed=seed, create=writer)
+    prefix, _ = synthetic_dataset(
+        data_dir, SYNTHETIC_DOCS, seq_length, seed=seed, key_depth=key_depth, create=writer
+    )
     if distributed and writer:
         torch.distributed.barrier()
     return prefix

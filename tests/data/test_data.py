@@ -277,6 +277,124 @@ def test_synthetic_deterministic_and_cached(tmp_path):
     assert os.path.getmtime(prefix + ".bin") == mtime  # reused, not rewritten
 
 
+def _uniform_docs_checked(docs, s, k):
+    """Check each document of the varied-depth task position by position, without the task's
+    own layout code; returns the lead (digits before ``@``) of each document."""
+    f = s - 2 * k - 4
+    leads = []
+    for doc in numpy.asarray(docs).tolist():
+        assert len(doc) == s
+        assert doc.count(START) == 1 and doc.count(QUERY) == 1 and doc.count(SEP) == 1
+        lead = doc.index(START)
+        assert 0 <= lead <= f
+        key = doc[lead + 1 : lead + 1 + k]
+        assert all(ord("a") <= t <= ord("z") for t in key)
+        assert doc[lead + 1 + k] == SEP
+        assert doc[s - k - 2] == QUERY  # the query never moves
+        assert doc[s - k - 1 : s - 1] == key  # the answer is the key, copied exactly
+        assert doc[s - 1] == 256  # eod
+        digits = doc[:lead] + doc[lead + k + 2 : s - k - 2]
+        assert len(digits) == f and all(ord("0") <= t <= ord("9") for t in digits)
+        leads.append(lead)
+    return leads
+
+
+def test_synthetic_uniform_key_depth(tmp_path):
+    s, k = 64, 4
+    f = s - 2 * k - 4  # 52 digits per document
+    task = make_task(s, key_length=k, key_depth="uniform")
+    n = 2000
+    docs = generate_documents(task, n, seed=5)
+    leads = _uniform_docs_checked(docs, s, k)
+    # every lead 0..F occurs (P(one of 53 values missing in 2000 draws) < 53 * e^-37.7)
+    assert set(leads) == set(range(f + 1))
+    # uniform: the mean lead is F/2 within 5 standard errors (sd of U{0..F} is sqrt((53^2-1)/12))
+    assert abs(numpy.mean(leads) - f / 2) < 5 * math.sqrt(((f + 1) ** 2 - 1) / 12 / n)
+    # the needle evaluation's layout: needle_samples at depth lead/F with the same digits and
+    # key rebuilds each document exactly
+    from mcore_flash.evaluation.needle import needle_samples
+
+    class KeyRng:  # hands needle_samples the document's own key
+        def __init__(self, letters):
+            self.letters = letters
+
+        def integers(self, low, high, size):
+            return self.letters.reshape(size)
+
+    for doc, lead in list(zip(docs, leads))[:40]:
+        digits = numpy.concatenate([doc[:lead], doc[lead + k + 2 : s - k - 2]])[None]
+        rng = KeyRng(doc[lead + 1 : lead + 1 + k] - ord("a"))
+        tokens, _ = needle_samples(s, lead / f, k, digits, rng)
+        assert tokens[0].tolist() == doc.tolist()
+    # floors by hand: F digits, the key, the answer (no-copy floor only) and where the @ sits
+    t256 = make_task(256, key_depth="uniform")
+    at = math.log(221)  # lead ~ U{0..220}
+    assert t256.local_floor == pytest.approx((220 * math.log(10) + 32 * math.log(26) + at) / 256)
+    assert t256.perfect_floor == pytest.approx((220 * math.log(10) + 16 * math.log(26) + at) / 256)
+    assert (round(t256.local_floor, 3), round(t256.perfect_floor, 3)) == (2.407, 2.204)
+    assert (t256.query_position, t256.answer_start, t256.distance) == (238, 239, 238)
+    with pytest.raises(ValueError, match="varies per document"):
+        _ = t256.lead_length
+    with pytest.raises(DataError, match="give no distance"):
+        make_task(64, key_length=4, distance=40, key_depth="uniform")
+    with pytest.raises(DataError, match="--synthetic-key-depth"):
+        make_task(64, key_depth="random")
+    # deterministic in the seed, and written to disk as generated
+    a = write_synthetic_dataset(
+        str(tmp_path / "a"), 30, s, seed=5, key_length=k, key_depth="uniform"
+    )
+    b = write_synthetic_dataset(
+        str(tmp_path / "b"), 30, s, seed=5, key_length=k, key_depth="uniform"
+    )
+    assert a == b == task
+    assert _read(str(tmp_path / "a"))[0] == generate_documents(task, 30, seed=5).tolist()
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+    assert generate_documents(task, 30, seed=6).tolist() != _read(str(tmp_path / "a"))[0]
+
+
+def test_synthetic_cache_records_the_key_depth(tmp_path):
+    """A fixed dataset in the cache is never taken for a varied-depth one, or back."""
+    cache = str(tmp_path / "cache")
+    fixed, _ = synthetic_dataset(cache, 100, 64, seed=1)
+    with pytest.raises(
+        DataError, match="every rank shares"
+    ):  # not there: the fixed one is no match
+        synthetic_dataset(cache, 100, 64, seed=1, key_depth="uniform", create=False)
+    uniform, task = synthetic_dataset(cache, 100, 64, seed=1, key_depth="uniform")
+    assert uniform != fixed and os.path.basename(uniform) == "longrange_s64_k4_duniform_n100_seed1"
+    assert os.path.basename(fixed) == "longrange_s64_k4_d58_n100_seed1"  # the name it always had
+    leads = _uniform_docs_checked(_read(uniform)[0], 64, 4)
+    assert len(set(leads)) > 1
+    assert {doc.index(START) for doc in _read(fixed)[0]} == {0}
+    assert (
+        synthetic_dataset(cache, 100, 64, seed=1, key_depth="uniform", create=False)[0] == uniform
+    )
+    assert synthetic_dataset(cache, 100, 64, seed=1, create=False)[0] == fixed
+
+
+def test_synthetic_key_depth_flag(tmp_path, good_prefix, gloo_group):
+    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.training.data import build_train_valid_datasets
+
+    base = ["--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "4"]
+    save = str(tmp_path / "run")
+    assert parse_config([*base, "--save", save]).synthetic_key_depth is None  # fixed
+    config = parse_config([*base, "--save", save, "--synthetic-key-depth", "uniform"])
+    train, valid = build_train_valid_datasets(config, ByteTokenizer())
+    assert valid is None
+    names = sorted(os.listdir(os.path.join(save, "data")))
+    assert [n for n in names if n.endswith(".bin")] == [
+        "longrange_s64_k4_duniform_n4096_seed1234.bin"
+    ]
+    leads = _uniform_docs_checked(torch.stack([train[i]["tokens"] for i in range(8)]), 64, 4)
+    assert len(set(leads)) > 1  # the trainer's samples are the varied documents
+    for argv in (["--data-path", good_prefix], ["--mock-data"]):
+        with pytest.raises(ValueError, match="--synthetic-key-depth.*" + argv[0]):
+            parse_config([*base, "--save", save, "--synthetic-key-depth", "fixed", *argv])
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        parse_config([*base, "--save", save, "--synthetic-key-depth", "random"])
+
+
 # --------------------------------------------------------------------------- build_datasets
 
 
