@@ -296,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ours, the built-in task only: where each document's key sits. fixed (default): "
         "always --seq-length - K - 2 tokens before its copy (the main job); uniform: at a "
-        "uniformly random depth, the layout of `mcore-flash evaluate --task needle`. Pass it on "
-        "every launch of a run (a checkpoint does not record it)",
+        "uniformly random depth, the layout of `mcore-flash evaluate --task needle`. A checkpoint "
+        "records it: resuming with the other placement is refused",
     )
 
     device = p.add_argument_group("device")

@@ -47,7 +47,13 @@ MARKER = "latest_checkpointed_iteration.txt"
 # read on load and written into every later checkpoint, so an export after continued
 # pretraining keeps the original token ids, decoding defaults, metadata and tokenizer. A run
 # that saves into another directory copies the tokenizer files there (:func:`save_checkpoint`).
-PROVENANCE_KEYS = ("hf_config", "converted_from", "generation_config", "tokenizer")
+PROVENANCE_KEYS = (
+    "hf_config",
+    "converted_from",
+    "generation_config",
+    "tokenizer",
+    "synthetic_key_depth",  # the built-in task a run trains on (--synthetic-key-depth)
+)
 # in the provenance load_checkpoint returns: the --load directory whose tokenizer/ to copy
 _TOKENIZER_SOURCE = "_tokenizer_source"
 # dist_checkpointing's index and non-tensor files, checked before anything is read

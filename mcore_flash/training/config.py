@@ -148,7 +148,7 @@ class TrainingConfig:
     reset_position_ids: bool
     eod_mask_loss: bool
     data_cache_path: Optional[str]
-    synthetic_key_depth: Optional[str]  # the built-in task's key placement; None: fixed
+    synthetic_key_depth: Optional[str]  # the built-in task's key placement; None: other data
     # device
     emulate_npu: bool
     # checkpoints and logging
@@ -349,7 +349,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
     _check_document_flags(args)
-    _check_synthetic_key_depth(args)
+    key_depth = _synthetic_key_depth(args)
     _check_validation(args)
     if args.window_attn_skip_freq is not None and (
         args.window_size is None or args.window_attn_skip_freq < 1
@@ -378,6 +378,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         num_micro_batches=global_batch_size // (args.micro_batch_size * dp),
         hardware=hardware,
         recompute=recompute,
+        synthetic_key_depth=key_depth,
         **sharding,
     )
 
@@ -463,14 +464,18 @@ def _virtual_pipeline_size(args: SimpleNamespace, pp: int, micro_batches: int) -
     return vp
 
 
-def _check_synthetic_key_depth(args: SimpleNamespace) -> None:
-    """``--synthetic-key-depth`` shapes the built-in task: with other data it would do nothing."""
-    if args.synthetic_key_depth is not None and (args.data_path or args.mock_data):
-        source = "--data-path" if args.data_path else "--mock-data"
-        raise ValueError(
-            f"--synthetic-key-depth places the key of the built-in task, which {source} replaces; "
-            f"drop one of them"
-        )
+def _synthetic_key_depth(args: SimpleNamespace) -> Optional[str]:
+    """``--synthetic-key-depth``: the built-in task's key placement ("fixed" unless given), None
+    with other data, where the flag would do nothing (refused)."""
+    if args.data_path or args.mock_data:
+        if args.synthetic_key_depth is not None:
+            source = "--data-path" if args.data_path else "--mock-data"
+            raise ValueError(
+                f"--synthetic-key-depth places the key of the built-in task, which {source} replaces; "
+                f"drop one of them"
+            )
+        return None
+    return args.synthetic_key_depth or "fixed"
 
 
 def _check_validation(args: SimpleNamespace) -> None:

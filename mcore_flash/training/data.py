@@ -89,7 +89,7 @@ def build_train_valid_datasets(config: TrainingConfig, tokenizer):
                     config.save,
                     config.seq_length,
                     config.seed,
-                    key_depth=config.synthetic_key_depth or "fixed",
+                    key_depth=config.synthetic_key_depth,
                 )
             ],
             "100,0,0",

@@ -107,6 +107,7 @@ class PretrainRecipe:
                 load_optim=not config.no_load_optim,
                 load_rng=not config.no_load_rng,
             )
+            _check_built_in_data(config, provenance)
             how = "fine-tuning from" if config.finetune else "resumed from"
             self.logger.note(
                 f"{how} {config.load} at iteration {iteration} ({consumed} samples consumed)"
@@ -117,6 +118,9 @@ class PretrainRecipe:
             self.logger.note(
                 f"ignoring {stale}: a save that did not finish (the next save removes it)"
             )
+        provenance.pop("synthetic_key_depth", None)  # this run's data, not the loaded one's
+        if config.synthetic_key_depth is not None:
+            provenance["synthetic_key_depth"] = config.synthetic_key_depth
         return iteration, consumed, provenance
 
     def _micro_batches(self):
@@ -340,6 +344,21 @@ def _data_parallel_model_chunks(
         DistributedDataParallel(model_config, ddp_config, chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
+
+
+def _check_built_in_data(config: TrainingConfig, provenance: dict) -> None:
+    """A run resumed on the built-in task continues the documents it trained on: a checkpoint
+    whose run placed the key otherwise (``--synthetic-key-depth``, recorded in its provenance) is
+    refused, naming the flag (a fine-tune starts its data afresh: any placement)."""
+    saved = provenance.get("synthetic_key_depth")
+    now = config.synthetic_key_depth
+    if config.finetune or saved is None or now is None or saved == now:
+        return
+    raise ValueError(
+        f"--load {config.load}: its run trained on the built-in task with --synthetic-key-depth {saved}, "
+        f"this one would continue with {now}: pass --synthetic-key-depth {saved} (or --finetune to "
+        "start its data afresh)"
+    )
 
 
 def _optimizer(config: TrainingConfig, model_config, model_chunks: list):

@@ -378,7 +378,8 @@ def test_synthetic_key_depth_flag(tmp_path, good_prefix, gloo_group):
 
     base = ["--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "4"]
     save = str(tmp_path / "run")
-    assert parse_config([*base, "--save", save]).synthetic_key_depth is None  # fixed
+    assert parse_config([*base, "--save", save]).synthetic_key_depth == "fixed"
+    assert parse_config([*base, "--save", save, "--mock-data"]).synthetic_key_depth is None
     config = parse_config([*base, "--save", save, "--synthetic-key-depth", "uniform"])
     train, valid = build_train_valid_datasets(config, ByteTokenizer())
     assert valid is None
@@ -393,6 +394,31 @@ def test_synthetic_key_depth_flag(tmp_path, good_prefix, gloo_group):
             parse_config([*base, "--save", save, "--synthetic-key-depth", "fixed", *argv])
     with pytest.raises(SystemExit):  # argparse: not a choice
         parse_config([*base, "--save", save, "--synthetic-key-depth", "random"])
+
+
+def test_a_resume_on_the_other_key_depth_is_refused(tmp_path):
+    """The placement a checkpoint's run trained on (its provenance) must be this resume's:
+    refused naming the flag otherwise; a fine-tune, other data, or a checkpoint without the
+    record (written before it) go on."""
+    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.training.loop import _check_built_in_data
+
+    base = ["--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "4"]
+    load = ["--save", str(tmp_path), "--load", str(tmp_path)]
+    fixed = parse_config([*base, *load])
+    uniform = parse_config([*base, *load, "--synthetic-key-depth", "uniform"])
+    with pytest.raises(ValueError, match="pass --synthetic-key-depth uniform"):
+        _check_built_in_data(fixed, {"synthetic_key_depth": "uniform"})
+    with pytest.raises(ValueError, match="pass --synthetic-key-depth fixed"):
+        _check_built_in_data(uniform, {"synthetic_key_depth": "fixed"})
+    _check_built_in_data(uniform, {"synthetic_key_depth": "uniform"})
+    _check_built_in_data(uniform, {})
+    _check_built_in_data(
+        parse_config([*base, *load, "--finetune"]), {"synthetic_key_depth": "uniform"}
+    )
+    _check_built_in_data(
+        parse_config([*base, *load, "--mock-data"]), {"synthetic_key_depth": "fixed"}
+    )
 
 
 # --------------------------------------------------------------------------- build_datasets
