@@ -42,14 +42,16 @@ not the padded buffers.
 Host offload (``layout.optimizer_offload_fraction``, ``layout.activation_offload_layers``;
 the ladder's 4th rung): ``optimizer_state`` keeps what the rank does not offload;
 ``activations`` and ``attention_statistics`` keep the layers not offloaded, and
-``activation_offload_buffers`` holds what an offloaded layer has on the device while it
-runs (its own kept tensors and the next one's prefetch: ``min(N, 2)`` layers of one
-micro-batch, an estimate). The host side, per rank (:data:`HOST_CATEGORIES`, bytes):
+``activation_offload_buffers`` holds what the offloaded layers add at the backward's worst
+moment, from the offload's order of events (:func:`_offload_stage`: what stays on the
+device of a parked layer, and an offloaded layer's own copies fetched with the next one's
+prefetch where they exceed the layers not offloaded, all freed by then). The host side, per rank (:data:`HOST_CATEGORIES`, bytes):
 ``host_optimizer_state`` = 12 B (fp32 master, Adam m, v) per offloaded shard element and the
 4-byte step counter of each offloaded parameter, ``host_gradient_copy`` = 4 B (megatron's
 pinned fp32 copy of the gradient, ``pin_cpu_grads``) per offloaded element (the rank's own:
-a node sums its ranks'); ``host_activations`` = the offloaded layers' kept tensors x micro-batches in
-flight; ``host_runtime`` = the profile's ``host_runtime_bytes_per_rank`` (an assumption).
+a node sums its ranks'); ``host_activations`` = the offloaded layers' host copies x
+micro-batches in flight; ``host_runtime`` = the profile's ``host_runtime_bytes_per_rank`` (an
+assumption).
 Per node: the sum over the node's ranks (Megatron's rank order TP, CP, DP, PP) plus
 ``host_reserved_bytes``; a plan whose node needs more than ``host_memory`` does not fit.
 
