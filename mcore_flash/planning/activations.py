@@ -66,6 +66,8 @@ __all__ = [
     "non_layer_terms",
     "sum_terms",
     "by_module",
+    "OffloadedLayer",
+    "offloaded_layer",
     "korthikanti_table2",
     "korthikanti_model",
 ]
@@ -420,6 +422,45 @@ def sum_terms(terms, category: Optional[str] = None) -> Fraction:
     return sum(
         (term.bytes for term in terms if category is None or term.category == category), F(0)
     )
+
+
+@dataclass(frozen=True)
+class OffloadedLayer:
+    """One layer's bytes under activation offload (``--activation-offload-layers``), one
+    micro-batch, from its kept terms (:func:`offloaded_layer`).
+
+    Attributes:
+        kept: ``S``, the storages of its kept tensors (:func:`layer_terms`' sum): what the
+            layer holds on the device when it is not offloaded.
+        on_device: ``R``, what stays on the device while the layer is parked: under ``qkv``
+            recompute the layer input (the boundary holds it itself; the offload skips it).
+        parked: ``P = S - R``, the device storages released after the layer's forward.
+        fetched: ``V = P + D``, the bytes of its host copies and of the buffers fetched back
+            before its backward: the offload copies each saved tensor object (one copy per
+            object, not per storage), so a storage saved through two tensors is copied twice:
+            ``D`` is the fused kernel's output, which ``linear_proj`` saves again as its input
+            (a reshaped view of it) wherever the kernel's output is kept (``none``, ``qkv``).
+    """
+
+    kept: Fraction
+    on_device: Fraction
+    parked: Fraction
+    fetched: Fraction
+
+
+def offloaded_layer(terms, recompute: str) -> OffloadedLayer:
+    """:class:`OffloadedLayer` of a layer that keeps ``terms`` (:func:`layer_terms` under
+    ``recompute``)."""
+    kept = sum_terms(terms)
+    on_device = sum(
+        (t.bytes for t in terms if recompute == "qkv" and t.name == "input (the layer input)"),
+        F(0),
+    )
+    twice = sum(
+        (t.bytes for t in terms if (t.module, t.name) == ("self_attention.core_attention", "out")),
+        F(0),
+    )
+    return OffloadedLayer(kept, on_device, kept - on_device, kept - on_device + twice)
 
 
 def by_module(terms) -> dict[str, Fraction]:

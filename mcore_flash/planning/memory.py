@@ -42,14 +42,16 @@ not the padded buffers.
 Host offload (``layout.optimizer_offload_fraction``, ``layout.activation_offload_layers``;
 the ladder's 4th rung): ``optimizer_state`` keeps what the rank does not offload;
 ``activations`` and ``attention_statistics`` keep the layers not offloaded, and
-``activation_offload_buffers`` holds what an offloaded layer has on the device while it
-runs (its own kept tensors and the next one's prefetch: ``min(N, 2)`` layers of one
-micro-batch, an estimate). The host side, per rank (:data:`HOST_CATEGORIES`, bytes):
+``activation_offload_buffers`` holds what the offloaded layers add at the backward's worst
+moment, from the offload's order of events (:func:`_offload_stage`: what stays on the
+device of a parked layer, and an offloaded layer's own copies fetched with the next one's
+prefetch where they exceed the layers not offloaded, all freed by then). The host side, per rank (:data:`HOST_CATEGORIES`, bytes):
 ``host_optimizer_state`` = 12 B (fp32 master, Adam m, v) per offloaded shard element and the
 4-byte step counter of each offloaded parameter, ``host_gradient_copy`` = 4 B (megatron's
 pinned fp32 copy of the gradient, ``pin_cpu_grads``) per offloaded element (the rank's own:
-a node sums its ranks'); ``host_activations`` = the offloaded layers' kept tensors x micro-batches in
-flight; ``host_runtime`` = the profile's ``host_runtime_bytes_per_rank`` (an assumption).
+a node sums its ranks'); ``host_activations`` = the offloaded layers' host copies x
+micro-batches in flight; ``host_runtime`` = the profile's ``host_runtime_bytes_per_rank`` (an
+assumption).
 Per node: the sum over the node's ranks (Megatron's rank order TP, CP, DP, PP) plus
 ``host_reserved_bytes``; a plan whose node needs more than ``host_memory`` does not fit.
 
@@ -766,11 +768,20 @@ def plan_memory(
         )
         transient = sum(sharded.get(name, 0) for name in FSDP_CATEGORIES)
         on_device = (1 - offloaded) * layers_in_flight  # layers whose activations stay
-        prefetch = min(layout.activation_offload_layers, 2) * kept_layer
+        kept_activations, kept_statistics = (
+            on_device * layer_activations,
+            on_device * layer_statistics,
+        )
+        prefetch, host_activations = Fraction(0), offloaded * layers_in_flight * kept_layer
+        if layout.activation_offload_layers:
+            kept_activations, kept_statistics, prefetch, host_activations = _offload_stage(
+                terms, full_terms, layout, layers_per_stage, stage, chunks_in_flight
+            )
         dynamic = (
             transient
             + prefetch
-            + on_device * kept_layer
+            + kept_activations
+            + kept_statistics
             + embeddings_and_loss
             + decoder
             + logits
@@ -781,8 +792,8 @@ def plan_memory(
             "weights": parameters * param_bytes,
             "gradients": device_gradient_bytes(parameters, layout),
             "optimizer_state": _ceil(parameters * optimizer_per_parameter),
-            "activations": _ceil(on_device * layer_activations + decoder),
-            "attention_statistics": _ceil(on_device * layer_statistics),
+            "activations": _ceil(kept_activations + decoder),
+            "attention_statistics": _ceil(kept_statistics),
             "embeddings_and_loss": _ceil(embeddings_and_loss),
             "logits_buffers": _ceil(logits),
             "recompute_workspace": _ceil(workspace),
@@ -796,7 +807,7 @@ def plan_memory(
         host_bytes = {  # the optimizer's host bytes: offload implies the exact DDP state
             "host_optimizer_state": 0,
             "host_gradient_copy": 0,
-            "host_activations": _ceil(offloaded * layers_in_flight * kept_layer),
+            "host_activations": _ceil(host_activations),
         }
         rank_host: tuple[dict[str, int], ...] = ()
         if exact_ddp_state(layout):  # the distributed optimizer with offload or bf16 gradients
@@ -898,6 +909,62 @@ def _exact_stage_state(
     worst = max((device for device, _ in states.values()), key=lambda d: sum(d.values()))
     fullest = max((host for _, host in states.values()), key=lambda h: sum(h.values()))
     return worst, tuple(rank_host), fullest
+
+
+def _offload_stage(
+    terms: list[act.Term],
+    full_terms: list[act.Term],
+    layout: Layout,
+    layers: int,
+    stage: int,
+    in_flight: int,
+) -> tuple[Fraction, Fraction, Fraction, Fraction]:
+    """``(activations, attention statistics, activation_offload_buffers, host_activations)``
+    of stage ``stage`` (``layers`` layers, ``in_flight`` micro-batches, 1F1B: the
+    trainer refuses the offload with the interleaved schedule) under
+    ``--activation-offload-layers N``, from the order of events of
+    :mod:`mcore_flash.transformer.activation_offload` (docs/planner.md, "Activation
+    offload"). Layer ``i`` keeps ``S_i``, leaves ``R_i`` on the device when parked and
+    fetches ``V_i`` back (:func:`.activations.offloaded_layer`; under partial recompute the
+    first ``recompute_num_layers`` layers are recomputed whole). Per micro-batch in flight the
+    device holds the layers not offloaded, ``sum(S_i, i >= N)`` (``activations`` and
+    ``attention_statistics``), and the ``R_i`` of the offloaded ones, plus on stages after the
+    first the input of layer 0, which megatron's schedule holds for its own backward
+    (parking it frees nothing; under ``qkv`` it is ``R_0`` already). The micro-batch in its
+    backward holds at most ``max(tail, max_j phase_j)`` of the kept tensors: ``tail`` =
+    ``sum(S_i, i >= N) + sum(R_i, i < N)`` while the layers not offloaded run their backward
+    (their tensors are all freed before offloaded layer ``N - 1``'s first unpack fetches it),
+    ``phase_j`` = ``sum(R_i, i <= j) + V_j + V_{j-1}`` at offloaded layer ``j``'s first unpack
+    (its own copies fetched, layer ``j - 1``'s prefetched; layer ``j + 1``'s freed by its
+    backward). ``activation_offload_buffers`` = the ``R_i`` and held inputs of every
+    micro-batch in flight + ``max(0, max_j phase_j - tail)``. The forward is left out: there
+    layers ``k - 1`` and ``k`` (and the model's hold of layer 0's input) are on the device
+    at once, up to one layer input more than the backward's kept tensors, but without the
+    recompute's rebuilt activations and the gradients ``recompute_workspace`` adds.
+    ``host_activations`` = ``sum(V_i, i < N)`` per micro-batch in flight."""
+    n, whole = layout.activation_offload_layers, layout.recompute_num_layers
+    recomputed, rest = (
+        act.offloaded_layer(full_terms, "full"),
+        act.offloaded_layer(terms, layout.recompute),
+    )
+    per_layer = [(full_terms, recomputed) if i < whole else (terms, rest) for i in range(layers)]
+    activations = sum((act.sum_terms(t, "activations") for t, _ in per_layer[n:]), Fraction(0))
+    statistics = sum((act.sum_terms(t, "attention_stats") for t, _ in per_layer[n:]), Fraction(0))
+    left = [layer.on_device for _, layer in per_layer[:n]]
+    fetched = [layer.fetched for _, layer in per_layer[:n]]
+    tail = activations + statistics + sum(left, Fraction(0))
+    phases = [
+        sum(left[: j + 1], Fraction(0)) + fetched[j] + (fetched[j - 1] if j else 0)
+        for j in range(n)
+    ]
+    held = act.sum_terms(full_terms) if stage > 0 and not left[0] else Fraction(0)
+    buffers = in_flight * (sum(left, Fraction(0)) + held) + max(Fraction(0), max(phases) - tail)
+    return (
+        in_flight * activations,
+        in_flight * statistics,
+        buffers,
+        in_flight * sum(fetched, Fraction(0)),
+    )
 
 
 def _offloaded_layers(layout: Layout, layers_per_stage: int) -> int:

@@ -131,6 +131,13 @@ def test_activation_offload_moves_the_layer_inputs():
     assert p.stages[0].host_bytes["host_activations"] == 80 * INPUT_TP8
     half = plan(one_node(optimizer_offload_fraction=1.0, activation_offload_layers=40))
     assert half.stages[0].host_bytes["host_activations"] == 40 * INPUT_TP8
+    # the 40 layers not offloaded are freed before layer 39's backward fetches it and
+    # prefetches layer 38: two inputs at once, fewer than the 40 they replace
+    assert half.per_device["activation_offload_buffers"] == 0
+    assert base.per_device["activations"] - half.per_device["activations"] == 40 * INPUT_TP8
+    # 79 layers offloaded: one layer input stays, the backward's two fetched ones top it by one
+    most = plan(one_node(optimizer_offload_fraction=1.0, activation_offload_layers=79))
+    assert most.per_device["activation_offload_buffers"] == INPUT_TP8
 
 
 def test_host_bytes_per_node():
@@ -171,7 +178,7 @@ def test_bf16_host_moments_take_8_bytes_an_element_and_show_in_the_command():
 
 
 def test_search_keeps_bf16_host_moments_for_a_node_too_small_for_fp32_state():
-    # the one-node layout needs 1298 GiB of host with fp32 state, 1041 with bf16 moments
+    # the one-node layout needs 1294 GiB of host with fp32 state, 1037 with bf16 moments
     node = int(1.2 * 1024 * GiB)
     found = search_layouts("llama2-70b", SEQ, 8, "64GB", host_memory=node)
     assert found and all(c.plan.layout.host_moment_dtype == "bf16" for c in found)
@@ -305,7 +312,7 @@ def test_one_node_fits_with_bf16_gradients():
     best = found[0]
     lay = best.plan.layout
     assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.recompute) == (8, 1, 1, 1, "full")
-    assert lay.optimizer_offload_fraction == 1.0 and lay.activation_offload_layers == 39
+    assert lay.optimizer_offload_fraction == 1.0 and lay.activation_offload_layers == 37
     assert best.plan.per_device["gradients"] == 2 * P_TP8  # the whole shard on the host
     assert best.plan.fits and best.plan.total <= 64 * GiB
     assert best.plan.host.per_node <= 2 * 1024 * GiB

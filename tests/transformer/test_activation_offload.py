@@ -2,12 +2,16 @@
 
 Oracles: the same model without offload (same weights, same seeds, dropout on so that the
 recompute's RNG replay runs too) for gradients, bit for bit; on the emulated NPU, whose
-``torch.npu.memory_allocated`` counts live npu storages exactly, the device bytes after the
-forward and at the step's peak against the bytes of the tensors parked, counted by hand from
-the shapes under full recompute (one layer input ``[s, b, h]`` per offloaded layer).
+``torch.npu.memory_allocated`` counts live npu storages exactly, the run without offload's
+device bytes at each layer's backward and at each backward phase's peak, less what the
+offload's order of events leaves alive there, counted from the planner's per-layer bytes
+(:func:`mcore_flash.planning.activations.offloaded_layer`), never from the offload's own
+counters; the step's peak follows from those phase peaks.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -99,16 +103,32 @@ def test_copies_are_issued_one_layer_ahead():
     ]
 
 
-def _device_bytes():
-    import gc
-
-    gc.collect()
-    return torch.npu.memory_allocated()
+L = 4  # layers of the emulated-NPU model: every N of 1..L offloaded
 
 
-def _w_npu_bytes(rank, world_size, modes):
-    """On the emulated NPU, per mode and N: (device bytes after the forward, peak of the
-    step, bytes parked after the forward, every parked copy on the host, grads)."""
+def _npu_model(mode):
+    """The trainer's layer (fused SwiGLU, ``use_te_activation_func``), L layers, fp32."""
+    from mcore_flash.transformer.recompute import recompute_mode_settings
+
+    settings = recompute_mode_settings(mode)
+    return flash_gpt(
+        tiny_config(num_layers=L, use_te_activation_func=True, **settings.config),
+        layer_recompute_modules=settings.layer_modules,
+    )
+
+
+def _w_npu_phases(rank, world_size, modes):
+    """On the emulated NPU, per mode and N (0 = no offload): the device bytes (current, and
+    the peak since the previous mark) at each mark of one step, the step's peak, the bytes
+    after the forward, the host copies, what each parked layer released, whether every
+    parked copy is on the host with its device copy dropped, the grads.
+
+    Marks: ``F i`` when layer i's forward starts (``F L``: the final norm's); ``B i`` when
+    the gradient of layer i's input is computed, i.e. layer i's backward ends and layer
+    i - 1's begins (``B L``: the logits' backward ends). Main gradients are allocated
+    before the step (as megatron's DDP buffers are), so that the layers' backward phases
+    differ only by the kept tensors alive."""
+
     from megatron.core import parallel_state
 
     from mcore_flash import platform
@@ -120,52 +140,175 @@ def _w_npu_bytes(rank, world_size, modes):
     set_random_seed(1234)
     device = platform.torch_device()
     tokens, labels, positions = (t.to(device) for t in batch(BATCH, SEQ))
-    _model("none", num_layers=3).to(device)(
-        tokens, positions, None, labels=labels
-    ).mean().backward()
-    out = {}  # (after the warm-up above: the first step leaves caches allocated)
+    _npu_model("none").to(device)(tokens, positions, None, labels=labels).mean().backward()
+    out = {}
     for mode in modes:
-        for layers in (0, 2):
-            model = _model(mode, num_layers=3).to(device)
+        for layers in range(L + 1):
+            model = _npu_model(mode).to(device)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            marks = _Marks(model)
             offload = activation_offload.install(model.decoder, layers)
-            start = _device_bytes()
-            torch.npu.reset_peak_memory_stats()
-            loss = model(tokens, positions, None, labels=labels)
-            after_forward = _device_bytes() - start
-            parcels = offload._parcels
-            on_host = all(
-                host.device.type == "cpu" and dev is None
-                for p in parcels
-                for host, dev in zip(p.host, p.device)
-            )
-            parked = offload.parked_bytes, offload.released_bytes
-            forward_peak = torch.npu.max_memory_allocated() - start
-            loss.mean().backward()
-            peak = torch.npu.max_memory_allocated() - start
-            grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
-            out[mode, layers] = (after_forward, forward_peak, peak, parked, on_host, len(parcels))
-            out[mode, layers] += (grads,)
-            del model, offload, loss, parcels
+            _measured_step(model, offload, marks, tokens, positions, labels)  # lazy caches
+            for p in model.parameters():
+                p.grad.zero_()
+            out[mode, layers] = _measured_step(model, offload, marks, tokens, positions, labels)
+            out[mode, layers]["grads"] = {n: p.grad.cpu() for n, p in model.named_parameters()}
+            del model, offload, marks
     return out
 
 
-def test_offloaded_bytes_leave_the_device_on_the_emulated_npu():
-    results = run_distributed(_w_npu_bytes, 1, MODES, emulate_npu=True, timeout=300)[0]
-    layer_input = SEQ * BATCH * HIDDEN * 4  # [s, b, h] fp32
+class _Marks:
+    """The device bytes (current, peak since the previous mark) at the marks of one step."""
+
+    def __init__(self, model):
+        self.marks, self.forward = {}, True
+        for index, module in [*enumerate(model.decoder.layers), (L, model.decoder.final_layernorm)]:
+            module.register_forward_pre_hook(
+                functools.partial(self.starts, index), with_kwargs=True
+            )
+
+    def mark(self, name):
+        self.marks[name] = (torch.npu.memory_allocated(), torch.npu.max_memory_allocated())
+        torch.npu.reset_peak_memory_stats()
+
+    def starts(self, index, module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if self.forward:  # not a recompute in backward
+            self.mark(f"F {index}")
+            hidden.register_hook(lambda grad: self.mark(f"B {index}"))
+
+
+def _measured_step(model, offload, marks, tokens, positions, labels) -> dict:
+    import gc
+
+    gc.collect()
+    gc.disable()  # what a reference cycle holds is freed at the next step's collect, not at
+    try:  # a moment set by how many objects the offload allocates
+        return _step_bytes(model, offload, marks, tokens, positions, labels)
+    finally:
+        gc.enable()
+
+
+def _step_bytes(model, offload, marks, tokens, positions, labels) -> dict:
+    marks.marks, marks.forward = {}, True
+    released = offload.released_bytes
+    start = torch.npu.memory_allocated()
+    torch.npu.reset_peak_memory_stats()
+    loss = model(tokens, positions, None, labels=labels)
+    marks.forward = False
+    after_forward = torch.npu.memory_allocated() - start
+    forward_peak = max([torch.npu.max_memory_allocated()] + [p for _, p in marks.marks.values()])
+    host = offload.parked_bytes  # (drops the previous step's freed copies from _parcels)
+    parcels = offload._parcels
+    on_host = all(
+        host.device.type == "cpu" and dev is None
+        for p in parcels
+        for host, dev in zip(p.host, p.device)
+    )
+    result = dict(
+        after_forward=after_forward,
+        forward_peak=forward_peak - start,
+        host=host,
+        released=offload.released_bytes - released,
+        on_host=on_host,
+        parcels=len(parcels),
+    )
+    del parcels
+    marks.mark("loss")
+    loss.mean().backward()
+    result["backward"] = {
+        n: (now - start, peak - start) for n, (now, peak) in marks.marks.items() if n[0] == "B"
+    }
+    return result
+
+
+def _offloaded_layer(mode):
+    """The planner's S, R, P, V of one layer of :func:`_npu_model` (npu profile, fp32)."""
+    from dataclasses import replace
+
+    from mcore_flash.planning import activations as act
+    from mcore_flash.planning import get_model
+
+    model = replace(get_model("tiny-test"), num_layers=L)
+    terms = act.layer_terms(
+        model,
+        SEQ,
+        BATCH,
+        tp=1,
+        cp=1,
+        sequence_parallel=False,
+        recompute=mode,
+        profile="npu",
+        dtype_bytes=4,
+    )
+    return act.offloaded_layer(terms, mode)
+
+
+def _predicted_drops(mode, n):
+    """What N = n offloaded layers take off the device, by mark (``B i``), from the offload's
+    order of events (module docstring; :func:`test_copies_are_issued_one_layer_ahead`) and
+    the planner's per-layer bytes S (kept), R (left on the device), P = S - R (released),
+    V (fetched back): ``(at the mark, at the peak of the phase that ends there)``.
+
+    * ``B L`` (the logits' backward) and ``B i + 1`` for i >= n (layer i's backward, not
+      offloaded): the n offloaded layers are parked, at the mark and throughout: n P.
+    * layer j < n's backward starts at ``B j + 1``: layers 0..j hold (j + 1) R and, unless j
+      = n - 1 (fetched on demand at its first unpack), layer j's copies prefetched by layer
+      j + 1's backward, V: (j + 1) P - V, or n P for j = n - 1.
+    * its phase's peak (the emulated attention backward's fp32 scratch, after the MLP and
+      ``linear_proj`` have consumed their tensors: what is left of layer j is the same
+      bytes with or without offload): layers below j hold j R, and layer j - 1 (j >= 1) its
+      prefetched V: j P - V (j >= 1), 0 (j = 0).
+    """
+    layer = _offloaded_layer(mode)
+    p, v = layer.parked, layer.fetched
+
+    def starts(i):  # at the mark where layer i's backward starts
+        return n * p if i >= n - 1 else (i + 1) * p - v
+
+    def phase_peak(i):  # at the peak of layer i's backward
+        return n * p if i >= n else (i * p - v if i else 0)
+
+    drops = {f"B {L}": (starts(L - 1), n * p)}
+    for k in range(L):
+        drops[f"B {k}"] = (starts(k - 1) if k else 0, phase_peak(k))
+    return drops
+
+
+def test_offloaded_bytes_and_the_step_peak_on_the_emulated_npu():
+    """Per recompute mode and N = 1..L: the device bytes at each layer's backward start and
+    the peak of each backward phase, less than without offload by exactly the bytes the
+    offload's order of events leaves alive (:func:`_predicted_drops`, from the planner's
+    per-layer bytes); the step's peak lower by what those phase peaks give; after the
+    forward lower by N P; the host copies N V; the gradients the same bits."""
+    results = run_distributed(_w_npu_phases, 1, MODES, emulate_npu=True, timeout=300)[0]
     for mode in MODES:
-        forward0, fpeak0, peak0, parked0, _, _, grads0 = results[mode, 0]
-        forward2, fpeak2, peak2, (parked2, released2), on_host, parcels, grads2 = results[mode, 2]
-        print(mode, forward0 - forward2, fpeak0 - fpeak2, peak0 - peak2, parked2, released2)
-        assert parked0 == (0, 0) and parcels == 2 and on_host, mode
-        if mode == "full":
-            assert parked2 == released2 == 2 * layer_input
-        assert forward0 - forward2 == released2, mode
-        # the forward's peak: lower by all but the one layer whose copy is in flight (its
-        # device tensors are released at the next boundary, after the copy)
-        assert 0 <= fpeak0 - fpeak2 <= released2, mode
-        assert peak2 <= peak0, mode
-        for name, grad in grads0.items():
-            torch.testing.assert_close(grads2[name], grad, atol=0, rtol=0, msg=name)
+        layer = _offloaded_layer(mode)
+        base = results[mode, 0]
+        assert base["host"] == base["released"] == 0 and base["parcels"] == 0
+        base_peak = max(peak for _, peak in base["backward"].values())
+        assert base["forward_peak"] < base_peak, mode  # the step's peak is in the backward
+        for n in range(1, L + 1):
+            run = results[mode, n]
+            what = f"{mode} N={n}"
+            assert run["parcels"] == n and run["on_host"], what
+            assert run["released"] == n * layer.parked, what
+            assert run["host"] == n * layer.fetched, what
+            assert base["after_forward"] - run["after_forward"] == n * layer.parked, what
+            predicted = _predicted_drops(mode, n)
+            assert set(predicted) == set(base["backward"]) == set(run["backward"]), what
+            for name, (now, peak) in base["backward"].items():
+                now_n, peak_n = run["backward"][name]
+                measured = (now - now_n, peak - peak_n)
+                assert measured == predicted[name], (what, name, measured, predicted[name])
+            # the step's peak: each backward phase's peak less its predicted drop
+            peak_n = max(peak - predicted[name][1] for name, (_, peak) in base["backward"].items())
+            assert run["forward_peak"] < peak_n, what
+            assert max(peak for _, peak in run["backward"].values()) == peak_n, what
+            print(what, "step peak drop", base_peak - peak_n, layer)
+            for name, grad in base["grads"].items():
+                torch.testing.assert_close(run["grads"][name], grad, atol=0, rtol=0, msg=name)
 
 
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
