@@ -146,6 +146,11 @@ def resolve(argv: Optional[Sequence[str]]):
         check_needle_lengths(args.eval_lengths, args.eval_depths, args.needle_length)
     else:
         args.eval_lengths = [args.seq_length]
+    if args.synthetic_key_depth is not None and (args.task != "loss-by-position" or args.data_path):
+        raise ValueError(
+            "--synthetic-key-depth places the key of the built-in documents that --task loss-by-position "
+            "scores without --data-path; drop it here"
+        )
     if args.task == "perplexity":
         _resolve_perplexity(args)
     elif args.input is not None or args.stride is not None:
@@ -342,7 +347,9 @@ def _loss_buckets(args, model):
 
         docs = torch.from_numpy(
             generate_documents(
-                make_task(args.seq_length), args.num_samples, seed=args.seed + HELD_OUT_SEED_OFFSET
+                make_task(args.seq_length, key_depth=args.synthetic_key_depth or "fixed"),
+                args.num_samples,
+                seed=args.seed + HELD_OUT_SEED_OFFSET,
             )
         )
         mask = torch.ones_like(docs, dtype=torch.float32)

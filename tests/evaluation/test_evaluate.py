@@ -334,6 +334,10 @@ def test_bad_input_errors_name_the_flag(main_job, tmp_path, monkeypatch):
         "--tokenizer-type GPT2BPETokenizer is not supported" in tokenizer
         and "--task loss-by-position" in tokenizer
     )
+    depth = ["--synthetic-key-depth", "uniform"]  # the built-in documents of loss-by-position only
+    assert "--synthetic-key-depth" in _evaluate_error(
+        "--load", main_job, "--task", "needle", *depth
+    )
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: the layout's own check is reached
     cp2 = ["--context-parallel-size", "2", "--lengths", "250"]
     assert "--lengths 250 must be divisible by 4" in _evaluate_error(
