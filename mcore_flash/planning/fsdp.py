@@ -57,6 +57,8 @@ __all__ = [
     "FSDP_CATEGORIES",
     "NEWEST_MEGATRON",
     "NON_UNITS_PRESERVED_SINCE",
+    "REDUCE_SCATTER_IN_PLACE_SINCE",
+    "gradient_transient_bytes",
 ]
 
 FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -70,6 +72,9 @@ FSDP_CATEGORIES = ("fsdp_gathered_parameters", "fsdp_gradient_buckets")
 # 0.17.1), and the newest release the planner models (the default where none is given)
 NON_UNITS_PRESERVED_SINCE = (0, 18)
 NEWEST_MEGATRON = (0, 19)
+# the first megatron-core release whose Megatron-FSDP reduce-scatters a gradient bucket into
+# its own shard (0.16 allocates a new shard, ``torch.empty_like(grad_shard)``)
+REDUCE_SCATTER_IN_PLACE_SINCE = (0, 17)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -221,14 +226,14 @@ def stage_groups(
 
 @dataclass(frozen=True)
 class FsdpSchedule:
-    """How many buckets are alive at once, from the trainer's communication unit.
+    """How many unit buckets are gathered at once, from the trainer's communication unit.
 
     The trainer sets ``suggested_communication_unit_size = 2 x`` the elements of one
     transformer layer on this rank (``unit_size``); megatron prefetches all-gathers until
     ``unit_size // 2`` elements beyond the current unit are in flight (``megatron_fsdp.py``
-    ``suggested_AG_prefetch_size``; the loop in ``param_and_grad_buffer.py``'s all-gather
-    pipeline) and, before each reduce-scatter, frees queued gradient buckets until at most
-    ``unit_size`` elements stay queued (``wait_for_previous_grad_reduce``)."""
+    ``suggested_AG_prefetch_size``, 0.16.1 ``:399``, 0.19.2 ``:444``; the prefetch loop of
+    ``AllGatherPipeline.all_gather_params``, 0.16.1 ``param_and_grad_buffer.py:3534-3559``).
+    The gradient buckets follow their own rule: :func:`gradient_transient_bytes`."""
 
     unit_size: int  # elements
     largest_unit: int  # padded elements of the largest unit bucket
@@ -238,12 +243,65 @@ class FsdpSchedule:
         """The current unit and the prefetched ones: ``1 + ceil((unit_size // 2) / N)``."""
         return 1 + -(-(self.unit_size // 2) // self.largest_unit)
 
-    @property
-    def gradient_buckets(self) -> int:
-        """Unsharded fp32 gradient buckets alive in the backward: ``floor(unit_size / N)``
-        left queued after the wait, the one just issued, and the next unit's, allocated
-        before the next wait frees anything."""
-        return self.unit_size // self.largest_unit + 2
+
+def gradient_transient_bytes(
+    buckets: Sequence[Bucket],
+    strategy: str,
+    ranks: int,
+    queue_capacity: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+    megatron_release: tuple[int, int] = NEWEST_MEGATRON,
+) -> int:
+    """The most bytes of Megatron-FSDP's gradient transients alive at once in a backward:
+    unsharded gradient buckets (``grad_bytes`` an element) plus the parameter-dtype gradient
+    being copied into one, by megatron's own schedule (the same in 0.16.1 and 0.19.2 unless
+    said; ``queue_capacity`` = ``suggested_RS_queue_capacity`` = the trainer's communication
+    unit, 2 x one layer, ``megatron_fsdp.py`` 0.16.1 ``:398``, 0.19.2 ``:443``):
+
+    * Each parameter has a post-accumulate-grad hook (0.16.1 ``megatron_fsdp.py:1007-1012``,
+      0.19.2 ``:1110-1117``) whose ``_grad_acc`` fetches the parameter's unsharded bucket
+      (``get_main_grad`` -> ``fetch_bucket`` -> ``TemporaryBucketAllocator.allocate``, 0.16.1
+      ``param_and_grad_buffer.py:2400-2414``, ``:509-522``), copies the gradient into it and
+      deletes ``param.grad`` (0.16.1 ``megatron_fsdp.py:568-573``, 0.19.2 ``:652-659``). So a
+      bucket is allocated by the first gradient of its parameters, and one parameter's
+      gradient in the parameter dtype is alive beside the buckets: the largest of the bucket
+      (megatron's and the emulation's layers give one parameter's gradient per autograd node;
+      a layer that returned several at once would hold them together: not modelled).
+    * When a bucket's last gradient has arrived, ``reduce_gradients`` calls
+      ``wait_for_previous_grad_reduce(suggested_queue_capacity=...)`` (0.16.1
+      ``param_and_grad_buffer.py:3081-3090``, 0.19.2 ``:3905-3914``), which frees queued
+      buckets, oldest first, while the queued ones (not counting this one) hold more than
+      ``queue_capacity`` elements (0.16.1 ``:3103-3116``, 0.19.2 ``:3927-3940``); then this
+      bucket is reduce-scattered and queued (0.16.1 ``:3331-3335``, 0.19.2 ``:4246``).
+    * Up to megatron-core 0.16 the reduce-scatter writes into a new shard,
+      ``torch.empty_like(grad_shard)`` (0.16.1 ``:3241-3242``; removed in 0.17.0 by
+      "Add dtype customization to Megatron-FSDP", b969f7642c: 0.17.0 on reduce into the
+      bucket itself), ``N / ranks`` elements alive from after the wait until the bucket's
+      reduce returns (its local ``grad_shard``).
+    * ``_root_post_backward`` resets the pipeline (0.16.1 ``megatron_fsdp.py:791``, 0.19.2
+      ``:880``): every backward (micro-batch) starts with no bucket.
+
+    Buckets complete in the reverse of megatron's order (the non-unit group: output layer and
+    final norm first, then the layers from the last, the embedding last), each before the
+    next one's first gradient: a ``shared_embedding`` bucket, whose gradient megatron's
+    root post-backward hook handles, is not modelled apart. Returns the largest over the
+    backward of (queued + current buckets) x ``grad_bytes`` + the current bucket's largest
+    parameter x ``param_bytes``, and, up to 0.16, of (queue left after the wait + the
+    bucket + its shard) x ``grad_bytes``."""
+    queue: list[int] = []
+    peak = 0
+    for bucket in reversed(buckets):
+        size = bucket.size(ranks, strategy)
+        largest = max(_numel(shape) for shape in bucket.shapes)
+        peak = max(peak, (sum(queue) + size) * grad_bytes + largest * param_bytes)
+        while sum(queue) > queue_capacity:
+            queue.pop(0)
+        if tuple(megatron_release) < REDUCE_SCATTER_IN_PLACE_SINCE:
+            peak = max(peak, (sum(queue) + size + size // ranks) * grad_bytes)
+        queue.append(size)
+    return peak
 
 
 @functools.lru_cache(maxsize=512)
@@ -264,6 +322,7 @@ def fsdp_bytes(
     grad_bytes: int = 4,
     main_bytes: int = 4,
     adam_bytes: int = 8,
+    megatron_release: tuple[int, int] = NEWEST_MEGATRON,
 ) -> dict[str, int]:
     """Bytes of one device under Megatron-FSDP ``strategy`` over ``ranks`` (dp x cp) ranks.
 
@@ -275,9 +334,13 @@ def fsdp_bytes(
     ``optimizer_state`` (fp32 main params + Adam m, v on this rank's largest shard),
     ``fsdp_gathered_parameters`` (optim_grads_params: the gathered current and prefetched
     units, plus every non-unit group, gathered for the forward and the backward) and
-    ``fsdp_gradient_buckets`` (sharded gradients: the unsharded buckets, ``grad_bytes`` an element, alive in the
-    backward, plus one unit's gradients in the parameter dtype before their copy into the
-    bucket, gradient-accumulation fusion being off).
+    ``fsdp_gradient_buckets`` (sharded gradients: :func:`gradient_transient_bytes`, the
+    unsharded buckets alive at once in the backward, ``grad_bytes`` an element, plus the
+    parameter-dtype gradient being copied into one, gradient-accumulation fusion being off;
+    ``megatron_release`` picks 0.16's reduce-scatter into a new shard). Each term is the
+    largest of its own buffers over a step, measured exactly on the emulated NPU; the two
+    need not peak at the same moment (tiny-test: the gathered units mid-backward, the
+    gradient buckets at the embedding's), so their sum bounds what is alive at once.
     """
     if strategy not in FSDP_STRATEGIES:
         raise ValueError(f"sharding strategy {strategy!r}: choose one of {FSDP_STRATEGIES}")
@@ -316,8 +379,14 @@ def fsdp_bytes(
         non_unit = sum(b.size(ranks, strategy) for b in buckets if b.unit is None)
         out["fsdp_gathered_parameters"] = (sum(gathered) + non_unit) * param_bytes
     if shard_grads:
-        out["fsdp_gradient_buckets"] = (
-            schedule.gradient_buckets * largest * grad_bytes + schedule.largest_unit * param_bytes
+        out["fsdp_gradient_buckets"] = gradient_transient_bytes(
+            buckets,
+            strategy,
+            ranks,
+            schedule.unit_size,
+            param_bytes=param_bytes,
+            grad_bytes=grad_bytes,
+            megatron_release=megatron_release,
         )
     return out
 

@@ -24,22 +24,44 @@ by hand (the bucket padded to a multiple of ``lcm(dp, 128)``: 123200 -> 123264 e
 which the planner's DDP rows leave out (it counts parameters, not padded buffers): the
 differences FSDP - DDP equal the planner's differences less that padding, exactly.
 
-The peak is not exact. The step's peak lies inside an attention backward, where the
+Megatron-FSDP's own transient buffers are measured exactly, in this worker only: the
+unsharded parameter buckets (``StorageResizeBasedBucketAllocator.allocate`` / ``free``:
+storage regrown and resized to 0), the unsharded gradient buckets
+(``TemporaryBucketAllocator.allocate`` / ``free``), the parameter-dtype gradient that
+megatron's post-accumulate-grad hook copies into a bucket (from the hook until the tensor
+dies) and, on megatron-core 0.16 only, the reduce-scatter's new output shard
+(``torch.empty_like(grad_shard)``; 0.17 on reduce into the bucket). At their largest during
+step 2 they equal the planner's ``fsdp_gathered_parameters`` and ``fsdp_gradient_buckets``
+(:func:`~mcore_flash.planning.fsdp.gradient_transient_bytes`), the same on 0.16.1 and
+0.19.2: at DP2 197888 and 543232 B under optim_grads_params, 0 and 543232 under
+optim_grads; at DP4 199168 and 545792, 0 and 545792. By hand at DP2: the gradient buckets
+complete in reverse order (final norm + output layer 24704 elements, the layers 37120 each,
+the embedding 24576); queued ones are freed only when a bucket completes, and only while
+they hold more than the communication unit (2 x 36992; 61824 when the first layer's bucket
+was issued), so all four are alive when the embedding's gradient (384 x 64, bf16) is copied
+into its new bucket: 123520 x 4 + 49152. Both kinds at once peak lower than the sum (DP2 642816 on 0.16.1, 641792
+on 0.19.2; DP4 644608): the gathered units peak in the last layer's backward, the gradient
+buckets at the embedding's. The shard is a local of megatron's
+``_bucket_group_gradient_reduce``, but the emulation's collective keeps its tensors in a
+reference cycle (``emulation/tensor.py``'s ``_collective``: the recursive ``unwrap``
+closure over ``wrapper_of``) until the collector runs, so the worker collects when that
+function returns, as a device frees it there.
+
+The step's overall peak is not exact. It lies inside an attention backward, where the
 emulated ``npu_fusion_attention_grad`` computes in fp32 scratch that no real NPU kernel
 allocates, and FSDP's transient buckets move it to another layer than DDP's; the planner's
-FSDP transient terms (all gathered units and gradient buckets at once, at their largest)
-are an upper bound of what is alive then. Asserted: the measured FSDP - DDP peak
-difference is at most the planner's (measured on megatron-core 0.16.1 at DP2: 143736 and
-53248 B for optim_grads_params and optim_grads, planner 473472 and 275712; at DP4 -72960 and
--90240, planner 295680 and 158848; on 0.19.2 at DP2 77696 and 20224, planner 522880 and
-275712; at DP4 -102656 and -97664, planner 345344 and 158848); the table is in
-docs/planner.md.
+FSDP transient terms (both at their largest at once) bound what FSDP adds then. Asserted:
+the measured FSDP - DDP peak difference is at most the planner's (DP2: 77696 and 20224 B
+for optim_grads_params and optim_grads, planner 497024 and 299264 on 0.16.1, 546432 and
+299264 on 0.19.2; DP4: -102656 and -97664, planner 318208 and 181376 on 0.16.1, 367872 and
+181376 on 0.19.2); the table is in docs/planner.md.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import weakref
 from dataclasses import replace
 from importlib.metadata import version
 
@@ -82,8 +104,118 @@ def _allocated() -> int:
     return torch.npu.memory_allocated()
 
 
+class _Transients:
+    """Megatron-FSDP's own transient buffers on this rank, bytes alive at once: ``parameters``
+    (the unsharded parameter buckets, ``StorageResizeBasedBucketAllocator``: its storage
+    regrown by ``allocate``, resized to 0 by ``free``), ``gradients`` (the unsharded gradient
+    buckets, ``TemporaryBucketAllocator``: created by ``allocate``, storage freed by ``free``;
+    up to megatron-core 0.16 the reduce-scatter's new output shard; and the parameter-dtype
+    gradient that megatron's post-accumulate-grad hook copies into a bucket, from the hook's
+    start until the tensor dies). Each bucket counts at its storage's current size; the
+    shard and the gradient until their tensors are freed (``weakref.finalize``, as the
+    emulated device counts them; the shard dies in a reference cycle of the emulation's,
+    collected when megatron's reduce returns). ``peak``: each kind's largest and their sum's
+    largest while ``on`` (step 2)."""
+
+    active = None  # the run being measured
+
+    def __init__(self):
+        self.buckets = {}  # (id(allocator), bucket id) -> (kind, bytes)
+        self.loose = {"gradients": 0}  # shards and parameter-dtype gradients alive
+        self.on = False
+        self.peak = {"parameters": 0, "gradients": 0, "together": 0}
+
+    def _record(self):
+        if not self.on:
+            return
+        now = {"parameters": 0, "gradients": self.loose["gradients"]}
+        for kind, nbytes in self.buckets.values():
+            now[kind] += nbytes
+        now["together"] = now["parameters"] + now["gradients"]
+        for key, value in now.items():
+            self.peak[key] = max(self.peak[key], value)
+
+    def bucket(self, allocator, bucket_id, kind):
+        held = allocator.buckets.get(bucket_id)
+        self.buckets[(id(allocator), bucket_id)] = (
+            kind,
+            0 if held is None else held.data.untyped_storage().nbytes(),
+        )
+        self._record()
+
+    def tensor(self, tensor):
+        nbytes = tensor.untyped_storage().nbytes()
+        self.loose["gradients"] += nbytes
+        self._record()
+        return weakref.finalize(tensor, self._release, nbytes)
+
+    def _release(self, nbytes):
+        self.loose["gradients"] -= nbytes
+
+
+def _instrument():
+    """Count Megatron-FSDP's transient buffers in :class:`_Transients` (this process only)."""
+    import torch
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    def counted(cls, name, kind):
+        original = cls.__dict__[name]
+
+        def method(self, bucket_id, *args, **kwargs):
+            result = original(self, bucket_id, *args, **kwargs)
+            if _Transients.active is not None:
+                _Transients.active.bucket(self, bucket_id, kind)
+            return result
+
+        setattr(cls, name, method)
+
+    for name in ("allocate", "free"):  # the trainer leaves fsdp_double_buffer off
+        counted(pgb.StorageResizeBasedBucketAllocator, name, "parameters")
+        counted(pgb.TemporaryBucketAllocator, name, "gradients")
+
+    register = torch.Tensor.register_post_accumulate_grad_hook
+
+    def register_counted(param, hook):  # megatron's _process_post_backward_gradients
+        def run(p):
+            if _Transients.active is not None and _Transients.active.on and p.grad is not None:
+                _Transients.active.tensor(p.grad)
+            return hook(p)
+
+        return register(param, run)
+
+    torch.Tensor.register_post_accumulate_grad_hook = register_counted
+    reduce_scatter = torch.distributed.reduce_scatter_tensor
+
+    shards = []
+
+    def reduce_scatter_counted(output, input, *args, **kwargs):
+        # 0.16: torch.empty_like(grad_shard); 0.17 on: a view of the bucket, counted with it
+        shares = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+        if _Transients.active is not None and _Transients.active.on and not shares:
+            shards.append(_Transients.active.tensor(output))
+        return reduce_scatter(output, input, *args, **kwargs)
+
+    torch.distributed.reduce_scatter_tensor = reduce_scatter_counted
+    reduce = pgb.GradReducePipeline._bucket_group_gradient_reduce
+
+    def reduce_collected(self, *args, **kwargs):
+        result = reduce(self, *args, **kwargs)
+        # the shard is a local of megatron's function, freed here on a device; the emulation's
+        # collective holds its tensors in a reference cycle (emulation/tensor.py's
+        # _collective) until the collector runs: a young one, made in this call
+        if shards:
+            gc.collect(1)
+            if any(shard.alive for shard in shards):
+                gc.collect()
+            shards.clear()
+        return result
+
+    pgb.GradReducePipeline._bucket_group_gradient_reduce = reduce_collected
+
+
 def _measure(config) -> dict:
-    """Bytes after setup, after step 1, and the rise of step 2's peak over its start."""
+    """Bytes after setup, after step 1, the rise of step 2's peak over its start, and the
+    largest of Megatron-FSDP's transient buffers in step 2."""
     import torch
 
     from mcore_flash.training import loop
@@ -97,8 +229,11 @@ def _measure(config) -> dict:
         step = _allocated() - start
         torch.npu.reset_peak_memory_stats()
         rest = torch.npu.memory_allocated()
+        _Transients.active.on = True
         recipe.train_step()
-        return dict(setup=setup, step=step, peak=torch.npu.max_memory_allocated() - rest)
+        _Transients.active.on = False
+        peak = torch.npu.max_memory_allocated() - rest
+        return dict(setup=setup, step=step, peak=peak, **_Transients.active.peak)
     finally:
         recipe.cleanup()
 
@@ -110,7 +245,9 @@ def _w_measure(rank, world_size, root):
     from mcore_flash.training.arguments import parse_config
 
     out = {}
+    _instrument()
     for name, flags in RUNS.items():
+        _Transients.active = _Transients()
         config = parse_config([*FLAGS, *flags, "--save", f"{root}/{name}"], world_size=world_size)
         distributed.init_distributed(config)
         try:
@@ -125,7 +262,7 @@ def _fsdp_model_state(strategy, dp):
     elements), and what stays gathered after a step on the installed megatron-core."""
     groups = stage_groups(MODEL, 1, 1, 0, strategy)
     layer = sum(layer_parameters(MODEL, 1).values())
-    nbytes = fsdp_bytes(groups, strategy, dp, layer)
+    nbytes = fsdp_bytes(groups, strategy, dp, layer, megatron_release=RELEASE)
     return nbytes, prefetched_after_step(groups, strategy, dp, layer, megatron_release=RELEASE)
 
 
@@ -160,9 +297,9 @@ def _worst(per_rank, run, key):
 def _check(per_rank, dp):
     expected, planner_ddp, ddp_padding = _expected(dp)
     assert ddp_padding == {"setup": 64 * 6 + 64 // dp * 4, "step": 64 * 6 + 64 // dp * 12}
-    measured = {
-        run: {key: _worst(per_rank, run, key) for key in ("setup", "step", "peak")} for run in RUNS
-    }
+    keys = ("setup", "step", "peak", "parameters", "gradients", "together")
+    measured = {run: {key: _worst(per_rank, run, key) for key in keys} for run in RUNS}
+    assert measured["ddp"]["together"] == 0  # megatron's DDP has no FSDP bucket
     for run in RUNS:
         print(f"DP{dp} {run}: measured {measured[run]}, expected {expected[run]}")
         for key in ("setup", "step"):
@@ -177,7 +314,12 @@ def _check(per_rank, dp):
             difference = measured[strategy][key] - measured["ddp"][key]
             want = planner_fsdp[key] - planner_ddp[key] - ddp_padding[key] - mask
             assert difference == want, (dp, strategy, key)
+        # Megatron-FSDP's own transient buffers, each at its largest: the planner's terms
+        assert measured[strategy]["parameters"] == state["fsdp_gathered_parameters"], dp
+        assert measured[strategy]["gradients"] == state["fsdp_gradient_buckets"], dp
         transient = state["fsdp_gathered_parameters"] + state["fsdp_gradient_buckets"]
+        # both at once: less where they peak apart (here the gradients at the embedding's)
+        assert measured[strategy]["together"] <= transient, dp
         static = planner_fsdp["step"] - planner_ddp["step"] - ddp_padding["step"]
         rise = (measured[strategy]["step"] + measured[strategy]["peak"]) - (
             measured["ddp"]["step"] - MASK + measured["ddp"]["peak"]
