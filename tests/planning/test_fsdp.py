@@ -190,10 +190,13 @@ def _toy():
 # padded at D=2 to 32 (shards of 16: rank 0 holds 16 real, rank 1 12); the non-unit group:
 # factor 4, out at 0..40, norm at 40..44, padded to 48 (rank 0: 24 real, rank 1: 20).
 # Padded 112, shards 56, real 100, rank 0 real 56. Layer elements 28: communication unit 56;
-# gathered units 1 + ceil(28/32) = 2; grad buckets 56 // 32 + 2 = 3 of the largest bucket (48).
+# gathered units 1 + ceil(28/32) = 2. Gradient buckets in backward order: 48 (largest grad 40),
+# u1's 32, u0's 32 (largest 24); the queue is trimmed to 56 only when a bucket completes, so
+# 48 + 32 (80) are queued when u0's first grad arrives: (48 + 32 + 32) * 4 + 24 * 2.
+GRAD_TRANSIENT = (48 + 32 + 32) * 4 + 24 * 2
 HAND = {
-    "optim_grads_params": (56 * 2, 56 * 4, 56 * 4 + 56 * 8, (64 + 48) * 2, 3 * 48 * 4 + 32 * 2),
-    "optim_grads": (112 * 2, 56 * 4, 56 * 4 + 56 * 8, 0, 3 * 48 * 4 + 32 * 2),
+    "optim_grads_params": (56 * 2, 56 * 4, 56 * 4 + 56 * 8, (64 + 48) * 2, GRAD_TRANSIENT),
+    "optim_grads": (112 * 2, 56 * 4, 56 * 4 + 56 * 8, 0, GRAD_TRANSIENT),
     "optim": (112 * 2, 112 * 4, 56 * 4 + 56 * 8, 0, 0),
     "no_shard": (100 * 2, 100 * 4, 100 * 4 + 100 * 8, 0, 0),
 }
