@@ -289,12 +289,6 @@ def _collective(func, args, kwargs):
             raise device_mismatch(func, value.device)
         return value
 
-    out = func.redispatch(
-        torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1),
-        *unwrap(args),
-        **{key: unwrap(value) for key, value in kwargs.items()},
-    )
-
     def rewrap(value):
         if isinstance(value, torch.Tensor):
             return wrapper_of.get(id(value), value)
@@ -302,7 +296,18 @@ def _collective(func, args, kwargs):
             return type(value)(rewrap(item) for item in value)
         return value
 
-    return rewrap(out)
+    try:
+        out = func.redispatch(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1),
+            *unwrap(args),
+            **{key: unwrap(value) for key, value in kwargs.items()},
+        )
+        return rewrap(out)
+    finally:
+        # the recursive closures form a reference cycle that holds ``wrapper_of``: emptied
+        # here, the tensors die when the caller drops them, as a device frees them (not
+        # when the garbage collector next runs: the byte counter would overstate the peak)
+        wrapper_of.clear()
 
 
 def _functional_collective(func, args, kwargs):

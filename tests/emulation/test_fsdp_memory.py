@@ -42,10 +42,10 @@ was issued), so all four are alive when the embedding's gradient (384 x 64, bf16
 into its new bucket: 123520 x 4 + 49152. Both kinds at once peak lower than the sum (DP2 642816 on 0.16.1, 641792
 on 0.19.2; DP4 644608): the gathered units peak in the last layer's backward, the gradient
 buckets at the embedding's. The shard is a local of megatron's
-``_bucket_group_gradient_reduce``, but the emulation's collective keeps its tensors in a
-reference cycle (``emulation/tensor.py``'s ``_collective``: the recursive ``unwrap``
-closure over ``wrapper_of``) until the collector runs, so the worker collects when that
-function returns, as a device frees it there.
+``_bucket_group_gradient_reduce`` and dies when it returns, as on a device (the emulation's
+collective used to keep its tensors in a reference cycle until the garbage collector ran:
+``emulation/tensor.py``'s ``_collective`` now empties it; 691712 B instead of 543232 at
+DP2 on 0.16.1 before).
 
 The step's overall peak is not exact. It lies inside an attention backward, where the
 emulated ``npu_fusion_attention_grad`` computes in fp32 scratch that no real NPU kernel
@@ -113,8 +113,7 @@ class _Transients:
     gradient that megatron's post-accumulate-grad hook copies into a bucket, from the hook's
     start until the tensor dies). Each bucket counts at its storage's current size; the
     shard and the gradient until their tensors are freed (``weakref.finalize``, as the
-    emulated device counts them; the shard dies in a reference cycle of the emulation's,
-    collected when megatron's reduce returns). ``peak``: each kind's largest and their sum's
+    emulated device counts them). ``peak``: each kind's largest and their sum's
     largest while ``on`` (step 2)."""
 
     active = None  # the run being measured
@@ -186,31 +185,14 @@ def _instrument():
     torch.Tensor.register_post_accumulate_grad_hook = register_counted
     reduce_scatter = torch.distributed.reduce_scatter_tensor
 
-    shards = []
-
     def reduce_scatter_counted(output, input, *args, **kwargs):
         # 0.16: torch.empty_like(grad_shard); 0.17 on: a view of the bucket, counted with it
         shares = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
         if _Transients.active is not None and _Transients.active.on and not shares:
-            shards.append(_Transients.active.tensor(output))
+            _Transients.active.tensor(output)
         return reduce_scatter(output, input, *args, **kwargs)
 
     torch.distributed.reduce_scatter_tensor = reduce_scatter_counted
-    reduce = pgb.GradReducePipeline._bucket_group_gradient_reduce
-
-    def reduce_collected(self, *args, **kwargs):
-        result = reduce(self, *args, **kwargs)
-        # the shard is a local of megatron's function, freed here on a device; the emulation's
-        # collective holds its tensors in a reference cycle (emulation/tensor.py's
-        # _collective) until the collector runs: a young one, made in this call
-        if shards:
-            gc.collect(1)
-            if any(shard.alive for shard in shards):
-                gc.collect()
-            shards.clear()
-        return result
-
-    pgb.GradReducePipeline._bucket_group_gradient_reduce = reduce_collected
 
 
 def _measure(config) -> dict:
