@@ -694,8 +694,9 @@ def test_recipe_70b_128k_is_the_searchs_best_layout():
 
 
 def test_the_recipe_figures_the_readme_and_docs_quote():
-    """README "The 70B / 128K recipe" and docs/step-time.md quote the planner's output for the
-    recipe layout: 52.6 GiB (11.4 free), and with qkv 49.1 GiB, 84.3% of a layer's bytes, +1.3%."""
+    """README's recipe row (52.6 GiB), docs/pretrain.md and docs/step-time.md quote the planner's
+    output for the recipe layout: 52.6 GiB (11.4 free), and with qkv 49.1 GiB, 84.3% of a
+    layer's bytes, +1.3%."""
     none = plan_for_recipe()
     qkv = plan_memory(
         "llama2-70b", 131072, replace(none.layout, recompute="qkv"), device_memory="64GB"
