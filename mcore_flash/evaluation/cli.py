@@ -146,7 +146,8 @@ def resolve(argv: Optional[Sequence[str]]):
         check_needle_lengths(args.eval_lengths, args.eval_depths, args.needle_length)
     else:
         args.eval_lengths = [args.seq_length]
-    if args.synthetic_key_depth is not None and (args.task != "loss-by-position" or args.data_path):
+    # resolved as the trainer's: "fixed" unless given, None with --data-path (given: refused)
+    if args.synthetic_key_depth == "uniform" and args.task != "loss-by-position":
         raise ValueError(
             "--synthetic-key-depth places the key of the built-in documents that --task loss-by-position "
             "scores without --data-path; drop it here"
@@ -347,7 +348,7 @@ def _loss_buckets(args, model):
 
         docs = torch.from_numpy(
             generate_documents(
-                make_task(args.seq_length, key_depth=args.synthetic_key_depth or "fixed"),
+                make_task(args.seq_length, key_depth=args.synthetic_key_depth),
                 args.num_samples,
                 seed=args.seed + HELD_OUT_SEED_OFFSET,
             )
