@@ -750,8 +750,7 @@ def plan_memory(
 
     stages = []
     layers_per_stage = model.num_layers // layout.pp
-    offloaded = Fraction(_offloaded_layers(layout, layers_per_stage), layers_per_stage)
-    kept_layer = layer_activations + layer_statistics  # one layer, one micro-batch
+    _check_offloaded_layers(layout, layers_per_stage)
     for stage in range(layout.pp):
         parameters = sum(stage_parameters(model, layout.tp, layout.pp, stage).values())
         chunks_in_flight = layout.in_flight(stage)
@@ -767,19 +766,17 @@ def plan_memory(
             _fsdp_stage_bytes(model, layout, stage, param_bytes, grad_bytes) if layout.fsdp else {}
         )
         transient = sum(sharded.get(name, 0) for name in FSDP_CATEGORIES)
-        on_device = (1 - offloaded) * layers_in_flight  # layers whose activations stay
-        kept_activations, kept_statistics = (
-            on_device * layer_activations,
-            on_device * layer_statistics,
-        )
-        prefetch, host_activations = Fraction(0), offloaded * layers_in_flight * kept_layer
         if layout.activation_offload_layers:
-            kept_activations, kept_statistics, prefetch, host_activations = _offload_stage(
+            kept_activations, kept_statistics, offload_buffers, host_activations = _offload_stage(
                 terms, full_terms, layout, layers_per_stage, stage, chunks_in_flight
             )
+        else:  # every layer's kept tensors stay, for each micro-batch in flight
+            kept_activations = layers_in_flight * layer_activations
+            kept_statistics = layers_in_flight * layer_statistics
+            offload_buffers = host_activations = Fraction(0)
         dynamic = (
             transient
-            + prefetch
+            + offload_buffers
             + kept_activations
             + kept_statistics
             + embeddings_and_loss
@@ -803,7 +800,7 @@ def plan_memory(
             **sharded,
         }
         if layout.activation_offload_layers:
-            nbytes["activation_offload_buffers"] = _ceil(prefetch)
+            nbytes["activation_offload_buffers"] = _ceil(offload_buffers)
         host_bytes = {  # the optimizer's host bytes: offload implies the exact DDP state
             "host_optimizer_state": 0,
             "host_gradient_copy": 0,
@@ -967,15 +964,13 @@ def _offload_stage(
     )
 
 
-def _offloaded_layers(layout: Layout, layers_per_stage: int) -> int:
-    """``layout.activation_offload_layers``, or ValueError naming the flag when a stage has
-    fewer layers."""
+def _check_offloaded_layers(layout: Layout, layers_per_stage: int) -> None:
+    """ValueError naming the flag when ``--activation-offload-layers`` exceeds a stage's layers."""
     if layout.activation_offload_layers > layers_per_stage:
         raise ValueError(
             f"--activation-offload-layers {layout.activation_offload_layers}: a pipeline stage has "
             f"{layers_per_stage} layers"
         )
-    return layout.activation_offload_layers
 
 
 def node_stages(layout: Layout, devices_per_node: int) -> list[list[int]]:
