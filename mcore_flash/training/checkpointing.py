@@ -336,7 +336,6 @@ def load_checkpoint(
         )
     if load_optim:
         _check_optimizer_layout(root, common, optimizer)
-        _check_moment_dtypes(root, common, optimizer)
         _load_with_optimizer(path, common, model_chunks, optimizer, scheduler)
     else:
         fsdp_run = fsdp_checkpoint.is_fsdp(model_chunks[0])
@@ -530,11 +529,10 @@ def _check_fsdp_weights_layout(root: str, common: dict) -> None:
         )
 
 
-def _check_moment_dtypes(root: str, common: dict, optimizer) -> None:
+def _check_moment_dtypes(root: str, saved: dict, now: dict) -> None:
     """Refuse Adam moments stored in another dtype than this run's (``--exp-avg-dtype`` /
-    ``--exp-avg-sq-dtype``: the offloaded host step's narrower state), naming the flag."""
-    saved = common.get("optimizer_layout") or {}
-    now = optimizer_layout(optimizer)
+    ``--exp-avg-sq-dtype``: the offloaded host step's narrower state), naming the flag;
+    ``saved`` / ``now``: the checkpoint's and this run's :func:`optimizer_layout`."""
     for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         was = saved.get(key, "fp32")  # checkpoints before the flags: fp32
         if was != now[key]:
@@ -625,9 +623,10 @@ def _check_optimizer_layout(root: str, common: dict, optimizer) -> None:
     into each other.
     """
     saved = common.get("optimizer_layout")
+    now = optimizer_layout(optimizer)
+    _check_moment_dtypes(root, saved or {}, now)
     if saved is None:  # written before the layout was recorded
         return
-    now = optimizer_layout(optimizer)
     fresh = (
         "or pass --no-load-optim to load the weights, iteration and schedule with a fresh optimizer"
     )

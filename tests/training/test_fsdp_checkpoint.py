@@ -388,6 +388,8 @@ FSDP_LAYOUT = {
     "tensor_model_parallel_size": 1,
     "pipeline_model_parallel_size": 1,
     "data_context_parallel_size": 2,
+    "exp_avg_dtype": "fp32",
+    "exp_avg_sq_dtype": "fp32",
 }
 
 

@@ -240,14 +240,13 @@ def test_offloaded_optimizer_with_bf16_moments_resumes_exactly(tmp_path):
         ({"exp_avg_sq_dtype": "bf16"}, {}, "--exp-avg-sq-dtype bf16"),
     ],
 )
-def test_moments_of_another_dtype_are_refused_by_name(monkeypatch, saved, now, flag):
+def test_moments_of_another_dtype_are_refused_by_name(saved, now, flag):
     """Adam moments saved in one dtype do not load as another: refused before any tensor is
     read, naming the flag and --no-load-optim (a checkpoint without the record: fp32)."""
     from mcore_flash.training import checkpointing
 
     fp32 = {"exp_avg_dtype": "fp32", "exp_avg_sq_dtype": "fp32"}
-    monkeypatch.setattr(checkpointing, "optimizer_layout", lambda _: {**fp32, **now})
     with pytest.raises(ValueError, match=flag) as error:
-        checkpointing._check_moment_dtypes("/ckpt", {"optimizer_layout": saved}, None)
+        checkpointing._check_moment_dtypes("/ckpt", saved, {**fp32, **now})
     assert "--no-load-optim" in str(error.value), error.value
-    checkpointing._check_moment_dtypes("/ckpt", {"optimizer_layout": {**fp32, **now}}, None)
+    checkpointing._check_moment_dtypes("/ckpt", {**fp32, **now}, {**fp32, **now})
