@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from mcore_flash.data.synthetic import KEY_DEPTHS
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
+from mcore_flash.planning.layout import HOST_MOMENT_BYTES
 from mcore_flash.planning.models import MODELS
 from mcore_flash.training.config import (
     CKPT_FORMATS,
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
         opt.add_argument(
             flag,
-            choices=["fp32", "bf16"],
+            choices=tuple(HOST_MOMENT_BYTES),  # the planner's, for the same flags
             default="fp32",
             help=f"storage dtype of Adam's {moment} moment (Megatron-LM's flag); bf16 needs "
             "--optimizer-cpu-offload: the host step widens it to fp32 for the update",

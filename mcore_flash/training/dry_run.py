@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from unittest import mock
 
 import torch
 
@@ -226,12 +227,8 @@ def _fsdp_checks_of_this_rank_only(config: TrainingConfig):
                     f"[Megatron-FSDP] shard at {chunk.offsets} of {chunk.sizes} outside {tuple(dtensor.shape)}"
                 )
 
-    check = param_and_grad_buffer.validate_uneven_dtensor
-    param_and_grad_buffer.validate_uneven_dtensor = within_bounds
-    try:
+    with mock.patch.object(param_and_grad_buffer, "validate_uneven_dtensor", within_bounds):
         yield
-    finally:
-        param_and_grad_buffer.validate_uneven_dtensor = check
 
 
 def _optimizer_name(optimizer) -> str:

@@ -13,7 +13,7 @@ from (nothing is ``is_cuda``, and megatron-core then fails with a ``KeyError``):
 
 from __future__ import annotations
 
-import contextlib
+from unittest import mock
 
 import torch
 
@@ -57,22 +57,12 @@ def build_optimizer(config, optimizer_config, model_chunks: list):
     dtypes = moment_dtypes(config)
     if set(dtypes.values()) == {torch.float32}:
         return megatron_optimizer.get_megatron_optimizer(optimizer_config, model_chunks)
-    with _replaced(megatron_optimizer, "CPUAdam", HostAdamW):
+    with mock.patch.object(megatron_optimizer, "CPUAdam", HostAdamW):
         optimizer = megatron_optimizer.get_megatron_optimizer(optimizer_config, model_chunks)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in inner.optimizer.param_groups:
             group.update(dtypes)
     return optimizer
-
-
-@contextlib.contextmanager
-def _replaced(module, name: str, value):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
 
 
 def check_device() -> None:
