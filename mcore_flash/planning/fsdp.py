@@ -51,7 +51,9 @@ __all__ = [
     "buffer_offsets",
     "parameter_groups",
     "stage_groups",
-    "FsdpSchedule",
+    "BackwardMoment",
+    "backward_moments",
+    "gathered_parameter_bytes",
     "fsdp_bytes",
     "prefetched_after_step",
     "FSDP_CATEGORIES",
@@ -225,40 +227,65 @@ def stage_groups(
 
 
 @dataclass(frozen=True)
-class FsdpSchedule:
-    """How many unit buckets are gathered at once, from the trainer's communication unit.
+class BackwardMoment:
+    """What Megatron-FSDP holds unsharded while one bucket's modules run their backward
+    (elements; one entry of :func:`backward_moments`).
 
-    The trainer sets ``suggested_communication_unit_size = 2 x`` the elements of one
-    transformer layer on this rank (``unit_size``); megatron prefetches all-gathers until
-    ``unit_size // 2`` elements beyond the current unit are in flight (``megatron_fsdp.py``
-    ``suggested_AG_prefetch_size``, 0.16.1 ``:399``, 0.19.2 ``:444``; the prefetch loop of
-    ``AllGatherPipeline.all_gather_params``, 0.16.1 ``param_and_grad_buffer.py:3534-3559``).
-    The gradient buckets follow their own rule: :func:`gradient_transient_bytes`."""
+    ``unit``: the bucket's FSDP unit (None: a non-unit group); ``gathered``: parameters
+    all-gathered (this bucket, the ones prefetched after it in backward order, every non-unit
+    group; 0 unless the weights are sharded); ``queued``: earlier gradient buckets still
+    queued for their reduce-scatter; ``size``: this bucket's unsharded gradient bucket
+    (allocated by its first gradient); ``largest``: its largest parameter (the gradient
+    copied into the bucket in the parameter dtype); ``kept``: the queued buckets left after
+    the wait at this bucket's last gradient; ``shard``: ``size / ranks`` (megatron-core 0.16's
+    reduce-scatter output)."""
 
-    unit_size: int  # elements
-    largest_unit: int  # padded elements of the largest unit bucket
+    unit: Optional[str]
+    gathered: int
+    queued: int
+    size: int
+    largest: int
+    kept: int
+    shard: int
 
-    @property
-    def gathered_units(self) -> int:
-        """The current unit and the prefetched ones: ``1 + ceil((unit_size // 2) / N)``."""
-        return 1 + -(-(self.unit_size // 2) // self.largest_unit)
+    def held_bytes(self, param_bytes: int = 2, grad_bytes: int = 4) -> int:
+        """Bytes held from the bucket's first gradient to its last (a layer's attention
+        backward lies there: its MLP and output-projection gradients come first)."""
+        return self.gathered * param_bytes + (self.queued + self.size) * grad_bytes
+
+    def gradient_bytes(
+        self,
+        param_bytes: int = 2,
+        grad_bytes: int = 4,
+        megatron_release: tuple[int, int] = NEWEST_MEGATRON,
+    ) -> int:
+        """The most gradient-transient bytes in this moment: the buckets and the
+        parameter-dtype gradient being copied, or (up to 0.16) the buckets left after the
+        wait, this one and its new reduce-scatter shard."""
+        copying = (self.queued + self.size) * grad_bytes + self.largest * param_bytes
+        if tuple(megatron_release) < REDUCE_SCATTER_IN_PLACE_SINCE:
+            return max(copying, (self.kept + self.size + self.shard) * grad_bytes)
+        return copying
 
 
-def gradient_transient_bytes(
-    buckets: Sequence[Bucket],
-    strategy: str,
-    ranks: int,
-    queue_capacity: int,
-    *,
-    param_bytes: int = 2,
-    grad_bytes: int = 4,
-    megatron_release: tuple[int, int] = NEWEST_MEGATRON,
-) -> int:
-    """The most bytes of Megatron-FSDP's gradient transients alive at once in a backward:
-    unsharded gradient buckets (``grad_bytes`` an element) plus the parameter-dtype gradient
-    being copied into one, by megatron's own schedule (the same in 0.16.1 and 0.19.2 unless
-    said; ``queue_capacity`` = ``suggested_RS_queue_capacity`` = the trainer's communication
-    unit, 2 x one layer, ``megatron_fsdp.py`` 0.16.1 ``:398``, 0.19.2 ``:443``):
+def backward_moments(
+    buckets: Sequence[Bucket], strategy: str, ranks: int, unit_size: int
+) -> list[BackwardMoment]:
+    """Megatron-FSDP's transient buffers through a backward, one :class:`BackwardMoment` per
+    bucket in backward order (the reverse of megatron's: the non-unit group, the layers from
+    the last, the embedding), by megatron's own schedule (the same in 0.16.1 and 0.19.2 unless
+    said). ``unit_size``: the trainer's communication unit, 2 x one layer's elements on this
+    rank (``suggested_communication_unit_size``).
+
+    Parameters (``optim_grads_params``): a module's backward pre-hook all-gathers its bucket
+    and prefetches the next buckets in backward order until they reach ``unit_size // 2``
+    elements (``suggested_AG_prefetch_size``, 0.16.1 ``megatron_fsdp.py:399``, 0.19.2
+    ``:444``; the prefetch loop of ``AllGatherPipeline.all_gather_params``, 0.16.1
+    ``param_and_grad_buffer.py:3534-3559``); a unit is released after its backward; the
+    non-unit groups, gathered by their forward, stay until ``finish_grad_sync`` (see
+    :func:`prefetched_after_step`).
+
+    Gradients (sharded gradients):
 
     * Each parameter has a post-accumulate-grad hook (0.16.1 ``megatron_fsdp.py:1007-1012``,
       0.19.2 ``:1110-1117``) whose ``_grad_acc`` fetches the parameter's unsharded bucket
@@ -271,37 +298,87 @@ def gradient_transient_bytes(
       a layer that returned several at once would hold them together: not modelled).
     * When a bucket's last gradient has arrived, ``reduce_gradients`` calls
       ``wait_for_previous_grad_reduce(suggested_queue_capacity=...)`` (0.16.1
-      ``param_and_grad_buffer.py:3081-3090``, 0.19.2 ``:3905-3914``), which frees queued
-      buckets, oldest first, while the queued ones (not counting this one) hold more than
-      ``queue_capacity`` elements (0.16.1 ``:3103-3116``, 0.19.2 ``:3927-3940``); then this
-      bucket is reduce-scattered and queued (0.16.1 ``:3331-3335``, 0.19.2 ``:4246``).
+      ``param_and_grad_buffer.py:3081-3090``, 0.19.2 ``:3905-3914``; the capacity is
+      ``suggested_RS_queue_capacity`` = ``unit_size``, ``megatron_fsdp.py`` 0.16.1 ``:398``,
+      0.19.2 ``:443``), which frees queued buckets, oldest first, while the queued ones (not
+      counting this one) hold more than the capacity (0.16.1 ``:3103-3116``, 0.19.2
+      ``:3927-3940``); then this bucket is reduce-scattered and queued (0.16.1
+      ``:3331-3335``, 0.19.2 ``:4246``).
     * Up to megatron-core 0.16 the reduce-scatter writes into a new shard,
       ``torch.empty_like(grad_shard)`` (0.16.1 ``:3241-3242``; removed in 0.17.0 by
       "Add dtype customization to Megatron-FSDP", b969f7642c: 0.17.0 on reduce into the
-      bucket itself), ``N / ranks`` elements alive from after the wait until the bucket's
-      reduce returns (its local ``grad_shard``).
+      bucket itself), alive from after the wait until the bucket's reduce returns.
     * ``_root_post_backward`` resets the pipeline (0.16.1 ``megatron_fsdp.py:791``, 0.19.2
       ``:880``): every backward (micro-batch) starts with no bucket.
 
-    Buckets complete in the reverse of megatron's order (the non-unit group: output layer and
-    final norm first, then the layers from the last, the embedding last), each before the
-    next one's first gradient: a ``shared_embedding`` bucket, whose gradient megatron's
-    root post-backward hook handles, is not modelled apart. Returns the largest over the
-    backward of (queued + current buckets) x ``grad_bytes`` + the current bucket's largest
-    parameter x ``param_bytes``, and, up to 0.16, of (queue left after the wait + the
-    bucket + its shard) x ``grad_bytes``."""
+    Each bucket completes before the next one's first gradient; a ``shared_embedding``
+    bucket, whose gradient megatron's root post-backward hook handles, is not modelled apart.
+    Under ``optim_grads`` nothing is gathered (``gathered`` 0); ``optim`` and ``no_shard``
+    keep whole gradient buffers and have no such moments (an empty list), nor has ``ranks``
+    = 1 (megatron shards no buffer of a group of one)."""
+    if ranks == 1 or strategy not in ("optim_grads", "optim_grads_params"):
+        return []
+    order = list(reversed(buckets))
+    sizes = [bucket.size(ranks, strategy) for bucket in order]
+    non_units = {i for i, bucket in enumerate(order) if bucket.unit is None}
+    moments = []
     queue: list[int] = []
-    peak = 0
-    for bucket in reversed(buckets):
-        size = bucket.size(ranks, strategy)
-        largest = max(_numel(shape) for shape in bucket.shapes)
-        peak = max(peak, (sum(queue) + size) * grad_bytes + largest * param_bytes)
-        while sum(queue) > queue_capacity:
+    for index, bucket in enumerate(order):
+        gathered = 0
+        if strategy == "optim_grads_params":
+            members = {index} | non_units
+            prefetched = 0
+            for later in range(index + 1, len(order)):
+                if prefetched >= unit_size // 2:
+                    break
+                members.add(later)
+                prefetched += sizes[later]
+            gathered = sum(sizes[i] for i in members)
+        queued = sum(queue)
+        while sum(queue) > unit_size:
             queue.pop(0)
-        if tuple(megatron_release) < REDUCE_SCATTER_IN_PLACE_SINCE:
-            peak = max(peak, (sum(queue) + size + size // ranks) * grad_bytes)
-        queue.append(size)
-    return peak
+        moments.append(
+            BackwardMoment(
+                unit=bucket.unit,
+                gathered=gathered,
+                queued=queued,
+                size=sizes[index],
+                largest=max(_numel(shape) for shape in bucket.shapes),
+                kept=sum(queue),
+                shard=sizes[index] // ranks,
+            )
+        )
+        queue.append(sizes[index])
+    return moments
+
+
+def gradient_transient_bytes(
+    buckets: Sequence[Bucket],
+    strategy: str,
+    ranks: int,
+    unit_size: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+    megatron_release: tuple[int, int] = NEWEST_MEGATRON,
+) -> int:
+    """The most bytes of Megatron-FSDP's gradient transients alive at once in a backward
+    (:func:`backward_moments`; ``grad_bytes`` an element of the buckets, ``param_bytes`` of
+    the gradient being copied), whatever the gathered parameters do meanwhile."""
+    moments = backward_moments(buckets, strategy, ranks, unit_size)
+    return max(
+        (m.gradient_bytes(param_bytes, grad_bytes, megatron_release) for m in moments), default=0
+    )
+
+
+def gathered_parameter_bytes(
+    buckets: Sequence[Bucket], strategy: str, ranks: int, unit_size: int, param_bytes: int = 2
+) -> int:
+    """The most bytes of gathered (unsharded) parameters alive at once in a step: the largest
+    over :func:`backward_moments` (a forward gathers the same units in the other order, the
+    non-unit groups at most as many)."""
+    moments = backward_moments(buckets, strategy, ranks, unit_size)
+    return max((m.gathered for m in moments), default=0) * param_bytes
 
 
 @functools.lru_cache(maxsize=512)
@@ -332,15 +409,16 @@ def fsdp_bytes(
     4 for fp32, 2 for bf16 with ``--grad-reduce-in-bf16``, megatron's
     ``megatron_fsdp_main_grads_dtype``; the bf16 figure is modelled, not measured),
     ``optimizer_state`` (fp32 main params + Adam m, v on this rank's largest shard),
-    ``fsdp_gathered_parameters`` (optim_grads_params: the gathered current and prefetched
-    units, plus every non-unit group, gathered for the forward and the backward) and
-    ``fsdp_gradient_buckets`` (sharded gradients: :func:`gradient_transient_bytes`, the
-    unsharded buckets alive at once in the backward, ``grad_bytes`` an element, plus the
-    parameter-dtype gradient being copied into one, gradient-accumulation fusion being off;
-    ``megatron_release`` picks 0.16's reduce-scatter into a new shard). Each term is the
-    largest of its own buffers over a step, measured exactly on the emulated NPU; the two
-    need not peak at the same moment (tiny-test: the gathered units mid-backward, the
-    gradient buckets at the embedding's), so their sum bounds what is alive at once.
+    ``fsdp_gathered_parameters`` and ``fsdp_gradient_buckets``: what megatron holds unsharded
+    at the backward's worst moment for the two together (:func:`backward_moments`, the
+    largest over the buckets of the gathered units and non-unit groups, ``param_bytes`` an
+    element, plus the gradient buckets, ``grad_bytes`` an element, with the parameter-dtype
+    gradient being copied into one, gradient-accumulation fusion being off;
+    ``megatron_release`` picks 0.16's reduce-scatter into a new shard), split into its
+    gathered parameters and the rest. The two kinds peak apart (tiny-test at DP2: the
+    gathered units in the last layer's backward, the gradient buckets at the embedding's),
+    so each may be less here than its own largest (:func:`gathered_parameter_bytes`,
+    :func:`gradient_transient_bytes`). All three are measured exactly on the emulated NPU.
     """
     if strategy not in FSDP_STRATEGIES:
         raise ValueError(f"sharding strategy {strategy!r}: choose one of {FSDP_STRATEGIES}")
@@ -371,22 +449,18 @@ def fsdp_bytes(
         "fsdp_gathered_parameters": 0,
         "fsdp_gradient_buckets": 0,
     }
-    units = [b.size(ranks, strategy) for b in buckets if b.unit is not None]
-    largest = max([b.size(ranks, strategy) for b in buckets])
-    schedule = FsdpSchedule(2 * layer_elements, max(units or [largest]))
-    if shard_weights:
-        gathered = sorted(units, reverse=True)[: schedule.gathered_units]
-        non_unit = sum(b.size(ranks, strategy) for b in buckets if b.unit is None)
-        out["fsdp_gathered_parameters"] = (sum(gathered) + non_unit) * param_bytes
-    if shard_grads:
-        out["fsdp_gradient_buckets"] = gradient_transient_bytes(
-            buckets,
-            strategy,
-            ranks,
-            schedule.unit_size,
-            param_bytes=param_bytes,
-            grad_bytes=grad_bytes,
-            megatron_release=megatron_release,
+    moments = backward_moments(buckets, strategy, ranks, 2 * layer_elements)
+    if moments:
+        worst = max(
+            moments,
+            key=lambda m: (
+                m.gathered * param_bytes
+                + m.gradient_bytes(param_bytes, grad_bytes, megatron_release)
+            ),
+        )
+        out["fsdp_gathered_parameters"] = worst.gathered * param_bytes
+        out["fsdp_gradient_buckets"] = worst.gradient_bytes(
+            param_bytes, grad_bytes, megatron_release
         )
     return out
 

@@ -27,7 +27,10 @@ For every pipeline stage (the worst one decides) the plan adds up, in bytes per 
 With Megatron-FSDP (``layout.fsdp``) ``weights``, ``gradients`` and ``optimizer_state`` are
 :func:`.fsdp.fsdp_bytes`' (megatron's parameter groups and padding, sharded over
 ``dp * cp`` as the strategy says), and two more categories, :data:`.fsdp.FSDP_CATEGORIES`,
-hold what FSDP allocates per layer: the gathered units and the unsharded gradient buckets.
+hold what FSDP holds unsharded at the backward's worst moment for the two together: the
+gathered units and the unsharded gradient buckets (:func:`.fsdp.backward_moments`). They are
+added to every layer's activations, which peak at the first layer's backward: where FSDP's
+worst moment comes later, the total overstates the peak by what was freed in between.
 
 Optimizer offload and bf16 main gradients with the distributed optimizer (megatron's DDP) are
 counted exactly, per data-parallel rank (:func:`rank_shards`, :func:`ddp_state_bytes`,

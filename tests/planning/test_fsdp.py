@@ -6,7 +6,7 @@ ZeRO-3 rung in ``mcore-flash plan --search``."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import pytest
 
@@ -21,7 +21,10 @@ from mcore_flash.planning import (
 from mcore_flash.planning.cli import main as plan_main
 from mcore_flash.planning.fsdp import (
     FSDP_STRATEGIES,
+    backward_moments,
     fsdp_bytes,
+    gathered_parameter_bytes,
+    gradient_transient_bytes,
     parameter_groups,
     prefetched_after_step,
     stage_groups,
@@ -189,17 +192,48 @@ def _toy():
 # Hand arithmetic (docs/planner.md "Megatron-FSDP"): each unit has chunk factor 4, 28 elements,
 # padded at D=2 to 32 (shards of 16: rank 0 holds 16 real, rank 1 12); the non-unit group:
 # factor 4, out at 0..40, norm at 40..44, padded to 48 (rank 0: 24 real, rank 1: 20).
-# Padded 112, shards 56, real 100, rank 0 real 56. Layer elements 28: communication unit 56;
-# gathered units 1 + ceil(28/32) = 2. Gradient buckets in backward order: 48 (largest grad 40),
-# u1's 32, u0's 32 (largest 24); the queue is trimmed to 56 only when a bucket completes, so
-# 48 + 32 (80) are queued when u0's first grad arrives: (48 + 32 + 32) * 4 + 24 * 2.
+# Padded 112, shards 56, real 100, rank 0 real 56. Layer elements 28: communication unit 56.
+# The backward, bucket by bucket (BackwardMoment: gathered, queued, size, largest, kept, shard):
+# the non-unit group gathers itself and prefetches u1 (0 < 28; then 32 >= 28 stops), no queue;
+# u1 gathers u1 + u0 + the non-unit 48, 48 queued (48 <= 56: kept); u0 gathers u0 + 48, 80
+# queued, trimmed to 56 or less only at its last gradient: 48 freed, 32 kept.
+TOY_MOMENTS = [
+    (None, 80, 0, 48, 40, 0, 24),
+    ("u1", 112, 48, 32, 24, 48, 16),
+    ("u0", 80, 80, 32, 24, 32, 16),
+]
+# The gradient buckets alone peak when u0's first gradient arrives: (80 + 32) * 4 + 24 * 2,
+# and with the gathered units (80 * 2) that is also the worst moment of the two together
+# (the non-unit group's 80 * 2 + 48 * 4 + 40 * 2 = 432, u1's 112 * 2 + 80 * 4 + 24 * 2 = 592).
 GRAD_TRANSIENT = (48 + 32 + 32) * 4 + 24 * 2
 HAND = {
-    "optim_grads_params": (56 * 2, 56 * 4, 56 * 4 + 56 * 8, (64 + 48) * 2, GRAD_TRANSIENT),
+    "optim_grads_params": (56 * 2, 56 * 4, 56 * 4 + 56 * 8, 80 * 2, GRAD_TRANSIENT),
     "optim_grads": (112 * 2, 56 * 4, 56 * 4 + 56 * 8, 0, GRAD_TRANSIENT),
     "optim": (112 * 2, 112 * 4, 56 * 4 + 56 * 8, 0, 0),
     "no_shard": (100 * 2, 100 * 4, 100 * 4 + 100 * 8, 0, 0),
 }
+
+
+def test_backward_moments_by_hand():
+    buckets = parameter_groups(_toy())
+    moments = backward_moments(buckets, "optim_grads_params", 2, 56)
+    assert [astuple(m) for m in moments] == TOY_MOMENTS
+    assert [m.held_bytes() for m in moments] == [
+        80 * 2 + 48 * 4,
+        112 * 2 + 80 * 4,
+        80 * 2 + 112 * 4,
+    ]
+    # each alone: the gathered units in u1's backward, the gradients in u0's
+    assert gathered_parameter_bytes(buckets, "optim_grads_params", 2, 56) == 112 * 2
+    assert gradient_transient_bytes(buckets, "optim_grads_params", 2, 56) == GRAD_TRANSIENT
+    # megatron-core 0.16's new reduce-scatter shard, after the wait: the non-unit group's
+    # (0 + 48 + 24) * 4 = 288 > 48 * 4 + 40 * 2, u1's (48 + 32 + 16) * 4 = 384 > 80 * 4 + 48
+    old = [m.gradient_bytes(megatron_release=(0, 16)) for m in moments]
+    assert old == [288, 384, GRAD_TRANSIENT]
+    # optim_grads gathers nothing; optim, no_shard and one rank have no moments
+    assert [m.gathered for m in backward_moments(buckets, "optim_grads", 2, 56)] == [0, 0, 0]
+    assert backward_moments(buckets, "optim", 2, 56) == []
+    assert backward_moments(buckets, "optim_grads_params", 1, 56) == []
 
 
 @pytest.mark.parametrize("strategy", FSDP_STRATEGIES)
@@ -240,7 +274,10 @@ def test_tiny_fsdp_plan_by_hand():
     padded = sum(TINY_UNITS) + TINY_LOOSE
     assert plan.per_device["weights"] == padded // 2 * 2
     assert plan.per_device["gradients"] == padded // 2 * 4
-    assert plan.per_device["fsdp_gathered_parameters"] == (2 * 37120 + TINY_LOOSE) * 2
+    # the worst moment for both: layer 0's backward (layer 0, the prefetched embedding and
+    # the non-unit group gathered), the gradient buckets of the non-unit group and both layers
+    assert plan.per_device["fsdp_gathered_parameters"] == (37120 + 8192 + TINY_LOOSE) * 2
+    assert plan.per_device["fsdp_gradient_buckets"] == (TINY_LOOSE + 2 * 37120) * 4 + 16384 * 2
     assert set(plan.categories) >= {"fsdp_gathered_parameters", "fsdp_gradient_buckets"}
 
 
