@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-overlap-grad-reduce",
         dest="overlap_grad_reduce",
         action="store_false",
-        help="step time: the gradient reduction does not overlap the last backward",
+        help="launch without --overlap-grad-reduce: megatron's DDP reduces the gradients after the "
+        "last backward (the step time counts it), in one bucket",
     )
     p.add_argument(
         "--overlap-param-gather",
@@ -368,7 +369,6 @@ def _plan_kwargs(args, dtype_bytes: int) -> dict:
 def _step_options(args) -> dict:
     return dict(
         tp_comm_overlap=args.tp_comm_overlap,
-        overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
     )
 
@@ -397,6 +397,7 @@ def _plan(args, inputs: Inputs) -> int:
         overlap_cpu_optimizer=args.overlap_cpu_optimizer,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         host_moment_dtype=_host_moment_dtype(args),
+        overlap_grad_reduce=args.overlap_grad_reduce,
     )
     if layout.grad_reduce_in_bf16 and dtype_bytes != 2:
         raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
@@ -448,6 +449,7 @@ def search_candidates(args, inputs: Inputs) -> list[Candidate]:
         max_tp=args.max_tp,
         sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
         fsdp_choices=(_fsdp(args),) if args.use_megatron_fsdp else PLANNED_STRATEGIES,
         climb="each" if args.use_megatron_fsdp else "needed",
         offload=args.offload,

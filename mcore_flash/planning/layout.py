@@ -80,6 +80,12 @@ class Layout:
     distributed optimizer then gives the device part of its fp32 master shard fp32
     gradients (4 B per shard element kept on the device). The ladder's narrower-state
     choice: the rung is ``"offload"``.
+
+    ``overlap_grad_reduce`` (Megatron-LM's ``--overlap-grad-reduce``, on unless asked off):
+    megatron's DDP reduces the gradients in buckets as the last micro-batch's backward
+    produces them, and the step time hides that reduction behind the backward; the buckets
+    are part of the buffer layout (:attr:`ddp_bucket_size`). Megatron-FSDP overlaps its own
+    way and ignores it (no flag is printed with FSDP).
     """
 
     tp: int = 1
@@ -99,6 +105,7 @@ class Layout:
     overlap_cpu_optimizer: bool = False
     grad_reduce_in_bf16: bool = False
     host_moment_dtype: str = "fp32"
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "vp", "micro_batch_size"):
@@ -191,6 +198,19 @@ class Layout:
         if self.recompute != "none" or self.recompute_num_layers:
             return "recompute"
         return "flash attention"
+
+    @property
+    def ddp_bucket_size(self) -> Optional[int]:
+        """Elements per gradient bucket of megatron's DDP buffer on the first pipeline stage's
+        first model chunk (the others have one bucket: ``disable_bucketing`` for later chunks,
+        ``pp_rank > 0``), or None for one bucket: with ``--overlap-grad-reduce`` megatron's
+        default ``max(40000000, 1000000 x dp)`` (``dp`` without context parallelism:
+        ``DistributedDataParallel.__init__``, megatron-core 0.16.1
+        ``distributed_data_parallel.py:64-68``, 0.19.2 ``:68-72``); without it None, as under
+        Megatron-FSDP."""
+        if not self.overlap_grad_reduce or self.fsdp is not None:
+            return None
+        return max(40_000_000, 1_000_000 * self.dp)
 
     @property
     def sharding_ranks(self) -> int:
@@ -353,6 +373,8 @@ def pretrain_command(
         args.append("--sequence-parallel")
     if layout.distributed_optimizer:
         args.append("--use-distributed-optimizer")
+    if layout.ddp_bucket_size is not None:
+        args.append("--overlap-grad-reduce")
     args += fsdp_flags(layout)
     args += offload_flags(layout)
     args += gradient_flags(layout)

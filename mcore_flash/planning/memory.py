@@ -218,13 +218,21 @@ def offloaded_parameters(elements: list[int], fraction: float) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def rank_shards(
-    model: ModelShape, tp: int, pp: int, vp: int, stage: int, ranks: int, fraction: float = 0.0
+    model: ModelShape,
+    tp: int,
+    pp: int,
+    vp: int,
+    stage: int,
+    ranks: int,
+    fraction: float = 0.0,
+    bucket_size: Optional[int] = None,
 ) -> tuple[RankShard, ...]:
     """Every rank's :class:`RankShard` of pipeline stage ``stage`` over ``ranks`` (dp x cp),
-    offloading ``fraction``: megatron's buffers (:func:`.parameters.stage_ddp_buffers`),
-    each rank's shard, its parameters in the optimizer's order
-    (:func:`.parameters.optimizer_order`) and :func:`offloaded_parameters` of them."""
-    buffers = stage_ddp_buffers(model, tp, pp, vp, stage, ranks)
+    offloading ``fraction``: megatron's buffers (:func:`.parameters.stage_ddp_buffers`, with
+    ``bucket_size``: :attr:`.layout.Layout.ddp_bucket_size`), each rank's shard, its
+    parameters in the optimizer's order (:func:`.parameters.optimizer_order`) and
+    :func:`offloaded_parameters` of them."""
+    buffers = stage_ddp_buffers(model, tp, pp, vp, stage, ranks, bucket_size)
     per_buffer = [buffer.shards() for buffer in buffers]
     total = sum(buffer.elements for buffer in buffers)
     out = []
@@ -870,6 +878,7 @@ def _exact_ddp_stage(
         layout.grad_reduce_in_bf16,
         param_bytes,
         layout.host_moment_dtype,
+        layout.ddp_bucket_size,
     )
     return {**nbytes, **worst}, {**host_bytes, **fullest}, rank_host
 
@@ -886,6 +895,7 @@ def _exact_stage_state(
     bf16_gradients: bool,
     param_bytes: int,
     moment_dtype: str,
+    bucket_size: Optional[int],
 ) -> tuple[dict[str, int], tuple[dict[str, int], ...], dict[str, int]]:
     """``(worst rank's device state, every rank's host optimizer, the fullest rank's)`` of
     :func:`_exact_ddp_stage` (cached: the search plans the same stage under many
@@ -895,7 +905,7 @@ def _exact_stage_state(
     )
     states: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
     rank_host = []
-    for shard in rank_shards(model, tp, pp, vp, stage, ranks, fraction):
+    for shard in rank_shards(model, tp, pp, vp, stage, ranks, fraction, bucket_size):
         key = (
             shard.elements,
             shard.parameters,

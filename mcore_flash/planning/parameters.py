@@ -272,11 +272,18 @@ class DdpBuffer:
 
 
 def ddp_buffer(
-    params: Sequence[ParameterShape], ranks: int, distributed_optimizer: bool = True
+    params: Sequence[ParameterShape],
+    ranks: int,
+    distributed_optimizer: bool = True,
+    bucket_size: Optional[int] = None,
 ) -> DdpBuffer:
     """megatron's DDP buffer of one model chunk's ``params`` (``named_parameters`` order), as
-    the trainer builds it (no ``--overlap-grad-reduce``: ``bucket_size`` None, one bucket, but
-    a ``shared_embedding`` parameter in a bucket of its own). With the distributed optimizer
+    ``_ParamAndGradBuffer.__init__`` lays it out (megatron-core 0.16.1
+    ``param_and_grad_buffer.py:671-739``; 0.19.2 ``distrib_optimizer.py:569``, the distributed
+    optimizer's ``_compute_per_buffer_param_layout``): parameters in reverse order, a bucket
+    closed once it holds ``bucket_size`` elements or more (None: one bucket, as without
+    ``--overlap-grad-reduce``), a ``shared_embedding`` parameter in a bucket of its own under
+    the distributed optimizer. With the distributed optimizer
     (megatron's ``_pad_start_of_param_if_needed`` / ``_pad_end_of_bucket_if_needed``, 0.19's
     ``pad_param_start`` / ``pad_bucket_end``): each parameter starts at a multiple of 64
     elements and each bucket ends at a multiple of ``lcm(ranks, 128)``; without it nothing is
@@ -298,7 +305,8 @@ def ddp_buffer(
         slots.append(BufferSlot(param.name, index, elements, len(buckets), no_decay))
         members += 1
         index += elements
-        if param.shared_embedding and distributed_optimizer:
+        full = bucket_size is not None and index - bucket_start >= bucket_size
+        if full or (param.shared_embedding and distributed_optimizer):
             buckets.append((bucket_start, _pad(index, pad_end)))
             bucket_start = index = buckets[-1][1]
             members = 0
@@ -309,13 +317,25 @@ def ddp_buffer(
 
 @functools.lru_cache(maxsize=512)
 def stage_ddp_buffers(
-    model: ModelShape, tp: int, pp: int, vp: int, stage: int, ranks: int
+    model: ModelShape,
+    tp: int,
+    pp: int,
+    vp: int,
+    stage: int,
+    ranks: int,
+    bucket_size: Optional[int] = None,
 ) -> tuple[DdpBuffer, ...]:
     """The DDP buffers of pipeline stage ``stage``'s device, one per model chunk: with ``vp``
     interleaved chunks, chunk ``v`` is virtual stage ``v * pp + stage`` of ``pp * vp``
-    (cached: the search asks for the same stage many times)."""
+    (cached: the search asks for the same stage many times). Only the first stage's first
+    chunk is bucketed by ``bucket_size`` (megatron's ``DistributedDataParallel``: no bucketing
+    where ``pp_rank > 0`` or ``disable_bucketing``, which the trainer sets for later chunks)."""
     return tuple(
-        ddp_buffer(stage_parameter_shapes(model, tp, pp * vp, chunk * pp + stage), ranks)
+        ddp_buffer(
+            stage_parameter_shapes(model, tp, pp * vp, chunk * pp + stage),
+            ranks,
+            bucket_size=bucket_size if stage == 0 and chunk == 0 else None,
+        )
         for chunk in range(vp)
     )
 

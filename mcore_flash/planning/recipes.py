@@ -134,6 +134,7 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
         activation_offload_layers=args.activation_offload_layers,
         overlap_cpu_optimizer=args.overlap_cpu_optimizer_d2h_h2d,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
     )
     capacity = None if device_memory is None else parse_bytes(device_memory)
     return plan_memory(shape, args.seq_length, layout, device_memory=capacity, profile=profile)

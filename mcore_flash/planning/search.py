@@ -118,6 +118,7 @@ def search_layouts(
     max_tp: int = 8,
     sequence_parallel: bool = True,
     distributed_optimizer: bool = True,
+    overlap_grad_reduce: bool = True,
     include_non_fitting: bool = False,
     partial_recompute: bool = True,
     safety_margin: float = 0.05,
@@ -149,7 +150,8 @@ def search_layouts(
     ``bf16_gradients`` (with bf16 parameters and activations), with bf16 main gradients and
     host offload (just enough), and when that fails too and ``bf16_moments``, with bf16 host
     moments as well; ``grad_reduce_in_bf16`` plans every layout with bf16 main gradients,
-    ``host_moment_dtype`` every offloaded one with those moments. ``hardware`` and ``step_options``
+    ``host_moment_dtype`` every offloaded one with those moments, ``overlap_grad_reduce``
+    (``Layout.overlap_grad_reduce``) every layout. ``hardware`` and ``step_options``
     (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
     ``mean_document_length`` ...).
@@ -225,6 +227,7 @@ def search_layouts(
                                 global_batch_size=gbs,
                                 distributed_optimizer=distributed_optimizer,
                                 grad_reduce_in_bf16=bf16,
+                                overlap_grad_reduce=overlap_grad_reduce,
                             )
                             for plan in _climb(
                                 model,

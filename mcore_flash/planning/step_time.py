@@ -26,7 +26,7 @@ fraction; FLOPs from :func:`.flops.forward_flops`, causal attention halved):
 * DP over ``dp·cp`` ranks: the distributed optimizer reduce-scatters fp32 gradients
   (4 B/param; 2 with ``--grad-reduce-in-bf16``) and all-gathers bf16 parameters (2 B/param) of the device's stage,
   ``(n-1)/n · bytes / bw``; without it one fp32 all-reduce (twice the reduce-scatter).
-  ``overlap_grad_reduce`` hides the reduction behind the last micro-batch's backward,
+  ``layout.overlap_grad_reduce`` hides the reduction behind the last micro-batch's backward,
   ``overlap_param_gather`` the gather behind the first forward.
 
 * Megatron-FSDP (``layout.fsdp``), per micro-batch over the ``n = dp·cp`` sharding ranks
@@ -283,7 +283,6 @@ def predict_step_time(
     mean_document_length: Optional[float] = None,
     dtype_bytes: int = 2,
     tp_comm_overlap: bool = False,
-    overlap_grad_reduce: bool = True,
     overlap_param_gather: bool = False,
     activation_profile: str = "npu",
 ) -> StepTime:
@@ -400,7 +399,7 @@ def predict_step_time(
     )
     forward = stage_layers * (gemm_fwd + kernel_fwd) + logits / 3
     breakdown["dp_grad_reduce_exposed"] = (
-        max(0.0, grad_reduce - backward) if overlap_grad_reduce else grad_reduce
+        max(0.0, grad_reduce - backward) if lay.overlap_grad_reduce else grad_reduce
     )
     breakdown["dp_param_gather_exposed"] = (
         max(0.0, param_gather - forward) if overlap_param_gather else param_gather

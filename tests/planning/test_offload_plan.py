@@ -28,9 +28,16 @@ from mcore_flash.planning.hardware import HARDWARE_PROFILES
 from mcore_flash.planning.layout import pretrain_command
 from mcore_flash.planning.memory import offloaded_parameters
 from mcore_flash.planning.models import get_model
-from mcore_flash.planning.parameters import ParameterShape, ddp_buffer, optimizer_order
+from mcore_flash.planning.parameters import (
+    ParameterShape,
+    ddp_buffer,
+    optimizer_order,
+    stage_parameter_shapes,
+)
 from mcore_flash.planning.search import Candidate, closest_offload, sensitivity
 from mcore_flash.planning.units import GiB
+
+from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 
 SEQ = 131072
 LAYER_TP8 = 8192 * 1280 + 1024 * 8192 + 8192 * 7168 + 3584 * 8192 + 2 * 8192
@@ -120,6 +127,49 @@ def test_ddp_buffer_pads_and_shards_as_megatron():
     assert offloaded_parameters([8, 36, 3], 0.1) == 1  # 0 < 4.7: 8 moved, 8 >= 4.7
     assert offloaded_parameters([8, 36, 3], 0.5) == 2  # 8 < 23.5: 44 moved
     assert offloaded_parameters([8, 36, 3], 1.0) == 3
+
+
+def _w_megatron_buckets(rank, world_size, bucket_sizes):
+    """megatron's own DDP buffer of tiny-test under the distributed optimizer with
+    ``--overlap-grad-reduce`` and each bucket size: its buckets and each parameter's start."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from mcore_flash.planning import build_flash_gpt
+
+    init_megatron()
+    try:
+        out = {}
+        for bucket_size in bucket_sizes:
+            gpt = build_flash_gpt(get_model("tiny-test"), params_dtype=torch.bfloat16, bf16=True)
+            ddp_config = DistributedDataParallelConfig(
+                use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket_size
+            )
+            ddp = DistributedDataParallel(gpt.config, ddp_config, gpt)
+            (buffer,) = ddp.buffers
+            names = {p: n for n, p in gpt.named_parameters()}
+            starts = {names[p]: index[0] for p, index in buffer.param_index_map.items()}
+            out[bucket_size] = (list(buffer.bucket_indices), starts)
+        return out
+    finally:
+        teardown_megatron()
+
+
+def test_ddp_buckets_are_megatrons():
+    """With ``--overlap-grad-reduce`` megatron closes a bucket once it holds ``bucket_size``
+    elements (each bucket end padded to lcm(D, 128)): the planner's buffer has megatron's
+    buckets and parameter starts, at D = 2 (tiny-test, 123200 parameters; 30000 splits it
+    into several buckets, 40M, megatron's default, leaves one)."""
+    sizes = (30000, 40_000_000)
+    megatron = run_distributed(_w_megatron_buckets, 2, sizes, timeout=300)[0]
+    for bucket_size in sizes:
+        mirror = ddp_buffer(
+            stage_parameter_shapes(get_model("tiny-test")), 2, bucket_size=bucket_size
+        )
+        buckets, starts = megatron[bucket_size]
+        assert [tuple(b) for b in buckets] == list(mirror.buckets), bucket_size
+        assert starts == {slot.name: slot.start for slot in mirror.slots}, bucket_size
+    assert len(megatron[30000][0]) > 2 and len(megatron[40_000_000][0]) == 1
 
 
 def test_activation_offload_moves_the_layer_inputs():
@@ -212,8 +262,8 @@ def test_offload_flags_of_the_command():
     layout = one_node(optimizer_offload_fraction=0.5, activation_offload_layers=3)
     command = pretrain_command(get_model("llama2-70b"), SEQ, layout)
     assert (
-        "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
-        "--optimizer-offload-fraction 0.5 --activation-offload-layers 3"
+        "--use-distributed-optimizer --overlap-grad-reduce --use-precision-aware-optimizer "
+        "--optimizer-cpu-offload --optimizer-offload-fraction 0.5 --activation-offload-layers 3"
     ) in command
     assert command.endswith("--bf16")
     assert "offload" not in pretrain_command(get_model("llama2-70b"), SEQ, one_node())
@@ -422,11 +472,9 @@ def test_bf16_gradients_need_bf16():
 
 
 def test_bf16_gradients_halve_the_gradient_reduction():
-    base = dict(tp=8, dp=4, recompute="full", global_batch_size=32)
-    fp32 = predict_step_time("llama2-70b", SEQ, Layout(**base), NPU, overlap_grad_reduce=False)
-    bf16 = predict_step_time(
-        "llama2-70b", SEQ, Layout(**base, grad_reduce_in_bf16=True), NPU, overlap_grad_reduce=False
-    )
+    base = dict(tp=8, dp=4, recompute="full", global_batch_size=32, overlap_grad_reduce=False)
+    fp32 = predict_step_time("llama2-70b", SEQ, Layout(**base), NPU)
+    bf16 = predict_step_time("llama2-70b", SEQ, Layout(**base, grad_reduce_in_bf16=True), NPU)
     key = "dp_grad_reduce_exposed"
     assert bf16.breakdown[key] == pytest.approx(fp32.breakdown[key] / 2)
 

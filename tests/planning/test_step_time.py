@@ -182,7 +182,7 @@ def test_short_ranks_expose_the_ring_and_long_ranks_hide_it():
 def test_overlap_options_hide_communication():
     ascend = HARDWARE_PROFILES["ascend-910b-64g"]
     lay = Layout(tp=8, pp=2, cp=16, global_batch_size=32, recompute="attention")
-    plain = predict_step_time("llama2-70b", 131072, lay, ascend, overlap_grad_reduce=False)
+    plain = predict_step_time("llama2-70b", 131072, replace(lay, overlap_grad_reduce=False), ascend)
     hidden = predict_step_time(
         "llama2-70b", 131072, lay, ascend, tp_comm_overlap=True, overlap_param_gather=True
     )
@@ -243,9 +243,9 @@ def test_calibration_nvidia_llama31_70b_bf16_64_h100():
                         micro_batch_size=1,
                         global_batch_size=128,
                         distributed_optimizer=False,
+                        overlap_grad_reduce=False,
                     ),
                     ASCEND,
-                    overlap_grad_reduce=False,
                 ).mfu_megatron
             ),
             0.08,
@@ -266,9 +266,9 @@ def test_calibration_nvidia_llama31_70b_bf16_64_h100():
                         micro_batch_size=2,
                         global_batch_size=1024,
                         distributed_optimizer=False,
+                        overlap_grad_reduce=False,
                     ),
                     ASCEND,
-                    overlap_grad_reduce=False,
                 ).tokens_per_s_per_device
             ),
             0.08,

@@ -48,6 +48,7 @@ FITS = {point: point != (131072, 4, ()) for point in GRID}
 RUNGS = {"flash attention", "recompute", "ZeRO-3", "offload"}
 FLAG_KINDS = {
     "--sequence-parallel",
+    "--overlap-grad-reduce",
     "--num-layers-per-virtual-pipeline-stage",
     "--use-megatron-fsdp",
     "--data-parallel-sharding-strategy",

@@ -72,6 +72,8 @@ RUNS = {
     "resident": DISTRIBUTED,
     "offload": OFFLOAD,
     "offload-half": [*OFFLOAD, "--optimizer-offload-fraction", "0.5"],
+    # as the planner's launch lines run it: the gradients reduced in the backward's hooks
+    "offload-overlap": [*OFFLOAD, "--overlap-grad-reduce"],
     "bf16-grads": [*DISTRIBUTED, "--grad-reduce-in-bf16"],
     "offload-bf16-grads": [*OFFLOAD, "--grad-reduce-in-bf16"],
     "offload-bf16-moments": [*OFFLOAD, *BF16_MOMENTS],
@@ -95,7 +97,8 @@ def test_offloaded_optimizer_trains_alike_with_its_state_on_the_host(tmp_path):
     for rank, runs in enumerate(per_rank):
         resident = runs["resident"]
         assert set(resident["state_bytes"]) == {"npu"}
-        for name, where in (("offload", {"cpu"}), ("offload-half", {"cpu", "npu"})):
+        placements = (("offload", {"cpu"}), ("offload-half", {"cpu", "npu"}))
+        for name, where in (*placements, ("offload-overlap", {"cpu"})):
             run = runs[name]
             assert run["steps"] == resident["steps"], (rank, name)  # bit for bit
             assert set(run["state_bytes"]) == where, (rank, name)  # really on the host
