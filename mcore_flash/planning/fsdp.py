@@ -268,6 +268,22 @@ class BackwardMoment:
         return copying
 
 
+def _gathered_with_prefetch(sizes: Sequence[int], current: int, limit: int) -> set[int]:
+    """Indices of the buckets one all-gather leaves gathered: ``current`` and the ones after it
+    in ``sizes``' order (the pass's order, forward or backward), added while the prefetched
+    ones hold fewer than ``limit`` elements (megatron's ``suggested_AG_prefetch_size``: the
+    prefetch loop of ``AllGatherPipeline.all_gather_params``, 0.16.1
+    ``param_and_grad_buffer.py:3534-3559``)."""
+    gathered = {current}
+    prefetched = 0
+    for later in range(current + 1, len(sizes)):
+        if prefetched >= limit:
+            break
+        gathered.add(later)
+        prefetched += sizes[later]
+    return gathered
+
+
 def backward_moments(
     buckets: Sequence[Bucket], strategy: str, ranks: int, unit_size: int
 ) -> list[BackwardMoment]:
@@ -326,13 +342,7 @@ def backward_moments(
     for index, bucket in enumerate(order):
         gathered = 0
         if strategy == "optim_grads_params":
-            members = {index} | non_units
-            prefetched = 0
-            for later in range(index + 1, len(order)):
-                if prefetched >= unit_size // 2:
-                    break
-                members.add(later)
-                prefetched += sizes[later]
+            members = _gathered_with_prefetch(sizes, index, unit_size // 2) | non_units
             gathered = sum(sizes[i] for i in members)
         queued = sum(queue)
         while sum(queue) > unit_size:
@@ -509,13 +519,7 @@ def prefetched_after_step(
     if strategy != "optim_grads_params" or ranks == 1:
         return 0
     sizes = [bucket.size(ranks, strategy) for bucket in buckets]
-    gathered = {0}
-    prefetched = 0
-    for index in range(1, len(sizes)):
-        if prefetched >= layer_elements:
-            break
-        gathered.add(index)
-        prefetched += sizes[index]
+    gathered = _gathered_with_prefetch(sizes, 0, layer_elements)
     if tuple(megatron_release) >= NON_UNITS_PRESERVED_SINCE:
         gathered |= {index for index, bucket in enumerate(buckets) if bucket.unit is None}
     return sum(sizes[index] for index in gathered) * param_bytes
