@@ -209,9 +209,11 @@ class PretrainRecipe:
         while self.iteration < config.train_iters:
             start = time.perf_counter()
             loss, grad_norm, lr = self.train_step()
-            if loss is not None and not math.isfinite(loss):
+            diverged, stop_reason = self._agree_after_step(loss)
+            if diverged:
+                value = "not finite on the last pipeline stage" if loss is None else loss
                 raise TrainingDiverged(
-                    f"loss is {loss} at iteration {self.iteration}: training diverged. Lower --lr (now {config.lr}) "
+                    f"loss is {value} at iteration {self.iteration}: training diverged. Lower --lr (now {config.lr}) "
                     f"or --clip-grad, or resume from the last checkpoint in {config.save}"
                 )
             first_loss = loss if first_loss is None else first_loss
@@ -219,7 +221,6 @@ class PretrainRecipe:
             last = self.iteration == config.train_iters
             if self.iteration % config.log_interval == 0 or last:
                 self.logger.log(self.iteration, loss, lr, grad_norm, time.perf_counter() - start)
-            stop_reason = self._stop_reason()
             if config.eval_interval and (self.iteration % config.eval_interval == 0 or last):
                 self.logger.log_validation(self.iteration, self.evaluate())
             if self.iteration % config.save_interval == 0 or last or stop_reason:
@@ -241,21 +242,24 @@ class PretrainRecipe:
             "optimizer_state": offload.state_placement(self.optimizer),
         }
 
-    def _stop_reason(self) -> Optional[str]:
-        """Why to stop after this iteration: "a signal" (SIGTERM on any rank), or
-        "--exit-duration-in-mins" (on any rank: as Megatron-LM, the ranks' clocks are combined
-        by a MAX all-reduce), both agreed in one collective every iteration; "--exit-interval";
-        or None."""
+    def _agree_after_step(self, loss: Optional[float]) -> tuple[bool, Optional[str]]:
+        """``(diverged, stop_reason)`` after an iteration, the same on every rank (one MAX
+        all-reduce): diverged if ``loss`` (known on the last pipeline stage only) is not
+        finite; why to stop: "a signal" (SIGTERM on any rank), "--exit-duration-in-mins" (on any
+        rank: as Megatron-LM, the ranks' clocks are combined), "--exit-interval", or None."""
         limit = self.config.exit_duration_in_mins
         out_of_time = limit is not None and (time.monotonic() - self.started) / 60 > limit
-        signalled, out_of_time = self.stop.agreed(out_of_time)
+        not_finite = loss is not None and not math.isfinite(loss)
+        diverged, signalled, out_of_time = self.stop.agreed(not_finite, out_of_time)
+        if diverged:
+            return True, None
         if signalled:
-            return "a signal"
+            return False, "a signal"
         if out_of_time:
-            return f"--exit-duration-in-mins {limit:g}"
+            return False, f"--exit-duration-in-mins {limit:g}"
         if self.config.exit_interval and self.iteration % self.config.exit_interval == 0:
-            return "--exit-interval"
-        return None
+            return False, "--exit-interval"
+        return False, None
 
     def save(self) -> None:
         """Checkpoint the current iteration under ``--save`` (collective). With
@@ -486,12 +490,15 @@ class _StopSignal:
     def _handler(self, signum, frame):
         self._flag = True
 
-    def agreed(self, out_of_time: bool) -> tuple[bool, bool]:
-        """``(SIGTERM on any rank, out_of_time on any rank)``: one MAX all-reduce (collective)."""
+    def agreed(self, diverged: bool, out_of_time: bool) -> tuple[bool, bool, bool]:
+        """``(diverged on any rank, SIGTERM on any rank, out_of_time on any rank)``: one MAX
+        all-reduce (collective)."""
         # on the device: NCCL and HCCL groups serve device tensors only
-        flags = torch.tensor([int(self._flag), int(out_of_time)], device=platform.torch_device())
+        flags = torch.tensor(
+            [int(diverged), int(self._flag), int(out_of_time)], device=platform.torch_device()
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0]), bool(flags[1]), bool(flags[2])
 
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)

@@ -211,8 +211,10 @@ def run_distributed(
                 else:
                     continue
             if not ok:
+                last_line = payload.strip().splitlines()[-1]
                 raise RuntimeError(
-                    f"run_distributed({fn.__name__}): rank {rank} failed:\n{payload}"
+                    f"run_distributed({fn.__name__}): rank {rank} failed: {last_line}\n"
+                    f"the other ranks: {_fate_of_the_others(procs, results, rank)}\n{payload}"
                 )
             out[rank] = _loads(payload)
     finally:
@@ -224,6 +226,25 @@ def run_distributed(
                 p.join(timeout=5)
         results.close()
     return [out[r] for r in range(world_size)]
+
+
+def _fate_of_the_others(procs, results, failed: int, wait_s: float = 10.0) -> str:
+    """What became of every rank but ``failed`` within ``wait_s`` seconds: its exit code (a
+    negative one is the signal that ended it), the last line of its error, or "running", so a
+    failure caused by a lost peer names how the peer was lost."""
+    fates = {}
+    deadline = time.monotonic() + wait_s
+    while len(fates) < len(procs) - 1 and time.monotonic() < deadline:
+        try:
+            rank, ok, payload = results.get(timeout=0.5)
+            fates[rank] = "returned" if ok else payload.strip().splitlines()[-1]
+        except queue_mod.Empty:
+            for r, p in enumerate(procs):
+                if r != failed and r not in fates and p.exitcode is not None:
+                    fates[r] = f"exit code {p.exitcode}"
+    return "; ".join(
+        f"rank {r}: {fates.get(r, 'running')}" for r in range(len(procs)) if r != failed
+    )
 
 
 # A Megatron-FSDP launch on the CPU has lost a rank mid-collective on a loaded 2-core machine

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -166,6 +167,17 @@ def test_nan_loss_stops_with_clear_message(tmp_path):
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 PP2_4 = [*PP2, "--num-layers", "4"]
+
+
+def test_a_loss_only_the_last_stage_sees_diverge_stops_every_stage(tmp_path, capfd):
+    """At PP 2 only the last stage has the loss; the first stage must stop with it (it used
+    to run on into the next iteration's send to a peer that had left)."""
+    diverge = ["--train-iters", "20", "--lr", "1e30", "--clip-grad", "0"]
+    argv = [*TINY, *PP2, *diverge, "--save", str(tmp_path)]
+    assert run_distributed(_w_pretrain, 2, argv, timeout=120) == [1, 1]
+    err = capfd.readouterr().err
+    assert "loss is not finite on the last pipeline stage at iteration" in err  # stage 0
+    assert re.search(r"loss is (nan|inf) at iteration", err)  # stage 1, which has it
 
 
 @pytest.mark.parametrize(
