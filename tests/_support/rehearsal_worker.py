@@ -15,12 +15,12 @@ from mcore_flash.pretrain import main
 from mcore_flash.training import loop
 
 
-def _cpu_flags_agreed(self, out_of_time: bool) -> tuple[bool, bool]:
+def _cpu_flags_agreed(self, diverged: bool, out_of_time: bool) -> tuple[bool, bool, bool]:
     flags = torch.tensor(
-        [int(self._flag), int(out_of_time)]
+        [int(diverged), int(self._flag), int(out_of_time)]
     )  # a CPU tensor: no NCCL/HCCL backend serves it
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), bool(flags[1])
+    return bool(flags[0]), bool(flags[1]), bool(flags[2])
 
 
 if __name__ == "__main__":
