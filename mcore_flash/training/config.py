@@ -331,6 +331,11 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
         raise ValueError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --train-iters {args.train_iters})"
         )
+    if not 0 <= args.min_lr <= args.lr:
+        raise ValueError(
+            f"--min-lr {args.min_lr:g} must be in [0, --lr {args.lr:g}]: the decay ends there; "
+            "lower --min-lr (0 with --lr 0)"
+        )
     if args.emulate_npu and args.dry_run:
         raise ValueError(
             "--emulate-npu and --dry-run exclude each other: the dry run builds on the meta device"

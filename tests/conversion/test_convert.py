@@ -78,6 +78,9 @@ TRAIN = [
 ]
 
 
+LR0 = ["--lr", 0, "--min-lr", 0, "--lr-warmup-iters", 0]  # Adam then moves no weight
+
+
 def finetune(world_size, load, save, *flags):
     """``pretrain --load load --finetune --use-checkpoint-args --save save`` with ``flags``:
     the trainer continues a converted checkpoint with its model flags."""
@@ -95,12 +98,7 @@ def lr0_step(world_size, load, save, *flags):
         save,
         "--train-iters",
         1,
-        "--lr",
-        0,
-        "--min-lr",
-        0,
-        "--lr-warmup-iters",
-        0,
+        *LR0,
         *TRAIN,
         *flags,
     )

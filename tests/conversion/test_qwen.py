@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 from test_convert import (
+    LR0,
+    TRAIN,
     _convert_in_process,
     _edit_config,
     _generate_ids,
@@ -97,8 +99,9 @@ def test_qwen_converts_with_transformers_loss_and_greedy_and_back_bit_exact(tmp_
 @pytest.mark.parametrize("family", ["qwen3", pytest.param("qwen2.5", marks=pytest.mark.slow)])
 def test_qwen_at_tp2_trains_generates_and_exports_bit_exact(tmp_path, family):
     """Converted for TP2, trained one lr-0 step at TP2 (the q/k norms' gradients all-reduced
-    over TP by megatron) and saved by the trainer: `generate` at TP2 from that checkpoint equals
-    transformers' greedy `generate`, and the export gives every source tensor back bit-exact."""
+    over TP by megatron: :func:`test_qwen3_norm_gradients_at_tp2_equal_tp1s`) and saved by the
+    trainer: `generate` at TP2 from that checkpoint equals transformers' greedy `generate`, and
+    the export gives every source tensor back bit-exact."""
     make, _ = FAMILIES[family]
     src = make(tmp_path / "hf")
     tp = ["--tensor-model-parallel-size", 2]
@@ -116,6 +119,63 @@ def test_qwen_at_tp2_trains_generates_and_exports_bit_exact(tmp_path, family):
     assert printed == (PROMPT, hf_greedy(src, PROMPT, 12))
     convert("mcore-to-hf", "--load", tmp_path / "run", "--save-hf", tmp_path / "out")
     _same_model(src, tmp_path / "out")
+
+
+def _w_first_step_gradients(rank, world_size, argv):
+    """The trainer's first iteration (loss) and, after megatron's ``finalize_model_grads``,
+    every norm weight's main gradient on this rank (the norms are whole on every TP rank)."""
+    from megatron.core import parallel_state
+
+    from mcore_flash.training import distributed, loop
+    from mcore_flash.training.arguments import parse_config
+
+    config = parse_config(argv)
+    distributed.init_distributed(config)
+    recipe = loop.PretrainRecipe(config)
+    try:
+        loss, _, _ = recipe.train_step()
+        grads = {
+            name: param.main_grad.detach().clone()
+            for name, param in recipe.model_chunks[0].named_parameters()
+            if "layernorm" in name
+        }
+        return loss, grads
+    finally:
+        recipe.cleanup()
+        parallel_state.destroy_model_parallel()
+
+
+def test_qwen3_norm_gradients_at_tp2_equal_tp1s(tmp_path):
+    """Qwen3's q/k norms are per head, and a TP2 rank holds half the heads: its local gradient
+    of a q/k norm weight is a partial sum (about half) until megatron's
+    ``finalize_model_grads`` all-reduces it over TP by name (``q_layernorm``/``k_layernorm``,
+    the names our spec keeps). Oracle: the TP1 run of the same weights and data (the
+    vocabulary padded alike), fp32; the loss and every norm's gradient on each TP2 rank."""
+    src = make_hf_qwen3(tmp_path / "hf")
+    runs = {1: ["--make-vocab-size-divisible-by", 256], 2: ["--tensor-model-parallel-size", 2]}
+    results = {}
+    for size, layout in runs.items():
+        convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / f"mc{size}", *layout)
+        argv = [
+            *("--load", tmp_path / f"mc{size}", "--finetune", "--use-checkpoint-args"),
+            *("--save", tmp_path / f"run{size}", "--train-iters", 1, *LR0, *TRAIN, *layout),
+        ]
+        results[size] = run_distributed(
+            _w_first_step_gradients, size, [*map(str, argv)], timeout=300
+        )
+    (want_loss, want), *_ = results[1]
+    assert any("q_layernorm" in name for name in want)
+    for rank, (loss, grads) in enumerate(results[2]):
+        assert loss == pytest.approx(want_loss, rel=1e-5), f"TP2 rank {rank}"
+        assert grads.keys() == want.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(
+                grad,
+                want[name],
+                rtol=1e-5,
+                atol=1e-7,
+                msg=lambda m, n=f"rank {rank} {name}": f"{n}: {m}",
+            )
 
 
 QWEN_EDITS = {  # (family, config.json changes the converter must refuse, what its error names)

@@ -186,6 +186,7 @@ def test_a_loss_only_the_last_stage_sees_diverge_stops_every_stage(tmp_path, cap
         (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads"),
         (["--context-parallel-size", "3"], 3, "--seq-length"),
         (["--global-batch-size", "3"], 1, "--global-batch-size"),
+        (["--lr", "0"], 1, r"--min-lr \S+ must be in \[0, --lr 0\]"),
         (["--data-path", "/nonexistent/corpus_text_document"], 1, "--data-path"),
         (["--recompute-granularity", "full"], 1, "--recompute-method"),
         (["--tensor-model-parallel-size", "2"], 3, "world size"),
