@@ -25,8 +25,11 @@ COLUMNS = (
     "failed",
     "errors",
     "skipped",
+    "retried",
     "minutes",
 )
+# the property tests/conftest.py gives a test whose launch was retried after a lost rank
+RETRIED = "retried after a lost rank"
 
 
 def job_row(path: pathlib.Path) -> dict:
@@ -52,6 +55,10 @@ def job_row(path: pathlib.Path) -> dict:
         "failed": counts["failures"],
         "errors": counts["errors"],
         "skipped": counts["skipped"],
+        "retried": sum(
+            any(p.get("name") == RETRIED for p in case.iter("property"))
+            for case in suite.iter("testcase")
+        ),
         "minutes": f"{float(suite.get('time', 0)) / 60:.1f}",
     }
 

@@ -12,8 +12,10 @@
     def test_it():
         results = run_distributed(_worker, 2, 3.0)   # [rank0 result, rank1 result]
 
-A worker's exception fails the test with that worker's traceback. Everything is bounded
-by ``timeout`` seconds (process-group init and collectives included).
+A failure raises :class:`LaunchFailed` with the traceback of the rank whose failure is its
+own (not a peer's lost connection), what became of every other rank (an exit code, the
+signal that ended it, faulthandler's stacks of a fatal signal). Everything is bounded by
+``timeout`` seconds (process-group init and collectives included).
 
 The processes fork from multiprocessing's fork server, which imports torch and megatron-core
 once per test session (:data:`PRELOAD`): a spawned process spent about 5 s importing them,
@@ -24,13 +26,19 @@ standard output and error as a spawned process did (so ``capfd`` sees what ranks
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import faulthandler
 import io
 import os
 import queue as queue_mod
+import shutil
+import signal
 import sys
+import tempfile
 import time
 import traceback
+import warnings
 from multiprocessing import reduction
 
 import torch
@@ -41,6 +49,7 @@ from mcore_flash.ports import free_port
 
 __all__ = [
     "run_distributed",
+    "LaunchFailed",
     "retried_after_a_lost_rank",
     "free_port",
     "init_megatron",
@@ -88,11 +97,25 @@ class _CallersFd:
 
 
 def _worker(
-    rank, world_size, port, timeout, fn, args, results, emulate_npu, bind_device, threads, caller
+    rank,
+    world_size,
+    port,
+    timeout,
+    fn,
+    args,
+    results,
+    emulate_npu,
+    bind_device,
+    threads,
+    caller,
+    crash_log,
 ):
     environment, stdout, stderr = caller
     os.dup2(stdout, 1)
     os.dup2(stderr, 2)
+    # a fatal signal (SIGSEGV, SIGBUS, SIGABRT, ...) writes every thread's Python stack here; the
+    # launcher reads it back when this rank exits without a result. Closed by the process's exit
+    faulthandler.enable(file=open(crash_log, "w"), all_threads=True)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(
@@ -135,6 +158,86 @@ def _worker(
             dist.destroy_process_group()
 
 
+# gloo's words when the other end of a connection went away (the peer's process ended, or it
+# destroyed its process group after failing): the error of a rank that lost a peer, not a cause
+LOST_PEER = ("Connection reset by peer", "Connection closed by peer")
+# after the first failure, how long the other ranks get to report theirs (a peer blocked in a
+# collective learns of the failure when the failed rank's connections close)
+GRACE_S = 10.0
+# how long a rank that has exited gets for a result still on its way through the queue
+LATE_RESULT_S = 2.0
+
+
+@dataclasses.dataclass
+class RankFate:
+    """What became of one rank of a launch: it ``returned``, ``raised`` (``error``: its
+    traceback), ``exited`` without a result (``exitcode``: negative is the signal that ended
+    it; ``crash_log``: the Python stacks faulthandler wrote on a fatal signal) or is still
+    ``running``."""
+
+    rank: int
+    status: str
+    error: str = ""
+    exitcode: int | None = None
+    crash_log: str = ""
+
+    @property
+    def last_line(self) -> str:
+        return self.error.strip().splitlines()[-1] if self.error.strip() else ""
+
+    @property
+    def lost_a_peer(self) -> bool:
+        """It raised gloo's error for a connection whose other end went away."""
+        return self.status == "raised" and any(sign in self.last_line for sign in LOST_PEER)
+
+    @property
+    def signal(self) -> str | None:
+        """The name of the signal that ended it (``SIGKILL``), if one did."""
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    def summary(self) -> str:
+        if self.status == "raised":
+            return self.last_line
+        if self.status == "exited":
+            ended = f"killed by {self.signal}" if self.signal else f"exit code {self.exitcode}"
+            return f"exited without a result ({ended})"
+        return self.status
+
+
+class LaunchFailed(RuntimeError):
+    """A launch in which some rank failed. ``cause`` is the rank whose failure is its own: the
+    first to raise an error other than a lost peer's (:data:`LOST_PEER`); else the first to
+    exit without a result; else the first to raise. ``fates`` holds every rank's, in rank order."""
+
+    def __init__(self, name: str, fates: list[RankFate], arrival: list[int]):
+        self.fates = fates
+        order = [fates[r] for r in arrival]
+        self.cause = next(
+            (f for f in order if f.status == "raised" and not f.lost_a_peer),
+            next((f for f in fates if f.status == "exited"), None) or order[0],
+        )
+        others = "; ".join(f"rank {f.rank}: {f.summary()}" for f in fates if f is not self.cause)
+        detail = self.cause.error or self.cause.crash_log or "(faulthandler wrote nothing)\n"
+        super().__init__(
+            f"run_distributed({name}): rank {self.cause.rank} failed: {self.cause.summary()}\n"
+            f"the other ranks: {others}\n{detail}"
+        )
+
+    @property
+    def lost_rank(self) -> RankFate | None:
+        """The rank a signal ended without a result when no rank raised an error of its own,
+        only lost-peer errors: a process lost to a crash or a kill. ``None`` for a rank that
+        chose to exit (a positive exit code: ``sys.exit``, the hang watchdog's ``os._exit``)."""
+        if self.cause.status != "exited" or self.cause.signal is None:
+            return None
+        return self.cause
+
+
 def run_distributed(
     fn,
     world_size: int,
@@ -149,8 +252,9 @@ def run_distributed(
     ``emulate_npu``: the processes import the emulated ``torch_npu`` first, bind rank r to
     ``npu:r`` (unless ``bind_device=False``) and use the HCCL-strict ``hccl`` backend.
     ``threads``: torch's intra-op threads per process (default 1: the ranks share the cores).
-    Returns the per-rank return values (rank order). Raises RuntimeError carrying the
-    failing worker's traceback, or TimeoutError after ``timeout`` seconds.
+    Returns the per-rank return values (rank order). Raises :class:`LaunchFailed` naming the
+    rank whose failure is its own and what became of the others, or TimeoutError after
+    ``timeout`` seconds.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -159,6 +263,8 @@ def run_distributed(
     caller = (dict(os.environ), _CallersFd(1), _CallersFd(2))
     results = ctx.Queue()
     port = free_port()
+    crash_dir = tempfile.mkdtemp(prefix="run_distributed-")
+    crash_logs = [os.path.join(crash_dir, f"rank{rank}.txt") for rank in range(world_size)]
     procs = [
         ctx.Process(
             target=_worker,
@@ -174,6 +280,7 @@ def run_distributed(
                 bind_device,
                 threads,
                 caller,
+                crash_logs[rank],
             ),
             daemon=False,  # workers may start processes (dist-ckpt save does)
         )
@@ -181,42 +288,23 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
-    out = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(out) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"run_distributed({fn.__name__}): ranks {sorted(set(range(world_size)) - set(out))} "
-                    f"did not finish within {timeout} s"
-                )
-            try:
-                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
-            except queue_mod.Empty:
-                dead = [
-                    (r, p.exitcode)
-                    for r, p in enumerate(procs)
-                    if r not in out and p.exitcode is not None
-                ]
-                if dead:
-                    # give a late queue message a chance before declaring the rank dead
-                    try:
-                        rank, ok, payload = results.get(timeout=2.0)
-                    except queue_mod.Empty:
-                        raise RuntimeError(
-                            f"run_distributed({fn.__name__}): rank(s) exited without a result "
-                            f"(rank, exitcode): {dead}"
-                        ) from None
-                else:
-                    continue
-            if not ok:
-                last_line = payload.strip().splitlines()[-1]
-                raise RuntimeError(
-                    f"run_distributed({fn.__name__}): rank {rank} failed: {last_line}\n"
-                    f"the other ranks: {_fate_of_the_others(procs, results, rank)}\n{payload}"
-                )
-            out[rank] = _loads(payload)
+        fates, payloads, arrival = _collect(procs, results, time.monotonic() + timeout)
+        if len(payloads) == world_size:
+            return [_loads(payloads[r]) for r in range(world_size)]
+        if not arrival:
+            missing = sorted(set(range(world_size)) - set(payloads))
+            raise TimeoutError(
+                f"run_distributed({fn.__name__}): ranks {missing} did not finish within {timeout} s"
+            )
+        every = []
+        for rank in range(world_size):
+            fate = fates.get(rank, RankFate(rank, "running"))
+            if fate.status == "exited" and os.path.exists(crash_logs[rank]):
+                with open(crash_logs[rank]) as log:
+                    fate.crash_log = log.read()
+            every.append(fate)
+        raise LaunchFailed(fn.__name__, every, arrival)
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -225,45 +313,64 @@ def run_distributed(
                 p.kill()
                 p.join(timeout=5)
         results.close()
-    return [out[r] for r in range(world_size)]
+        shutil.rmtree(crash_dir, ignore_errors=True)
 
 
-def _fate_of_the_others(procs, results, failed: int, wait_s: float = 10.0) -> str:
-    """What became of every rank but ``failed`` within ``wait_s`` seconds: its exit code (a
-    negative one is the signal that ended it), the last line of its error, or "running", so a
-    failure caused by a lost peer names how the peer was lost."""
-    fates = {}
-    deadline = time.monotonic() + wait_s
-    while len(fates) < len(procs) - 1 and time.monotonic() < deadline:
+def _collect(procs, results, deadline: float):
+    """Read the ranks' reports until every rank returned, ``deadline`` passed, or
+    :data:`GRACE_S` after the first failure. Returns ``(fates, payloads, arrival)``: the
+    failed ranks' :class:`RankFate`, the returned ranks' pickled results, and the failed
+    ranks in the order their failures were seen."""
+    fates: dict[int, RankFate] = {}
+    payloads: dict[int, bytes] = {}
+    arrival: list[int] = []
+    exit_seen: dict[int, float] = {}
+    while len(fates) + len(payloads) < len(procs) and time.monotonic() < deadline:
         try:
-            rank, ok, payload = results.get(timeout=0.5)
-            fates[rank] = "returned" if ok else payload.strip().splitlines()[-1]
+            rank, ok, payload = results.get(timeout=max(0.0, min(deadline - time.monotonic(), 0.5)))
         except queue_mod.Empty:
+            now = time.monotonic()
             for r, p in enumerate(procs):
-                if r != failed and r not in fates and p.exitcode is not None:
-                    fates[r] = f"exit code {p.exitcode}"
-    return "; ".join(
-        f"rank {r}: {fates.get(r, 'running')}" for r in range(len(procs)) if r != failed
-    )
+                if r in fates or r in payloads or p.exitcode is None:
+                    continue
+                if now - exit_seen.setdefault(r, now) >= LATE_RESULT_S:
+                    fates[r] = RankFate(r, "exited", exitcode=p.exitcode)
+                    arrival.append(r)
+            if arrival:
+                deadline = min(deadline, now + GRACE_S)
+            continue
+        if ok:
+            payloads[rank] = payload
+        else:
+            fates[rank] = RankFate(rank, "raised", error=payload)
+            arrival.append(rank)
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+    return fates, payloads, arrival
 
 
-# A Megatron-FSDP launch on the CPU has lost a rank mid-collective on a loaded 2-core machine
-# (its gloo peers then report the connection reset or closed by that peer: stop 36 on py312,
-# stop 41 at four ranks, stop 42 in test_fsdp_checkpoint.py), never when rerun alone. The tests
-# of those launches retry such a launch once, for that signature only; the retried launch
-# must still pass every assertion.
-LOST_RANK = ("Connection reset by peer", "Connection closed by peer", "exited without a result")
+class LostRankRetry(UserWarning):
+    """A launch was retried after it lost a rank (:attr:`LaunchFailed.lost_rank`)."""
+
+
+# the retries of the running test, for tests/conftest.py to record in the JUnit report
+RETRIES: list[str] = []
 
 
 def retried_after_a_lost_rank(launch, root: str):
-    """``(launch(root), root)``, or after a lost rank (:data:`LOST_RANK`) ``(launch(retry),
-    retry)`` with ``retry = root/retry``: fresh directories for what the launch writes."""
+    """``(launch(root), root)``, or, when that launch lost a rank (:attr:`LaunchFailed.lost_rank`:
+    a signal ended a process without a result while every other failing
+    rank only reports the lost connection), ``(launch(retry), retry)`` with ``retry =
+    root/retry``: fresh directories for what the launch writes. The retry emits a
+    :class:`LostRankRetry` warning and is recorded in the JUnit report; the retried launch
+    must pass as the first had to. Any other failure fails at once."""
     try:
         return launch(root), root
-    except RuntimeError as error:
-        if not any(sign in str(error) for sign in LOST_RANK):
+    except LaunchFailed as error:
+        if error.lost_rank is None:
             raise
-        print(f"a rank was lost, retrying the launch once:\n{str(error)[-1500:]}")
+        notice = f"a rank was lost, the launch is retried once:\n{str(error)[:3000]}"
+        RETRIES.append(notice)
+        warnings.warn(notice, LostRankRetry, stacklevel=2)
         retry = os.path.join(root, "retry")
         return launch(retry), retry
 

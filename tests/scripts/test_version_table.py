@@ -1,7 +1,8 @@
 """scripts/version_table.py: the megatron-core version table from pytest's JUnit XML.
 
 A real ``pytest --junitxml`` run (with this suite's conftest, which records the versions)
-on a file of 2 passing, 1 failing and 1 skipped test is turned into the table.
+on a file of 3 passing (one of them retried after a lost rank), 1 failing and 1 skipped test
+is turned into the table.
 """
 
 from __future__ import annotations
@@ -17,14 +18,28 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "version_table.py"
 
-SAMPLE = """
+SAMPLE = f"""
+import sys
+
 import pytest
+
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from _support.dist_utils import LaunchFailed, RankFate, retried_after_a_lost_rank
 
 def test_a(): pass
 def test_b(): pass
 def test_c(): assert False
 @pytest.mark.skip(reason="sample")
 def test_d(): pass
+
+def test_e(tmp_path):  # a launch that lost rank 1 to SIGKILL, then passed
+    def launch(root):
+        if root.endswith("retry"):
+            return "passed"
+        peer = RankFate(0, "raised", error="RuntimeError: [pair.cc:534] Connection closed by peer")
+        raise LaunchFailed("w", [peer, RankFate(1, "exited", exitcode=-9)], [1])
+
+    assert retried_after_a_lost_rank(launch, str(tmp_path))[0] == "passed"
 """
 
 
@@ -76,11 +91,12 @@ def test_table_row_has_versions_and_counts(junit):
         "Python": python,
         "megatron-core": version("megatron-core"),
         "torch": version("torch"),
-        "tests": "4",
-        "passed": "2",
+        "tests": "5",
+        "passed": "3",
         "failed": "1",
         "errors": "0",
         "skipped": "1",
+        "retried": "1",
         "minutes": cells["minutes"],
     }
 

@@ -32,7 +32,7 @@ ATTENTION = RECOMPUTE_FLAGS["attention"]
 
 def _fsdp_runs(world_size: int, runs: list, save_root: str, measure, **kwargs):
     """``run_distributed(w_recipe_runs, ...)``, retried once (into fresh ``--save``
-    directories) after a lost rank (``dist_utils.LOST_RANK``)."""
+    directories) after a lost rank (``dist_utils.LaunchFailed.lost_rank``)."""
 
     def launch(root):
         return run_distributed(w_recipe_runs, world_size, runs, root, measure, **kwargs)
