@@ -1,10 +1,13 @@
-"""Hang detection: a rank whose iteration or save overruns the timeout dumps its stacks and exits.
+"""Hang detection: a rank that makes no progress for the timeout dumps its stacks and exits.
 
 One daemon thread per rank. The loop arms it at the start of every iteration
 (:meth:`Watchdog.begin_iteration`) and of every save (:meth:`Watchdog.begin_save`); hooks
-(:meth:`Watchdog.install`) name the phase the rank is in: forward, backward, gradient
-reduction, optimizer, after the update (the loss and stop-signal all-reduces, logging), save.
-When the armed work has run for ``--distributed-timeout-minutes``, the thread
+(:meth:`Watchdog.install`) mark each step of progress inside the armed work and name it: each
+micro-batch's forward and backward, the gradient reduction, the optimizer, what follows the
+update (the loss and stop-signal all-reduces, logging). Each mark moves the deadline, so an
+iteration of any number of micro-batches is never killed for its length; the limit bounds the
+longest single phase. When the rank has made no progress for ``--distributed-timeout-minutes``,
+the thread
 
 1. writes every thread's Python stack to stderr (``faulthandler.dump_traceback``),
 2. writes one line naming the rank (global rank and its TP/PP/CP/DP coordinates), the
@@ -15,8 +18,8 @@ When the armed work has run for ``--distributed-timeout-minutes``, the thread
    with ``--load``.
 
 The same limit bounds every collective (:func:`.distributed.init_distributed`): a collective
-starts after the iteration (or save) that contains it, so this watchdog fires first, and it
-fires on the stuck rank too, which has no collective in flight to time out. It needs the
+starts after the phase that contains it, so this watchdog fires first, and it fires on the
+stuck rank too, which has no collective in flight to time out. It needs the
 stuck call to release the GIL, as collectives, device synchronizations and sleeps do.
 """
 
@@ -33,7 +36,7 @@ EXIT_CODE = 3  # the process's exit code when the watchdog fires (torchrun repor
 
 
 class Watchdog:
-    """Ends this process when the work armed last runs past ``timeout_s`` seconds.
+    """Ends this process when the work armed last makes no progress for ``timeout_s`` seconds.
 
     ``rank``: how the message names this rank, e.g. ``"rank 1 (TP 0, PP 0, CP 0, DP 1)"``;
     ``save``: the ``--save`` directory, named in the message as where to resume from.
@@ -67,13 +70,17 @@ class Watchdog:
         self._arm(f"the save of iteration {iteration}", "save")
 
     def phase(self, name: str) -> None:
-        """The rank enters phase ``name`` of the armed work (the deadline does not move)."""
-        self._phase = name
+        """The armed work made progress and enters phase ``name``: the deadline moves to
+        ``timeout_s`` from now (a disarmed watchdog stays disarmed)."""
+        with self._wake:
+            self._phase = name
+            if self._deadline is not None:
+                self._deadline = time.monotonic() + self.timeout_s
 
     def install(self, model_chunks: list, model_config, optimizer) -> None:
-        """Mark the phases from hooks: a forward pre-hook on the GPTModel inside each of
-        ``model_chunks`` (megatron's DDP or FSDP wrappers) marks "forward", a hook on its
-        output's gradient "backward"; ``model_config.finalize_model_grads_func`` (the gradient
+        """Mark progress from hooks: a forward pre-hook on the GPTModel inside each of
+        ``model_chunks`` (megatron's DDP or FSDP wrappers) marks each micro-batch's "forward", a
+        hook on its output's gradient its "backward"; ``model_config.finalize_model_grads_func`` (the gradient
         reduce-scatter/all-reduce that megatron's schedule calls) and ``optimizer.step`` are
         wrapped to mark "gradient reduction", "optimizer" and what follows the update."""
         self._hooks = []
@@ -142,11 +149,11 @@ class Watchdog:
                 pass  # closed or replaced: nothing of ours to flush
         faulthandler.dump_traceback(file=2, all_threads=True)
         line = (
-            f"mcore-flash pretrain: watchdog: {self._rank} is stuck: {self._work} did not finish "
-            f"within {self.timeout_s:g} s (--distributed-timeout-minutes), in phase {self._phase}; "
+            f"mcore-flash pretrain: watchdog: {self._rank} is stuck: {self._work} made no progress "
+            f"for {self.timeout_s:g} s (--distributed-timeout-minutes), in phase {self._phase}; "
             f"the stacks of its threads are above. Exiting with code {EXIT_CODE}: restart the job "
             f"with --load {self._save} to resume from the last complete checkpoint in --save "
-            f"{self._save} (raise --distributed-timeout-minutes if this work is only slow)\n"
+            f"{self._save} (raise --distributed-timeout-minutes if one phase is only slow)\n"
         )
         os.write(2, line.encode())
         os._exit(EXIT_CODE)
