@@ -273,10 +273,12 @@ def _collective(func, args, kwargs):
     """A c10d op on npu tensors: redispatch to the PrivateUse1 kernel with the CPU buffers,
     so the process group's npu backend (gloo underneath) runs it in place. npu tensors only
     ever reach the ``hccl`` backend, so every collective on it passes here: a reduction
-    first has its ``ReduceOp`` checked as HCCL does (:func:`.hccl.check_reduce_op`)."""
+    first has its ``ReduceOp`` checked as HCCL does (:func:`.hccl.check_reduce_op`), and
+    the communicator it runs on is recorded (:func:`.hccl.record_use`)."""
     info = _OpInfo.of(func)
     if info.reduce_op is not None:
         hccl.check_reduce_op(info.arg(args, kwargs, info.reduce_op))
+    hccl.record_use(func, args, kwargs)
     wrapper_of = {}
 
     def unwrap(value):
