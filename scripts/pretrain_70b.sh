@@ -11,8 +11,9 @@
 #                                              # TP2 x CP2 x DP2 on 8 emulated NPUs
 #
 # Layout and recompute: the planner's best fitting layout, asked at launch (below) with
-#   mcore-flash plan --search --hardware ascend-910b-64g --num-devices $WORLD_SIZE --device-memory 64GB
-# Why the planner: it keeps only layouts whose predicted memory fits 64 GB with >= 5% free and
+#   mcore-flash plan --search --hardware ascend-910b-64g --num-devices $WORLD_SIZE --hccl-buffsize $HCCL_BUFFSIZE
+# Why the planner: it keeps only layouts whose predicted memory, HCCL's buffers included, leaves
+# >= 5% of what torch_npu can allocate of a 910B (60.97 GiB) free, and
 # ranks them by the step-time model (docs/step-time.md: compute with recompute, exposed TP /
 # CP-ring / PP / DP communication, the pipeline bubble), which reproduces published 70B
 # figures within 8%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (52.6 GiB,
@@ -67,16 +68,19 @@ SEQ_LENGTH=131072
 GLOBAL_BATCH=${GLOBAL_BATCH:-32}
 PYTHON=${PYTHON:-python}
 # the planner's best fitting layout for this world size (pure Python, well under a second):
-# TP PP CP, the sharding strategy, its rung, then the recompute flags, "::", and the host-offload
-# flags (optimizer, activations, bf16 gradients)
-read -r PLAN_TP PLAN_PP PLAN_CP PLAN_SHARDING PLAN_RUNG PLAN_REST < <(
+# TP PP CP, the sharding strategy, its rung, its limits (--distributed-timeout-minutes,
+# HCCL_EXEC_TIMEOUT), then the recompute flags, "::", and the host-offload flags (optimizer,
+# activations, bf16 gradients). The plan counts HCCL's buffers at the HCCL_BUFFSIZE exported below.
+HCCL_BUFFSIZE=${HCCL_BUFFSIZE:-200}
+read -r PLAN_TP PLAN_PP PLAN_CP PLAN_SHARDING PLAN_RUNG PLAN_TIMEOUT PLAN_HCCL_EXEC_TIMEOUT PLAN_REST < <(
   "$PYTHON" -m mcore_flash.planning.cli --search --model llama2-70b --seq-length "$SEQ_LENGTH" \
-    --num-devices "$WORLD_SIZE" --global-batch-size "$GLOBAL_BATCH" --device-memory 64GB \
+    --num-devices "$WORLD_SIZE" --global-batch-size "$GLOBAL_BATCH" --hccl-buffsize "$HCCL_BUFFSIZE" \
     --hardware ascend-910b-64g ${HOST_MEMORY:+--host-memory "$HOST_MEMORY"} --top 1 --json |
   "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]
-offload = best["offload_flags"] + best["gradient_flags"]
-print(lay["tp"], lay["pp"], lay["cp"], lay["fsdp"] or "none", best["rung"].replace(" ", "-"), *best["recompute_flags"], "::", *offload)'
-) || { echo "mcore-flash plan --search found no layout of $WORLD_SIZE NPUs that fits 64 GB" >&2; exit 2; }
+offload, limits = best["offload_flags"] + best["gradient_flags"], best["timeouts"]
+print(lay["tp"], lay["pp"], lay["cp"], lay["fsdp"] or "none", best["rung"].replace(" ", "-"),
+      limits["distributed_timeout_minutes"], limits["hccl_exec_timeout_s"], *best["recompute_flags"], "::", *offload)'
+) || { echo "mcore-flash plan --search found no layout of $WORLD_SIZE NPUs that fits their capacity with 5% free" >&2; exit 2; }
 PLAN_RECOMPUTE_ARGS=${PLAN_REST%%::*}
 read -r -a PLAN_OFFLOAD_ARGS <<< "${PLAN_REST#*::}"
 echo "planner: $WORLD_SIZE NPUs -> TP$PLAN_TP x PP$PLAN_PP x CP$PLAN_CP, rung $PLAN_RUNG" >&2
@@ -92,12 +96,14 @@ TOKENIZER_MODEL=${TOKENIZER_MODEL:-${HF_CHECKPOINT:-/models/llama-2-70b}/tokeniz
 ROPE=${ROPE:-abf}
 DOCUMENT_MASKING=${DOCUMENT_MASKING:-1}
 
-# Ascend runtime: expandable segments against fragmentation at 128K; HCCL timeouts and
-# buffers sized for ring context parallelism's large point-to-point K/V blocks.
+# Ascend runtime: expandable segments against fragmentation at 128K; HCCL's buffers as planned
+# (each communicator holds 2 x HCCL_BUFFSIZE MB outside the allocator: HCCL's default 200, not
+# more, as the plan's one-node layouts need the memory) and its wait in a collective above the
+# predicted longest phase and below the watchdog's limit (docs/fault-tolerance.md).
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 export HCCL_CONNECT_TIMEOUT=1800
-export HCCL_EXEC_TIMEOUT=1800
-export HCCL_BUFFSIZE=512
+export HCCL_EXEC_TIMEOUT=$PLAN_HCCL_EXEC_TIMEOUT
+export HCCL_BUFFSIZE
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export TASK_QUEUE_ENABLE=2
 export CPU_AFFINITY_CONF=1
@@ -160,6 +166,7 @@ ARGS=(
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
   --data-path "$DATA_PATH" --split 100,0,0
   --save "$SAVE" --save-interval 100 --log-interval 1
+  --distributed-timeout-minutes "$PLAN_TIMEOUT"
 )
 
 # Where training starts: $SAVE once it holds a checkpoint (resume), else the converted

@@ -50,6 +50,7 @@ from .report import (
     format_plan,
     format_sensitivity,
     format_step_time,
+    launch_line,
 )
 from .search import (
     SEARCH_RECOMPUTE_MODES,
@@ -60,7 +61,7 @@ from .search import (
     sensitivity,
 )
 from .step_time import predict_step_time
-from .units import format_bytes, parse_bytes
+from .units import MiB, format_bytes, parse_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -122,7 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--global-batch-size", type=int, help="sequences per step (default: about 4M tokens)"
     )
-    p.add_argument("--device-memory", help="memory per device, e.g. 64GB (binary: 64 GiB)")
+    p.add_argument(
+        "--device-memory",
+        help="device memory a process can allocate, e.g. 60.97GiB (binary; default the hardware profile's "
+        "capacity as torch/torch_npu report it, not the datasheet's HBM)",
+    )
+    p.add_argument(
+        "--min-free-memory",
+        default="5%",
+        help="device memory a fitting plan leaves free: a size (3GiB) or a share of --device-memory (default 5%%: "
+        "the plan's transient buffers and fragmentation are estimates)",
+    )
+    p.add_argument(
+        "--hccl-buffsize",
+        type=int,
+        metavar="MB",
+        help="HCCL_BUFFSIZE the run exports (MB): each HCCL communicator holds 2 x this outside the allocator "
+        "(default HCCL's 200; Ascend profiles only)",
+    )
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     p.add_argument(
@@ -318,19 +336,66 @@ class Inputs(NamedTuple):
     """What ``plan``'s name and size flags say, resolved once at the edge."""
 
     model: ModelShape  # --model
-    hardware: HardwareProfile  # --hardware
-    device_memory: Optional[int]  # --device-memory, bytes (None: not given)
+    hardware: HardwareProfile  # --hardware, with --hccl-buffsize's communicator buffers
+    device_memory: int  # --device-memory, bytes (default the profile's capacity)
+    min_free_memory: int  # --min-free-memory, bytes
     dtype_bytes: int  # --dtype: bytes per parameter and activation element
 
 
 def resolve(args) -> Inputs:
     """The typed inputs of parsed ``args`` (ValueError naming the flag for a bad one)."""
+    hardware = _with_hccl_buffsize(load_hardware(args.hardware), args.hccl_buffsize)
+    if args.device_memory is None:
+        device_memory = hardware.capacity
+    else:
+        device_memory = parse_bytes(args.device_memory)
+        if not 0 < device_memory <= hardware.hbm_bytes:
+            raise ValueError(
+                f"--device-memory {args.device_memory}: must be positive and at most the HBM of --hardware "
+                f"{hardware.name} ({format_bytes(hardware.hbm_bytes)}); what a process can allocate is less: "
+                f"leave the flag out for the profile's capacity ({format_bytes(hardware.capacity)})"
+            )
     return Inputs(
         model=get_model(args.model),
-        hardware=load_hardware(args.hardware),
-        device_memory=None if args.device_memory is None else parse_bytes(args.device_memory),
+        hardware=hardware,
+        device_memory=device_memory,
+        min_free_memory=_min_free_memory(args.min_free_memory, device_memory),
         dtype_bytes=DTYPE_BYTES[args.dtype],
     )
+
+
+def _min_free_memory(value: str, device_memory: int) -> int:
+    """``--min-free-memory``: a size, or a share of ``device_memory`` ("5%"), in bytes."""
+    text = value.strip()
+    try:
+        free = (
+            int(float(text[:-1]) / 100 * device_memory) if text.endswith("%") else parse_bytes(text)
+        )
+    except ValueError:
+        free = -1
+    if not 0 <= free < device_memory:
+        raise ValueError(
+            f"--min-free-memory {value}: give a size (3GiB) or a share (5%) of the device memory "
+            f"({format_bytes(device_memory)}), at least 0 and less than all of it"
+        )
+    return free
+
+
+def _with_hccl_buffsize(hardware: HardwareProfile, megabytes: Optional[int]) -> HardwareProfile:
+    """``hardware`` whose communicators hold 2 x ``--hccl-buffsize`` MB (unchanged for None)."""
+    if megabytes is None:
+        return hardware
+    if hardware.collective_library != "hccl":
+        raise ValueError(
+            f"--hccl-buffsize: --hardware {hardware.name} does not use HCCL; its collective library's "
+            "buffers are the profile's communicator_buffer_bytes"
+        )
+    if not 0 < 2 * megabytes * MiB < hardware.capacity:
+        raise ValueError(
+            f"--hccl-buffsize {megabytes}: HCCL_BUFFSIZE is a positive number of MB whose double fits the "
+            f"device ({format_bytes(hardware.capacity)}); HCCL's default is 200"
+        )
+    return hardware.with_(communicator_buffer_bytes=2 * megabytes * MiB)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -346,8 +411,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.compare_standard:
             return _compare(args, inputs.model, inputs.dtype_bytes)
         if args.search:
-            if args.num_devices is None or inputs.device_memory is None:
-                parser.error("--search needs --num-devices and --device-memory")
+            if args.num_devices is None:
+                parser.error("--search needs --num-devices")
             return _search(args, inputs)
         return _plan(args, inputs)
     except ValueError as error:
@@ -355,11 +420,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
 
 
-def _plan_kwargs(args, dtype_bytes: int) -> dict:
+def _plan_kwargs(args, inputs: Inputs) -> dict:
     return dict(
+        min_free_memory=inputs.min_free_memory,
         host_memory=None if args.host_memory is None else parse_bytes(args.host_memory),
         profile=args.profile,
-        dtype_bytes=dtype_bytes,
+        dtype_bytes=inputs.dtype_bytes,
         runtime_reserve=parse_bytes(args.runtime_reserve),
         fragmentation=args.fragmentation,
         mean_document_length=args.mean_document_length,
@@ -374,7 +440,7 @@ def _step_options(args) -> dict:
 
 
 def _plan(args, inputs: Inputs) -> int:
-    model, hardware, device_memory, dtype_bytes = inputs
+    model, hardware, device_memory, _, dtype_bytes = inputs
     dp = _dp(args)
     gbs = args.global_batch_size or default_global_batch_size(
         args.seq_length, args.micro_batch_size, dp
@@ -407,7 +473,7 @@ def _plan(args, inputs: Inputs) -> int:
         layout,
         device_memory=device_memory,
         hardware=hardware,
-        **_plan_kwargs(args, dtype_bytes),
+        **_plan_kwargs(args, inputs),
     )
     step = predict_step_time(
         model,
@@ -420,15 +486,16 @@ def _plan(args, inputs: Inputs) -> int:
         **_step_options(args),
     )
     rows = (
-        sensitivity(Candidate(plan, step), plan_kwargs=_plan_kwargs(args, dtype_bytes))
+        sensitivity(Candidate(plan, step), plan_kwargs=_plan_kwargs(args, inputs))
         if args.sensitivity
         else None
     )
+    candidate = Candidate(plan, step)
     if args.json:
         extra = {} if rows is None else {"sensitivity": rows}
-        print(json.dumps({**plan.to_dict(), "step_time": step.to_dict(), **extra}, indent=2))
+        print(json.dumps({**candidate.to_dict(), **extra}, indent=2))
     else:
-        text = format_plan(plan) + "\n\n" + format_step_time(step)
+        text = format_plan(plan, launch_line(candidate)) + "\n\n" + format_step_time(step)
         print(text + ("" if rows is None else "\n\n" + format_sensitivity(rows)))
     return 0 if plan.fits is not False else 1
 
@@ -457,17 +524,17 @@ def search_candidates(args, inputs: Inputs) -> list[Candidate]:
         host_moment_dtype=_host_moment_dtype(args),
         hardware=inputs.hardware,
         step_options=_step_options(args),
-        **_plan_kwargs(args, inputs.dtype_bytes),
+        **_plan_kwargs(args, inputs),
     )
 
 
 def _search(args, inputs: Inputs) -> int:
-    model, hardware, device_memory, dtype_bytes = inputs
+    model, hardware, device_memory, _, dtype_bytes = inputs
     found = search_candidates(args, inputs)
     shown = found[: args.top]
     rows = (
         sensitivity(
-            shown[0], plan_kwargs=_plan_kwargs(args, dtype_bytes), step_options=_step_options(args)
+            shown[0], plan_kwargs=_plan_kwargs(args, inputs), step_options=_step_options(args)
         )
         if args.sensitivity and shown
         else None
@@ -486,7 +553,7 @@ def _search(args, inputs: Inputs) -> int:
                 max_tp=args.max_tp,
                 sequence_parallel=args.sequence_parallel,
             ),
-            **_plan_kwargs(args, dtype_bytes),
+            **_plan_kwargs(args, inputs),
         )
     if args.json:
         out = {

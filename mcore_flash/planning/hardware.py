@@ -40,7 +40,12 @@ class HardwareProfile:
 
     ``peak_bf16_tflops``: dense BF16 matrix peak (TFLOP/s). ``achievable_fraction``: the
     fraction of that peak the model's FLOPs run at (GEMMs and the fused attention kernel
-    alike). ``hbm_bytes``: device memory (bytes). ``intra_node_bandwidth`` and
+    alike). ``hbm_bytes``: device memory as the datasheet gives it (bytes);
+    ``capacity_bytes``: what the framework can allocate of it (torch's or torch_npu's "total
+    capacity", bytes; default ``hbm_bytes``), the plan's default device memory;
+    ``communicator_buffer_bytes``: device bytes each communicator of the collective library
+    holds outside the framework's allocator (HCCL: 2 x HCCL_BUFFSIZE; default 0);
+    ``collective_library``: ``"hccl"`` or ``"nccl"`` (``""``: not said). ``intra_node_bandwidth`` and
     ``inter_node_bandwidth``: bytes/s one device sends in one direction inside a node and
     to another node. ``devices_per_node``: devices sharing the intra-node links.
     ``sources``: field name -> where the number comes from (or that it is an assumption).
@@ -66,6 +71,9 @@ class HardwareProfile:
     host_optimizer_elements_per_s: Optional[float] = None
     host_runtime_bytes_per_rank: Optional[int] = None
     host_reserved_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+    communicator_buffer_bytes: int = 0
+    collective_library: str = ""
     description: str = ""
     sources: dict = field(default_factory=dict)
 
@@ -88,11 +96,31 @@ class HardwareProfile:
                     f"--hardware {self.name}: {name} must be {'>= 0' if name in _MAY_BE_ZERO else 'positive'} "
                     f"(got {value})"
                 )
+        if self.capacity_bytes is not None and not 0 < self.capacity_bytes <= self.hbm_bytes:
+            raise ValueError(
+                f"--hardware {self.name}: capacity_bytes must be positive and at most hbm_bytes "
+                f"{self.hbm_bytes} (got {self.capacity_bytes})"
+            )
+        if self.collective_library not in ("", "hccl", "nccl"):
+            raise ValueError(
+                f"--hardware {self.name}: collective_library is hccl, nccl or empty "
+                f"(got {self.collective_library!r})"
+            )
+        if not self.communicator_buffer_bytes >= 0:
+            raise ValueError(
+                f"--hardware {self.name}: communicator_buffer_bytes must be >= 0 "
+                f"(got {self.communicator_buffer_bytes})"
+            )
         if not 0 < self.achievable_fraction <= 1:
             raise ValueError(
                 f"--hardware {self.name}: achievable_fraction is a fraction of the peak in (0, 1] "
                 f"(got {self.achievable_fraction})"
             )
+
+    @property
+    def capacity(self) -> int:
+        """Device bytes the framework can allocate: ``capacity_bytes``, else ``hbm_bytes``."""
+        return self.hbm_bytes if self.capacity_bytes is None else self.capacity_bytes
 
     @property
     def achievable_flops(self) -> float:
@@ -127,10 +155,15 @@ class HardwareProfile:
         return asdict(self)
 
 
+OPTIONAL_FIELDS = HOST_FIELDS + (
+    "capacity_bytes",
+    "communicator_buffer_bytes",
+    "collective_library",
+)
 REQUIRED_FIELDS = tuple(
     f.name
     for f in fields(HardwareProfile)
-    if f.name not in ("name", "description", "sources") + HOST_FIELDS
+    if f.name not in ("name", "description", "sources") + OPTIONAL_FIELDS
 )
 
 
@@ -147,7 +180,7 @@ def _profile(name: str, data: dict, origin: str) -> HardwareProfile:
         problems += [f"unknown {', '.join(unknown)}"] if unknown else []
         raise ValueError(
             f"--hardware {origin}: {'; '.join(problems)}; a profile has the fields {', '.join(REQUIRED_FIELDS)} "
-            f"(and optionally {', '.join(HOST_FIELDS)}, name, description, sources)"
+            f"(and optionally {', '.join(OPTIONAL_FIELDS)}, name, description, sources)"
         )
     return HardwareProfile(**{"name": name, **data})
 

@@ -338,12 +338,14 @@ def pretrain_command(
     *,
     dtype_bytes: int = 2,
     mean_document_length: Optional[float] = None,
+    distributed_timeout_minutes: Optional[int] = None,
     program: str = "mcore-flash pretrain",
 ) -> str:
     """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) that trains ``model``
     at ``seq_length`` tokens under ``layout``: bf16 when ``dtype_bytes`` is 2 (else fp32),
-    with document masking when ``mean_document_length`` (tokens) is given. bf16 main
-    gradients (``layout.grad_reduce_in_bf16``) need ``--bf16``: ValueError otherwise."""
+    with document masking when ``mean_document_length`` (tokens) is given, and
+    ``--distributed-timeout-minutes`` when given. bf16 main gradients
+    (``layout.grad_reduce_in_bf16``) need ``--bf16``: ValueError otherwise."""
     if layout.grad_reduce_in_bf16 and dtype_bytes != 2:
         raise ValueError("--grad-reduce-in-bf16 needs --bf16 (bf16 parameters and activations)")
     args = [
@@ -383,4 +385,6 @@ def pretrain_command(
     args += recompute_flags(layout)
     if dtype_bytes == 2:
         args.append("--bf16")  # fp32 is the trainer's default (Megatron-LM has no --fp32)
+    if distributed_timeout_minutes is not None:
+        args += ["--distributed-timeout-minutes", str(distributed_timeout_minutes)]
     return " ".join([program] + [shlex.quote(a) for a in args])

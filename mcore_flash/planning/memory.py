@@ -73,6 +73,7 @@ from fractions import Fraction
 from typing import Optional
 
 from . import activations as act
+from .communicators import P2P_HCCL_BUFFSIZE_BYTES, stage_communicators
 from .flops import pipeline_bubble, recompute_overhead
 from .fsdp import FSDP_CATEGORIES, fsdp_bytes, stage_groups
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
@@ -117,6 +118,11 @@ __all__ = [
     "exact_ddp_state",
 ]
 
+# the share of the device memory a fitting plan leaves free by default (--min-free-memory):
+# its transient buffers, fragmentation and runtime reserve are estimates, and an allocator
+# near its capacity fails on the first fragmented request; 5% is 3.05 GiB of a 910B's 60.97
+MIN_FREE_SHARE = 0.05
+
 CATEGORIES = (
     "weights",
     "gradients",
@@ -128,6 +134,7 @@ CATEGORIES = (
     "recompute_workspace",
     "communication_buffers",
     "runtime_reserve",
+    "collective_library_buffers",
     "allocator_fragmentation",
 )
 ESTIMATED_CATEGORIES = (
@@ -375,6 +382,9 @@ class MemoryPlan:
     )
     notes: list[str] = field(default_factory=list)
     host: Optional[HostPlan] = None  # None: the hardware profile gives no host figures
+    min_free_memory: int = (
+        0  # bytes of device_memory a fitting plan leaves free (--min-free-memory)
+    )
 
     @property
     def worst_stage(self) -> StagePlan:
@@ -400,7 +410,11 @@ class MemoryPlan:
 
     @property
     def device_fits(self) -> Optional[bool]:
-        return None if self.device_memory is None else self.total <= self.device_memory
+        """The worst stage leaves at least ``min_free_memory`` of ``device_memory`` free
+        (None without a device memory)."""
+        if self.device_memory is None:
+            return None
+        return self.total + self.min_free_memory <= self.device_memory
 
     @property
     def fits(self) -> Optional[bool]:
@@ -412,6 +426,7 @@ class MemoryPlan:
 
     @property
     def headroom(self) -> Optional[int]:
+        """Device bytes the worst stage leaves free (negative: over)."""
         return None if self.device_memory is None else self.device_memory - self.total
 
     @property
@@ -441,6 +456,7 @@ class MemoryPlan:
             "device_memory_bytes": self.device_memory,
             "fits": self.fits,
             "headroom_bytes": self.headroom,
+            "min_free_memory_bytes": self.min_free_memory,
             "worst_stage": self.worst_stage.stage,
             "stages": [
                 {
@@ -480,14 +496,20 @@ class MemoryPlan:
         }
 
 
-def launch_command(plan: MemoryPlan, program: str = "mcore-flash pretrain") -> str:
-    """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) for ``plan``'s layout."""
+def launch_command(
+    plan: MemoryPlan,
+    program: str = "mcore-flash pretrain",
+    distributed_timeout_minutes: Optional[int] = None,
+) -> str:
+    """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) for ``plan``'s layout,
+    with ``--distributed-timeout-minutes`` when given."""
     return pretrain_command(
         plan.model,
         plan.seq_length,
         plan.layout,
         dtype_bytes=plan.dtype_bytes,
         mean_document_length=plan.mean_document_length,
+        distributed_timeout_minutes=distributed_timeout_minutes,
         program=program,
     )
 
@@ -697,6 +719,11 @@ def _fsdp_stage_bytes(
     )
 
 
+def default_min_free_memory(device_memory: Optional[int]) -> int:
+    """:data:`MIN_FREE_SHARE` of ``device_memory`` in bytes (0 without one)."""
+    return 0 if device_memory is None else int(MIN_FREE_SHARE * device_memory)
+
+
 def plan_memory(
     model: ModelShape,
     seq_length: int,
@@ -712,12 +739,14 @@ def plan_memory(
     mean_document_length: Optional[float] = None,
     hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
     host_memory: Optional[int] = None,
+    min_free_memory: Optional[int] = None,
 ) -> MemoryPlan:
     """The per-device memory plan of ``model`` at ``seq_length`` (tokens) under ``layout``.
 
     ``profile`` names the device behaviour (:data:`activations.PROFILES`; ``npu`` for the
     Ascend recipes) unless ``activation_profile`` gives one. ``device_memory`` (bytes) makes
-    the verdict; ``runtime_reserve`` (bytes) is set aside for the runtime and collectives;
+    the verdict, which keeps ``min_free_memory`` (bytes; default :data:`MIN_FREE_SHARE` of
+    ``device_memory``) of it free; ``runtime_reserve`` (bytes) is set aside for the runtime and collectives;
     ``fragmentation`` is the fraction of the dynamic bytes the allocator loses.
     ``dtype_bytes``: activations, ``param_bytes``: weights; the main gradients are fp32, or
     bf16 with ``layout.grad_reduce_in_bf16`` (which needs ``param_bytes`` 2: ValueError).
@@ -807,6 +836,7 @@ def plan_memory(
             "recompute_workspace": _ceil(workspace),
             "communication_buffers": _ceil(communication),
             "runtime_reserve": runtime_reserve,
+            "collective_library_buffers": collective_library_bytes(model, layout, hardware, stage),
             "allocator_fragmentation": _ceil(fragmentation * dynamic),
             **sharded,
         }
@@ -853,7 +883,24 @@ def plan_memory(
         mean_document_length=mean_document_length,
         notes=_notes(seq_length, layout, activation_profile),
         host=_host_plan(layout, stages, hardware, host_memory),
+        min_free_memory=(
+            default_min_free_memory(device_memory) if min_free_memory is None else min_free_memory
+        ),
     )
+
+
+def collective_library_bytes(
+    model: ModelShape, layout: Layout, hardware: HardwareProfile, stage: int
+) -> int:
+    """Device bytes the collective library's communicators hold outside the allocator on a
+    rank of pipeline stage ``stage``: on HCCL (:mod:`.communicators`) 2 x ``HCCL_BUFFSIZE``
+    (``hardware.communicator_buffer_bytes``) per collective communicator and 2 x
+    ``P2P_HCCL_BUFFSIZE`` (its default) per point-to-point one; elsewhere
+    ``hardware.communicator_buffer_bytes`` per communicator, the same count."""
+    opened = stage_communicators(layout, model, stage)
+    if hardware.collective_library == "hccl":
+        return opened.buffer_bytes(hardware.communicator_buffer_bytes // 2, P2P_HCCL_BUFFSIZE_BYTES)
+    return (opened.num_collective + opened.num_p2p) * hardware.communicator_buffer_bytes
 
 
 def _exact_ddp_stage(

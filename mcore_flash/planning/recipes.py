@@ -1,21 +1,16 @@
 """The layouts our launch scripts use, as plans (``scripts/pretrain_70b.sh --dry-run``).
 
-Llama-2-70B at 128K tokens on 64 GB devices (Ascend 910B), the planner's best fitting
-layout for 256 devices (``mcore-flash plan --search``, ranked by predicted step time,
-docs/step-time.md; ``scripts/pretrain_70b.sh`` asks the planner at launch): TP8 with
-sequence parallel (inside a node), PP2, CP16 (8K tokens per CP rank: the ring's hops hide
-behind its blocks), no recompute, distributed optimizer, micro-batch 1, 32 sequences (4M
-tokens) per step (DP1). Per device (stage 0): 8.0 GiB weights, 16.1 GiB fp32 grads, 3.0 GiB
-optimizer shard, 21.6 GiB activations + 0.3 GiB softmax statistics (40 layers x 2
-micro-batches in flight x 280 MiB), ~3.7 GiB estimated buffers/reserve: about 52.6 GiB of
-64 GiB, ~95 s per step. Next: qkv recompute 49.1 GiB at +1.3% FLOPs, attention-only 47.5 GiB
-at +19.3%, full 31.3 GiB at +30.5%.
+:data:`RECIPE_70B_128K`: Llama-2-70B at 128K tokens on 256 Ascend 910Bs, the layout
+``mcore-flash plan --search`` ranks first there (``scripts/pretrain_70b.sh`` asks the search at
+launch; its figures: docs/planner.md), planned against what torch_npu can allocate of a 910B
+(the default profile's capacity) with its default headroom.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES
 from .layout import Layout
 from .memory import MemoryPlan, plan_memory
 from .models import ModelShape, get_model
@@ -41,7 +36,7 @@ RECIPE_70B_128K = dict(
     micro_batch_size=1,
     global_batch_size=32,
     distributed_optimizer=True,
-    device_memory="64GB",
+    device_memory=HARDWARE_PROFILES[DEFAULT_HARDWARE].capacity,
 )
 
 
@@ -93,9 +88,10 @@ def plan_for_recipe(
     )
 
 
-def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> MemoryPlan:
+def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> MemoryPlan:
     """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included)
-    against ``device_memory`` (bytes or a size such as ``"64GB"``).
+    against ``device_memory`` (bytes or a size such as ``"64GB"``; None: the default
+    profile's capacity, what torch_npu can allocate of a 910B).
 
     Megatron's selective recompute counts as ``attention`` when it includes ``core_attn``
     (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``
@@ -136,7 +132,11 @@ def plan_for_pretrain_args(args, device_memory="64GB", profile: str = "npu") -> 
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
     )
-    capacity = None if device_memory is None else parse_bytes(device_memory)
+    capacity = (
+        HARDWARE_PROFILES[DEFAULT_HARDWARE].capacity
+        if device_memory is None
+        else parse_bytes(device_memory)
+    )
     return plan_memory(shape, args.seq_length, layout, device_memory=capacity, profile=profile)
 
 

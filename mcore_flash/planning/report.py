@@ -36,10 +36,15 @@ def verdict(plan: MemoryPlan) -> str:
     if plan.device_memory is None:
         return f"needs {format_bytes(plan.total)} per device (no --device-memory given)"
     word = "FITS" if plan.fits else "DOES NOT FIT"
-    sign = "free" if plan.device_fits else "over"
+    sign = "free" if plan.headroom >= 0 else "over"
     text = (
         f"{word}: {format_bytes(plan.total)} of {format_bytes(plan.device_memory)} per device "
-        f"({format_bytes(abs(plan.headroom))} {sign})"
+        f"({format_bytes(abs(plan.headroom))} {sign}"
+        + (
+            f"; at least {format_bytes(plan.min_free_memory)} to keep free, --min-free-memory)"
+            if plan.min_free_memory
+            else ")"
+        )
     )
     host = plan.host
     if host is not None and host.fits is not None and (plan.layout.offloads or not host.fits):
@@ -59,9 +64,10 @@ def documents_line(plan: MemoryPlan) -> str:
     )
 
 
-def format_plan(plan: MemoryPlan) -> str:
+def format_plan(plan: MemoryPlan, launch: Optional[str] = None) -> str:
     """The plan's breakdown: model and layout, per-layer activations by module, the worst
-    stage's bytes by category, overheads, the verdict, notes and the launch command."""
+    stage's bytes by category, overheads, the verdict, notes and ``launch`` (default the
+    plan's launch command)."""
     lay, model = plan.layout, plan.model
     lines = [
         f"{model.name}: {plan.total_parameters:,} parameters; seq {plan.seq_length:,}, micro-batch "
@@ -104,7 +110,7 @@ def format_plan(plan: MemoryPlan) -> str:
         verdict(plan),
     ]
     lines += [f"note: {note}" for note in plan.notes]
-    lines += ["", "launch: " + launch_command(plan)]
+    lines += ["", "launch: " + (launch_command(plan) if launch is None else launch)]
     return "\n".join(lines)
 
 
@@ -185,6 +191,12 @@ def format_step_time(step: StepTime) -> str:
     return "\n".join(lines)
 
 
+def launch_line(candidate: Candidate) -> str:
+    """The candidate's launch command with the environment it exports (``NAME=value ...``)."""
+    env = " ".join(f"{name}={value}" for name, value in candidate.launch_env.items())
+    return f"{env} {candidate.launch_command}" if env else candidate.launch_command
+
+
 def format_candidate(rank: int, candidate: Candidate) -> str:
     """One ranked layout of ``mcore-flash plan --search``: its summary line, its step-time
     breakdown, its notes and its launch command."""
@@ -206,7 +218,7 @@ def format_candidate(rank: int, candidate: Candidate) -> str:
     ]
     lines += ["  " + line for line in format_step_time(step).splitlines()[1:]]
     lines += [f"   note: {note}" for note in plan.notes]
-    lines.append(f"   {launch_command(plan)}")
+    lines.append(f"   {launch_line(candidate)}")
     return "\n".join(lines)
 
 

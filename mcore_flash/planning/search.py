@@ -1,8 +1,8 @@
 """Layout search: every TP x PP x CP (x interleaving) x recompute choice that fits, ranked.
 
-Ranking (best first): layouts that leave at least ``safety_margin`` (default 5%) of the
-device free before tight ones (the transient buffers and the runtime reserve are
-estimates); then the predicted step time on the hardware profile (:mod:`.step_time`:
+A layout fits when it leaves ``min_free_memory`` of the device free (a :func:`plan_memory`
+keyword; the CLI's ``--min-free-memory``, default 5% of the capacity). Ranking (best first):
+the predicted step time on the hardware profile (:mod:`.step_time`:
 compute with recompute, exposed TP / CP-ring / PP / DP communication, the pipeline
 bubble); then less communication (smaller CP, PP, TP), then more free memory. The step-time
 model's exposed ring time replaces the former rule of thumb that ring CP needs >= 8K
@@ -36,16 +36,18 @@ closes the gap; :func:`sensitivity` how the prediction moves with each assumed f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Optional, Sequence
 
 from .activations import RECOMPUTE_MODES
 from .fsdp import PLANNED_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HOST_FIELDS, HardwareProfile
 from .layout import Layout
-from .memory import MemoryPlan, plan_memory
+from .memory import MemoryPlan, launch_command, plan_memory
 from .models import ModelShape
 from .step_time import StepTime, predict_step_time
+from .timeouts import RunTimeouts, run_timeouts
+from .units import MiB
 
 __all__ = [
     "Candidate",
@@ -77,8 +79,39 @@ class Candidate:
         """The memory-ladder rung the layout needed (:attr:`.layout.Layout.rung`)."""
         return self.plan.layout.rung
 
+    @property
+    def timeouts(self) -> RunTimeouts:
+        """The limits the layout launches with (:func:`.timeouts.run_timeouts`)."""
+        return run_timeouts(self.step)
+
+    @property
+    def launch_command(self) -> str:
+        """The plan's ``mcore-flash pretrain`` line with its ``--distributed-timeout-minutes``."""
+        return launch_command(
+            self.plan, distributed_timeout_minutes=self.timeouts.distributed_timeout_minutes
+        )
+
+    @property
+    def launch_env(self) -> dict[str, str]:
+        """The environment the launch exports: on HCCL, ``HCCL_BUFFSIZE`` (MB, what the plan's
+        communicator buffers assume) and ``HCCL_EXEC_TIMEOUT`` (s)."""
+        hardware = self.step.hardware
+        if hardware.collective_library != "hccl":
+            return {}
+        return {
+            "HCCL_BUFFSIZE": str(hardware.communicator_buffer_bytes // 2 // MiB),
+            "HCCL_EXEC_TIMEOUT": str(self.timeouts.hccl_exec_timeout_s),
+        }
+
     def to_dict(self) -> dict:
-        return {**self.plan.to_dict(), "rung": self.rung, "step_time": self.step.to_dict()}
+        return {
+            **self.plan.to_dict(),
+            "rung": self.rung,
+            "step_time": self.step.to_dict(),
+            "timeouts": asdict(self.timeouts),
+            "launch_command": self.launch_command,
+            "launch_env": self.launch_env,
+        }
 
 
 def default_global_batch_size(
@@ -121,7 +154,6 @@ def search_layouts(
     overlap_grad_reduce: bool = True,
     include_non_fitting: bool = False,
     partial_recompute: bool = True,
-    safety_margin: float = 0.05,
     fsdp_choices: Sequence[str] = PLANNED_STRATEGIES,
     climb: str = "needed",
     offload: bool = True,
@@ -138,8 +170,7 @@ def search_layouts(
     TP defaults to the divisors of the query-group count up to ``max_tp`` (one node),
     PP to the divisors of the layer count, CP to powers of two; DP takes the remaining
     devices. ``global_batch_size`` defaults to about 4M tokens per step.
-    Layouts leaving less than ``safety_margin`` of the memory free are ranked after the
-    others. With ``partial_recompute`` a selective mode that does not fit is retried with
+    With ``partial_recompute`` a selective mode that does not fit is retried with
     the fewest layers per pipeline chunk recomputed whole that make it fit
     (``Layout.recompute_num_layers``: recompute just enough); one that still does not fit is
     retried with each Megatron-FSDP strategy of ``fsdp_choices`` (when ``dp * cp > 1``; empty:
@@ -240,10 +271,6 @@ def search_layouts(
                                 host_offload,
                                 moments,
                             ):
-                                if plan.fits and plan.headroom < safety_margin * device_memory:
-                                    plan.notes.append(
-                                        f"tight: less than {safety_margin:.0%} of the device memory left free"
-                                    )
                                 if plan.fits or include_non_fitting:
                                     step = predict_step_time(
                                         model,
@@ -273,7 +300,7 @@ def search_layouts(
             found = run(
                 (), host_offload=True, bf16=bf16_gradients or grad_reduce_in_bf16, moments="bf16"
             )
-    found.sort(key=lambda candidate: rank_key(candidate, safety_margin))
+    found.sort(key=rank_key)
     return found
 
 
@@ -416,14 +443,10 @@ def _least_partial_recompute(plan: MemoryPlan, plan_kwargs: dict) -> Optional[Me
     return best
 
 
-def rank_key(candidate: Candidate, safety_margin: float = 0.05):
-    """Sort key: tight?, predicted step time (ms), cp, pp, tp, -headroom."""
+def rank_key(candidate: Candidate):
+    """Sort key: predicted step time (ms), cp, pp, tp, -headroom."""
     plan, lay = candidate.plan, candidate.plan.layout
-    tight = (
-        plan.device_memory is not None and (plan.headroom or 0) < safety_margin * plan.device_memory
-    )
     return (
-        tight,
         round(candidate.step.step_time_s, 3),
         lay.cp,
         lay.pp,

@@ -148,6 +148,22 @@ class StepTime:
         return sum(self.breakdown.values())
 
     @property
+    def longest_phase_s(self) -> float:
+        """Seconds of the longest stretch a rank runs between two of the watchdog's progress
+        marks: one micro-batch's forward and backward on the slowest stage (counted together,
+        an upper bound of either), the gradient reduction, the parameter all-gather, or the
+        offloaded optimizer's host step with its copies."""
+        host = self.breakdown.get("host_optimizer_step", 0.0) + self.breakdown.get(
+            "optimizer_offload_copies", 0.0
+        )
+        return max(
+            self.details["micro_batch_s"],
+            self.details["dp_grad_reduce_s"],
+            self.details["dp_param_gather_s"],
+            host,
+        )
+
+    @property
     def tokens_per_step(self) -> int:
         return (
             self.num_microbatches * self.layout.micro_batch_size * self.layout.dp * self.seq_length
@@ -377,6 +393,7 @@ def predict_step_time(
         **offload_micro,
     }
     breakdown = {key: micro * seconds for key, seconds in per_micro.items()}
+    micro_batch_s = sum(per_micro.values())
     breakdown["pipeline_bubble"] = pipeline_bubble(lay.pp, micro, lay.vp) * sum(breakdown.values())
     fsdp_parts = {
         key: breakdown.pop(key)
@@ -421,6 +438,7 @@ def predict_step_time(
         "dp_grad_reduce_s": grad_reduce,
         "dp_param_gather_s": param_gather,
         "recompute_overhead": overhead,
+        "micro_batch_s": micro_batch_s,
     }
     return StepTime(
         model=m,

@@ -367,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ckpt.add_argument(
         "--device-memory",
-        default="64GB",
-        help="per-device memory the --dry-run plan checks against",
+        default=None,
+        help="per-device memory the --dry-run plan checks against (default what torch_npu can allocate of a "
+        "910B, 60.97 GiB)",
     )
     ckpt.add_argument(
         "--dry-run",

@@ -168,7 +168,7 @@ class TrainingConfig:
     log_interval: int
     tensorboard_dir: Optional[str]
     hardware: Optional[HardwareProfile]  # the ``--hardware`` profile, loaded
-    device_memory: str
+    device_memory: Optional[str]
     dry_run: bool
     # derived
     world_size: int

@@ -255,7 +255,7 @@ def test_70b_recipe_script_rehearses_the_one_node_plan_on_8_emulated_npus(tmp_pa
     assert "rung offload" in output and "iteration 2/2" in output
     plan = subprocess.run(
         [sys.executable, "-m", "mcore_flash.planning.cli", "--search", "--model", "llama2-70b"]
-        + ["--seq-length", "131072", "--num-devices", "8", "--device-memory", "64GB"]
+        + ["--seq-length", "131072", "--num-devices", "8"]
         + ["--hardware", "ascend-910b-64g", "--global-batch-size", "32", "--top", "1", "--json"]
         + ["--host-memory", "1.2TB"],
         capture_output=True,

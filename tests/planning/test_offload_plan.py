@@ -355,19 +355,21 @@ def test_one_node_gap_with_fp32_gradients():
 
 def test_one_node_fits_with_bf16_gradients():
     # before --grad-reduce-in-bf16 was a Layout choice nothing fitted here; now the offload
-    # rung's narrower state does
-    found = search_layouts("llama2-70b", SEQ, 8, "64GB")
+    # rung's narrower state does, on what torch_npu can allocate of a 910B with 5% of it free
+    # and HCCL's buffers counted (37 layers offloaded on 64 GiB with none of that, 68 now)
+    capacity = HARDWARE_PROFILES["ascend-910b-64g"].capacity
+    found = search_layouts("llama2-70b", SEQ, 8, capacity)
     assert found and {c.rung for c in found} == {"offload"}
     assert all(c.plan.layout.grad_reduce_in_bf16 for c in found)
     best = found[0]
     lay = best.plan.layout
     assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.recompute) == (8, 1, 1, 1, "full")
-    assert lay.optimizer_offload_fraction == 1.0 and lay.activation_offload_layers == 37
+    assert lay.optimizer_offload_fraction == 1.0 and lay.activation_offload_layers == 68
     assert best.plan.per_device["gradients"] == 2 * P_TP8  # the whole shard on the host
-    assert best.plan.fits and best.plan.total <= 64 * GiB
+    assert best.plan.fits and best.plan.total <= 0.95 * capacity
     assert best.plan.host.per_node <= 2 * 1024 * GiB
     command = best.to_dict()["launch_command"]
-    assert "--grad-reduce-in-bf16" in command and command.endswith("--bf16")
+    assert "--grad-reduce-in-bf16" in command and "--bf16 --distributed-timeout-minutes" in command
     assert best.to_dict()["layout"]["grad_reduce_in_bf16"] is True
 
 
@@ -484,9 +486,7 @@ def test_cli_grad_reduce_in_bf16(capsys):
     args += [
         "--optimizer-cpu-offload",
         "--activation-offload-layers",
-        "39",
-        "--device-memory",
-        "64GB",
+        "68",
     ]
     assert main(args) == 1  # fp32 gradients: over
     capsys.readouterr()

@@ -18,7 +18,9 @@ LAYERS = [
     ["activations", "flops", "parameters"],  # per-layer saved bytes, FLOPs, parameter counts
     ["fsdp"],  # Megatron-FSDP's parameter groups, padding and bytes per strategy
     ["layout"],  # the parallel layout and its launch flags
+    ["communicators"],  # the collective library's communicators of a layout
     ["memory", "step_time", "compare"],  # a memory plan, a step time, standard vs fused attention
+    ["timeouts"],  # the limits a planned run launches with
     ["search"],  # the layouts that fit, ranked
     ["recipes"],  # the launch scripts' layouts and the trainer's flags as plans
     ["report"],  # plans as text

@@ -333,9 +333,9 @@ def test_cli_search_ranks_by_predicted_step_time(capsys):
     assert out["hardware"]["name"] == "ascend-910b-64g" and len(layouts) == min(
         50, out["num_fitting"]
     )
-    roomy = [lay for lay in layouts if not any(n.startswith("tight") for n in lay["notes"])]
-    times = [lay["step_time"]["step_time_s"] for lay in roomy]
-    assert times == sorted(times) and layouts[: len(roomy)] == roomy  # tight layouts last
+    times = [lay["step_time"]["step_time_s"] for lay in layouts]
+    assert times == sorted(times)  # every layout shown keeps the headroom: none is ranked last
+    assert all(lay["headroom_bytes"] >= lay["min_free_memory_bytes"] > 0 for lay in layouts)
     assert {lay["layout"]["recompute"] for lay in layouts} >= {"none", "qkv", "attention", "full"}
     best = layouts[0]["layout"]
     assert (best["tp"], best["pp"], best["cp"], best["recompute"]) == (

@@ -1,6 +1,6 @@
 """Every launch line ``mcore-flash plan --search`` prints is accepted by ``mcore-flash pretrain``.
 
-The grid: llama2-70b on 64 GB devices (the default hardware profile) at :data:`SEQ_LENGTHS` x
+The grid: llama2-70b on 910Bs (the default hardware profile, its capacity and headroom) at :data:`SEQ_LENGTHS` x
 :data:`DEVICES`, with the search's defaults, plus :data:`OPTIONS` (the interleaved schedule
 and packed documents, which the defaults never print) at 32K tokens. The lines come from the
 planner's Python API (what the CLI prints, checked against the CLI at one point); each is
@@ -23,8 +23,7 @@ import time
 import pytest
 
 from mcore_flash.planning import cli as plan_cli
-from mcore_flash.planning.memory import launch_command
-from mcore_flash.planning.report import verdict
+from mcore_flash.planning.report import launch_line, verdict
 from mcore_flash.training.arguments import parse_config
 
 from _support.dist_utils import run_distributed
@@ -92,8 +91,6 @@ def _plan_argv(seq: int, devices: int, options: tuple) -> list[str]:
         str(seq),
         "--num-devices",
         str(devices),
-        "--device-memory",
-        "64GB",
         *options,
     ]
 
@@ -116,7 +113,7 @@ def _grid_lines() -> dict[str, int]:
 def _grid_plans() -> dict:
     """``{launch line: (device count, the planner's MemoryPlan of it)}`` over the grid."""
     return {
-        launch_command(candidate.plan): (n, candidate.plan)
+        candidate.launch_command: (n, candidate.plan)
         for seq, n, options in GRID
         for candidate in _search(seq, n, options)
     }
@@ -138,7 +135,8 @@ def test_the_grid_fits_where_found_and_covers_every_rung_and_flag_kind():
     assert {c.rung for c in candidates} == RUNGS
     for candidate in candidates:  # each line carries its rung's flags
         flags = RUNG_FLAGS.get(candidate.rung, set())
-        assert not flags or flags & _flag_names(launch_command(candidate.plan)), candidate.rung
+        assert not flags or flags & _flag_names(candidate.launch_command), candidate.rung
+        assert "--distributed-timeout-minutes" in candidate.launch_command
     lines = _grid_lines()
     assert all(line.startswith(PROGRAM) for line in lines)
     names = set().union(*map(_flag_names, lines))
@@ -157,7 +155,7 @@ def test_the_api_lines_are_the_lines_the_cli_prints():
     with contextlib.redirect_stdout(out):
         assert plan_cli.main(_plan_argv(*point)) == 0
     printed = [line.strip() for line in out.getvalue().splitlines() if PROGRAM in line]
-    assert printed == [launch_command(c.plan) for c in _search(*point)]
+    assert printed == [launch_line(c) for c in _search(*point)]
     assert any("--num-layers-per-virtual-pipeline-stage" in line for line in printed)
 
 
@@ -220,9 +218,7 @@ def test_the_dry_run_builds_ddp_fsdp_and_the_offloaded_optimizer_the_flags_ask_f
     }
     lines, built = {}, {}
     for point, (flag, what) in wanted.items():
-        line = next(
-            launch_command(c.plan) for c in _search(*point) if flag in launch_command(c.plan)
-        )
+        line = next(c.launch_command for c in _search(*point) if flag in c.launch_command)
         lines[line], built[line] = point[1], what
     results, peaks = _dry_runs(lines, timeout=300)
     for line, (code, out, _) in results.items():

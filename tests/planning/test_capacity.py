@@ -1,0 +1,137 @@
+"""The device as it really is: the capacity the framework allocates, the headroom every verdict
+keeps, the limits a planned launch carries (pure Python, fast).
+
+Oracles: the capacities torch and torch_npu print in their out-of-memory messages (the
+profiles' sources), arithmetic on the plan's own total, and the step time's breakdown added
+up by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from mcore_flash.planning.cli import main as plan_main
+from mcore_flash.planning.hardware import HARDWARE_PROFILES
+
+GiB = 2**30
+# a layout that fits one 910B: Llama-3.2-1B at 4K tokens
+SMALL = "--model llama3.2-1b --seq-length 4096 --tp 1 --num-devices 1 --recompute full".split()
+
+
+@pytest.mark.parametrize(
+    "name,reported,source",
+    [
+        ("ascend-910b-64g", 60.97, "60.97 GiB total capacity"),
+        ("h100-80g", 79.11, "total capacity of 79.11 GiB"),
+        ("h200-141g", 139.80, "total capacity of 139.80 GiB"),
+    ],
+)
+def test_profiles_hold_the_capacity_torch_reports_beside_the_datasheets_hbm(name, reported, source):
+    profile = HARDWARE_PROFILES[name]
+    assert round(profile.capacity / GiB, 2) == reported < profile.hbm_bytes / GiB
+    assert source in profile.sources["capacity_bytes"]
+
+
+def _json(capsys, argv) -> tuple[int, dict]:
+    code = plan_main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_the_default_device_memory_is_the_profiles_capacity(capsys):
+    code, out = _json(capsys, SMALL)
+    assert code == 0 and out["device_memory_bytes"] == HARDWARE_PROFILES["ascend-910b-64g"].capacity
+    assert plan_main(SMALL) == 0
+    assert " of 60.97 GiB per device" in capsys.readouterr().out
+
+
+def test_a_plan_fits_only_with_min_free_memory_left(capsys):
+    """Oracle: the plan's total. A device with 1% of it to spare does not fit under the
+    default 5% headroom, fits with --min-free-memory 0 or 1%-less, and the default headroom is
+    5% of the device memory."""
+    _, out = _json(capsys, SMALL)
+    total = out["total_bytes_per_device"]
+    memory = int(total * 1.01)
+    argv = [*SMALL, "--device-memory", str(memory)]
+    code, tight = _json(capsys, argv)
+    assert code == 1 and tight["fits"] is False
+    assert tight["min_free_memory_bytes"] == int(0.05 * memory)
+    assert tight["headroom_bytes"] == memory - total > 0
+    for free in ("0", f"{memory - total}B", "0.9%"):
+        code, roomy = _json(capsys, [*argv, "--min-free-memory", free])
+        assert code == 0 and roomy["fits"] is True, free
+    assert plan_main(argv) == 1
+    assert re.search(r"DOES NOT FIT: .* free; at least .* to keep free", capsys.readouterr().out)
+
+
+def test_search_offers_only_layouts_that_keep_the_headroom(capsys):
+    argv = "--search --model llama2-13b --seq-length 32768 --num-devices 8 --top 1000".split()
+    _, kept = _json(capsys, argv)
+    _, all_of_it = _json(capsys, [*argv, "--min-free-memory", "0"])
+    assert kept["layouts"] and all(
+        lay["headroom_bytes"]
+        >= lay["min_free_memory_bytes"]
+        == int(0.05 * lay["device_memory_bytes"])
+        for lay in kept["layouts"]
+    )
+    assert kept["num_fitting"] < all_of_it["num_fitting"]  # some layouts leave less than 5%
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--min-free-memory=-1GiB"], "--min-free-memory -1GiB: give a size"),
+        (["--min-free-memory", "100%"], "--min-free-memory 100%: give a size"),
+        (["--min-free-memory", "lots"], "--min-free-memory lots: give a size"),
+        (["--hccl-buffsize", "0"], "--hccl-buffsize 0: HCCL_BUFFSIZE is a positive number of MB"),
+        (["--hccl-buffsize", "40000"], "--hccl-buffsize 40000: HCCL_BUFFSIZE is a positive"),
+        (
+            ["--hardware", "h100-80g", "--hccl-buffsize", "200"],
+            "--hccl-buffsize: --hardware h100-80g does not use HCCL",
+        ),
+        (["--device-memory", "80GB"], "--device-memory 80GB: must be positive and at most the HBM"),
+        (["--device-memory", "0"], "--device-memory 0: must be positive"),
+    ],
+)
+def test_bad_capacity_flags_name_the_flag(capsys, flags, message):
+    assert plan_main([*SMALL, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_one_node_launch_carries_limits_above_its_longest_phase(capsys):
+    """Oracle: the step's breakdown by hand. The one-node Llama-2-70B layout steps its 32
+    micro-batches one after another, so one micro-batch's forward and backward is the step's
+    time less its once-per-step host optimizer step and copies, over 32; the watchdog's limit
+    covers 3 times that (at least Megatron-LM's 10 minutes) and HCCL's is a multiple of 68 s
+    between that phase and a minute below the watchdog."""
+    argv = "--search --model llama2-70b --seq-length 131072 --num-devices 8 --top 1".split()
+    _, out = _json(capsys, argv)
+    [best] = out["layouts"]
+    breakdown = best["step_time"]["breakdown_s"]
+    per_step = breakdown["host_optimizer_step"] + breakdown["optimizer_offload_copies"]
+    micro_batch = (best["step_time"]["step_time_s"] - per_step) / 32
+    assert best["timeouts"]["longest_phase_s"] == pytest.approx(micro_batch, rel=1e-9)
+    minutes = int(best["launch_command"].split("--distributed-timeout-minutes ")[1].split()[0])
+    assert minutes * 60 >= max(600, 3 * micro_batch)
+    hccl = int(best["launch_env"]["HCCL_EXEC_TIMEOUT"])
+    assert hccl % 68 == 0 and micro_batch < hccl <= minutes * 60 - 60
+
+
+@pytest.mark.parametrize("devices", [32, 256])
+def test_every_llama31_70b_launch_line_at_128k_carries_a_timeout_above_its_longest_phase(
+    capsys, devices
+):
+    argv = f"--search --model llama3.1-70b --seq-length 131072 --num-devices {devices} --top 5"
+    _, out = _json(capsys, argv.split())
+    assert out["layouts"]
+    for layout in out["layouts"]:
+        minutes = float(
+            layout["launch_command"].split("--distributed-timeout-minutes ")[1].split()[0]
+        )
+        assert (
+            minutes * 60
+            > layout["timeouts"]["longest_phase_s"]
+            < int(layout["launch_env"]["HCCL_EXEC_TIMEOUT"])
+        )
