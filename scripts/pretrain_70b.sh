@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Llama-2-70B extended to 131072 tokens by continued pretraining on an Ascend cluster
-# (64 GB NPUs), with mcore-flash.
+# (910B NPUs: 64 GB of HBM, 60.97 GiB of it allocatable), with mcore-flash.
 #
 #   HF_CHECKPOINT=/models/Llama-2-70b-hf NNODES=32 NODE_RANK=<0..31> MASTER_ADDR=<node 0> \
 #     NPUS_PER_NODE=8 bash scripts/pretrain_70b.sh
@@ -16,9 +16,9 @@
 # >= 5% of what torch_npu can allocate of a 910B (60.97 GiB) free, and
 # ranks them by the step-time model (docs/step-time.md: compute with recompute, exposed TP /
 # CP-ring / PP / DP communication, the pipeline bubble), which reproduces published 70B
-# figures within 8%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (52.6 GiB,
-# 11.4 GiB free, ~95 s per 32 x 128K-token step); next: recompute qkv (49.1 GiB, +2% time),
-# attention (47.5 GiB, +20%), full (31.3 GiB, +32%). TP=, PP=, CP=, RECOMPUTE=, SHARDING= override it.
+# figures within 8%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (55.1 GiB,
+# 5.9 GiB free, ~95 s per 32 x 128K-token step); next: recompute qkv (51.5 GiB, +2% time),
+# attention (49.9 GiB, +20%), full (33.7 GiB, +32%). TP=, PP=, CP=, RECOMPUTE=, SHARDING= override it.
 # Below 64 NPUs nothing fits without ZeRO-3: for 32 (NNODES=4) the planner picks TP2 SP x CP16,
 # full recompute, Megatron-FSDP's optim_grads_params sharded over the 16 CP ranks (docs/planner.md).
 #   TP 8 + sequence parallel   one node's 8 NPUs share each layer (HCCS inside the node)
