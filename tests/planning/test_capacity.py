@@ -119,19 +119,25 @@ def test_the_one_node_launch_carries_limits_above_its_longest_phase(capsys):
     assert hccl % 68 == 0 and micro_batch < hccl <= minutes * 60 - 60
 
 
-@pytest.mark.parametrize("devices", [32, 256])
-def test_every_llama31_70b_launch_line_at_128k_carries_a_timeout_above_its_longest_phase(
+SLOW = pytest.mark.slow  # a search each, about 10 s: two of them run in py312 too
+
+
+@pytest.mark.parametrize(
+    "devices",
+    [pytest.param(8, marks=SLOW), pytest.param(16, marks=SLOW), 32]
+    + [pytest.param(64, marks=SLOW), pytest.param(128, marks=SLOW), 256],
+)
+def test_every_llama31_70b_launch_line_at_128k_carries_limits_above_its_longest_phase(
     capsys, devices
 ):
+    """Each printed line's --distributed-timeout-minutes and HCCL_EXEC_TIMEOUT exceed the
+    predicted longest phase (8 NPUs print none: nothing fits one node at 128K, the gap the
+    sequence-tiled loss and MLP are to close)."""
     argv = f"--search --model llama3.1-70b --seq-length 131072 --num-devices {devices} --top 5"
     _, out = _json(capsys, argv.split())
-    assert out["layouts"]
+    assert bool(out["layouts"]) == (devices > 8)
     for layout in out["layouts"]:
-        minutes = float(
-            layout["launch_command"].split("--distributed-timeout-minutes ")[1].split()[0]
-        )
-        assert (
-            minutes * 60
-            > layout["timeouts"]["longest_phase_s"]
-            < int(layout["launch_env"]["HCCL_EXEC_TIMEOUT"])
-        )
+        command = layout["launch_command"]
+        minutes = float(command.split("--distributed-timeout-minutes ")[1].split()[0])
+        longest = layout["timeouts"]["longest_phase_s"]
+        assert minutes * 60 > longest < int(layout["launch_env"]["HCCL_EXEC_TIMEOUT"])

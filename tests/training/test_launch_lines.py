@@ -136,7 +136,10 @@ def test_the_grid_fits_where_found_and_covers_every_rung_and_flag_kind():
     for candidate in candidates:  # each line carries its rung's flags
         flags = RUNG_FLAGS.get(candidate.rung, set())
         assert not flags or flags & _flag_names(candidate.launch_command), candidate.rung
-        assert "--distributed-timeout-minutes" in candidate.launch_command
+        # the limits the line carries exceed its predicted longest phase
+        minutes = int(candidate.launch_command.split("--distributed-timeout-minutes ")[1])
+        longest = candidate.step.longest_phase_s
+        assert minutes * 60 > longest < int(candidate.launch_env["HCCL_EXEC_TIMEOUT"])
     lines = _grid_lines()
     assert all(line.startswith(PROGRAM) for line in lines)
     names = set().union(*map(_flag_names, lines))
