@@ -128,11 +128,11 @@ def _w_one_long_iteration(rank, world_size, flags):
 
 
 def test_an_iteration_of_many_micro_batches_outlasting_the_limit_completes(tmp_path):
-    """Oracle: the clock. 256 micro-batches of the tiny model under a limit of 1.2 s: the
+    """Oracle: the clock. 1024 micro-batches of the tiny model under a limit of 1.2 s: the
     iteration must take several times the limit (else the test proves nothing) and finish
     (the watchdog that timed iterations ended it with code 3)."""
     flags = tiny_flags(micro_batch_size=1, train_iters=2)
-    flags += ["--global-batch-size", "256", "--distributed-timeout-minutes", "0.02"]
+    flags += ["--global-batch-size", "1024", "--distributed-timeout-minutes", "0.02"]
     flags += ["--save", str(tmp_path / "run")]
     [(loss, seconds)] = run_distributed(_w_one_long_iteration, 1, flags, timeout=300)
     assert math.isfinite(loss)
