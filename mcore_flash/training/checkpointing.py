@@ -31,7 +31,7 @@ import os
 import random
 import shutil
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy
 import torch
@@ -125,9 +125,11 @@ def save_checkpoint(
     model_args: dict,
     provenance: Optional[dict] = None,
     background: Optional["BackgroundSaves"] = None,
+    progress: Callable[[str], None] = lambda step: None,
 ) -> str:
     """Write checkpoint ``iteration`` of this rank's ``model_chunks`` (megatron's DDP or FSDP
     wrappers) under ``root`` atomically (collective over all ranks); returns its directory.
+    ``progress(step)`` is called as each step of the save begins (the hang watchdog's mark).
 
     With ``background`` (``--async-save``, torch_dist only) the shards are written by
     megatron's asynchronous dist-checkpoint writer while training goes on: this returns once
@@ -157,15 +159,17 @@ def save_checkpoint(
         **provenance,
     )
     try:
+        progress("save: the shards")
         if background is None:
             _write_state(tmp, model_chunks, optimizer, scheduler, common)
             faults.point("save-shards", iteration)
         else:
             request = _async_request(tmp, model_chunks, optimizer, scheduler, common)
+        progress("save: the RNG state")
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
         faults.point("save-rng", iteration)
         if background is not None:
-            request.add_finalize_fn(lambda: _publish(root, iteration, tmp, final))
+            request.add_finalize_fn(lambda: _publish(root, iteration, tmp, final, progress))
             if request.async_fn is not None:  # the fault point inside the forked writer
                 writer = functools.partial(_write_in_background, iteration, request.async_fn)
                 request = request._replace(async_fn=writer)
@@ -174,20 +178,25 @@ def save_checkpoint(
             return final
     except (Exception, CheckpointException) as error:
         raise _failed_save(root, iteration, error) from error
-    _publish(root, iteration, tmp, final)
+    _publish(root, iteration, tmp, final, progress)
     return final
 
 
-def _publish(root: str, iteration: int, tmp: str, final: str) -> None:
+def _publish(
+    root: str, iteration: int, tmp: str, final: str, progress: Callable[[str], None]
+) -> None:
     """Every rank's files are in ``tmp``: the manifest, then rank 0 renames ``tmp`` to
-    ``final`` and points the tracker at it (collective)."""
+    ``final`` and points the tracker at it (collective); ``progress`` as in
+    :func:`save_checkpoint`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         dist.barrier()
+        progress("save: the manifest")
         manifest.write_manifest(tmp)
     except (Exception, CheckpointException) as error:
         raise _failed_save(root, iteration, error) from error
+    progress("save: the rename and the tracker")
     faults.point("save-manifest", iteration)
     if dist.get_rank() == 0:
         if os.path.exists(final):

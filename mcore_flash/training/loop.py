@@ -287,6 +287,7 @@ class PretrainRecipe:
             self.model_args,
             self.provenance,
             background=self.background_saves,
+            progress=self.watchdog.phase,
         )
         if self.config.overlap_param_gather:
             for chunk in self.model_chunks:

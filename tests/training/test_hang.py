@@ -121,7 +121,12 @@ def _w_one_long_iteration(rank, world_size, flags):
     try:
         start = time.monotonic()
         loss, _, _ = recipe.train_step()
-        return loss, time.monotonic() - start
+        seconds = time.monotonic() - start
+        recipe.watchdog.timeout_s = 120  # the save's marks are checked, not its speed
+        marks, mark = [], recipe.watchdog.phase
+        recipe.watchdog.phase = lambda name: (marks.append(name), mark(name))
+        recipe.save()
+        return loss, seconds, marks
     finally:
         recipe.cleanup()
         parallel_state.destroy_model_parallel()
@@ -130,10 +135,18 @@ def _w_one_long_iteration(rank, world_size, flags):
 def test_an_iteration_of_many_micro_batches_outlasting_the_limit_completes(tmp_path):
     """Oracle: the clock. 1024 micro-batches of the tiny model under a limit of 1.2 s: the
     iteration must take several times the limit (else the test proves nothing) and finish
-    (the watchdog that timed iterations ended it with code 3)."""
+    (the watchdog that timed iterations ended it with code 3); the save after it marks each
+    of its steps (checkpointing.save_checkpoint's order)."""
     flags = tiny_flags(micro_batch_size=1, train_iters=2)
     flags += ["--global-batch-size", "1024", "--distributed-timeout-minutes", "0.02"]
     flags += ["--save", str(tmp_path / "run")]
-    [(loss, seconds)] = run_distributed(_w_one_long_iteration, 1, flags, timeout=300)
+    [(loss, seconds, save_marks)] = run_distributed(_w_one_long_iteration, 1, flags, timeout=300)
     assert math.isfinite(loss)
     assert seconds > 3 * 1.2, f"the iteration took {seconds:.1f} s: too short to outlast the limit"
+    # a save marks progress at each of its steps too, in the order it takes them
+    assert save_marks == [
+        "save: the shards",
+        "save: the RNG state",
+        "save: the manifest",
+        "save: the rename and the tracker",
+    ]
