@@ -102,7 +102,10 @@ DOCUMENT_MASKING=${DOCUMENT_MASKING:-1}
 # predicted longest phase and below the watchdog's limit (docs/fault-tolerance.md).
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 export HCCL_CONNECT_TIMEOUT=1800
-export HCCL_EXEC_TIMEOUT=$PLAN_HCCL_EXEC_TIMEOUT
+# DISTRIBUTED_TIMEOUT_MINUTES= and HCCL_EXEC_TIMEOUT= override the plan's limits
+DISTRIBUTED_TIMEOUT_MINUTES=${DISTRIBUTED_TIMEOUT_MINUTES:-$PLAN_TIMEOUT}
+export HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-$PLAN_HCCL_EXEC_TIMEOUT}
+(( HCCL_EXEC_TIMEOUT < DISTRIBUTED_TIMEOUT_MINUTES * 60 )) || echo "warning: HCCL_EXEC_TIMEOUT=$HCCL_EXEC_TIMEOUT s is not below --distributed-timeout-minutes $DISTRIBUTED_TIMEOUT_MINUTES: the watchdog will end a stuck collective before HCCL names it" >&2
 export HCCL_BUFFSIZE
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export TASK_QUEUE_ENABLE=2
@@ -166,7 +169,7 @@ ARGS=(
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
   --data-path "$DATA_PATH" --split 100,0,0
   --save "$SAVE" --save-interval 100 --log-interval 1
-  --distributed-timeout-minutes "$PLAN_TIMEOUT"
+  --distributed-timeout-minutes "$DISTRIBUTED_TIMEOUT_MINUTES"
 )
 
 # Where training starts: $SAVE once it holds a checkpoint (resume), else the converted

@@ -34,11 +34,12 @@ def _record_versions(record_testsuite_property):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A launch retried after a lost rank (``_support.dist_utils.retried_after_a_lost_rank``)
-    becomes a property of its test in the JUnit XML (written from the test's teardown report),
-    which ``scripts/version_table.py`` counts; the retry's warning is in pytest's summary."""
+    in any phase of a test (a fixture's too) becomes a property of that test in the JUnit XML,
+    which junitxml writes from the item's properties at its teardown and
+    ``scripts/version_table.py`` counts; the retry's warning is in pytest's summary."""
     yield
     launcher = sys.modules.get("_support.dist_utils")  # loaded by the tests that launch ranks
-    if call.when == "call" and launcher is not None:
+    if launcher is not None:
         item.user_properties += [("retried after a lost rank", text) for text in launcher.RETRIES]
         launcher.RETRIES.clear()
 

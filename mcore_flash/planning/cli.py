@@ -348,7 +348,10 @@ def resolve(args) -> Inputs:
     if args.device_memory is None:
         device_memory = hardware.capacity
     else:
-        device_memory = parse_bytes(args.device_memory)
+        try:
+            device_memory = parse_bytes(args.device_memory)
+        except ValueError as error:
+            raise ValueError(f"--device-memory {args.device_memory}: {error}") from None
         if not 0 < device_memory <= hardware.hbm_bytes:
             raise ValueError(
                 f"--device-memory {args.device_memory}: must be positive and at most the HBM of --hardware "
@@ -371,7 +374,7 @@ def _min_free_memory(value: str, device_memory: int) -> int:
         free = (
             int(float(text[:-1]) / 100 * device_memory) if text.endswith("%") else parse_bytes(text)
         )
-    except ValueError:
+    except (ValueError, OverflowError):
         free = -1
     if not 0 <= free < device_memory:
         raise ValueError(

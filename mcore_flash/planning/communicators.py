@@ -44,17 +44,15 @@ from .models import ModelShape
 from .units import MiB
 
 __all__ = [
-    "HCCL_BUFFSIZE_BYTES",
     "P2P_HCCL_BUFFSIZE_BYTES",
     "HcclCommunicators",
     "stage_communicators",
     "hccl_communicators",
-    "hccl_buffer_bytes",
 ]
 
-# the variables' defaults: the HCCL guide and OptionsManager::GetHcclBufferSize (200 MB),
-# OptionsManager::GetP2PBufferSize (20 MB; torch_npu's core/npu/register/OptionsManager.cpp)
-HCCL_BUFFSIZE_BYTES = 200 * MiB
+# P2P_HCCL_BUFFSIZE's default: OptionsManager::GetP2PBufferSize (20 MB; torch_npu's
+# core/npu/register/OptionsManager.cpp). HCCL_BUFFSIZE's (200 MB: the HCCL guide and
+# OptionsManager::GetHcclBufferSize) is the 910B profile's communicator_buffer_bytes / 2
 P2P_HCCL_BUFFSIZE_BYTES = 20 * MiB
 
 WORLD = "default_pg"  # torch's group_desc of the default group; megatron's own below
@@ -178,24 +176,6 @@ def hccl_communicators(layout: Layout, model: ModelShape) -> HcclCommunicators:
     communicators, then the most point-to-point ones (the first such stage). Stages differ
     by at most one point-to-point communicator, so this rank holds the most bytes whenever
     ``HCCL_BUFFSIZE`` >= ``P2P_HCCL_BUFFSIZE`` (the defaults, 200 and 20 MB);
-    :func:`hccl_buffer_bytes` compares the stages' bytes at any sizes."""
+    the plan (:func:`.memory.collective_library_bytes`) counts each stage's own bytes."""
     stages = [stage_communicators(layout, model, stage) for stage in range(layout.pp)]
     return max(stages, key=lambda c: (c.num_collective, c.num_p2p, -c.stage))
-
-
-def hccl_buffer_bytes(
-    layout: Layout,
-    model: ModelShape,
-    hccl_buffsize_bytes: int = HCCL_BUFFSIZE_BYTES,
-    p2p_buffsize_bytes: int = P2P_HCCL_BUFFSIZE_BYTES,
-) -> int:
-    """Device bytes HCCL holds outside the allocator on the layout's fullest rank, the
-    largest over its pipeline stages of :meth:`HcclCommunicators.buffer_bytes`. The sizes
-    are ``HCCL_BUFFSIZE`` and ``P2P_HCCL_BUFFSIZE`` in bytes (the variables are in MB);
-    ``p2p_buffsize_bytes=0`` is ``P2P_HCCL_BUFFSIZE=0``."""
-    return max(
-        stage_communicators(layout, model, stage).buffer_bytes(
-            hccl_buffsize_bytes, p2p_buffsize_bytes
-        )
-        for stage in range(layout.pp)
-    )

@@ -90,8 +90,9 @@ def plan_for_recipe(
 
 def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> MemoryPlan:
     """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included)
-    against ``device_memory`` (bytes or a size such as ``"64GB"``; None: the default
-    profile's capacity, what torch_npu can allocate of a 910B).
+    against ``device_memory`` (bytes or a size such as ``"64GB"``; None: the capacity of its
+    ``--hardware`` profile, by default the 910B's 60.97 GiB), with that profile's collective
+    library buffers.
 
     Megatron's selective recompute counts as ``attention`` when it includes ``core_attn``
     (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``
@@ -132,12 +133,16 @@ def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> Me
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
     )
-    capacity = (
-        HARDWARE_PROFILES[DEFAULT_HARDWARE].capacity
-        if device_memory is None
-        else parse_bytes(device_memory)
+    hardware = args.hardware or HARDWARE_PROFILES[DEFAULT_HARDWARE]
+    capacity = hardware.capacity if device_memory is None else parse_bytes(device_memory)
+    return plan_memory(
+        shape,
+        args.seq_length,
+        layout,
+        device_memory=capacity,
+        profile=profile,
+        hardware=hardware,
     )
-    return plan_memory(shape, args.seq_length, layout, device_memory=capacity, profile=profile)
 
 
 def model_shape_for_pretrain_args(args, vocab_size: Optional[int] = None) -> ModelShape:

@@ -151,13 +151,15 @@ class StepTime:
     def longest_phase_s(self) -> float:
         """Seconds of the longest stretch a rank runs between two of the watchdog's progress
         marks: one micro-batch's forward and backward on the slowest stage (counted together,
-        an upper bound of either), the gradient reduction, the parameter all-gather, or the
-        offloaded optimizer's host step with its copies."""
+        an upper bound of either), the last stage's wait for the first micro-batch's forward
+        through the stages before it, the gradient reduction, the parameter all-gather, or
+        the offloaded optimizer's host step with its copies."""
         host = self.breakdown.get("host_optimizer_step", 0.0) + self.breakdown.get(
             "optimizer_offload_copies", 0.0
         )
         return max(
             self.details["micro_batch_s"],
+            self.details["pipeline_fill_s"],
             self.details["dp_grad_reduce_s"],
             self.details["dp_param_gather_s"],
             host,
@@ -439,6 +441,7 @@ def predict_step_time(
         "dp_param_gather_s": param_gather,
         "recompute_overhead": overhead,
         "micro_batch_s": micro_batch_s,
+        "pipeline_fill_s": (lay.pp - 1) * forward,
     }
     return StepTime(
         model=m,

@@ -368,8 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument(
         "--device-memory",
         default=None,
-        help="per-device memory the --dry-run plan checks against (default what torch_npu can allocate of a "
-        "910B, 60.97 GiB)",
+        help="per-device memory the --dry-run plan checks against (default the --hardware profile's capacity: "
+        "what torch_npu can allocate of a 910B, 60.97 GiB)",
     )
     ckpt.add_argument(
         "--dry-run",

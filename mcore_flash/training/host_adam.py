@@ -19,7 +19,8 @@ half a bf16 unit: with beta2 = 0.999 the second moment then stops following a fa
 With fp32 storage it *is* torch's AdamW, bit for bit. One parameter's fp32 moments and random
 bits exist at a time, so the host holds the narrow state (2 bytes a bf16 moment) plus one
 parameter's widening (4 bytes an element a moment) and bits (12 bytes an element); moments a
-loader handed back wider (fp32) are stored narrow again at their next step.
+loader handed back wider (fp32) are stored narrow again by :meth:`HostAdamW.load_state_dict`,
+or at their next step when a loader set the state directly.
 
 Random bits: per parameter and step, 16 for each element of each bf16 moment, from Philox
 (numpy's counter-based generator) keyed by the parameter's position in the param groups (counted
@@ -62,6 +63,13 @@ def _store_rounded(stored: torch.Tensor, value: torch.Tensor, bits: torch.Tensor
     stored.copy_(value)
 
 
+def _narrow(state: dict, group: dict) -> None:
+    """``state``'s moments in ``group``'s storage dtypes (a loader may hand them back fp32:
+    torch's ``load_state_dict``, megatron's checkpoint load; the values are the same)."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key] = state[key].to(group[f"{key}_dtype"])
+
+
 class HostAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose ``exp_avg`` / ``exp_avg_sq`` are stored in each param group's
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (:data:`MOMENT_DTYPES`' values; constructor
@@ -87,6 +95,15 @@ class HostAdamW(torch.optim.AdamW):
                 if group[key] not in MOMENT_DTYPES.values():
                     raise ValueError(f"HostAdamW stores {key} in fp32 or bf16, not {group[key]}")
 
+    def load_state_dict(self, state_dict) -> None:
+        """torch's load, which widens the moments to the parameters' fp32, then every moment
+        stored in its group's dtype again at once (not at its next step)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if self.state.get(param):
+                    _narrow(self.state[param], group)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -105,10 +122,7 @@ class HostAdamW(torch.optim.AdamW):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param, dtype=group["exp_avg_dtype"])
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=group["exp_avg_sq_dtype"])
-                for key in ("exp_avg", "exp_avg_sq"):
-                    # a loader may hand the moments back wider (torch's load_state_dict and
-                    # megatron's checkpoint load give them the parameter's fp32), same values
-                    state[key] = state[key].to(group[f"{key}_dtype"])
+                _narrow(state, group)  # a loader that set the state directly left them wider
                 exp_avg = state["exp_avg"].float()  # the stored tensor itself when fp32
                 exp_avg_sq = state["exp_avg_sq"].float()
                 adam(

@@ -219,7 +219,7 @@ class LaunchFailed(RuntimeError):
         order = [fates[r] for r in arrival]
         self.cause = next(
             (f for f in order if f.status == "raised" and not f.lost_a_peer),
-            next((f for f in fates if f.status == "exited"), None) or order[0],
+            next((f for f in order if f.status == "exited"), order[0]),
         )
         others = "; ".join(f"rank {f.rank}: {f.summary()}" for f in fates if f is not self.cause)
         detail = self.cause.error or self.cause.crash_log or "(faulthandler wrote nothing)\n"

@@ -7,12 +7,17 @@ from __future__ import annotations
 import pytest
 
 from mcore_flash.planning import Layout, get_model
-from mcore_flash.planning.communicators import (
-    hccl_buffer_bytes,
-    hccl_communicators,
-    stage_communicators,
-)
+from mcore_flash.planning.communicators import hccl_communicators, stage_communicators
 from mcore_flash.planning.units import MiB
+
+
+def hccl_buffer_bytes(layout, model, hccl_buffsize=200 * MiB, p2p_buffsize=20 * MiB) -> int:
+    """The fullest stage's HCCL bytes at these buffer sizes (defaults: torch_npu's)."""
+    return max(
+        stage_communicators(layout, model, stage).buffer_bytes(hccl_buffsize, p2p_buffsize)
+        for stage in range(layout.pp)
+    )
+
 
 UNTIED = get_model("llama3-70b")
 TIED = get_model("llama3.2-1b")

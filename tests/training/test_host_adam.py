@@ -226,6 +226,12 @@ def test_bf16_moments_resume_bit_for_bit_from_a_state_dict():
     resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in first_params]
     resumed = _bf16_run(resumed_params, grads[4:], torch.load(saved))
 
+    loaded = HostAdamW(resumed_params, **BF16, **HYPER)
+    saved.seek(0)
+    loaded.load_state_dict(torch.load(saved))  # stored narrow at once, not at the next step
+    assert {
+        loaded.state[q][k].dtype for q in resumed_params for k in ("exp_avg", "exp_avg_sq")
+    } == {torch.bfloat16}
     for p, q in zip(straight_params, resumed_params):
         assert torch.equal(p, q)
         assert (
