@@ -40,6 +40,7 @@ import time
 import traceback
 import warnings
 from multiprocessing import reduction
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -96,20 +97,25 @@ class _CallersFd:
         return duplicate.detach()
 
 
-def _worker(
-    rank,
-    world_size,
-    port,
-    timeout,
-    fn,
-    args,
-    results,
-    emulate_npu,
-    bind_device,
-    threads,
-    caller,
-    crash_log,
-):
+class _Launch(NamedTuple):
+    """What every rank of one launch gets (pickled into each forked process): the
+    parameters of :func:`run_distributed`, its port and result queue, and ``caller``: the
+    caller's environment and its standard output and error (:class:`_CallersFd`)."""
+
+    world_size: int
+    port: int
+    timeout: float
+    fn: Callable
+    args: tuple
+    results: Any
+    emulate_npu: bool
+    bind_device: bool
+    threads: int
+    caller: tuple
+
+
+def _worker(rank: int, launch: _Launch, crash_log: str):
+    world_size, port, timeout, fn, args, results, emulate_npu, bind_device, threads, caller = launch
     environment, stdout, stderr = caller
     os.dup2(stdout, 1)
     os.dup2(stderr, 2)
@@ -260,29 +266,25 @@ def run_distributed(
     ctx.set_forkserver_preload(PRELOAD)
     sys.stdout.flush()
     sys.stderr.flush()
-    caller = (dict(os.environ), _CallersFd(1), _CallersFd(2))
     results = ctx.Queue()
     port = free_port()
     crash_dir = tempfile.mkdtemp(prefix="run_distributed-")
     crash_logs = [os.path.join(crash_dir, f"rank{rank}.txt") for rank in range(world_size)]
+    launch = _Launch(
+        world_size,
+        port,
+        timeout,
+        fn,
+        args,
+        results,
+        emulate_npu,
+        bind_device,
+        threads,
+        (dict(os.environ), _CallersFd(1), _CallersFd(2)),
+    )
     procs = [
-        ctx.Process(
-            target=_worker,
-            args=(
-                rank,
-                world_size,
-                port,
-                timeout,
-                fn,
-                args,
-                results,
-                emulate_npu,
-                bind_device,
-                threads,
-                caller,
-                crash_logs[rank],
-            ),
-            daemon=False,  # workers may start processes (dist-ckpt save does)
+        ctx.Process(  # daemon=False: workers may start processes (dist-ckpt save does)
+            target=_worker, args=(rank, launch, crash_logs[rank]), daemon=False
         )
         for rank in range(world_size)
     ]
