@@ -41,7 +41,7 @@ from .flops import check_mean_document_length
 from .fsdp import FSDP_STRATEGIES, PLANNED_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile, load_hardware
 from .layout import HOST_MOMENT_BYTES, Layout
-from .memory import plan_memory
+from .memory import MIN_FREE_SHARE, plan_memory
 from .models import MODELS, ModelShape, get_model
 from .report import (
     format_candidate,
@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--min-free-memory",
-        default="5%",
-        help="device memory a fitting plan leaves free: a size (3GiB) or a share of --device-memory (default 5%%: "
+        default=f"{MIN_FREE_SHARE:.0%}",
+        help="device memory a fitting plan leaves free: a size (3GiB) or a share of --device-memory (default %(default)s: "
         "the plan's transient buffers and fragmentation are estimates)",
     )
     p.add_argument(

@@ -382,9 +382,8 @@ class MemoryPlan:
     )
     notes: list[str] = field(default_factory=list)
     host: Optional[HostPlan] = None  # None: the hardware profile gives no host figures
-    min_free_memory: int = (
-        0  # bytes of device_memory a fitting plan leaves free (--min-free-memory)
-    )
+    # bytes of device_memory a fitting plan leaves free (--min-free-memory)
+    min_free_memory: int = 0
 
     @property
     def worst_stage(self) -> StagePlan:
