@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .fusion_attention import NpuContractError
+from .fusion_attention_args import NpuContractError
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
