@@ -11,7 +11,7 @@ COMMANDS = {
         "mcore_flash.pretrain",
         "pretrain a GPT on megatron-core with the fused-attention spec",
     ),
-    "preprocess": ("mcore_flash.data.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
+    "preprocess": ("mcore_flash.preprocess", "jsonl -> Megatron .bin/.idx indexed dataset"),
     "convert": (
         "mcore_flash.conversion.cli",
         "Hugging Face Llama / Qwen2 / Qwen3 <-> megatron checkpoints (hf-to-mcore, mcore-to-hf)",

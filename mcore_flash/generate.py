@@ -42,7 +42,7 @@ the output), at most ``--max-new-tokens`` tokens: the EOS ids are those of the H
 checkpoint it was converted from (:func:`end_of_sequence_ids`); ``--ignore-eos`` produces
 exactly ``--max-new-tokens``. ``--json`` prints ``{"prompt_ids": [...], "output_ids": [...]}``.
 The tokenizer is the one stored with the checkpoint unless ``--tokenizer-type``/
-``--tokenizer-model`` are given (:func:`mcore_flash.training.data.run_tokenizer`); ``--prompt``
+``--tokenizer-model`` are given (:func:`mcore_flash.training.batches.run_tokenizer`); ``--prompt``
 is encoded without special tokens (no BOS), as Megatron-LM's tokenizers do.
 """
 
@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 
 from mcore_flash import compat, platform
-from mcore_flash.training.arguments import build_parser as build_pretrain_parser
-from mcore_flash.training.arguments import parse_args
+from mcore_flash.runtime.arguments import build_parser as build_pretrain_parser
+from mcore_flash.runtime.arguments import parse_args
 
 
 def build_parser():
@@ -118,7 +118,7 @@ def build_parser():
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from mcore_flash.training.distributed import destroy_distributed, init_distributed
+    from mcore_flash.runtime.distributed import destroy_distributed, init_distributed
 
     try:
         args = parse_generate_args(argv)
@@ -195,18 +195,10 @@ def _check_generation_flags(args) -> None:
 
 def generate(args) -> tuple[list[int], list[int], str]:
     """``(prompt ids, generated ids, decoded text)``; call after ``init_distributed(args)``."""
-    from mcore_flash.training import checkpointing
-    from mcore_flash.training.data import tokenizer_and_vocab
-    from mcore_flash.training.model import build_model, model_args, transformer_config
+    from mcore_flash.runtime.trained_model import load_trained_model
 
-    tokenizer, vocab = tokenizer_and_vocab(args)
+    model, tokenizer, _, common = load_trained_model(args)
     prompt = prompt_ids(args, tokenizer)
-    model = build_model(args, transformer_config(args), vocab, parallel_output=False)
-    model = model.to(platform.torch_device())
-    common = checkpointing.load_weights(
-        args.load, model, vocab, model_args(args, tokenizer.vocab_size)
-    )
-    model.eval()
     new = decode(
         model,
         prompt,

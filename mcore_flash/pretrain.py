@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
-    from mcore_flash.training.config import TrainingConfig
+    from mcore_flash.runtime.config import TrainingConfig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -21,7 +21,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Imported here, not at the top: megatron's checkpoint writer starts a helper process
     # with the spawn method, which re-imports this module (``python -m mcore_flash.pretrain``);
     # a top-level megatron import made that cost ~8 s at the first save of every launch.
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     try:
         config = parse_config(argv)
@@ -71,8 +71,8 @@ def _dry_run(config: TrainingConfig) -> int:
 def _train(config: TrainingConfig) -> tuple[int, Optional[dict]]:
     """Train on this process's ranks; prints the summary (or the error) and returns the exit
     code and the summary (None after an error)."""
-    from mcore_flash.training.checkpointing import CheckpointSaveError
-    from mcore_flash.training.distributed import destroy_distributed, init_distributed
+    from mcore_flash.checkpoint.failures import CheckpointSaveError
+    from mcore_flash.runtime.distributed import destroy_distributed, init_distributed
     from mcore_flash.training.loop import TrainingDiverged, train
 
     init_distributed(config)

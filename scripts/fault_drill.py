@@ -8,7 +8,7 @@ A CI harness, not part of the package: it runs in a checkout with ``mcore_flash`
 A tiny model trains for 12 iterations on 2 CPU ranks under ``torchrun`` (data parallel, the
 distributed optimizer, dropout 0.1, a checkpoint every iteration). One run is never
 interrupted. The other is a chain of launches on one ``--save`` directory: each launch
-resumes with ``--load`` and is killed (SIGKILL, :mod:`mcore_flash.training.faults`) at the
+resumes with ``--load`` and is killed (SIGKILL, :mod:`mcore_flash.faults`) at the
 next point of :data:`CHAIN`, until a last launch finishes. After every kill the tracker
 must name a checkpoint whose files equal the uninterrupted run's of that iteration, and
 the checkpoints written after each resume must equal the uninterrupted run's, byte for
@@ -45,8 +45,8 @@ import tempfile
 import uuid
 from typing import NamedTuple, Optional
 
-from mcore_flash.training import faults
-from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
+from mcore_flash import faults
+from mcore_flash.checkpoint.directory import MARKER, checkpoint_dir
 
 
 def _tests_module(name: str):

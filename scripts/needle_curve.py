@@ -42,8 +42,8 @@ import time
 
 import numpy
 
+from mcore_flash.checkpoint.directory import MARKER, checkpoint_dir
 from mcore_flash.data.synthetic import make_task
-from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
 
 SEQ_LENGTH = 256  # the tiny preset's, which the main job trains at
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -43,6 +43,35 @@ def test_help_prints_nothing_on_stderr(command):
     assert run.stderr == ""
 
 
+_HEAVY_IMPORTS = """
+import sys
+from mcore_flash.pretrain import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exit:
+    code = exit.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "megatron"})
+print("exit", code, "heavy", ",".join(heavy) or "none", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["--help"], 0),
+        (["--tensor-model-parallel-size", "0"], 2),  # a flag error
+        (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"], 2),  # a deep check
+    ],
+)
+def test_pretrain_help_and_flag_errors_import_neither_torch_nor_megatron(argv, code):
+    """The flags are parsed and checked in pure Python: ``--help`` and a refused flag load
+    neither torch nor megatron-core (``sys.modules`` after ``main`` returns)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _HEAVY_IMPORTS, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert result.stderr.splitlines()[-1] == f"exit {code} heavy none", result.stderr
+
+
 def test_the_users_warning_options_win():
     """With ``-W default`` (the user's choice) silence() steps aside: the same ``--help`` shows
     megatron's warnings, so the test above sees a real silencing, not a quiet import."""
@@ -153,7 +182,7 @@ def test_a_conversion_and_generate_print_nothing_on_stderr(tmp_path):
 
 @pytest.mark.parametrize(
     "module",
-    ["mcore_flash.training.arguments", "mcore_flash.generate", "mcore_flash.evaluation.cli"],
+    ["mcore_flash.runtime.arguments", "mcore_flash.generate", "mcore_flash.evaluation.cli"],
 )
 def test_help_shows_each_default_once(module):
     """A flag whose help names its default does not get argparse's "(default: ...)" again, and

@@ -107,12 +107,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _write_random_llama(hf_dir: str, model: str, num_layers: Optional[int]) -> dict:
     """A random bf16 Llama of the preset's shape, written one tensor at a time."""
+    from mcore_flash.checkpoint.model_args import model_args
     from mcore_flash.conversion.hf_config import hf_config_from_model_args
     from mcore_flash.conversion.llama import hf_shape, tensor_maps
     from mcore_flash.conversion.safetensors_io import StreamingSafetensorsWriter
     from mcore_flash.planning.models import get_model
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.model import model_args
+    from mcore_flash.runtime.arguments import parse_args
 
     flags = ["--model", model] + (["--num-layers", str(num_layers)] if num_layers else [])
     described = model_args(parse_args(flags), get_model(model).vocab_size)

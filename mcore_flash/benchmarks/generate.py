@@ -26,7 +26,7 @@ from .common import MegatronGroup, loadavg, progress_log
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from mcore_flash.training.arguments import build_parser, parse_args
+    from mcore_flash.runtime.arguments import build_parser, parse_args
 
     parser = build_parser()
     parser.prog = "mcore-flash bench-generate"
@@ -69,12 +69,10 @@ def _time_both(args, log) -> tuple[tuple[list[float], list[float]], bool]:
     """``((seconds of each run with the cache, without), same tokens)`` of greedy decoding
     (the prefill included); the repeats alternate (with, without, with, ...)."""
     from mcore_flash.generate import decode
-    from mcore_flash.training.data import tokenizer_and_vocab
-    from mcore_flash.training.model import build_model, transformer_config
+    from mcore_flash.runtime.trained_model import build_untrained_model
 
-    tokenizer, padded = tokenizer_and_vocab(args)
     torch.manual_seed(args.seed)
-    model = build_model(args, transformer_config(args), padded, parallel_output=False).eval()
+    model, tokenizer, _, _ = build_untrained_model(args)
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(tokenizer.vocab_size, (args.prompt_length,), generator=generator)
     seconds, outputs = {True: [], False: []}, {}

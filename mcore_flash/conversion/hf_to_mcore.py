@@ -3,7 +3,7 @@
 The checkpoint's layout (keys, global shapes, chunks, megatron's per-module extra-state
 objects) is read off the model ``mcore-flash pretrain`` would build, instantiated on the meta
 device; its data is produced chunk by chunk from the Hugging Face tensors while DCP writes
-(:mod:`mcore_flash.conversion.dcp_stream`), so memory holds one layer's tensor at a time.
+(:mod:`mcore_flash.checkpoint.dcp_stream`), so memory holds one layer's tensor at a time.
 
 megatron stores tensors in their global layout, which any TP/PP loads; the TP size only
 decides the vocabulary padding (a multiple of ``--make-vocab-size-divisible-by`` x TP) and,
@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from mcore_flash.conversion import dcp_stream
+from mcore_flash.checkpoint import dcp_stream, directory, manifest
 from mcore_flash.conversion.hf_config import (
     ConversionError,
     architecture_of,
@@ -35,7 +35,6 @@ from mcore_flash.conversion.llama import hf_shape, tensor_maps
 from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import HFCheckpointReader
 from mcore_flash.data.tokenizers import TOKENIZER_DIR, padded_vocab_size, store_tokenizer
-from mcore_flash.training import checkpointing, manifest
 
 # DCP's writer keeps the last chunk it wrote of every key alive until the file is done
 # (torch 2.13 ``_write_files_from_queue``), so chunks are cut into row blocks of at most
@@ -58,7 +57,7 @@ def hf_to_mcore(
     """Convert; returns ``{"model_args", "padded_vocab_size", "flags", "path", "tokenizer"}``
     (``tokenizer``: the record of the tokenizer files copied to ``<save>/tokenizer/``, None when
     ``hf_dir`` has none)."""
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.runtime.arguments import parse_args
 
     config = read_config(hf_dir)
     generation_config = read_generation_config(hf_dir)
@@ -103,7 +102,7 @@ def hf_to_mcore(
     with atomic_directory(save, "--save") as tmp:
         # the tokenizer beside the checkpoints (outside iter_*), recorded in their common state
         tokenizer = store_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
-        path = checkpointing.checkpoint_dir(tmp, 0)
+        path = directory.checkpoint_dir(tmp, 0)
         os.makedirs(path)
         dcp_stream.save_chunks(
             path,
@@ -126,7 +125,7 @@ def hf_to_mcore(
             },
         )
         manifest.write_manifest(path)
-        checkpointing.write_marker(tmp, 0)
+        directory.write_marker(tmp, 0)
     return {
         "model_args": model_args,
         "padded_vocab_size": padded,
@@ -194,7 +193,7 @@ def _layout_config(flags: list[str], model_args: dict):
     out a model flag whose value is false, which the trainer then takes from its default preset
     (``--use-checkpoint-args`` takes them from the checkpoint): here every model field is the
     checkpoint's, so that a tied model's layout has one embedding, as the trainer saves it."""
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     config = parse_config(flags + ["--dry-run"], world_size=1)
     fields = {f.name for f in dataclasses.fields(config)}
@@ -208,8 +207,8 @@ def _checkpoint_layout(args, padded: int):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from mcore_flash.training.distributed import destroy_distributed, init_fake_world
-    from mcore_flash.training.model import build_model, transformer_config
+    from mcore_flash.runtime.distributed import destroy_distributed, init_fake_world
+    from mcore_flash.runtime.model import build_model, transformer_config
 
     init_fake_world(args)
     try:

@@ -2,7 +2,7 @@
 a Hugging Face Llama / Qwen2 / Qwen3 directory: ``config.json`` + ``*.safetensors`` (+ index), streamed.
 
 Each megatron tensor is read one layer at a time from its global layout
-(:func:`mcore_flash.conversion.dcp_stream.load_chunk`), split into its Hugging Face tensors
+(:func:`mcore_flash.checkpoint.dcp_stream.load_chunk`), split into its Hugging Face tensors
 and appended to the current safetensors shard. The model comes from the ``model_args``
 stored in the checkpoint, so RoPE settings changed by continued pretraining are exported;
 token ids and other metadata come from the original ``config.json`` when the checkpoint was
@@ -23,13 +23,12 @@ import os
 
 import torch
 
-from mcore_flash.conversion import dcp_stream
+from mcore_flash.checkpoint import dcp_stream, directory
 from mcore_flash.conversion.hf_config import ConversionError, hf_config_from_model_args
 from mcore_flash.conversion.llama import tensor_maps
 from mcore_flash.conversion.output import Progress, atomic_directory
 from mcore_flash.conversion.safetensors_io import StreamingSafetensorsWriter
 from mcore_flash.data.tokenizers import TOKENIZER_DIR, store_tokenizer
-from mcore_flash.training import checkpointing
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
 
@@ -39,7 +38,7 @@ def mcore_to_hf(
 ) -> dict:
     """Export the latest checkpoint under ``load``; returns ``{"config", "files", "iteration",
     "tokenizer_files"}``."""
-    path, common = checkpointing.read_latest(load, verify_all=True)
+    path, common = directory.read_latest(load, verify_all=True)
     model_args = common.get("model_args")
     if model_args is None:
         raise ConversionError(
@@ -110,7 +109,7 @@ class _Source:
 
     def __init__(self, path: str, common: dict):
         self.path = path
-        self.fsdp = checkpointing.checkpoint_format(common) == "fsdp_dtensor"
+        self.fsdp = directory.saved_format(common) == "fsdp_dtensor"
         self.tp = (common.get("optimizer_layout") or {}).get("tensor_model_parallel_size", 1)
         self.stored = dcp_stream.stored_tensors(path)
 

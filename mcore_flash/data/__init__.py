@@ -7,7 +7,7 @@ Modules (none imports megatron at import time; they do so inside the functions t
   ``ByteTokenizer`` (default, no download), ``HuggingFaceTokenizer`` (``tokenizer.json`` via
   the optional ``tokenizers`` package), ``SentencePieceTokenizer`` (optional
   ``sentencepiece``), ``NullTokenizer``.
-* :mod:`mcore_flash.data.preprocess` - ``mcore-flash preprocess``: jsonl -> ``P_text_document.bin/.idx``
+* :mod:`mcore_flash.preprocess` - ``mcore-flash preprocess``: jsonl -> ``P_text_document.bin/.idx``
   written by ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder``.
 * :mod:`mcore_flash.data.synthetic` - the synthetic key/filler/query/answer task whose loss
   falls below a known floor only if attention reaches ~the whole sequence back.

@@ -43,7 +43,7 @@ directory's tokenizer files (:data:`TOKENIZER_FILES`, whichever exist) into ``<s
 and records them in the checkpoint's common state (:func:`tokenizer_record`: the type they load
 as, each file's SHA-256); ``pretrain`` copies them into every new ``--save`` it writes, and the
 commands given no ``--tokenizer-type``/``--tokenizer-model`` load them
-(:func:`stored_tokenizer`, through ``mcore_flash.training.data.run_tokenizer``).
+(:func:`stored_tokenizer`, through ``mcore_flash.training.batches.run_tokenizer``).
 """
 
 from __future__ import annotations

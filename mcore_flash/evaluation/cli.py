@@ -35,8 +35,8 @@ from typing import Optional, Sequence
 import numpy
 import torch.distributed as dist
 
-from mcore_flash.training.arguments import build_parser as build_pretrain_parser
-from mcore_flash.training.arguments import parse_args
+from mcore_flash.runtime.arguments import build_parser as build_pretrain_parser
+from mcore_flash.runtime.arguments import parse_args
 
 TASKS = ("needle", "loss-by-position", "perplexity")
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -133,7 +133,7 @@ def resolve(argv: Optional[Sequence[str]]):
             args.needle_length = max(2, args.seq_length // 16)
         kind, whose = args.tokenizer_type, ""
         if kind is None and args.tokenizer_model is None:
-            from mcore_flash.training.data import stored_tokenizer_record
+            from mcore_flash.checkpoint.tokenizer import stored_tokenizer_record
 
             stored = stored_tokenizer_record(args.load)  # the tokenizer the model runner takes
             kind = stored[0].get("type") if stored else None
@@ -186,7 +186,7 @@ def _resolve_perplexity(args) -> None:
     """``--task perplexity``: one source, a stride in range; the ``--input`` texts read and
     tokenized into ``args.eval_documents`` (``args.eval_bos``: a BOS is prepended)."""
     from mcore_flash.evaluation.perplexity import TextEncoder, read_texts
-    from mcore_flash.training.data import run_tokenizer
+    from mcore_flash.runtime.tokenizer import run_tokenizer
 
     if (args.input is None) == (not args.data_path):
         raise ValueError(
@@ -221,7 +221,7 @@ def _resolve_perplexity(args) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from mcore_flash.training.distributed import destroy_distributed, init_distributed
+    from mcore_flash.runtime.distributed import destroy_distributed, init_distributed
 
     try:
         args = resolve(argv)

@@ -34,21 +34,16 @@ class LoadedModel:
     for ``args``; construct after ``init_distributed(args)``."""
 
     def __init__(self, args):
-        from mcore_flash.training import checkpointing
-        from mcore_flash.training.data import tokenizer_and_vocab
-        from mcore_flash.training.model import build_model, model_args, transformer_config
+        from mcore_flash.runtime.trained_model import load_trained_model
 
-        self.tokenizer, padded_vocab = tokenizer_and_vocab(args)
+        loaded = load_trained_model(args)
+        self.model, self.tokenizer, self.config = (
+            loaded.model,
+            loaded.tokenizer,
+            loaded.model_config,
+        )
         self.vocab_size = self.tokenizer.vocab_size
-        self.config = transformer_config(args)
-        self.model = build_model(args, self.config, padded_vocab, parallel_output=False).to(
-            platform.torch_device()
-        )
-        common = checkpointing.load_weights(
-            args.load, self.model, padded_vocab, model_args(args, self.vocab_size)
-        )
-        self.iteration = int(common["iteration"])
-        self.model.eval()
+        self.iteration = loaded.iteration
 
     @torch.no_grad()
     def predict(

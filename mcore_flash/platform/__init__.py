@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from ._common import applied
+from ._common import _state, applied, device_type
 from .checkpoint_without_output import checkpoint_without_output_no_te
 from .megatron_cpu_rng import megatron_cpu_rng
 from .megatron_fsdp_cpu_view import megatron_fsdp_cpu_view
@@ -87,7 +87,6 @@ _ADAPTATIONS = {
     ),
 }
 
-_state = {"device": None}
 
 _CPU = torch.device("cpu")
 
@@ -143,13 +142,6 @@ def setup(device: str | None = None) -> str:
         adaptation()
     _state["device"] = device
     return device
-
-
-def device_type() -> str:
-    """The device chosen by ``setup()``."""
-    if _state["device"] is None:
-        raise RuntimeError("mcore_flash.platform.setup() has not been called")
-    return _state["device"]
 
 
 def torch_device() -> torch.device:

@@ -1,4 +1,5 @@
-"""What the adaptations share: run-once bookkeeping and "is this caller megatron?"."""
+"""What the adaptations share: run-once bookkeeping, "is this caller megatron?" and the
+device ``mcore_flash.platform.setup()`` chose."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ import functools
 import sys
 
 applied: list[str] = []
+_state = {"device": None}  # set by mcore_flash.platform.setup()
+
+
+def device_type() -> str:
+    """The device chosen by ``setup()``."""
+    if _state["device"] is None:
+        raise RuntimeError("mcore_flash.platform.setup() has not been called")
+    return _state["device"]
 
 
 def once(fn):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from mcore_flash.import_hooks import on_import
 
+from ._common import device_type as this_device
 from ._common import once
 
 ADAPTER_MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
@@ -32,8 +33,6 @@ def _mesh_on_this_device():
 
         @staticmethod
         def from_group(group, device_type: str = "cuda", *args, **kwargs):
-            from . import device_type as this_device
-
             if device_type == "cuda":
                 device_type = this_device()
             return DeviceMesh.from_group(group, device_type, *args, **kwargs)

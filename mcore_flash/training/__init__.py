@@ -1,2 +1,2 @@
-"""The pretraining entry point's parts: flags (``arguments``) resolved once into a frozen
-``config``, distributed setup, model, data, the loop as a recipe (``loop``), checkpoints."""
+"""The trainer: the loop as a recipe (:mod:`.loop`) and its setup builders (data-parallel
+wrappers, optimizer, offload, batches), the dry run, metrics, and the hang watchdog."""

@@ -45,9 +45,10 @@ from unittest import mock
 
 import torch
 
-from mcore_flash.training.config import TrainingConfig, preset_shape
-from mcore_flash.training.data import tokenizer_and_vocab
-from mcore_flash.training.model import build_model_chunks, model_args, transformer_config
+from mcore_flash.checkpoint.model_args import model_args
+from mcore_flash.runtime.config import TrainingConfig, preset_shape
+from mcore_flash.runtime.model import build_model_chunks, transformer_config
+from mcore_flash.runtime.tokenizer import tokenizer_and_vocab
 
 # the shrunk shape of step 2: hidden size per attention head, vocabulary rows per TP rank
 SHRUNK_HEAD_DIM = 2
@@ -60,7 +61,7 @@ def dry_run(config: TrainingConfig) -> dict:
     "shrunk": the shrunk shape's {flag: value}, "device": "cpu" or "npu (emulated)"}``. A flag
     that megatron's constructors refuse raises their error (ValueError, or what megatron
     raises). The fake world is torn down before it returns."""
-    from mcore_flash.training.distributed import destroy_distributed
+    from mcore_flash.runtime.distributed import destroy_distributed
 
     device = _init_world(config)
     try:
@@ -72,7 +73,7 @@ def dry_run(config: TrainingConfig) -> dict:
 def _init_world(config: TrainingConfig) -> str:
     """The fake world of ``config.world_size`` ranks, on the CPU or, with
     ``--optimizer-cpu-offload``, on the emulated NPU; returns the device in words."""
-    from mcore_flash.training import distributed
+    from mcore_flash.runtime import distributed
 
     if not config.optimizer_cpu_offload:
         distributed.init_fake_world(config)

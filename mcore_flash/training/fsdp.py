@@ -30,57 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from importlib.metadata import version
-from typing import Optional
 
 import torch
-
-# the first megatron-core release whose Megatron-FSDP accumulates gradients right at size 1
-DP1_FIXED_IN = (0, 19)
-
-
-def _megatron_release() -> tuple[int, int]:
-    major, minor = version("megatron-core").split(".")[:2]
-    return int(major), int(minor)
-
-
-def upstream_defect(strategy: str, dp_cp: int) -> Optional[str]:
-    """Why the installed megatron-core's Megatron-FSDP trains ``strategy`` at data x context
-    parallel size ``dp_cp`` wrongly, as an error naming the flag; None if it does not. Pure
-    Python (reads the installed version only). Measured against the distributed optimizer's
-    run (tests/training/test_megatron_fsdp.py; ``distributed/fsdp/src/megatron_fsdp/
-    param_and_grad_buffer.py``, 0.16.1 lines):
-
-    * ``no_shard``: 0.16 fails at the first step (``fetch_bucket`` on the weight buffer
-      ``no_shard`` never makes, ``:3734``); 0.19.2 doubles every gradient (grad norm 2x).
-    * ``optim``: 0.16 adds the reduce-scatter's copy onto the local gradient (``:3252-3257``):
-      grad norm 2x; 0.19.2's grad norm is 1.5x the oracle's.
-    * ``optim_grads[_params]`` at size 1 before 0.19 (Megatron-LM issue 6660): the gradient
-      buffer is not distributed, so its bucket is a view of it (``:936-942``) and that same
-      addition doubles every gradient each micro-batch; 0.19 adds only
-      ``if gbuf.is_data_distributed``.
-    """
-    installed = f"megatron-core {version('megatron-core')}"
-    if strategy == "no_shard":
-        return (
-            f"--data-parallel-sharding-strategy no_shard trains wrongly on {installed} (0.16 fails at "
-            "the first step, 0.19 doubles every gradient): it shards nothing, so drop --use-megatron-fsdp "
-            "(plain data parallelism)"
-        )
-    if strategy == "optim":
-        return (
-            f"--data-parallel-sharding-strategy optim trains wrongly on {installed} (its gradients are "
-            "not the data-parallel sum: 0.16 doubles them, 0.19 scales them by 1.5): use "
-            "--use-distributed-optimizer without --use-megatron-fsdp (it shards the optimizer state "
-            "alike), or optim_grads / optim_grads_params"
-        )
-    if dp_cp == 1 and _megatron_release() < DP1_FIXED_IN:
-        return (
-            f"--use-megatron-fsdp at data x context parallel size 1 shards nothing and, on {installed}, "
-            "doubles the gradients every micro-batch (Megatron-LM issue 6660, fixed in 0.19): drop "
-            "--use-megatron-fsdp (--use-distributed-optimizer keeps the same bytes), or add data-parallel ranks"
-        )
-    return None
 
 
 def layer_elements(model: torch.nn.Module) -> int:

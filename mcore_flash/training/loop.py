@@ -1,6 +1,6 @@
 """The training loop as a recipe, assembled from megatron-core's own parts.
 
-:class:`PretrainRecipe` sets a run up from a :class:`~mcore_flash.training.config.TrainingConfig`
+:class:`PretrainRecipe` sets a run up from a :class:`~mcore_flash.runtime.config.TrainingConfig`
 (GPTModel with the flash spec -> ``DistributedDataParallel`` -> ``get_megatron_optimizer``,
 distributed with ``--use-distributed-optimizer``, + ``OptimizerParamScheduler``; the
 checkpoint in ``--load``; the data), then :meth:`~PretrainRecipe.train` runs one
@@ -23,17 +23,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from mcore_flash import platform
-from mcore_flash.training import checkpointing, faults, fsdp, offload, watchdog
-from mcore_flash.training.config import TrainingConfig
-from mcore_flash.training.data import build_train_valid_datasets, micro_batches, tokenizer_and_vocab
+from mcore_flash import faults, platform
+from mcore_flash.checkpoint import checkpointer, directory
+from mcore_flash.checkpoint.model_args import model_args
+from mcore_flash.runtime.config import TrainingConfig
+from mcore_flash.runtime.model import build_model_chunks, count_parameters, transformer_config
+from mcore_flash.runtime.tokenizer import tokenizer_and_vocab
+from mcore_flash.training import fsdp, offload, watchdog
+from mcore_flash.training.batches import build_train_valid_datasets, micro_batches
 from mcore_flash.training.metrics import MetricsLogger
-from mcore_flash.training.model import (
-    build_model_chunks,
-    count_parameters,
-    model_args,
-    transformer_config,
-)
 from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 from mcore_flash.transformer.packed_sequences import pack_documents
 
@@ -68,7 +66,7 @@ class PretrainRecipe:
 
         self.config = config
         self.started = time.monotonic()  # --exit-duration-in-mins counts from here
-        checkpointing.refuse_overwrite(config.save, config.load)  # before anything is written
+        directory.refuse_overwrite(config.save, config.load)  # before anything is written
         self.tokenizer, self.padded_vocab_size = tokenizer_and_vocab(config)
         self.split_batch = _batch_splitter(config, self.tokenizer)
         self.model_config = transformer_config(config)
@@ -78,6 +76,14 @@ class PretrainRecipe:
         )
         self.optimizer = _optimizer(config, self.model_config, self.model_chunks)
         self.scheduler = _lr_scheduler(config, self.optimizer)
+        self.checkpointer = checkpointer.Checkpointer(
+            self.model_chunks,
+            self.optimizer,
+            self.scheduler,
+            self.padded_vocab_size,
+            self.model_args,
+            background=config.async_save,
+        )
         _connect_model_config(config, self.model_config, self.model_chunks, self.optimizer)
         faults.install(self.model_chunks, self.model_config)
         self.logger = MetricsLogger(
@@ -88,21 +94,15 @@ class PretrainRecipe:
         self.data, self.valid_data = self._micro_batches()
         self.forward_backward = get_forward_backward_func()
         self.stop = _StopSignal()
-        self.background_saves = checkpointing.BackgroundSaves() if config.async_save else None
         self.watchdog = watchdog.start(config, self.model_chunks, self.model_config, self.optimizer)
 
     def _resume(self) -> tuple[int, int, dict]:
         """``(iteration, consumed samples, provenance)`` of the checkpoint in ``--load``, or a
         fresh start; notes what was loaded and which unfinished saves are ignored."""
         config, iteration, consumed, provenance = self.config, 0, 0, {}
-        if config.load and checkpointing.latest_iteration(config.load) is not None:
-            iteration, consumed, provenance = checkpointing.load_checkpoint(
+        if config.load and directory.latest_iteration(config.load) is not None:
+            iteration, consumed, provenance = self.checkpointer.load(
                 config.load,
-                self.model_chunks,
-                self.optimizer,
-                self.scheduler,
-                self.padded_vocab_size,
-                self.model_args,
                 finetune=config.finetune,
                 load_optim=not config.no_load_optim,
                 load_rng=not config.no_load_rng,
@@ -114,7 +114,7 @@ class PretrainRecipe:
             )
         elif config.load:
             self.logger.note(f"no checkpoint in --load {config.load} yet: starting from scratch")
-        for stale in checkpointing.unfinished_saves(config.load):
+        for stale in directory.unfinished_saves(config.load):
             self.logger.note(
                 f"ignoring {stale}: a save that did not finish (the next save removes it)"
             )
@@ -276,24 +276,18 @@ class PretrainRecipe:
         if self.config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.disable_forward_pre_hook()  # and the all-gather, synchronously
-        path = checkpointing.save_checkpoint(
+        path = self.checkpointer.save(
             self.config.save,
             self.iteration,
-            self.model_chunks,
-            self.optimizer,
-            self.scheduler,
             self.consumed_samples,
-            self.padded_vocab_size,
-            self.model_args,
             self.provenance,
-            background=self.background_saves,
             progress=self.watchdog.phase,
         )
         if self.config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.enable_forward_pre_hook()
         stalled = time.perf_counter() - start
-        if self.background_saves is None:
+        if self.checkpointer.background is None:
             self.logger.note(f"saved checkpoint {path} (training stopped {stalled:.2f} s)")
         else:
             self.logger.note(
@@ -304,10 +298,9 @@ class PretrainRecipe:
     def _publish_background_save(self, blocking: bool) -> None:
         """``--async-save``: publish the save in flight once every rank's writer is done
         (``blocking``: wait for them); collective, a no-op without the flag."""
-        if self.background_saves is not None:
-            path = self.background_saves.finalize(blocking)
-            if path is not None:
-                self.logger.note(f"saved checkpoint {path} (written in the background)")
+        path = self.checkpointer.finalize(blocking)
+        if path is not None:
+            self.logger.note(f"saved checkpoint {path} (written in the background)")
 
     def cleanup(self) -> None:
         """Give SIGTERM back its previous handler, stop the watchdog; close ``metrics.jsonl`` and
@@ -335,7 +328,7 @@ def _data_parallel_model_chunks(
     ]
     if config.use_megatron_fsdp:  # one chunk: FSDP runs at --pipeline-model-parallel-size 1
         if config.finetune or config.no_load_optim:
-            checkpointing.load_weights_before_sharding(
+            checkpointer.load_weights_before_sharding(
                 config.load, chunks[0], padded_vocab_size, model_args
             )
         return [fsdp.fully_sharded(config, model_config, chunks[0], device)]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mcore_flash import platform
 from mcore_flash.planning.flops import step_flops
 from mcore_flash.planning.recipes import model_shape_for_pretrain_args
-from mcore_flash.training.config import TrainingConfig
+from mcore_flash.runtime.config import TrainingConfig
 
 #: ``metrics.jsonl`` key -> TensorBoard tag (Megatron-LM's ``training_log`` names where it has
 #: one: "throughput" is its TFLOP/s per GPU; the per-device tokens/s and MFU are ours)

@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from mcore_flash.training.host_adam import MOMENT_DTYPES, HostAdamW
+from mcore_flash.optim.host_adam import MOMENT_DTYPES, HostAdamW
 
 
 def optimizer_settings(config) -> dict:

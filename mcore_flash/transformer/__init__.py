@@ -1,15 +1,23 @@
-"""Megatron-Core adapters: fused core attention, SP-capable norms and layer/block specs."""
+"""Megatron-Core adapters: fused core attention, SP-capable norms and layer/block specs.
 
-from .attention import FlashDotProductAttention
-from .layer import FlashTransformerLayer
-from .norms import LayerNorm, RMSNorm
-from .specs import get_gpt_decoder_block_flash_spec, get_gpt_layer_flash_spec
+The names below are imported on first use, so importing a module of this package that needs
+neither torch nor megatron-core (``recompute``: the recompute settings the config holds) loads
+neither."""
 
-__all__ = [
-    "FlashDotProductAttention",
-    "FlashTransformerLayer",
-    "LayerNorm",
-    "RMSNorm",
-    "get_gpt_decoder_block_flash_spec",
-    "get_gpt_layer_flash_spec",
-]
+import importlib
+
+_LAZY = {
+    "FlashDotProductAttention": "attention",
+    "FlashTransformerLayer": "layer",
+    "LayerNorm": "norms",
+    "RMSNorm": "norms",
+    "get_gpt_decoder_block_flash_spec": "specs",
+    "get_gpt_layer_flash_spec": "specs",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -385,7 +385,7 @@ def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, **kwa
     platform.setup("cpu")
     from megatron.core import parallel_state
 
-    from mcore_flash.training.distributed import set_random_seed
+    from mcore_flash.runtime.distributed import set_random_seed
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,

@@ -24,8 +24,9 @@ def w_recipe_runs(rank, world_size, runs, save_root, measure, before=None):
     """Worker: ``{name: {"steps": [(loss, grad norm)], **measure(recipe, baseline)}}`` of this rank."""
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
 
     results = {}
     for name, flags in runs:

@@ -39,7 +39,7 @@ def _model_tensor_keys(save, iteration: int) -> set[str]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from mcore_flash.training.checkpointing import checkpoint_dir
+    from mcore_flash.checkpoint.directory import checkpoint_dir
 
     metadata = FileSystemReader(checkpoint_dir(str(save), iteration)).read_metadata()
     return {
@@ -216,16 +216,16 @@ def _w_loss(rank, world_size, load, tokens):
     """The trainer's model, loaded from ``load``: per-token losses and logits of ``tokens``."""
     init_megatron()
     try:
+        from mcore_flash.checkpoint import checkpointer, directory
         from mcore_flash.data.tokenizers import padded_vocab_size
-        from mcore_flash.training import checkpointing
-        from mcore_flash.training.arguments import parse_args
-        from mcore_flash.training.model import build_model, transformer_config
+        from mcore_flash.runtime.arguments import parse_args
+        from mcore_flash.runtime.model import build_model, transformer_config
 
         args = parse_args(["--load", load, "--use-checkpoint-args"])
-        saved = checkpointing.read_model_args(load)
+        saved = directory.read_model_args(load)
         vocab = padded_vocab_size(saved["vocab_size"])
         model = build_model(args, transformer_config(args), vocab)
-        checkpointing.load_weights(load, model, vocab, saved)
+        checkpointer.load_weights(load, model, vocab, saved)
         positions = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)
         with torch.no_grad():
             loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
@@ -732,7 +732,7 @@ def test_mcore_to_hf_names_a_changed_checkpoint_file_and_writes_nothing(tmp_path
 
 _FAIL_MID_WRITE = """
 import sys
-from mcore_flash.conversion import safetensors_io, dcp_stream
+from mcore_flash.checkpoint import safetensors_io, dcp_stream
 calls = []
 def failing(original):
     def wrapper(*args, **kwargs):
@@ -859,10 +859,10 @@ def test_published_configs_read_as_our_presets_and_export_back(config, preset):
     transformers with the same RoPE, eps, shape and token ids."""
     from transformers import LlamaConfig
 
+    from mcore_flash.checkpoint.model_args import model_args
     from mcore_flash.conversion.hf_config import hf_config_from_model_args, model_args_from_hf
     from mcore_flash.planning.models import get_model
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.model import model_args
+    from mcore_flash.runtime.arguments import parse_args
 
     ours = model_args_from_hf(config)
     expected = model_args(

@@ -126,8 +126,9 @@ def _w_first_step_gradients(rank, world_size, argv):
     every norm weight's main gradient on this rank (the norms are whole on every TP rank)."""
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
 
     config = parse_config(argv)
     distributed.init_distributed(config)
@@ -237,9 +238,9 @@ def test_unsupported_qwen_configs_are_refused_by_name(tmp_path, capsys, case):
 def test_models_without_a_hugging_face_architecture_do_not_export():
     """Both Qwen options together (no transformers class has both) and a Llama whose head size
     is not hidden / heads (the Llama importer refuses that head_dim) are refused by name."""
+    from mcore_flash.checkpoint.model_args import model_args
     from mcore_flash.conversion.hf_config import ConversionError, hf_config_from_model_args
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.model import model_args
+    from mcore_flash.runtime.arguments import parse_args
 
     base = ["--model", "tiny", "--save", "/tmp/unused"]
     both = model_args(parse_args(base + ["--add-qkv-bias", "--qk-layernorm"]), 258)
@@ -346,7 +347,7 @@ def _w_megatron(rank, world_size, names):
         )
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from mcore_flash.planning import meta_parameter_count
+        from _support.models import meta_parameter_count
 
         yarn = YarnRotaryEmbedding(
             kv_channels=YARN["head_dim"],
@@ -399,11 +400,11 @@ def test_qwen_presets_have_the_published_parameter_counts(megatron_facts):
     ``--model`` parsed), and the config exported from them reads back in transformers alike."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from mcore_flash.checkpoint.model_args import model_args
     from mcore_flash.conversion.hf_config import hf_config_from_model_args, model_args_from_hf
     from mcore_flash.planning import total_parameters
     from mcore_flash.planning.models import get_model
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.model import model_args
+    from mcore_flash.runtime.arguments import parse_args
 
     megatron = megatron_facts["counts"]
     for name, published in PUBLISHED.items():

@@ -40,9 +40,9 @@ def _convert(*argv):
 
 
 def _common(load):
-    from mcore_flash.training import checkpointing
+    from mcore_flash.checkpoint import directory
 
-    return checkpointing.read_latest(str(load))[1]
+    return directory.read_latest(str(load))[1]
 
 
 def _json(path):
@@ -51,8 +51,8 @@ def _json(path):
 
 
 def _run_tokenizer(*argv):
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.data import run_tokenizer
+    from mcore_flash.runtime.arguments import parse_args
+    from mcore_flash.runtime.tokenizer import run_tokenizer
 
     return run_tokenizer(parse_args([*map(str, argv)]))
 
@@ -89,7 +89,7 @@ def corpus_from(root, texts: list[str], load) -> dict:
     """``texts`` as ``root/corpus.jsonl``, tokenized by ``preprocess --load load`` (the
     checkpoint's own tokenizer, an end of document after each) into ``root/corpus``; returns
     the output prefixes by JSON key."""
-    from mcore_flash.data.preprocess import preprocess
+    from mcore_flash.preprocess import preprocess
 
     with open(root / "corpus.jsonl", "w") as f:
         f.writelines(json.dumps({"text": text}) + "\n" for text in texts)
@@ -172,11 +172,11 @@ def test_explicit_flags_win_and_checkpoints_without_a_tokenizer_behave_as_before
     `--task needle` refuses it. A changed stored file is an error naming it (the flags still
     work), and `mcore-to-hf` refuses to copy it."""
     from mcore_flash.data.errors import DataError
-    from mcore_flash.data.preprocess import preprocess
     from mcore_flash.data.tokenizers import ByteTokenizer, HFTokenizer
     from mcore_flash.evaluation.cli import resolve
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.data import tokenizer_and_vocab
+    from mcore_flash.preprocess import preprocess
+    from mcore_flash.runtime.arguments import parse_args
+    from mcore_flash.runtime.tokenizer import tokenizer_and_vocab
 
     mc, oracle = source["mc"], source["oracle"]
     stored = _run_tokenizer("--load", mc, "--use-checkpoint-args")

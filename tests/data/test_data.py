@@ -15,8 +15,6 @@ import torch
 
 from mcore_flash.data import DataError
 from mcore_flash.data.indexed import check_indexed_dataset
-from mcore_flash.data.preprocess import main as preprocess_main
-from mcore_flash.data.preprocess import preprocess
 from mcore_flash.data.synthetic import (
     QUERY,
     SEP,
@@ -28,6 +26,8 @@ from mcore_flash.data.synthetic import (
     write_synthetic_dataset,
 )
 from mcore_flash.data.tokenizers import ByteTokenizer, build_tokenizer, padded_vocab_size
+from mcore_flash.preprocess import main as preprocess_main
+from mcore_flash.preprocess import preprocess
 
 from _support.dist_utils import free_port
 
@@ -373,8 +373,8 @@ def test_synthetic_cache_records_the_key_depth(tmp_path):
 
 
 def test_synthetic_key_depth_flag(tmp_path, good_prefix, gloo_group):
-    from mcore_flash.training.arguments import parse_config
-    from mcore_flash.training.data import build_train_valid_datasets
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training.batches import build_train_valid_datasets
 
     base = ["--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "4"]
     save = str(tmp_path / "run")
@@ -400,7 +400,7 @@ def test_a_resume_on_the_other_key_depth_is_refused(tmp_path):
     """The placement a checkpoint's run trained on (its provenance) must be this resume's:
     refused naming the flag otherwise; a fine-tune, other data, or a checkpoint without the
     record (written before it) go on."""
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
     from mcore_flash.training.loop import _check_built_in_data
 
     base = ["--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "4"]

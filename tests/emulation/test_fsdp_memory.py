@@ -261,8 +261,8 @@ def _measure(config) -> dict:
 def _w_measure(rank, world_size, root):
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
 
     out = {}
     _instrument()

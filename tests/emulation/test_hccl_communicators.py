@@ -65,8 +65,9 @@ def w_communicators(rank, world_size, runs, save_root):
     from megatron.core import parallel_state
 
     from mcore_flash.emulation import hccl
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
 
     results = {}
     for name, flags in runs:

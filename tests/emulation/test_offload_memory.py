@@ -11,7 +11,7 @@ gradients). Per rank the emulated device counts every byte (``torch.npu.memory_a
 measured after setup (model built, wrapped, optimizer constructed) and after a first step
 (Adam's m and v, the step counters, the fp32 gradients exist). The oracle is that
 measurement: what each run takes less than the resident run, per rank, equals the planner's
-prediction exactly, :func:`~mcore_flash.planning.memory.ddp_state_bytes` of the resident
+prediction exactly, :func:`~mcore_flash.planning.ddp_state.ddp_state_bytes` of the resident
 layout less that of the run's layout. The planner reads no tensor of the trainer: it mirrors
 megatron's DDP buffer (parameters in reverse order, each starting at a multiple of 64
 elements, the bucket padded to a multiple of ``lcm(dp, 128)`` and split evenly over the
@@ -42,7 +42,7 @@ import gc
 from dataclasses import replace
 
 from mcore_flash.planning import Layout, get_model, plan_memory
-from mcore_flash.planning.memory import ddp_host_bytes, ddp_state_bytes, rank_shards
+from mcore_flash.planning.ddp_state import ddp_host_bytes, ddp_state_bytes, rank_shards
 
 from _support.dist_utils import run_distributed
 
@@ -100,8 +100,9 @@ def _w_measure(rank, world_size, root):
     import torch
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
 
     out = {}
     for name, flags in RUNS.items():

@@ -127,8 +127,8 @@ def _w_teacher_forced_vs_greedy(rank, world_size, load, depth):
     from mcore_flash.evaluation.model_runner import LoadedModel
     from mcore_flash.evaluation.needle import digit_filler, needle_samples, score_needles
     from mcore_flash.generate import decode
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.distributed import init_distributed
+    from mcore_flash.runtime.arguments import parse_args
+    from mcore_flash.runtime.distributed import init_distributed
 
     args = parse_args(["--load", load, "--use-checkpoint-args"])
     init_distributed(args)
@@ -155,8 +155,8 @@ def test_one_teacher_forced_pass_scores_exactly_what_greedy_decoding_retrieves(m
 def _w_losses_against_megatron(rank, world_size, load):
     from mcore_flash.data.synthetic import generate_documents, make_task
     from mcore_flash.evaluation.model_runner import LoadedModel
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.distributed import init_distributed
+    from mcore_flash.runtime.arguments import parse_args
+    from mcore_flash.runtime.distributed import init_distributed
 
     args = parse_args(["--load", load, "--use-checkpoint-args"])
     init_distributed(args)

@@ -61,7 +61,7 @@ def _w_generate(rank, world_size, load, runs):
     length, attn_mask_type)`` of each call megatron makes to core attention in this rank's
     first layer."""
     from mcore_flash.generate import generate, parse_generate_args
-    from mcore_flash.training.distributed import init_distributed
+    from mcore_flash.runtime.distributed import init_distributed
     from mcore_flash.transformer.attention import FlashDotProductAttention
 
     calls = []
@@ -259,7 +259,7 @@ def test_chat_without_a_template_or_with_a_failing_one_names_chat(source):
     """`--chat` with the byte-level tokenizer (no template), and with a template that raises
     for the message: errors that name `--chat`."""
     from mcore_flash.generate import parse_generate_args, prompt_ids
-    from mcore_flash.training.data import run_tokenizer
+    from mcore_flash.runtime.tokenizer import run_tokenizer
 
     failing = source["root"] / "failing-template"
     make_hf_tokenizer(failing, vocab=VOCAB)

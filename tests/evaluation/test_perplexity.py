@@ -64,7 +64,7 @@ def _byte_level_tokenizer_with_bos(path) -> str:
 def setup(tmp_path_factory) -> dict:
     """The transformers Llama, its converted checkpoint, the input files and a preprocessed
     dataset (paths as strings)."""
-    from mcore_flash.data import preprocess
+    from mcore_flash import preprocess
 
     root = tmp_path_factory.mktemp("perplexity")
     src = make_hf_llama(root / "hf", vocab=258)
@@ -188,7 +188,7 @@ def _w_layouts(rank, world_size, runs):
     from megatron.core import parallel_state
 
     from mcore_flash.evaluation import cli
-    from mcore_flash.training.distributed import init_distributed
+    from mcore_flash.runtime.distributed import init_distributed
 
     results = []
     for argv in runs:

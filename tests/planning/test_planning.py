@@ -137,7 +137,8 @@ def _w_measure(rank, world_size, cases, meta_models):
     init_megatron(tp=world_size)
     try:
         from mcore_flash.memory import measure_activation_bytes
-        from mcore_flash.planning import meta_parameter_count
+
+        from _support.models import meta_parameter_count
 
         out = {"cases": {}, "params": {}}
         for case in cases:
@@ -167,9 +168,9 @@ def _w_measure(rank, world_size, cases, meta_models):
 def _trainer_parameter_count(preset):
     """Parameters of the GPTModel ``mcore-flash pretrain --model <preset>`` builds: the
     trainer's own flag parsing, tokenizer (padded vocabulary) and model builder, on meta."""
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.data import tokenizer_and_vocab
-    from mcore_flash.training.model import build_model, transformer_config
+    from mcore_flash.runtime.arguments import parse_args
+    from mcore_flash.runtime.model import build_model, transformer_config
+    from mcore_flash.runtime.tokenizer import tokenizer_and_vocab
 
     args = parse_args(["--model", preset, "--save", "/tmp/unused"])
     _, vocab = tokenizer_and_vocab(args)
@@ -352,7 +353,7 @@ def _w_measure_npu(rank, world_size, cases):
 
     from mcore_flash import platform
     from mcore_flash.memory import measure_activation_bytes
-    from mcore_flash.training.distributed import set_random_seed
+    from mcore_flash.runtime.distributed import set_random_seed
 
     assert platform.setup() == "npu"
     parallel_state.initialize_model_parallel()
@@ -501,9 +502,9 @@ def test_planner_tiny_is_the_model_pretrain_trains():
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
 
-    from mcore_flash.training.arguments import parse_args
-    from mcore_flash.training.data import tokenizer_and_vocab
-    from mcore_flash.training.model import transformer_config
+    from mcore_flash.runtime.arguments import parse_args
+    from mcore_flash.runtime.model import transformer_config
+    from mcore_flash.runtime.tokenizer import tokenizer_and_vocab
 
     args = parse_args(["--model", "tiny", "--save", "/tmp/unused"])
     config = transformer_config(args)

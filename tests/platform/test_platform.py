@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mcore_flash import platform
-from mcore_flash.training.distributed import set_random_seed
+from mcore_flash.runtime.distributed import set_random_seed
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.gpt_models import full_weights, load_full_weights
@@ -311,7 +311,7 @@ def _w_npu_setup(rank, world_size):
     from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 
-    from mcore_flash.training.distributed import set_random_seed
+    from mcore_flash.runtime.distributed import set_random_seed
 
     os.environ["LOCAL_RANK"] = "3"  # as torchrun would set it for the 4th process of a node
     device = platform.setup()

@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 fault_drill = importlib.import_module("fault_drill")  # a CI harness, not in the package
 
-from mcore_flash.training import faults  # noqa: E402
-from mcore_flash.training.checkpointing import checkpoint_dir  # noqa: E402
+from mcore_flash import faults  # noqa: E402
+from mcore_flash.checkpoint.directory import checkpoint_dir  # noqa: E402
 
 SHORT = ("--train-iters", "3")
 
@@ -48,7 +48,7 @@ def test_background_saves_write_the_synchronous_saves_bytes_and_say_what_trainin
 
 
 def test_async_save_is_refused_with_fsdp(tmp_path):
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     with pytest.raises(ValueError, match="--async-save writes --ckpt-format torch_dist"):
         parse_config(

@@ -20,8 +20,8 @@ import sys
 import pytest
 import torch
 
-from mcore_flash.training import faults
-from mcore_flash.training.checkpointing import MARKER, checkpoint_dir
+from mcore_flash import faults
+from mcore_flash.checkpoint.directory import MARKER, checkpoint_dir
 
 from _support.dist_utils import free_port, run_distributed
 
@@ -65,15 +65,13 @@ def test_a_failed_save_without_an_errno_is_a_full_disk_below_1_mib_free(
     """torch's C++ writer reports a full disk as "unexpected pos" without an errno: under 1 MiB
     free that is said to be a full disk, with more free space the error is passed on as is;
     either way the message names the checkpoint that is intact and how to resume."""
-    from mcore_flash.training import checkpointing
+    from mcore_flash.checkpoint import failures
 
     (tmp_path / MARKER).write_text("2")
     os.makedirs(checkpoint_dir(str(tmp_path), 2))
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: usage._replace(free=free))
-    message = checkpointing._save_failure(
-        str(tmp_path), 4, RuntimeError("unexpected pos 512 vs 256")
-    )
+    monkeypatch.setattr(failures.shutil, "disk_usage", lambda path: usage._replace(free=free))
+    message = failures.save_failure(str(tmp_path), 4, RuntimeError("unexpected pos 512 vs 256"))
     assert ("No space left on device" in message) == full
     assert ("RuntimeError: unexpected pos 512 vs 256" in message) != full
     assert "the checkpoint of iteration 2 is intact" in message and f"--load {tmp_path}" in message
@@ -237,7 +235,7 @@ def test_pickles_that_would_run_code_are_refused(saved, tmp_path):
     file is refused, naming the file, and never runs."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from mcore_flash.training import manifest
+    from mcore_flash.checkpoint import manifest
 
     reference, last, flags = saved
     cases, runs = [], []

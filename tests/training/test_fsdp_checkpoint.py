@@ -34,8 +34,9 @@ def _tiny():
 
 
 def _recipe(flags, save, load=None):
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
 
     argv = [*_tiny(), *flags, "--save", save] + (["--load", load] if load else [])
     config = parse_config(argv)
@@ -370,10 +371,10 @@ def test_fsdp_optimizer_state_of_dp2_resumes_at_cp2_and_at_dp1(tmp_path):
     size: the same cut) and, on megatron-core 0.19 (FSDP at size 1 doubles the gradients
     before), in one process: the saving run's optimizer state bit for bit, and its loss and
     grad norm. The megatron calls of the DP2 <-> DP4 test, fast enough for CI's 0.19 job."""
-    from mcore_flash.training import fsdp
+    from mcore_flash.runtime import config_checks
 
     launches = [(2, [("dp2", [], None), ("cp2-from-dp2", ["--context-parallel-size", "2"], "dp2")])]
-    at_dp1 = fsdp._megatron_release() >= fsdp.DP1_FIXED_IN
+    at_dp1 = config_checks._megatron_release() >= config_checks.DP1_FIXED_IN
     if at_dp1:
         launches.append((1, [("dp1-from-dp2", [], "dp2")]))
     results = _reshard_launches(str(tmp_path), launches)
@@ -404,11 +405,11 @@ def test_fsdp_optimizer_state_refuses_another_layout_by_name(monkeypatch, now, e
     """What FSDP optimizer state cannot reload into (another TP size, a run without FSDP) is
     refused before any tensor is read, naming the way out; the saved layout as
     save_checkpoint records it, this run's stubbed (no process group needed)."""
-    from mcore_flash.training import checkpointing
+    from mcore_flash.checkpoint import compatibility
 
-    monkeypatch.setattr(checkpointing, "optimizer_layout", lambda _: {**FSDP_LAYOUT, **now})
+    monkeypatch.setattr(compatibility, "optimizer_layout", lambda _: {**FSDP_LAYOUT, **now})
     with pytest.raises(ValueError, match=expected) as error:
-        checkpointing._check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
+        compatibility.check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
     assert "--no-load-optim" in str(error.value), error.value
 
 
@@ -416,11 +417,11 @@ def test_fsdp_optimizer_state_refuses_another_layout_by_name(monkeypatch, now, e
 def test_fsdp_optimizer_state_is_accepted_at_another_data_context_parallel_size(monkeypatch, size):
     """Another data x context parallel size passes the check (DCP reshards the state:
     ``test_fsdp_optimizer_state_reshards_between_dp2_and_dp4``), at the saved TP size."""
-    from mcore_flash.training import checkpointing
+    from mcore_flash.checkpoint import compatibility
 
     layout = {**FSDP_LAYOUT, "data_context_parallel_size": size}
-    monkeypatch.setattr(checkpointing, "optimizer_layout", lambda _: layout)
-    checkpointing._check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
+    monkeypatch.setattr(compatibility, "optimizer_layout", lambda _: layout)
+    compatibility.check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
 
 
 def test_fsdp_weights_into_a_run_without_fsdp_refuse_another_tp_size_or_pipelining(monkeypatch):
@@ -430,15 +431,15 @@ def test_fsdp_weights_into_a_run_without_fsdp_refuse_another_tp_size_or_pipelini
     its own local ones)."""
     from megatron.core import parallel_state
 
-    from mcore_flash.training import checkpointing
+    from mcore_flash.checkpoint import compatibility
 
     common = {"ckpt_format": "fsdp_dtensor", "optimizer_layout": FSDP_LAYOUT}
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     with pytest.raises(ValueError, match="pass --tensor-model-parallel-size 1"):
-        checkpointing._check_fsdp_weights_layout("/ckpt", common)
+        compatibility.check_fsdp_weights_layout("/ckpt", common)
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
-    checkpointing._check_fsdp_weights_layout("/ckpt", common)  # the saved layout: accepted
+    compatibility.check_fsdp_weights_layout("/ckpt", common)  # the saved layout: accepted
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
     with pytest.raises(ValueError, match="only at --pipeline-model-parallel-size 1"):
-        checkpointing._check_fsdp_weights_layout("/ckpt", common)
+        compatibility.check_fsdp_weights_layout("/ckpt", common)

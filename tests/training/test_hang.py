@@ -19,8 +19,9 @@ import time
 
 import pytest
 
-from mcore_flash.training import faults, watchdog
-from mcore_flash.training.checkpointing import MARKER
+from mcore_flash import faults
+from mcore_flash.checkpoint.directory import MARKER
+from mcore_flash.training import watchdog
 
 from _support.dist_utils import run_distributed
 from _support.pretrain_flags import tiny_flags
@@ -72,7 +73,7 @@ def test_hang_is_a_model_point_not_a_row_of_the_kill_drill():
 
 @pytest.mark.parametrize("minutes", ["0", "-1", "inf"])
 def test_a_timeout_that_is_not_a_positive_number_of_minutes_is_refused(minutes):
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     with pytest.raises(ValueError, match="--distributed-timeout-minutes must be a positive"):
         parse_config(["--distributed-timeout-minutes", minutes, "--dry-run"])
@@ -112,8 +113,9 @@ def test_the_watchdog_times_progress_not_the_armed_work(tmp_path):
 def _w_one_long_iteration(rank, world_size, flags):
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
 
     config = parse_config(flags)
     distributed.init_distributed(config)
@@ -136,7 +138,7 @@ def test_an_iteration_of_many_micro_batches_outlasting_the_limit_completes(tmp_p
     """Oracle: the clock. 1024 micro-batches of the tiny model under a limit of 1.2 s: the
     iteration must take several times the limit (else the test proves nothing) and finish
     (the watchdog that timed iterations ended it with code 3); the save after it marks each
-    of its steps (checkpointing.save_checkpoint's order)."""
+    of its steps (Checkpointer.save's order)."""
     flags = tiny_flags(micro_batch_size=1, train_iters=2)
     flags += ["--global-batch-size", "1024", "--distributed-timeout-minutes", "0.02"]
     flags += ["--save", str(tmp_path / "run")]

@@ -1,4 +1,4 @@
-"""The host step with narrower Adam moments (``mcore_flash.training.host_adam.HostAdamW``).
+"""The host step with narrower Adam moments (``mcore_flash.optim.host_adam.HostAdamW``).
 
 Oracles: torch's own ``AdamW`` (fp32 moments: the same step bit for bit, its fused kernel as
 megatron-core builds it and the single-tensor loop; and, over thousands of steps, what bf16
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from mcore_flash.training.host_adam import HostAdamW
+from mcore_flash.optim.host_adam import HostAdamW
 
 from _support.dist_utils import run_distributed
 from _support.pretrain_flags import tiny_flags
@@ -282,8 +282,9 @@ def _w_loss_curves(rank, world_size, runs, save_root):
     """Worker: ``{name: the loss of every iteration}`` of ITERATIONS iterations of each run."""
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
 
     curves = {}
     for name, argv in runs:

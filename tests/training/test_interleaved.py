@@ -37,8 +37,9 @@ def _w_runs(rank, world_size, root, runs):
     ``{name: message}`` of the runs refused with a ValueError."""
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
 
     refusals = {}
     for name, flags in runs:
@@ -141,7 +142,7 @@ def test_generate_and_evaluate_refuse_the_interleaved_flags_by_name(tool, requir
     above): the flags are refused with that reason, not with a training error."""
     import importlib
 
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.runtime.arguments import parse_args
 
     parser = importlib.import_module(tool).build_parser()
     for flags in (VP2, VP4):

@@ -24,7 +24,7 @@ import pytest
 
 from mcore_flash.planning import cli as plan_cli
 from mcore_flash.planning.report import launch_line, verdict
-from mcore_flash.training.arguments import parse_config
+from mcore_flash.runtime.arguments import parse_config
 
 from _support.dist_utils import run_distributed
 from _support.recipe_runs import TINY
@@ -344,7 +344,8 @@ def _w_one_iteration(rank, world_size, runs: list, save_root: str) -> dict:
 
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed, loop
+    from mcore_flash.runtime import distributed
+    from mcore_flash.training import loop
 
     results = {}
     for name, flags in runs:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mcore_flash.planning.layout import RECOMPUTE_FLAGS
-from mcore_flash.training.arguments import parse_config
-from mcore_flash.training.fsdp import upstream_defect
+from mcore_flash.runtime.arguments import parse_config
+from mcore_flash.runtime.config_checks import upstream_defect
 
 from _support.dist_utils import retried_after_a_lost_rank, run_distributed
 from _support.recipe_runs import TINY, full_weights, w_recipe_runs
@@ -216,8 +216,9 @@ def _w_stops(rank, world_size, save_root):
 
     from megatron.core import parallel_state
 
-    from mcore_flash.training import distributed, loop
-    from mcore_flash.training.checkpointing import latest_iteration
+    from mcore_flash.checkpoint.directory import latest_iteration
+    from mcore_flash.runtime import distributed
+    from mcore_flash.training import loop
 
     outcomes = {}
     for name, flags in (

@@ -5,7 +5,7 @@ on the host, on the emulated NPU (the CPU path has no device to offload from: re
 Oracle: the same run without offload (bf16 parameters, the distributed optimizer): losses and grad norms must be identical, the offloaded state must
 really sit on the host (tensor devices), and the device's byte counter (exact in the emulation)
 must fall by exactly the bytes of the state that moved there. With bf16 host moments
-(``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``, :mod:`mcore_flash.training.host_adam`) the
+(``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``, :mod:`mcore_flash.optim.host_adam`) the
 moments are bf16 on the host, the device holds what it holds with fp32 moments, the first step
 is the same and training stays within bf16's precision of the fp32-moment run.
 """
@@ -18,8 +18,8 @@ import json
 import pytest
 import torch
 
+from mcore_flash.runtime.arguments import parse_config
 from mcore_flash.training import offload
-from mcore_flash.training.arguments import parse_config
 
 from _support.dist_utils import run_distributed
 from _support.recipe_runs import TINY, w_recipe_runs
@@ -192,7 +192,8 @@ def test_offload_flags_that_do_not_combine_are_refused_by_name(argv, names):
 
 
 def _w_cpu(rank, world_size, save):
-    from mcore_flash.training import distributed, loop
+    from mcore_flash.runtime import distributed
+    from mcore_flash.training import loop
 
     config = parse_config([*TINY, *OFFLOAD, "--save", save])
     distributed.init_distributed(config)
@@ -246,10 +247,10 @@ def test_offloaded_optimizer_with_bf16_moments_resumes_exactly(tmp_path):
 def test_moments_of_another_dtype_are_refused_by_name(saved, now, flag):
     """Adam moments saved in one dtype do not load as another: refused before any tensor is
     read, naming the flag and --no-load-optim (a checkpoint without the record: fp32)."""
-    from mcore_flash.training import checkpointing
+    from mcore_flash.checkpoint import compatibility
 
     fp32 = {"exp_avg_dtype": "fp32", "exp_avg_sq_dtype": "fp32"}
     with pytest.raises(ValueError, match=flag) as error:
-        checkpointing._check_moment_dtypes("/ckpt", saved, {**fp32, **now})
+        compatibility.check_moment_dtypes("/ckpt", saved, {**fp32, **now})
     assert "--no-load-optim" in str(error.value), error.value
-    checkpointing._check_moment_dtypes("/ckpt", {**fp32, **now}, {**fp32, **now})
+    compatibility.check_moment_dtypes("/ckpt", {**fp32, **now}, {**fp32, **now})

@@ -49,7 +49,7 @@ def _w_built_in_dataset(rank, world_size, save_dir):
     import torch.distributed as dist
 
     import mcore_flash.data.synthetic as synthetic
-    from mcore_flash.training.data import _built_in_dataset
+    from mcore_flash.training.batches import _built_in_dataset
 
     writes, write = [], synthetic.write_synthetic_dataset
 
@@ -231,15 +231,15 @@ def test_a_loss_only_the_last_stage_sees_diverge_stops_every_stage(tmp_path, cap
     ],
 )
 def test_bad_flags_fail_before_allocation(tmp_path, argv, world_size, flag):
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     with pytest.raises(ValueError, match=flag):
         parse_config([*TINY, "--save", str(tmp_path), *argv], world_size=world_size)
 
 
 def test_window_size_flags_reach_the_config(tmp_path):
-    from mcore_flash.training.arguments import parse_config
-    from mcore_flash.training.model import transformer_config
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.runtime.model import transformer_config
 
     args = parse_config(
         [*TINY, "--save", str(tmp_path), "--window-size", "15,0", "--window-attn-skip-freq", "2"]
@@ -256,7 +256,7 @@ def test_config_is_frozen_and_derives_the_layout_once(tmp_path):
     --global-batch-size (and no preset's) it is one micro-batch per DP rank."""
     import dataclasses
 
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     layout = [
         "--tensor-model-parallel-size",
@@ -279,7 +279,7 @@ def test_config_is_frozen_and_derives_the_layout_once(tmp_path):
 def test_tools_extending_the_parser_get_the_config_and_their_own_flags(tmp_path):
     """evaluate and generate add flags to the pretrain parser: parse_args gives them one
     namespace with the resolved config (preset filled, layout derived) and their flags."""
-    from mcore_flash.training.arguments import build_parser, parse_args
+    from mcore_flash.runtime.arguments import build_parser, parse_args
 
     parser = build_parser()
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -297,7 +297,7 @@ def test_tiny_preset_is_the_default_cpu_job(tmp_path):
     """No flags: the tiny model (2 layers, hidden 128, ffn 352, 4 heads, 2 query groups, 256
     positions, RoPE, SwiGLU) with its training schedule; a flag given overrides the preset,
     and a short run keeps 10% warm-up."""
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     config = parse_config([], world_size=1)
     heads = (config.num_attention_heads, config.num_query_groups)
@@ -406,7 +406,7 @@ def _short_documents(tmp_path) -> str:
     """An indexed dataset of 600 documents of 2..40 bytes + EOD (many per 64-token sample)."""
     import random
 
-    from mcore_flash.data.preprocess import preprocess
+    from mcore_flash.preprocess import preprocess
 
     rng = random.Random(3)
     source = tmp_path / "docs.jsonl"
@@ -557,7 +557,7 @@ def test_exit_duration_in_mins_saves_and_exits_0(tmp_path):
 def test_document_flags_on_data_without_eod_are_refused(tmp_path):
     """--reset-attention-mask on data preprocessed without --append-eod would do nothing:
     refused, naming the fix. The data: documents of plain bytes, no EOD (id 256)."""
-    from mcore_flash.data.preprocess import main as preprocess
+    from mcore_flash.preprocess import main as preprocess
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(

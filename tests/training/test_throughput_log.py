@@ -86,7 +86,7 @@ def _check_throughput(records, world_size):
 
 
 def test_model_flops_per_iteration_equals_hand_count():
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
     from mcore_flash.training.metrics import model_flops_per_iteration
 
     args = parse_config(TINY, world_size=1)
@@ -145,7 +145,7 @@ def test_data_parallel_run_logs_per_device_throughput_and_mfu(tmp_path, capfd):
 
 def test_hardware_is_resolved_at_parse_time_and_a_bad_name_names_the_flag(capsys):
     from mcore_flash.pretrain import main
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     assert (
         parse_config([*TINY, "--hardware", "H100-80G"], world_size=1).hardware.peak_bf16_tflops

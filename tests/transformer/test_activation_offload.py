@@ -132,7 +132,7 @@ def _w_npu_phases(rank, world_size, modes):
     from megatron.core import parallel_state
 
     from mcore_flash import platform
-    from mcore_flash.training.distributed import set_random_seed
+    from mcore_flash.runtime.distributed import set_random_seed
     from mcore_flash.transformer import activation_offload
 
     assert platform.setup() == "npu"
@@ -346,7 +346,7 @@ def test_trainer_runs_equal_without_offload_at_two_ranks(tmp_path):
 
 
 def _refusal(argv, world_size=2) -> str:
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     with pytest.raises(ValueError) as error:
         parse_config([*TINY, *argv], world_size=world_size)
@@ -379,7 +379,7 @@ def test_bad_offload_flags_are_refused_by_name(argv, names):
 
 
 def test_offload_accepts_partial_recompute_and_the_block_refuses_too_many_layers():
-    from mcore_flash.training.arguments import parse_config
+    from mcore_flash.runtime.arguments import parse_config
 
     config = parse_config(
         [

@@ -535,7 +535,7 @@ def test_unpadded_documents_under_cp_and_padding_without_causal_are_refused():
     ],
 )
 def test_document_flags_that_contradict_name_the_flag(flags, message):
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.runtime.arguments import parse_args
 
     with pytest.raises(ValueError, match=message):
         parse_args(["--model", "tiny", "--save", "/tmp/unused", *flags])
@@ -555,7 +555,7 @@ def test_document_flags_that_contradict_name_the_flag(flags, message):
 def test_reset_attention_mask_needs_an_eod_token():
     import types
 
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.runtime.arguments import parse_args
     from mcore_flash.training.loop import _batch_splitter
 
     args = parse_args(

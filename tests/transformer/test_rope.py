@@ -46,8 +46,8 @@ def _w_angles(rank, world_size, cases):
     eps of its norms."""
     init_megatron()
     try:
-        from mcore_flash.training.arguments import parse_args
-        from mcore_flash.training.model import build_model, transformer_config
+        from mcore_flash.runtime.arguments import parse_args
+        from mcore_flash.runtime.model import build_model, transformer_config
 
         out = {}
         for name, (flags, _, _) in cases.items():
@@ -104,7 +104,7 @@ def test_norm_epsilon_reaches_every_norm(ours):
 
 
 def test_llama31_presets_scale_rope_to_128k():
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.runtime.arguments import parse_args
 
     for preset in ("llama3.1-8b", "llama3.1-70b"):
         args = parse_args(["--model", preset, "--seq-length", "131072", "--global-batch-size", "1"])
@@ -131,7 +131,7 @@ def test_llama31_presets_scale_rope_to_128k():
     ],
 )
 def test_bad_rope_flags_name_the_flag(flags, match):
-    from mcore_flash.training.arguments import parse_args
+    from mcore_flash.runtime.arguments import parse_args
 
     with pytest.raises(ValueError, match=match):
         parse_args([*SHAPE, *flags])

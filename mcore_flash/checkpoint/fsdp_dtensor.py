@@ -10,7 +10,7 @@ over the data x context parallel ranks (a rank may hold none), so DCP's own even
 offsets are wrong and every DTensor needs its real offset. With them recorded, DCP's planner
 reads any other cut from the stored chunks: the weights and the optimizer state resume at
 another data x context parallel size (not another TP size:
-``checkpointing._check_fsdp_optimizer_layout``).
+``compatibility.check_fsdp_optimizer_layout``).
 
 megatron-core's ``preprocess_state_dict_for_uneven_dtensor`` finds the offsets with one
 ``all_gather_object`` per DTensor, and the ranks hold different optimizer keys (Adam has
@@ -22,7 +22,7 @@ writes nothing for it (DCP merges the ranks' plans).
 
 The counters, the scheduler and the layout are the checkpoint's common state: rank 0 writes
 them to ``common.pt`` with ``torch.save`` (the layout megatron-core 0.16's torch_dist uses),
-so :func:`mcore_flash.training.safe_pickles.load_common_state` reads both formats.
+so :func:`mcore_flash.checkpoint.safe_pickles.load_common_state` reads both formats.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import os
 import torch
 import torch.distributed as dist
 
-FORMAT = "fsdp_dtensor"
+from mcore_flash.checkpoint.directory import FSDP_DTENSOR
+
 COMMON = "common.pt"
 MODEL_PREFIX = "model."  # the model's keys in the DCP index: "model.module.decoder.layers.0..."
 
@@ -54,7 +55,9 @@ def state_dict(model, optimizer=None, is_loading: bool = False) -> dict:
     state = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": FORMAT}
+            model_state,
+            is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": FSDP_DTENSOR},
         )
     attach_chunks(state)
     return state
@@ -230,11 +233,11 @@ def load_unsharded(path: str, model) -> None:
     A stored DTensor is the whole parameter of this TP shard's layout: Megatron-FSDP's
     DTensor is the TP shards laid side by side on the partition dimension
     (``make_fsdp_dtensor``), so TP rank ``t`` reads the ``t``-th slice there; read chunk by
-    chunk with :func:`mcore_flash.conversion.dcp_stream.load_chunk` (any stored chunking).
+    chunk with :func:`mcore_flash.checkpoint.dcp_stream.load_chunk` (any stored chunking).
     """
     from megatron.core import parallel_state
 
-    from mcore_flash.conversion import dcp_stream
+    from mcore_flash.checkpoint import dcp_stream
 
     stored = dcp_stream.stored_tensors(path)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mcore_flash import platform
 from mcore_flash.ports import free_port
-from mcore_flash.training.config import TrainingConfig
+from mcore_flash.runtime.config import TrainingConfig
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 

@@ -1,8 +1,8 @@
 """Command-line flags of ``mcore-flash pretrain``, with Megatron-LM's names.
 
 The edge of the trainer: :func:`parse_config` turns ``argv`` into the frozen, checked
-:class:`~mcore_flash.training.config.TrainingConfig` (presets and checks live in
-:mod:`mcore_flash.training.config`). Everything here is pure Python: flags are parsed and
+:class:`~mcore_flash.runtime.config.TrainingConfig` (presets and checks live in
+:mod:`mcore_flash.runtime.config`). Everything here is pure Python: flags are parsed and
 validated against the world size before torch allocates anything, and each error names
 the flag to change.
 """
@@ -16,13 +16,11 @@ from mcore_flash.data.synthetic import KEY_DEPTHS
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
 from mcore_flash.planning.layout import HOST_MOMENT_BYTES
 from mcore_flash.planning.models import MODELS
-from mcore_flash.training.config import (
+from mcore_flash.runtime.config import DEFAULT_PRESET, TrainingConfig, resolve_config
+from mcore_flash.runtime.config_checks import (
     CKPT_FORMATS,
-    DEFAULT_PRESET,
     DEFAULT_SHARDING_STRATEGY,
     SHARDING_STRATEGIES,
-    TrainingConfig,
-    resolve_config,
 )
 
 

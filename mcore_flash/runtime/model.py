@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mcore_flash.training.config import TrainingConfig
+from mcore_flash.runtime.config import TrainingConfig
 
 
 def transformer_config(config: TrainingConfig):
@@ -116,44 +116,6 @@ def build_model(
             model.decoder, config.activation_offload_layers
         )
     return model
-
-
-# The flags that define the model's weights and how they are used (``model_args``, stored in
-# every checkpoint). Those in SHAPE_ARGS fix the tensors' shapes and meaning: a checkpoint
-# loads only into a model with the same values. The others (RoPE, positions, eps) may change
-# between runs: that is how a context is extended.
-SHAPE_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "untie_embeddings_and_output_weights",
-    "swiglu",
-    "disable_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "kv_channels",
-    "normalization",
-    "position_embedding_type",
-)
-POSITION_ARGS = (
-    "max_position_embeddings",
-    "rotary_base",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "rotary_seq_len_interpolation_factor",
-    "norm_epsilon",
-)
-
-
-def model_args(config: TrainingConfig, vocab_size: int) -> dict:
-    """The model's defining flags (``SHAPE_ARGS`` + ``POSITION_ARGS``) and unpadded ``vocab_size``."""
-    out = {name: getattr(config, name) for name in SHAPE_ARGS + POSITION_ARGS}
-    out["use_rope_scaling"] = bool(out["use_rope_scaling"])
-    if out["kv_channels"] == config.hidden_size // config.num_attention_heads:
-        out["kv_channels"] = None  # the default head size, stored as such
-    return {**out, "vocab_size": vocab_size}
 
 
 def count_parameters(model_chunks: list) -> int:

@@ -34,8 +34,8 @@ import pickle
 
 import torch
 
-from mcore_flash.training.host_adam import HostAdamW
-from mcore_flash.training.manifest import CorruptCheckpoint
+from mcore_flash.checkpoint.manifest import CorruptCheckpoint
+from mcore_flash.optim.host_adam import HostAdamW
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _ALLOWED = {

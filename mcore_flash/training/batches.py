@@ -16,63 +16,9 @@ from typing import Iterator
 import torch
 
 from mcore_flash.data.synthetic import synthetic_dataset
-from mcore_flash.data.tokenizers import (
-    TOKENIZER_DIR,
-    build_tokenizer,
-    padded_vocab_size,
-    stored_tokenizer,
-)
-from mcore_flash.training.config import TrainingConfig
+from mcore_flash.runtime.config import TrainingConfig
 
 SYNTHETIC_DOCS = 4096
-
-
-def tokenizer_and_vocab(config: TrainingConfig):
-    """``(tokenizer, padded vocab size in rows)`` for the config (:func:`run_tokenizer`)."""
-    tokenizer = run_tokenizer(config)
-    return tokenizer, padded_vocab_size(
-        tokenizer.vocab_size, config.make_vocab_size_divisible_by, config.tensor_model_parallel_size
-    )
-
-
-def run_tokenizer(config):
-    """The tokenizer of a run (``pretrain``, ``generate``, ``evaluate``): the one
-    ``--tokenizer-type``/``--tokenizer-model`` name when either is given; else the tokenizer
-    stored with the checkpoint in ``--load`` (:func:`checkpoint_tokenizer`) when it has one;
-    else the default byte-level one."""
-    explicit = config.tokenizer_type is not None or config.tokenizer_model is not None
-    if not explicit and config.load:
-        stored = checkpoint_tokenizer(config.load)
-        if stored is not None:
-            return stored
-    return build_tokenizer(config.tokenizer_type, config.tokenizer_model)
-
-
-def stored_tokenizer_record(load: str):
-    """``(record, directory, common state)`` of the tokenizer stored with the latest checkpoint
-    under ``load`` (``hf-to-mcore`` or an earlier run put it there), or None: no checkpoint yet,
-    or one that stores no tokenizer."""
-    from mcore_flash.training import checkpointing
-
-    if checkpointing.latest_iteration(load) is None:
-        return None
-    _, common = checkpointing.read_latest(load)
-    record = common.get("tokenizer")
-    if not record:
-        return None
-    return record, os.path.join(load, TOKENIZER_DIR), common
-
-
-def checkpoint_tokenizer(load: str):
-    """The tokenizer stored with the latest checkpoint under ``load``, its files checked
-    against the checkpoint's record, with the checkpoint's vocabulary; None where it stores none
-    (or only files the trainer cannot load, such as a slow tokenizer's vocab.json + merges.txt)."""
-    stored = stored_tokenizer_record(load)
-    if stored is None or stored[0].get("type") is None:
-        return None
-    record, directory, common = stored
-    vocab = (common.get("model_args") or {}).get("vocab_size")
-    return stored_tokenizer(directory, record, vocab, what=f"--load {load}")
 
 
 def build_train_valid_datasets(config: TrainingConfig, tokenizer):

@@ -252,8 +252,8 @@ def preprocess(
 def _checkpoint_tokenizer_args(load: str) -> tuple[str, str]:
     """``(tokenizer type, its directory)`` of the tokenizer stored with the checkpoint under
     ``load`` (its files checked against the checkpoint's record)."""
+    from mcore_flash.checkpoint.tokenizer import stored_tokenizer_record
     from mcore_flash.data.tokenizers import check_stored_tokenizer
-    from mcore_flash.training.data import stored_tokenizer_record
 
     try:
         stored = stored_tokenizer_record(load)

@@ -1,288 +1,75 @@
-"""The trainer's configuration: every flag of ``mcore-flash pretrain`` resolved and checked once.
-
-:func:`resolve_config` takes the parsed flags (Megatron-LM's names), fills what was left
-unset from the checkpoint (``--use-checkpoint-args``) and from the ``--model`` preset,
-checks the result against the world size (each error names the flag to change) and
-returns a frozen :class:`TrainingConfig` with the derived values (data-parallel size,
-micro-batches per iteration, recompute settings, hardware profile) computed here, once.
-Everything downstream reads this object; nothing writes to it. Pure Python: nothing is
-allocated before the flags are known to work.
-
-The config is flat, its fields named as the flags (Megatron-LM's names, as megatron-core's own
-flat ``TransformerConfig``), so evaluate, generate, the converter and the planner read the
-same names; comments group the fields.
-"""
+"""The pretrain flags' checks, run by ``TrainingConfig.__post_init__`` before anything is
+allocated: each raises ValueError naming the flag to change; :func:`checked_and_derived` also
+returns the values derived from the flags (data-parallel size, micro-batches, recompute
+settings, hardware profile)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-import os
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, Mapping, Optional
+from importlib.metadata import version
+from typing import Any, Optional
 
+from mcore_flash.checkpoint.directory import FSDP_DTENSOR, TORCH_DIST
 from mcore_flash.data.datasets import parse_data_path
 from mcore_flash.data.indexed import check_indexed_dataset
-from mcore_flash.planning.hardware import HardwareProfile, load_hardware
-from mcore_flash.planning.models import MODELS, ModelShape
+from mcore_flash.planning.hardware import load_hardware
 from mcore_flash.transformer.recompute import RecomputeSettings, recompute_settings
 
-DEFAULT_PRESET = "tiny"
+# the TrainingConfig being checked: its flag fields, read as attributes (no import: it imports us)
+Flags = Any
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+DEFAULT_SHARDING_STRATEGY = "optim_grads_params"  # ZeRO-3, Megatron-LM's recommended one
+CKPT_FORMATS = (TORCH_DIST, FSDP_DTENSOR)
 
-# The training hyper-parameters every preset sets when the flag was not given, and those
-# TRAINING_PRESETS sets instead for a preset; a preset's model shape comes from ``MODELS``
-# (:func:`preset_shape`). "tiny" is the default CPU job: a few hundred steps in minutes on
-# 2 cores, deep enough to learn the built-in long-range copy task.
-TRAINING_DEFAULTS = dict(
-    seq_length=4096,
-    micro_batch_size=1,
-    global_batch_size=None,
-    train_iters=1000,
-    lr=3e-4,
-    min_lr=3e-5,
-    lr_warmup_iters=100,
-)
-TRAINING_PRESETS = {
-    "tiny": dict(
-        seq_length=256,
-        micro_batch_size=8,
-        global_batch_size=8,
-        train_iters=1000,
-        lr=3e-3,
-        min_lr=3e-4,
-        lr_warmup_iters=30,
-    ),
-}
+# the first megatron-core release whose Megatron-FSDP accumulates gradients right at size 1
+DP1_FIXED_IN = (0, 19)
 
 
-@dataclass(frozen=True)
-class TrainingConfig:
-    """The resolved flags of one training run (field = flag, ``--num-layers`` -> ``num_layers``)
-    and the values derived from them. Lengths are in tokens, batch sizes in sequences."""
-
-    # model: the shape (``--model`` preset, any flag given overrides it)
-    model: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    group_query_attention: bool  # True whenever num_query_groups != num_attention_heads
-    seq_length: int
-    max_position_embeddings: int
-    position_embedding_type: str  # "rope" or "learned_absolute"
-    rotary_base: int
-    use_rope_scaling: bool
-    rope_scaling_factor: float
-    rotary_seq_len_interpolation_factor: Optional[int]
-    norm_epsilon: float
-    normalization: str  # "RMSNorm" or "LayerNorm"
-    swiglu: bool
-    untie_embeddings_and_output_weights: bool
-    disable_bias_linear: bool
-    add_qkv_bias: bool  # a bias on linear_qkv alone (Qwen2)
-    qk_layernorm: bool  # per-head query/key norms (Qwen3)
-    kv_channels: Optional[int]  # head size; None: hidden_size / num_attention_heads
-    attention_dropout: float
-    hidden_dropout: float
-    attention_backend: Optional[str]  # None: by device
-    window_size: Optional[tuple[int, int]]  # (left, right) tokens, -1 unbounded
-    window_attn_skip_freq: Optional[int]
-    # parallelism
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    # interleaved 1F1B: model chunks per pipeline rank (None: plain 1F1B); from either flag
-    virtual_pipeline_model_parallel_size: Optional[int]
-    num_layers_per_virtual_pipeline_stage: Optional[int]
-    context_parallel_size: int
-    cp_comm_type: str
-    sequence_parallel: bool
-    use_distributed_optimizer: bool  # True with --use-megatron-fsdp, which implies it
-    overlap_grad_reduce: bool
-    overlap_param_gather: bool  # the all-gather in the next forward (megatron's DDP hooks)
-    grad_reduce_in_bf16: bool  # main gradients (and their reduction) in bf16 instead of fp32
-    use_megatron_fsdp: bool  # ZeRO-3 by megatron-core's Megatron-FSDP (:mod:`.fsdp`)
-    data_parallel_sharding_strategy: Optional[str]  # FSDP's; None without FSDP
-    no_gradient_accumulation_fusion: bool  # accepted as in Megatron-LM; nothing is fused here
-    # minutes: a collective's timeout, and the watchdog's limit per iteration and per save
-    distributed_timeout_minutes: float
-    # host offload of the optimizer (megatron-core's HybridDeviceOptimizer)
-    optimizer_cpu_offload: bool
-    optimizer_offload_fraction: float  # of the optimizer state (parameters) stepped on the host
-    use_precision_aware_optimizer: bool
-    exp_avg_dtype: str  # "fp32" or "bf16": storage of Adam's moments (bf16: the host step's)
-    exp_avg_sq_dtype: str
-    overlap_cpu_optimizer_d2h_h2d: bool
-    # activation recompute (the flags; ``recompute`` below is what they mean)
-    recompute_granularity: Optional[str]
-    recompute_method: Optional[str]
-    recompute_num_layers: Optional[int]
-    recompute_modules: Optional[tuple[str, ...]]
-    activation_offload_layers: (
-        int  # first N layers of each stage park their saved tensors on the host
-    )
-    # precision, optimiser and schedule
-    bf16: bool
-    fp16: bool
-    lr: float
-    min_lr: float
-    lr_decay_style: str
-    lr_warmup_iters: int
-    weight_decay: float
-    clip_grad: float
-    adam_beta1: float
-    adam_beta2: float
-    micro_batch_size: int  # sequences per micro-batch and data-parallel rank
-    global_batch_size: int  # sequences per iteration, all data-parallel ranks together
-    train_iters: int
-    seed: int
-    # data
-    data_path: Optional[tuple[str, ...]]
-    split: str
-    tokenizer_type: Optional[str]
-    tokenizer_model: Optional[str]
-    make_vocab_size_divisible_by: int
-    mock_data: bool
-    reset_attention_mask: bool
-    reset_position_ids: bool
-    eod_mask_loss: bool
-    data_cache_path: Optional[str]
-    synthetic_key_depth: Optional[str]  # the built-in task's key placement; None: other data
-    # device
-    emulate_npu: bool
-    # checkpoints and logging
-    save: str
-    load: Optional[str]
-    ckpt_format: str  # "torch_dist" (megatron's dist_checkpointing) or "fsdp_dtensor" (with FSDP)
-    async_save: bool  # torch_dist shards written in the background (``BackgroundSaves``)
-    finetune: bool
-    no_load_optim: bool
-    no_load_rng: bool
-    use_checkpoint_args: bool
-    save_interval: int
-    exit_interval: Optional[int]
-    eval_interval: Optional[int]  # iterations between validations; None: no validation
-    eval_iters: int  # global batches per validation
-    exit_duration_in_mins: Optional[float]  # minutes from the start of the setup
-    log_interval: int
-    tensorboard_dir: Optional[str]
-    hardware: Optional[HardwareProfile]  # the ``--hardware`` profile, loaded
-    device_memory: Optional[str]
-    dry_run: bool
-    # derived
-    world_size: int
-    data_parallel_size: int  # world_size / (TP x PP x CP)
-    num_micro_batches: int  # per iteration and data-parallel rank: global / (micro x DP)
-    recompute: RecomputeSettings
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{field: value}``, the values themselves (``dataclasses.asdict`` would turn the
-        hardware profile and recompute settings into dicts)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+def _megatron_release() -> tuple[int, int]:
+    major, minor = version("megatron-core").split(".")[:2]
+    return int(major), int(minor)
 
 
-DERIVED = ("world_size", "data_parallel_size", "num_micro_batches", "recompute")
-# The flags a TrainingConfig holds: every field but the derived ones.
-FLAG_NAMES = tuple(
-    field.name for field in dataclasses.fields(TrainingConfig) if field.name not in DERIVED
-)
+def upstream_defect(strategy: str, dp_cp: int) -> Optional[str]:
+    """Why the installed megatron-core's Megatron-FSDP trains ``strategy`` at data x context
+    parallel size ``dp_cp`` wrongly, as an error naming the flag; None if it does not. Pure
+    Python (reads the installed version only). Measured against the distributed optimizer's
+    run (tests/training/test_megatron_fsdp.py; ``distributed/fsdp/src/megatron_fsdp/
+    param_and_grad_buffer.py``, 0.16.1 lines):
 
-
-def resolve_config(flags: Mapping[str, Any], world_size: Optional[int] = None) -> TrainingConfig:
-    """The config of the parsed ``flags`` (``vars`` of the pretrain parser's namespace; other
-    keys are ignored) for ``world_size`` ranks (default: env WORLD_SIZE, else 1, or TP x PP x CP
-    for ``--dry-run``). Raises ValueError naming the flag for settings that cannot work."""
-    values = {name: flags[name] for name in FLAG_NAMES}
-    for name in ("data_path", "recompute_modules"):  # argparse's lists, frozen as the rest
-        if values[name] is not None:
-            values[name] = tuple(values[name])
-    if values["use_checkpoint_args"]:
-        values.update(_checkpoint_model_flags(values))
-    values.update(_preset_values(values))
-    if world_size is None:
-        model_parallel = (
-            values["tensor_model_parallel_size"] * values["pipeline_model_parallel_size"]
+    * ``no_shard``: 0.16 fails at the first step (``fetch_bucket`` on the weight buffer
+      ``no_shard`` never makes, ``:3734``); 0.19.2 doubles every gradient (grad norm 2x).
+    * ``optim``: 0.16 adds the reduce-scatter's copy onto the local gradient (``:3252-3257``):
+      grad norm 2x; 0.19.2's grad norm is 1.5x the oracle's.
+    * ``optim_grads[_params]`` at size 1 before 0.19 (Megatron-LM issue 6660): the gradient
+      buffer is not distributed, so its bucket is a view of it (``:936-942``) and that same
+      addition doubles every gradient each micro-batch; 0.19 adds only
+      ``if gbuf.is_data_distributed``.
+    """
+    installed = f"megatron-core {version('megatron-core')}"
+    if strategy == "no_shard":
+        return (
+            f"--data-parallel-sharding-strategy no_shard trains wrongly on {installed} (0.16 fails at "
+            "the first step, 0.19 doubles every gradient): it shards nothing, so drop --use-megatron-fsdp "
+            "(plain data parallelism)"
         )
-        model_parallel *= values["context_parallel_size"]
-        world_size = int(os.environ.get("WORLD_SIZE", model_parallel if values["dry_run"] else 1))
-    values.update(_checked_and_derived(SimpleNamespace(**values), world_size))
-    return TrainingConfig(**values)
-
-
-def preset_shape(name: str) -> ModelShape:
-    """The model shape of ``--model name``: the planner's preset of that name."""
-    return MODELS[name]
-
-
-def _checkpoint_model_flags(values: Mapping[str, Any]) -> dict[str, Any]:
-    """``--use-checkpoint-args``: the checkpoint's value of every model flag left unset."""
-    if not values["load"]:
-        raise ValueError("--use-checkpoint-args needs --load")
-    from mcore_flash.training.checkpointing import read_model_args
-
-    saved = read_model_args(values["load"])
-    filled = {}
-    for name, value in saved.items():
-        if name == "vocab_size" or (
-            name == "rope_scaling_factor" and not saved["use_rope_scaling"]
-        ):
-            continue  # the vocabulary comes from the tokenizer; a factor without scaling means nothing
-        if values[name] is None:
-            filled[name] = value
-    return filled
-
-
-def _preset_values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The values ``--model`` (default tiny) gives the model/schedule flags left unset, and the
-    defaults that follow from them (warm-up, GQA, ``--save``, ``--save-interval``)."""
-    name = values["model"] or DEFAULT_PRESET
-    shape = preset_shape(name)
-    defaults = dict(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        num_query_groups=shape.num_query_groups,
-        max_position_embeddings=shape.max_position_embeddings,
-        rotary_base=shape.rotary_base,
-        use_rope_scaling=shape.rope_scaling,
-        rope_scaling_factor=shape.rope_scaling_factor,
-        norm_epsilon=shape.norm_epsilon,
-        swiglu=shape.gated,
-        untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
-        disable_bias_linear=not shape.add_bias_linear,
-        add_qkv_bias=shape.add_qkv_bias,
-        qk_layernorm=shape.qk_layernorm,
-        kv_channels=shape.kv_channels,
-        normalization=shape.normalization,
-        position_embedding_type=shape.position_embedding_type,
-        **TRAINING_DEFAULTS,
-    )
-    defaults.update(TRAINING_PRESETS.get(name, {}))
-    if values["rope_scaling_factor"] is not None and not (
-        values["use_rope_scaling"] or shape.rope_scaling
-    ):
-        raise ValueError(
-            f"--rope-scaling-factor {values['rope_scaling_factor']} has no effect without --use-rope-scaling "
-            f"(the {name} preset does not scale RoPE); add --use-rope-scaling"
+    if strategy == "optim":
+        return (
+            f"--data-parallel-sharding-strategy optim trains wrongly on {installed} (its gradients are "
+            "not the data-parallel sum: 0.16 doubles them, 0.19 scales them by 1.5): use "
+            "--use-distributed-optimizer without --use-megatron-fsdp (it shards the optimizer state "
+            "alike), or optim_grads / optim_grads_params"
         )
-    filled = {
-        "model": name,
-        **{key: value for key, value in defaults.items() if values[key] is None},
-    }
-    resolved = {**values, **filled}
-    if values["lr_warmup_iters"] is None:  # a short run keeps 10% warm-up rather than failing
-        filled["lr_warmup_iters"] = min(resolved["lr_warmup_iters"], resolved["train_iters"] // 10)
-    if resolved["num_query_groups"] != resolved["num_attention_heads"]:
-        filled["group_query_attention"] = True
-    filled["save"] = values["save"] or os.path.join("runs", name)
-    if values["save_interval"] is None:
-        filled["save_interval"] = resolved["train_iters"]
-    return filled
+    if dp_cp == 1 and _megatron_release() < DP1_FIXED_IN:
+        return (
+            f"--use-megatron-fsdp at data x context parallel size 1 shards nothing and, on {installed}, "
+            "doubles the gradients every micro-batch (Megatron-LM issue 6660, fixed in 0.19): drop "
+            "--use-megatron-fsdp (--use-distributed-optimizer keeps the same bytes), or add data-parallel ranks"
+        )
+    return None
 
 
-def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, Any]:
+def checked_and_derived(args: Flags, world_size: int) -> dict[str, Any]:
     """Raise ValueError naming the flag for settings that cannot work (before any allocation);
     returns the derived values and the flags resolved on the way (batch size, hardware)."""
     tp, pp, cp = (
@@ -348,9 +135,9 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
             raise ValueError(
                 f"--{flag.replace('_', '-')} needs --load (the checkpoint to start from)"
             )
-    hardware = (
-        load_hardware(args.hardware) if args.hardware else None
-    )  # ValueError names --hardware
+    hardware = args.hardware  # resolved once already: a config rebuilt by dataclasses.replace
+    if isinstance(hardware, str):
+        hardware = load_hardware(hardware)  # ValueError names --hardware
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path exclude each other; drop one")
     _check_document_flags(args)
@@ -377,6 +164,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     _check_activation_offload(args, pp)
     return dict(
         virtual_pipeline_model_parallel_size=vp,
+        num_layers_per_virtual_pipeline_stage=None,  # resolved into vp (so a recheck agrees)
         world_size=world_size,
         data_parallel_size=dp,
         global_batch_size=global_batch_size,
@@ -388,7 +176,7 @@ def _checked_and_derived(args: SimpleNamespace, world_size: int) -> dict[str, An
     )
 
 
-def _recompute(args: SimpleNamespace, chunks: int) -> RecomputeSettings:
+def _recompute(args: Flags, chunks: int) -> RecomputeSettings:
     """What the ``--recompute-*`` flags mean; full recompute of at most the layers of one of the
     ``chunks`` (pipeline stages x virtual stages) megatron's block recomputes within."""
     recompute = recompute_settings(
@@ -411,7 +199,7 @@ def _recompute(args: SimpleNamespace, chunks: int) -> RecomputeSettings:
     return recompute
 
 
-def _virtual_pipeline_size(args: SimpleNamespace, pp: int, micro_batches: int) -> Optional[int]:
+def _virtual_pipeline_size(args: Flags, pp: int, micro_batches: int) -> Optional[int]:
     """Model chunks per pipeline rank of the interleaved schedule, from Megatron-LM's
     ``--virtual-pipeline-model-parallel-size V`` or ``--num-layers-per-virtual-pipeline-stage
     N`` (V = layers per stage / N); None (plain 1F1B) for neither or V = 1.
@@ -469,7 +257,7 @@ def _virtual_pipeline_size(args: SimpleNamespace, pp: int, micro_batches: int) -
     return vp
 
 
-def _synthetic_key_depth(args: SimpleNamespace) -> Optional[str]:
+def _synthetic_key_depth(args: Flags) -> Optional[str]:
     """``--synthetic-key-depth``: the built-in task's key placement ("fixed" unless given), None
     with other data, where the flag would do nothing (refused)."""
     if args.data_path or args.mock_data:
@@ -483,7 +271,7 @@ def _synthetic_key_depth(args: SimpleNamespace) -> Optional[str]:
     return args.synthetic_key_depth or "fixed"
 
 
-def _check_validation(args: SimpleNamespace) -> None:
+def _check_validation(args: Flags) -> None:
     """``--eval-interval``: at least 1, on data with a validation split (the built-in task
     has none; ``--mock-data`` has one, megatron's split 1,1,1)."""
     if args.eval_interval is None:
@@ -505,7 +293,7 @@ def _check_validation(args: SimpleNamespace) -> None:
         )
 
 
-def _check_overlap_param_gather(args: SimpleNamespace) -> None:
+def _check_overlap_param_gather(args: Flags) -> None:
     """``--overlap-param-gather``: Megatron-LM's conditions (the distributed optimizer and
     ``--overlap-grad-reduce``); Megatron-FSDP and the offloaded optimizer gather their own way."""
     if not args.overlap_param_gather:
@@ -527,7 +315,7 @@ def _check_overlap_param_gather(args: SimpleNamespace) -> None:
         )
 
 
-def _check_activation_offload(args: SimpleNamespace, pp: int) -> None:
+def _check_activation_offload(args: Flags, pp: int) -> None:
     """``--activation-offload-layers N``: 0..layers per stage; one layer per checkpoint; not with
     Megatron-FSDP (its unsharded weights are gathered buffers, not yet told apart: untested)."""
     n = args.activation_offload_layers
@@ -550,7 +338,7 @@ def _check_activation_offload(args: SimpleNamespace, pp: int) -> None:
         )
 
 
-def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> None:
+def _check_model_layout(args: Flags, tp: int, pp: int, cp: int) -> None:
     """The heads, layers and sequence split evenly over the TP/PP/CP ranks."""
     if args.num_attention_heads % tp:
         raise ValueError(
@@ -584,12 +372,7 @@ def _check_model_layout(args: SimpleNamespace, tp: int, pp: int, cp: int) -> Non
         )
 
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-DEFAULT_SHARDING_STRATEGY = "optim_grads_params"  # ZeRO-3, Megatron-LM's recommended one
-CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
-
-
-def _check_sharding(args: SimpleNamespace, dp_cp: int) -> dict[str, Any]:
+def _check_sharding(args: Flags, dp_cp: int) -> dict[str, Any]:
     """``--use-megatron-fsdp`` and the flags that go with it; returns the resolved strategy,
     checkpoint format and optimizer choice.
 
@@ -635,8 +418,6 @@ def _check_sharding(args: SimpleNamespace, dp_cp: int) -> dict[str, Any]:
             "Megatron-FSDP over data x context parallel ranks at --pipeline-model-parallel-size 1, or "
             "pipeline with --use-distributed-optimizer"
         )
-    from mcore_flash.training.fsdp import upstream_defect
-
     defect = upstream_defect(strategy, dp_cp)
     if defect:
         raise ValueError(defect)
@@ -647,7 +428,7 @@ def _check_sharding(args: SimpleNamespace, dp_cp: int) -> dict[str, Any]:
     )
 
 
-def _check_optimizer_offload(args: SimpleNamespace) -> None:
+def _check_optimizer_offload(args: Flags) -> None:
     """``--optimizer-cpu-offload`` (megatron-core's ``HybridDeviceOptimizer``) and its flags.
 
     It steps the optimizer state of a fraction of the parameters on the host. megatron-core
@@ -706,9 +487,9 @@ def _check_optimizer_offload(args: SimpleNamespace) -> None:
         )
 
 
-def _check_moment_dtypes(args: SimpleNamespace) -> None:
+def _check_moment_dtypes(args: Flags) -> None:
     """``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` bf16: Adam's moments stored narrower. Only the
-    offloaded optimizer's host step (:mod:`mcore_flash.training.host_adam`) has such a step here
+    offloaded optimizer's host step (:mod:`mcore_flash.optim.host_adam`) has such a step here
     (megatron-core passes the dtypes to Transformer Engine's FusedAdam alone), so all the state
     must be on the host: ``--optimizer-cpu-offload`` at fraction 1."""
     narrow = [
@@ -735,7 +516,7 @@ def _check_moment_dtypes(args: SimpleNamespace) -> None:
         )
 
 
-def _check_positions(args: SimpleNamespace) -> None:
+def _check_positions(args: Flags) -> None:
     """RoPE extension flags, epsilon and the learned position table."""
     extensions = {
         "--use-rope-scaling": args.use_rope_scaling,
@@ -768,7 +549,7 @@ def _check_positions(args: SimpleNamespace) -> None:
         )
 
 
-def _check_document_flags(args: SimpleNamespace) -> None:
+def _check_document_flags(args: Flags) -> None:
     """RoPE positions come from the packed layout (megatron-core's THD RoPE restarts them per
     document), so with RoPE the two reset flags only make sense together."""
     if (

@@ -1,0 +1,37 @@
+"""Parameter counts of the real model, to check the planner's formulas against
+(:mod:`mcore_flash.planning.parameters`): :func:`meta_parameter_count`."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from mcore_flash.benchmarks.models import build_flash_gpt
+from mcore_flash.planning import ModelShape
+
+
+def meta_parameter_count(
+    model: Union[ModelShape, str], tp: int = 1, vp_stage: Optional[int] = None
+) -> int:
+    """Build ``GPTModel`` with the flash spec (:func:`mcore_flash.benchmarks.models.build_flash_gpt`)
+    on the meta device and count its parameters; ``model`` a shape or a preset name.
+
+    Needs megatron-core; megatron's parallel state must be initialised (one process at TP=1
+    counts the whole model; at TP=t the count is this rank's share). The pipeline stage is
+    this rank's. Nothing is allocated: every tensor lives on "meta".
+    """
+    with torch.device("meta"):  # use_cpu_initialization: allocations without a device -> meta
+        gpt = build_flash_gpt(
+            model,
+            tp,
+            vp_stage,
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            perform_initialization=False,
+        )
+    params = list(gpt.parameters())
+    off_meta = [p for p in params if p.device.type != "meta"]
+    if off_meta:
+        raise RuntimeError(f"{len(off_meta)} parameters were allocated off the meta device")
+    return sum(p.numel() for p in params)
