@@ -132,7 +132,7 @@ def build_model(args, mode: str, max_s: int) -> torch.nn.Module:
     """The Llama-shaped GPTModel with our spec and ``mode``'s recompute settings."""
     from megatron.core import tensor_parallel
 
-    from mcore_flash.planning import build_flash_gpt
+    from mcore_flash.benchmarks.models import build_flash_gpt
     from mcore_flash.transformer.recompute import recompute_mode_settings
 
     torch.manual_seed(1234)

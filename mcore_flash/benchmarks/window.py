@@ -159,7 +159,7 @@ def _shape(args):
 
 
 def _layer_runs(args):
-    from mcore_flash.planning import build_flash_gpt
+    from mcore_flash.benchmarks.models import build_flash_gpt
 
     dtype = DTYPES[args.dtype]
     models = {}

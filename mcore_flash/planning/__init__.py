@@ -9,18 +9,21 @@
 
 The modules form a one-way stack, lowest first (tests/planning/test_planning_layers.py holds it):
 ``units``, ``models``, ``hardware`` (byte sizes, model shapes, device profiles) ->
-``activations``, ``flops``, ``parameters`` (the per-layer terms) -> ``layout`` (the
-:class:`Layout` and its launch flags) -> ``memory``, ``step_time``, ``compare`` (a plan, a
-step time, standard vs fused) -> ``search`` -> ``recipes`` -> ``report`` (text) -> ``cli``.
+``activations``, ``flops``, ``parameters`` (the per-layer terms) -> ``fsdp`` -> ``layout``
+(the :class:`Layout` and its launch flags) -> ``communicators``, ``ddp_state`` (a rank's
+communicators, its DDP state bytes) -> ``plans`` (the plan types) -> ``host_offload`` ->
+``memory``, ``step_time``, ``compare`` (a plan, a step time, standard vs fused) ->
+``timeouts`` -> ``fitting`` (one layout up the memory ladder) -> ``search`` -> ``recipes``
+-> ``report`` (text) -> ``cli``.
 Inside the stack a model is a :class:`ModelShape`, a device a :class:`HardwareProfile`
 and a size an int of bytes. This package's functions also take preset names (``"tiny"``,
 ``"llama2-70b"``), profile names or JSON paths (``"h100-80g"``) and sizes (``"64GB"``):
 they resolve them once and call the stack (:func:`_resolving`).
 
-Pure Python: only :func:`build_flash_gpt` and :func:`meta_parameter_count` (which uses it)
-import torch and megatron-core. The per-layer activation terms (:mod:`.activations`) are
-checked against the bytes measured by :func:`mcore_flash.memory.measure_activation_bytes`
-(tests/planning/test_planning.py).
+Pure Python: nothing here imports torch or megatron-core (the real model the formulas are
+checked against is :func:`mcore_flash.benchmarks.models.build_flash_gpt`'s). The per-layer
+activation terms (:mod:`.activations`) are checked against the bytes measured by
+:func:`mcore_flash.memory.measure_activation_bytes` (tests/planning/test_planning.py).
 """
 
 import functools
@@ -46,9 +49,9 @@ from .activations import (
 from .flops import pipeline_bubble
 from .hardware import HARDWARE_PROFILES, HardwareProfile, load_hardware
 from .layout import Layout
-from .memory import CATEGORIES, ESTIMATED_CATEGORIES, MemoryPlan, launch_command
 from .models import MODELS, ModelShape, get_model
 from .parameters import optimizer_bytes_per_parameter
+from .plans import CATEGORIES, ESTIMATED_CATEGORIES, MemoryPlan, launch_command
 from .recipes import RECIPE_70B_128K, plan_for_recipe
 from .search import Candidate
 from .step_time import StepTime
@@ -94,8 +97,6 @@ recompute_overhead = _resolving(_flops.recompute_overhead)
 layer_parameters = _resolving(_parameters.layer_parameters)
 stage_parameters = _resolving(_parameters.stage_parameters)
 total_parameters = _resolving(_parameters.total_parameters)
-build_flash_gpt = _resolving(_parameters.build_flash_gpt)
-meta_parameter_count = _resolving(_parameters.meta_parameter_count)
 plan_memory = _resolving(_memory.plan_memory)
 search_layouts = _resolving(_search.search_layouts)
 predict_step_time = _resolving(_step_time.predict_step_time)
@@ -118,7 +119,6 @@ __all__ = [
     "RECIPE_70B_128K",
     "RECOMPUTE_MODES",
     "Term",
-    "build_flash_gpt",
     "by_module",
     "compare_standard",
     "format_bytes",
@@ -129,7 +129,6 @@ __all__ = [
     "launch_command",
     "layer_parameters",
     "layer_terms",
-    "meta_parameter_count",
     "non_layer_terms",
     "optimizer_bytes_per_parameter",
     "parse_bytes",

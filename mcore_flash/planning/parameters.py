@@ -1,7 +1,8 @@
 """Parameter counts: the whole model, one layer, one (TP rank, PP stage) device.
 
 The formulas are pure Python and count exactly what megatron-core's ``GPTModel`` builds with
-the flash spec (:func:`meta_parameter_count` builds it on the meta device to check). Under
+the flash spec (tests/planning/test_planning.py builds it on the meta device to check:
+``meta_parameter_count`` of tests/_support/models.py). Under
 tensor parallelism column/row-parallel weights and column-parallel biases are split;
 norm weights/biases and row-parallel biases are replicated on every TP rank.
 
@@ -15,7 +16,7 @@ parallelism (``dp * cp`` ranks): ``6 + 12/d`` bytes per parameter instead of 18.
 in 0.19.2: the same rules), :meth:`DdpBuffer.shards` the distributed optimizer's shard of
 each data-parallel rank (``_build_model_gbuf_range``) and :func:`optimizer_order` the order
 its inner optimizer sees them (``_get_param_groups``, ``_build_optimizer_group_ranges``):
-what the offloaded optimizer's bytes are computed from (:mod:`.memory`).
+what the offloaded optimizer's bytes are computed from (:mod:`.ddp_state`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ __all__ = [
     "ddp_buffer",
     "stage_ddp_buffers",
     "optimizer_order",
-    "meta_parameter_count",
-    "build_flash_gpt",
 ]
 
 
@@ -351,84 +350,3 @@ def optimizer_order(
     :meth:`DdpBuffer.shards` entry."""
     held = [entry for shard in chunk_shards for entry in shard]
     return [e for e in held if not e[0].no_weight_decay] + [e for e in held if e[0].no_weight_decay]
-
-
-def build_flash_gpt(
-    model: ModelShape,
-    tp: int = 1,
-    vp_stage: Optional[int] = None,
-    layer_recompute_modules: Sequence[str] = (),
-    **config_overrides,
-):
-    """megatron-core ``GPTModel`` with the flash spec for a model shape, on the current
-    default device (this rank's pipeline stage; fp32, no dropout unless overridden).
-
-    ``config_overrides`` go to ``TransformerConfig`` (e.g. ``params_dtype``, recompute
-    settings); ``layer_recompute_modules`` to the spec (the selective modules our layer
-    applies itself). Needs torch and megatron-core with its parallel state initialised.
-    """
-    import torch
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from mcore_flash.transformer import get_gpt_decoder_block_flash_spec
-
-    settings = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        kv_channels=model.head_dim,
-        normalization=model.normalization,
-        layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=model.gated,
-        activation_func=torch.nn.functional.silu if model.gated else torch.nn.functional.gelu,
-        add_bias_linear=model.add_bias_linear,
-        add_qkv_bias=model.add_qkv_bias,
-        qk_layernorm=model.qk_layernorm,
-        tensor_model_parallel_size=tp,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    config = TransformerConfig(**{**settings, **config_overrides})
-    return GPTModel(
-        config,
-        get_gpt_decoder_block_flash_spec(
-            config, vp_stage=vp_stage, layer_recompute_modules=layer_recompute_modules
-        ),
-        vocab_size=model.vocab_size,
-        max_sequence_length=model.max_position_embeddings,
-        position_embedding_type=model.position_embedding_type,
-        rotary_percent=model.rotary_percent,
-        rotary_base=model.rotary_base,
-        rope_scaling=model.rope_scaling,
-        rope_scaling_factor=model.rope_scaling_factor,
-        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-    )
-
-
-def meta_parameter_count(model: ModelShape, tp: int = 1, vp_stage: Optional[int] = None) -> int:
-    """Build ``GPTModel`` with the flash spec on the meta device and count its parameters.
-
-    Needs torch and megatron-core; megatron's parallel state must be initialised (one
-    process at TP=1 counts the whole model; at TP=t the count is this rank's share). The
-    pipeline stage is this rank's. Nothing is allocated: every tensor lives on "meta".
-    """
-    import torch
-
-    with torch.device("meta"):  # use_cpu_initialization: allocations without a device -> meta
-        gpt = build_flash_gpt(
-            model,
-            tp,
-            vp_stage,
-            params_dtype=torch.bfloat16,
-            bf16=True,
-            perform_initialization=False,
-        )
-    params = list(gpt.parameters())
-    off_meta = [p for p in params if p.device.type != "meta"]
-    if off_meta:
-        raise RuntimeError(f"{len(off_meta)} parameters were allocated off the meta device")
-    return sum(p.numel() for p in params)

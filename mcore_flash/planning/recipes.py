@@ -12,8 +12,9 @@ from typing import Optional
 
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES
 from .layout import Layout
-from .memory import MemoryPlan, plan_memory
+from .memory import plan_memory
 from .models import ModelShape, get_model
+from .plans import MemoryPlan
 from .units import parse_bytes
 
 __all__ = [

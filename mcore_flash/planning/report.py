@@ -11,8 +11,8 @@ from typing import Optional
 
 from . import activations as act
 from .layout import offload_text, recompute_text
-from .memory import ESTIMATED_CATEGORIES, OFFLOAD_CATEGORIES, MemoryPlan, launch_command
 from .models import ModelShape
+from .plans import ESTIMATED_CATEGORIES, OFFLOAD_CATEGORIES, MemoryPlan, launch_command
 from .search import Candidate, OffloadGap
 from .step_time import BREAKDOWN_KEYS, FSDP_BREAKDOWN_KEYS, OFFLOAD_BREAKDOWN_KEYS, StepTime
 from .units import format_bytes

@@ -17,7 +17,7 @@ whose ``recompute_choices`` leave out ``full`` has not finished the recompute ru
 not climb), with ``climb="each"`` for every layout that does not. One that does not fit on
 ZeRO-3 either climbs to host offload (``offload``; the distributed optimizer without FSDP,
 as the trainer refuses the two together), again only when no layout of the device count
-fits below it: the least optimizer offload fraction of :data:`OFFLOAD_FRACTIONS` that fits,
+fits below it: the least optimizer offload fraction of :data:`.fitting.OFFLOAD_FRACTIONS` that fits,
 else the whole optimizer and the fewest activation-offloaded layers per stage that fit
 (offload just enough: the host step and the copies grow with it); a search whose
 ``fsdp_choices`` are empty has not finished the ZeRO-3 rung and does not climb to offload.
@@ -36,15 +36,18 @@ closes the gap; :func:`sensitivity` how the prediction moves with each assumed f
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import Iterable, Optional, Sequence
+import itertools
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from .activations import RECOMPUTE_MODES
+from .fitting import climb_layout, knows_host, replanned
 from .fsdp import PLANNED_STRATEGIES
-from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HOST_FIELDS, HardwareProfile
+from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
 from .layout import Layout
-from .memory import MemoryPlan, launch_command, plan_memory
+from .memory import plan_memory
 from .models import ModelShape
+from .plans import MemoryPlan, launch_command
 from .step_time import StepTime, predict_step_time
 from .timeouts import RunTimeouts, run_timeouts
 from .units import MiB
@@ -52,9 +55,10 @@ from .units import MiB
 __all__ = [
     "Candidate",
     "search_layouts",
+    "LADDER",
+    "Rung",
     "default_global_batch_size",
     "SEARCH_RECOMPUTE_MODES",
-    "OFFLOAD_FRACTIONS",
     "closest_offload",
     "sensitivity",
 ]
@@ -63,8 +67,6 @@ DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # Llama-2's 4M-token batches
 # what --search tries (and --recompute accepts): our modes; Megatron's stock core_attention
 # recompute saves nothing with a fused kernel (README "Recompute")
 SEARCH_RECOMPUTE_MODES = tuple(mode for mode in RECOMPUTE_MODES if mode != "core_attention")
-# the optimizer offload fractions the offload rung tries, least first
-OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 
 @dataclass
@@ -185,14 +187,172 @@ def search_layouts(
     (``Layout.overlap_grad_reduce``) every layout. ``hardware`` and ``step_options``
     (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
-    ``mean_document_length`` ...).
+    ``mean_document_length`` ...). The rungs are :data:`LADDER`'s.
     """
     step_kwargs = {
         "mean_document_length": plan_kwargs.get("mean_document_length"),
         "activation_profile": plan_kwargs.get("profile", "npu"),
         **(step_options or {}),
     }
-    plan_kwargs = {**plan_kwargs, "hardware": hardware}
+    tps, pps, cps = _parallel_sizes(
+        model, seq_length, num_devices, tp_choices, pp_choices, cp_choices, max_tp
+    )
+    search = _Search(
+        model=model,
+        seq_length=seq_length,
+        num_devices=num_devices,
+        device_memory=device_memory,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        tps=tps,
+        pps=pps,
+        cps=cps,
+        vp_choices=vp_choices,
+        recompute_choices=recompute_choices,
+        sequence_parallel=sequence_parallel,
+        distributed_optimizer=distributed_optimizer,
+        overlap_grad_reduce=overlap_grad_reduce,
+        include_non_fitting=include_non_fitting,
+        partial_recompute=partial_recompute,
+        fsdp_choices=fsdp_choices,
+        climb=climb,
+        offload=offload,
+        bf16_gradients=bf16_gradients,
+        grad_reduce_in_bf16=grad_reduce_in_bf16,
+        bf16_moments=bf16_moments,
+        host_moment_dtype=host_moment_dtype,
+        hardware=hardware,
+        step_kwargs=step_kwargs,
+        plan_kwargs={**plan_kwargs, "hardware": hardware},
+    )
+    found: list[Candidate] = []
+    for step, rung in enumerate(LADDER):
+        if step and any(c.plan.fits for c in found):
+            break  # a lower rung fits: the ladder climbs no higher
+        if not rung.climbable(search):
+            if rung.optional:
+                continue
+            break
+        found = _rung_candidates(search, rung)
+    found.sort(key=rank_key)
+    return found
+
+
+@dataclass(frozen=True)
+class _Search:
+    """One search's choices: :func:`search_layouts`' arguments with the TP, PP and CP sizes
+    it tries (``tps``, ``pps``, ``cps``), the keywords of its step-time predictions
+    (``step_kwargs``) and of its plans (``plan_kwargs``, the hardware profile included)."""
+
+    model: ModelShape
+    seq_length: int
+    num_devices: int
+    device_memory: int
+    micro_batch_size: int
+    global_batch_size: Optional[int]
+    tps: list[int]
+    pps: list[int]
+    cps: list[int]
+    vp_choices: Sequence[int]
+    recompute_choices: Sequence[str]
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    include_non_fitting: bool
+    partial_recompute: bool
+    fsdp_choices: Sequence[str]
+    climb: str
+    offload: bool
+    bf16_gradients: bool
+    grad_reduce_in_bf16: bool
+    bf16_moments: bool
+    host_moment_dtype: str
+    hardware: HardwareProfile
+    step_kwargs: dict
+    plan_kwargs: dict
+
+    @property
+    def narrow(self) -> bool:
+        """bf16 activations and parameters, which the narrower state (bf16 main gradients,
+        bf16 host moments) needs."""
+        return (
+            self.plan_kwargs.get("dtype_bytes", 2) == 2
+            and self.plan_kwargs.get("param_bytes", 2) == 2
+        )
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung of the memory ladder: how the search plans every layout on it. A layout
+    that does not fit is retried with each Megatron-FSDP strategy of the search's
+    ``fsdp_choices`` (``fsdp``; on every rung with ``climb="each"``) or with its least host
+    offload that fits (``host_offload``); ``bf16_gradients``: with bf16 main gradients where
+    the search allows them, ``bf16_moments``: with bf16 host moments. ``climbable``: whether
+    a search may climb to it; ``optional``: when it may not, the next rung is still tried,
+    else the climb ends there."""
+
+    name: str
+    climbable: Callable[[_Search], bool]
+    fsdp: bool = False
+    host_offload: bool = False
+    bf16_gradients: bool = False
+    bf16_moments: bool = False
+    optional: bool = False
+
+
+# the memory ladder, lowest first: the search climbs a rung only while no layout of the
+# device count fits on the rung below (climb="needed")
+LADDER = (
+    # every search: flash attention alone, then each recompute mode (with just enough
+    # partial recompute); with climb="each" a layout that does not fit also tries ZeRO-3
+    Rung("flash attention, recompute", climbable=lambda search: True),
+    # only with climb="needed", once the recompute rung has tried its last step (full)
+    Rung(
+        "ZeRO-3",
+        climbable=lambda search: (
+            search.climb == "needed"
+            and bool(search.fsdp_choices)
+            and "full" in search.recompute_choices
+        ),
+        fsdp=True,
+    ),
+    Rung("offload", climbable=lambda search: search.offload, host_offload=True),
+    # the offload rung's narrower state: bf16 main gradients, then bf16 host moments as well
+    Rung(
+        "offload, bf16 main gradients",
+        climbable=lambda search: (
+            search.bf16_gradients and search.narrow and not search.grad_reduce_in_bf16
+        ),
+        host_offload=True,
+        bf16_gradients=True,
+        optional=True,
+    ),
+    Rung(
+        "offload, bf16 main gradients and host moments",
+        climbable=lambda search: (
+            search.bf16_moments and search.narrow and search.host_moment_dtype == "fp32"
+        ),
+        host_offload=True,
+        bf16_gradients=True,
+        bf16_moments=True,
+        optional=True,
+    ),
+)
+
+
+def _parallel_sizes(
+    model: ModelShape,
+    seq_length: int,
+    num_devices: int,
+    tp_choices: Optional[Iterable[int]],
+    pp_choices: Optional[Iterable[int]],
+    cp_choices: Optional[Iterable[int]],
+    max_tp: int,
+) -> tuple[list[int], list[int], list[int]]:
+    """The TP, PP and CP sizes a search tries: the choices given, else TP the divisors of
+    the query-group count up to ``max_tp`` that divide the heads, PP the divisors of the
+    layer count up to ``num_devices``, CP the powers of two up to ``num_devices`` that split
+    the sequence into ``2 * cp`` ring chunks."""
     tps = (
         list(tp_choices)
         if tp_choices
@@ -212,235 +372,79 @@ def search_layouts(
         if cp_choices
         else [c for c in _powers_of_two(num_devices) if seq_length % (2 * c) == 0 or c == 1]
     )
+    return tps, pps, cps
 
-    def run(
-        choices: Sequence[str],
-        host_offload: bool = False,
-        bf16: bool = grad_reduce_in_bf16,
-        moments: str = host_moment_dtype,
-    ) -> list[Candidate]:
-        """Every layout (with ``bf16`` main gradients), climbing to the FSDP strategies
-        ``choices`` (or with ``host_offload`` to host offload, its moments in ``moments``)
-        where needed."""
-        found = []
-        for tp in tps:
-            for pp in pps:
-                for cp in cps:
-                    if num_devices % (tp * pp * cp):
-                        continue
-                    dp = num_devices // (tp * pp * cp)
-                    if cp > 1 and seq_length % (2 * cp):
-                        continue
-                    if sequence_parallel and tp > 1 and (seq_length // cp) % tp:
-                        continue
-                    gbs = global_batch_size or default_global_batch_size(
-                        seq_length, micro_batch_size, dp
-                    )
-                    if gbs % (micro_batch_size * dp):
-                        continue
-                    for vp in vp_choices:
-                        if vp > 1 and (
-                            pp == 1
-                            or model.num_layers % (pp * vp)
-                            or (gbs // (micro_batch_size * dp)) % pp
-                        ):
-                            continue
-                        for recompute in recompute_choices:
-                            layout = Layout(
-                                tp=tp,
-                                pp=pp,
-                                cp=cp,
-                                dp=dp,
-                                vp=vp,
-                                sequence_parallel=sequence_parallel,
-                                recompute=recompute,
-                                micro_batch_size=micro_batch_size,
-                                global_batch_size=gbs,
-                                distributed_optimizer=distributed_optimizer,
-                                grad_reduce_in_bf16=bf16,
-                                overlap_grad_reduce=overlap_grad_reduce,
-                            )
-                            for plan in _climb(
-                                model,
-                                seq_length,
-                                layout,
-                                device_memory,
-                                partial_recompute,
-                                choices,
-                                plan_kwargs,
-                                host_offload,
-                                moments,
-                            ):
-                                if plan.fits or include_non_fitting:
-                                    step = predict_step_time(
-                                        model,
-                                        seq_length,
-                                        plan.layout,
-                                        hardware,
-                                        dtype_bytes=plan.dtype_bytes,
-                                        **step_kwargs,
-                                    )
-                                    found.append(Candidate(plan, step))
-        return found
 
-    found = run(() if climb == "needed" else fsdp_choices)
-    exhausted = "full" in recompute_choices  # the recompute rung's last step was tried
-    if climb == "needed" and fsdp_choices and exhausted and not any(c.plan.fits for c in found):
-        found = run(fsdp_choices)  # nothing fits below ZeRO-3: climb
-    # the ZeRO-3 rung finished (fsdp_choices tried) and nothing fits: climb to host offload
-    finished = exhausted and bool(fsdp_choices)
-    if climb == "needed" and offload and finished and not any(c.plan.fits for c in found):
-        found = run((), host_offload=True)  # nothing fits below host offload: climb
-        narrow = plan_kwargs.get("dtype_bytes", 2) == 2 and plan_kwargs.get("param_bytes", 2) == 2
-        retry = bf16_gradients and narrow and not grad_reduce_in_bf16
-        if retry and not any(c.plan.fits for c in found):
-            found = run((), host_offload=True, bf16=True)  # the narrower state: bf16 gradients
-        retry = bf16_moments and narrow and host_moment_dtype == "fp32"
-        if retry and not any(c.plan.fits for c in found):  # ... and bf16 host moments
-            found = run(
-                (), host_offload=True, bf16=bf16_gradients or grad_reduce_in_bf16, moments="bf16"
+def _candidate_layouts(search: _Search, grad_reduce_in_bf16: bool) -> Iterator[Layout]:
+    """Every layout the search tries, in its order (TP, PP, CP, interleaving, recompute; DP
+    takes the remaining devices), with ``grad_reduce_in_bf16``: those whose sizes divide the
+    devices, the sequence (``2 * cp`` ring chunks, TP ranks under sequence parallelism) and
+    the global batch, interleaved only over more than one stage that splits the layers and
+    the micro-batches."""
+    s = search
+    for tp, pp, cp in itertools.product(s.tps, s.pps, s.cps):
+        if s.num_devices % (tp * pp * cp):
+            continue
+        dp = s.num_devices // (tp * pp * cp)
+        if cp > 1 and s.seq_length % (2 * cp):
+            continue
+        if s.sequence_parallel and tp > 1 and (s.seq_length // cp) % tp:
+            continue
+        gbs = s.global_batch_size or default_global_batch_size(s.seq_length, s.micro_batch_size, dp)
+        if gbs % (s.micro_batch_size * dp):
+            continue
+        for vp, recompute in itertools.product(s.vp_choices, s.recompute_choices):
+            if vp > 1 and (
+                pp == 1 or s.model.num_layers % (pp * vp) or (gbs // (s.micro_batch_size * dp)) % pp
+            ):
+                continue
+            yield Layout(
+                tp=tp,
+                pp=pp,
+                cp=cp,
+                dp=dp,
+                vp=vp,
+                sequence_parallel=s.sequence_parallel,
+                recompute=recompute,
+                micro_batch_size=s.micro_batch_size,
+                global_batch_size=gbs,
+                distributed_optimizer=s.distributed_optimizer,
+                grad_reduce_in_bf16=grad_reduce_in_bf16,
+                overlap_grad_reduce=s.overlap_grad_reduce,
             )
-    found.sort(key=rank_key)
+
+
+def _rung_candidates(search: _Search, rung: Rung) -> list[Candidate]:
+    """Every layout of ``search`` planned on ``rung`` (:func:`.fitting.climb_layout`) with its predicted
+    step time: the plans that fit (all of them with ``include_non_fitting``)."""
+    s = search
+    fsdp_choices = s.fsdp_choices if rung.fsdp or s.climb == "each" else ()
+    bf16 = s.grad_reduce_in_bf16 or (rung.bf16_gradients and s.bf16_gradients)
+    moments = "bf16" if rung.bf16_moments else s.host_moment_dtype
+    found = []
+    for layout in _candidate_layouts(s, bf16):
+        for plan in climb_layout(
+            s.model,
+            s.seq_length,
+            layout,
+            s.device_memory,
+            s.partial_recompute,
+            fsdp_choices,
+            s.plan_kwargs,
+            rung.host_offload,
+            moments,
+        ):
+            if plan.fits or s.include_non_fitting:
+                step = predict_step_time(
+                    s.model,
+                    s.seq_length,
+                    plan.layout,
+                    s.hardware,
+                    dtype_bytes=plan.dtype_bytes,
+                    **s.step_kwargs,
+                )
+                found.append(Candidate(plan, step))
     return found
-
-
-def _fitting(plan: MemoryPlan, partial_recompute: bool, plan_kwargs: dict) -> MemoryPlan:
-    """``plan``, or when it does not fit and may, its least partial recompute that fits."""
-    if not plan.fits and partial_recompute and plan.layout.recompute != "full":
-        return _least_partial_recompute(plan, plan_kwargs) or plan
-    return plan
-
-
-def _climb(
-    model: ModelShape,
-    seq_length: int,
-    layout: Layout,
-    device_memory: int,
-    partial_recompute: bool,
-    fsdp_choices: Sequence[str],
-    plan_kwargs: dict,
-    host_offload: bool = False,
-    moments: str = "fp32",
-) -> list[MemoryPlan]:
-    """The plans of ``layout`` up the ladder: itself (with just enough partial recompute);
-    if that does not fit, one plan per FSDP strategy of ``fsdp_choices`` (dp x cp > 1),
-    each with just enough partial recompute, or with ``host_offload`` its least host
-    offload that fits (:func:`_least_offload`, host moments in ``moments``), keeping the
-    non-fitting first plan only when nothing fits either."""
-    plan = _fitting(
-        plan_memory(model, seq_length, layout, device_memory=device_memory, **plan_kwargs),
-        partial_recompute,
-        plan_kwargs,
-    )
-    if (
-        not plan.fits
-        and host_offload
-        and layout.distributed_optimizer
-        and layout.fsdp is None
-        and layout.vp == 1  # the trainer refuses the offloads with the interleaved schedule
-        and _knows_host(plan_kwargs["hardware"])
-    ):
-        return [_least_offload(plan, plan_kwargs, moments) or plan]
-    if (
-        plan.fits
-        or layout.sharding_ranks == 1
-        or layout.fsdp is not None
-        or not layout.distributed_optimizer
-        or layout.pp > 1  # the trainer runs Megatron-FSDP at --pipeline-model-parallel-size 1
-    ):
-        return [plan]
-    sharded = [
-        _fitting(
-            plan_memory(
-                model,
-                seq_length,
-                replace(layout, fsdp=strategy),
-                device_memory=device_memory,
-                **plan_kwargs,
-            ),
-            partial_recompute,
-            plan_kwargs,
-        )
-        for strategy in fsdp_choices
-    ]
-    fitting = [p for p in sharded if p.fits]
-    return fitting or [plan]
-
-
-def _knows_host(hardware: HardwareProfile) -> bool:
-    """Whether ``hardware`` gives every host figure offload is planned with."""
-    return all(getattr(hardware, name) is not None for name in HOST_FIELDS)
-
-
-def _least_offload(
-    plan: MemoryPlan, plan_kwargs: dict, moments: str = "fp32"
-) -> Optional[MemoryPlan]:
-    """The fitting plan of ``plan``'s layout with the least host offload, Adam's host moments
-    in ``moments``: the least optimizer offload fraction of :data:`OFFLOAD_FRACTIONS` (bf16
-    moments: the whole optimizer only), else the whole optimizer and the fewest
-    activation-offloaded layers per stage (device bytes fall as that number grows:
-    bisection); None when even every layer offloaded does not fit (or the host cannot
-    hold the optimizer)."""
-
-    def planned(fraction: float, layers: int) -> MemoryPlan:
-        return _replanned(
-            plan,
-            plan_kwargs,
-            optimizer_offload_fraction=fraction,
-            activation_offload_layers=layers,
-            host_moment_dtype=moments,
-        )
-
-    fractions = OFFLOAD_FRACTIONS if moments == "fp32" else (1.0,)
-    for fraction in fractions:
-        candidate = planned(fraction, 0)
-        if candidate.fits:
-            return candidate
-        if candidate.host.fits is False:  # more offload only needs more host
-            return None
-    best, low, high = None, 1, plan.model.num_layers // plan.layout.pp
-    while low <= high:
-        mid = (low + high) // 2
-        candidate = planned(1.0, mid)
-        if candidate.fits:
-            best, high = candidate, mid - 1
-        elif candidate.device_fits:  # the host is full: more layers only add to it
-            return best
-        else:
-            low = mid + 1
-    return best
-
-
-def _replanned(plan: MemoryPlan, plan_kwargs: dict, **changes) -> MemoryPlan:
-    """``plan`` again (with the plan keywords ``plan_kwargs``), its layout's fields ``changes``."""
-    return plan_memory(
-        plan.model,
-        plan.seq_length,
-        replace(plan.layout, **changes),
-        device_memory=plan.device_memory,
-        **plan_kwargs,
-    )
-
-
-def _least_partial_recompute(plan: MemoryPlan, plan_kwargs: dict) -> Optional[MemoryPlan]:
-    """The fitting plan with the fewest layers per chunk recomputed whole (bytes fall as
-    that number grows: bisection), or None if even all but one do not fit."""
-    lay = plan.layout
-    best, low, high = None, 1, lay.chunk_layers(plan.model.num_layers) - 1
-    while low <= high:
-        mid = (low + high) // 2
-        candidate = plan_memory(
-            plan.model,
-            plan.seq_length,
-            replace(lay, recompute_num_layers=mid),
-            device_memory=plan.device_memory,
-            **plan_kwargs,
-        )
-        if candidate.fits:
-            best, high = candidate, mid - 1
-        else:
-            low = mid + 1
-    return best
 
 
 def rank_key(candidate: Candidate):
@@ -512,7 +516,7 @@ def closest_offload(
     enumerates (``search_options``: its keywords), planned with all host offload (fraction
     1, every layer of each stage), the one with the least device overshoot (None when the
     profile has no host figures)."""
-    if not _knows_host(hardware):
+    if not knows_host(hardware):
         return None
     base = search_layouts(
         model,
@@ -529,7 +533,7 @@ def closest_offload(
     )
     kwargs = {**plan_kwargs, "hardware": hardware}
     offloaded = [
-        _replanned(
+        replanned(
             c.plan,
             kwargs,
             optimizer_offload_fraction=1.0,
@@ -541,8 +545,8 @@ def closest_offload(
     if not offloaded:
         return None
     closest = min(offloaded, key=lambda p: (p.total, p.host.per_node))
-    bf16 = _replanned(closest, kwargs, grad_reduce_in_bf16=True)
-    return OffloadGap(closest, bf16, _replanned(bf16, kwargs, host_moment_dtype="bf16"))
+    bf16 = replanned(closest, kwargs, grad_reduce_in_bf16=True)
+    return OffloadGap(closest, bf16, replanned(bf16, kwargs, host_moment_dtype="bf16"))
 
 
 def sensitivity(

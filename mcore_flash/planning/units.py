@@ -1,12 +1,15 @@
-"""Byte sizes: parse ``64GB`` / ``80GiB`` / ``1.5TB`` / ``123456``, print ``12.34 GiB``."""
+"""Byte sizes: parse ``64GB`` / ``80GiB`` / ``1.5TB`` / ``123456``, print ``12.34 GiB``; the
+bytes of an fp32 and a bf16 element."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["parse_bytes", "format_bytes", "GiB", "MiB"]
+__all__ = ["parse_bytes", "format_bytes", "GiB", "MiB", "FP32_BYTES", "BF16_BYTES"]
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
+FP32_BYTES = 4  # an fp32 element (main gradients, the logits' gradient, the ring's dK/dV)
+BF16_BYTES = 2
 _UNITS = {
     "": 1,
     "b": 1,

@@ -75,7 +75,7 @@ def _w_megatron_groups(rank, world_size, shapes, ranks, tie_split):
     )
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from mcore_flash.planning import build_flash_gpt
+    from mcore_flash.benchmarks.models import build_flash_gpt
 
     init_megatron()
     try:

@@ -24,9 +24,9 @@ import pytest
 
 from mcore_flash.planning import Layout, plan_memory, predict_step_time, search_layouts
 from mcore_flash.planning.cli import main
+from mcore_flash.planning.ddp_state import offloaded_parameters
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
 from mcore_flash.planning.layout import pretrain_command
-from mcore_flash.planning.memory import offloaded_parameters
 from mcore_flash.planning.models import get_model
 from mcore_flash.planning.parameters import (
     ParameterShape,
@@ -135,7 +135,7 @@ def _w_megatron_buckets(rank, world_size, bucket_sizes):
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from mcore_flash.planning import build_flash_gpt
+    from mcore_flash.benchmarks.models import build_flash_gpt
 
     init_megatron()
     try:

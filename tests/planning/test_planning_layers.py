@@ -1,4 +1,6 @@
-"""mcore_flash.planning is a one-way stack: every module imports only from the layers below it.
+"""mcore_flash.planning is a one-way stack: every module imports only from the layers below it,
+and besides those only the standard library (no torch, megatron-core or other package of
+mcore_flash: the planner is pure Python).
 
 The layers are declared here, lowest first; modules of one layer do not import each other.
 Every import counts, at module level and inside functions (a lazy import that hides a
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import sys
 
 import mcore_flash.planning
 
@@ -18,9 +21,13 @@ LAYERS = [
     ["activations", "flops", "parameters"],  # per-layer saved bytes, FLOPs, parameter counts
     ["fsdp"],  # Megatron-FSDP's parameter groups, padding and bytes per strategy
     ["layout"],  # the parallel layout and its launch flags
-    ["communicators"],  # the collective library's communicators of a layout
+    # the collective library's communicators of a layout; megatron DDP's state bytes per rank
+    ["communicators", "ddp_state"],
+    ["plans"],  # a memory plan's types: a stage's bytes, a node's host bytes, the plan
+    ["host_offload"],  # activation offload's bytes of a stage, a node's host bytes
     ["memory", "step_time", "compare"],  # a memory plan, a step time, standard vs fused attention
     ["timeouts"],  # the limits a planned run launches with
+    ["fitting"],  # one layout up the memory ladder: the least recompute, ZeRO-3, offload
     ["search"],  # the layouts that fit, ranked
     ["recipes"],  # the launch scripts' layouts and the trainer's flags as plans
     ["report"],  # plans as text
@@ -29,20 +36,20 @@ LAYERS = [
 ]
 
 
-def planning_imports(directory: str) -> dict[str, set[str]]:
-    """Per module of ``directory`` (the package ``mcore_flash.planning``), the planning
-    modules it imports anywhere in its source: ``from .x import``, ``from . import x``,
-    ``import mcore_flash.planning.x``, ``from mcore_flash.planning import x`` (the package
-    itself counts as ``__init__``, a name that is no module as ``__init__`` too)."""
+def module_imports(directory: str) -> dict[str, list[str]]:
+    """Per module of ``directory`` (the package ``mcore_flash.planning``), what it imports
+    anywhere in its source, as dotted names: relative imports under the package's name
+    (``from .x import y``: ``mcore_flash.planning.x``), ``from package import x`` as
+    ``package.x`` where ``x`` is a module of the package, else as the package."""
     modules = {name[:-3] for name in os.listdir(directory) if name.endswith(".py")}
     imports = {}
     for module in modules:
         with open(os.path.join(directory, module + ".py")) as f:
             tree = ast.parse(f.read())
-        found = set()
+        targets = []
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
+                targets += [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level > 1:
                     raise AssertionError(
@@ -53,19 +60,42 @@ def planning_imports(directory: str) -> dict[str, set[str]]:
                 else:
                     base = node.module or ""
                 # `from package import x` imports module x when x is one, else the package
-                targets = [
+                targets += [
                     f"{base}.{a.name}" if base == PACKAGE and a.name in modules else base
                     for a in node.names
                 ]
-            else:
-                continue
-            for target in targets:
-                if target == PACKAGE:
-                    found.add("__init__")
-                elif target.startswith(PACKAGE + "."):
-                    found.add(target[len(PACKAGE) + 1 :].split(".")[0])
+        imports[module] = targets
+    return imports
+
+
+def planning_imports(directory: str) -> dict[str, set[str]]:
+    """Per module of ``directory``, the planning modules it imports anywhere in its source:
+    ``from .x import``, ``from . import x``, ``import mcore_flash.planning.x``,
+    ``from mcore_flash.planning import x`` (the package itself counts as ``__init__``, a name
+    that is no module as ``__init__`` too)."""
+    imports = {}
+    for module, targets in module_imports(directory).items():
+        found = set()
+        for target in targets:
+            if target == PACKAGE:
+                found.add("__init__")
+            elif target.startswith(PACKAGE + "."):
+                found.add(target[len(PACKAGE) + 1 :].split(".")[0])
         imports[module] = found
     return imports
+
+
+def foreign_imports(directory: str) -> list[str]:
+    """Each import of a module of ``directory`` from neither the standard library nor the
+    package itself: the planner is pure Python (no torch, megatron-core or other package
+    of ``mcore_flash``), lazy imports inside functions included."""
+    problems = []
+    for module, targets in sorted(module_imports(directory).items()):
+        for target in sorted(set(targets)):
+            own = target == PACKAGE or target.startswith(PACKAGE + ".")
+            if not own and target.split(".")[0] not in sys.stdlib_module_names:
+                problems.append(f"{module} imports {target}")
+    return problems
 
 
 def layer_violations(imports: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
@@ -108,4 +138,29 @@ def test_the_check_sees_lazy_and_same_layer_imports(tmp_path):
         "stray has no layer in LAYERS",
         "lazy (layer 1) imports high (layer 2)",
         "mid (layer 1) imports twin (layer 1)",
+    ]
+
+
+def test_planning_imports_only_the_standard_library_and_itself():
+    directory = os.path.dirname(mcore_flash.planning.__file__)
+    assert foreign_imports(directory) == []
+
+
+def test_the_check_sees_torch_megatron_and_other_packages(tmp_path):
+    """torch, megatron-core and other packages of mcore_flash are reported wherever they are
+    imported (a lazy import inside a function too); the standard library and the package's
+    own modules are not."""
+    sources = {
+        "low.py": "from __future__ import annotations\nimport json\nfrom fractions import Fraction\n",
+        "mid.py": "from . import low\nimport mcore_flash.planning.low\n\ndef f():\n    import torch\n",
+        "high.py": "from megatron.core import parallel_state\nfrom mcore_flash import ops\n",
+        "top.py": "from mcore_flash.planning import mid\nfrom mcore_flash.transformer.specs import x\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    assert foreign_imports(str(tmp_path)) == [
+        "high imports mcore_flash",
+        "high imports megatron.core",
+        "mid imports torch",
+        "top imports mcore_flash.transformer.specs",
     ]
