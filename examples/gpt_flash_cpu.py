@@ -15,7 +15,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_flash import get_gpt_decoder_block_flash_spec, platform
-from mcore_flash.memory import measure_activation_bytes
+from mcore_flash.measured_memory import measure_activation_bytes
 
 
 def main():

@@ -25,7 +25,7 @@ LAYERS = [
         "compat",
         "ports",
         "quiet_imports",
-        "memory",
+        "measured_memory",
         "faults",
         "plot",
     ],

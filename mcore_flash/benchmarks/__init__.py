@@ -8,5 +8,5 @@ what they share is in :mod:`.common`.
 Each module has a ``main(argv)``, prints progress to stderr and its results to stdout (a
 markdown table, or one JSON object where it takes ``--json``); results and the commands that
 produced them are in docs/benchmarks.md. Saved-for-backward bytes come from
-:func:`mcore_flash.memory.measure_saved_bytes`.
+:func:`mcore_flash.measured_memory.measure_saved_bytes`.
 """

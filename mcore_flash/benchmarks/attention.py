@@ -13,7 +13,7 @@ gradient):
 
 Each case is one forward + backward with a random output gradient; the time is the median of
 ``--repeats`` runs after one untimed warm-up run, which also measures the bytes saved for
-backward (:func:`mcore_flash.memory.measure_saved_bytes`). A case whose
+backward (:func:`mcore_flash.measured_memory.measure_saved_bytes`). A case whose
 predicted peak memory exceeds ``--max-memory-gb`` is skipped, not run. Progress goes to
 stderr, the markdown table to stdout.
 """
@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mcore_flash.memory import measure_saved_bytes
+from mcore_flash.measured_memory import measure_saved_bytes
 
 from .common import (
     DTYPES,

@@ -10,7 +10,7 @@ barrier). Reported per rank:
 
 * ``fwd+bwd ms``: the slowest rank's median (a training step waits for it), and the
   fastest rank's, to show the (causal) load balance;
-* ``saved MiB``: bytes saved for backward (:func:`mcore_flash.memory.measure_saved_bytes`),
+* ``saved MiB``: bytes saved for backward (:func:`mcore_flash.measured_memory.measure_saved_bytes`),
   measured in the warm-up run (the largest over ranks);
 * ``comm MiB``: bytes this rank sends in one forward + backward, computed from the
   algorithm: ring: ``(cp-1)`` K/V blocks forward, ``(cp-1)`` K/V blocks and ``cp`` fp32
@@ -117,7 +117,7 @@ def _worker(rank: int, case: Case, port: int, threads: int, repeats: int, result
         dist.init_process_group(
             "gloo", rank=rank, world_size=case.cp, timeout=datetime.timedelta(seconds=1800)
         )
-        from mcore_flash.memory import measure_saved_bytes
+        from mcore_flash.measured_memory import measure_saved_bytes
         from mcore_flash.ops.context_parallel import context_parallel_attn_func, split_for_cp_rank
 
         group = dist.group.WORLD

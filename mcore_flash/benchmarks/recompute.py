@@ -8,7 +8,7 @@ module: keeps the kernel's output, re-runs norm -> QKV -> RoPE), ``attention`` =
 ``selective`` + ``core_attn`` with our ``FlashTransformerLayer``, ``full`` =
 ``full``/``uniform``/1 layer), all from the same seed, so the models hold identical weights. At each sequence length:
 
-* **bytes**: one forward under :func:`mcore_flash.memory.measure_activation_bytes`. "Per
+* **bytes**: one forward under :func:`mcore_flash.measured_memory.measure_activation_bytes`. "Per
   layer" is everything saved under ``decoder.layers.<i>`` plus what the ``decoder`` block
   itself saves (with full recompute Megatron's checkpoint is called by the block, so the
   layer inputs -- and the RoPE table, shared -- are charged to ``decoder``), divided by
@@ -200,7 +200,7 @@ class Runner:
 
     def measure_bytes(self, num_layers: int, hidden: int) -> None:
         """One forward's saved bytes into the result: per layer, per submodule, outside the layers."""
-        from mcore_flash.memory import measure_activation_bytes
+        from mcore_flash.measured_memory import measure_activation_bytes
 
         saved = measure_activation_bytes(
             self.model, self.tokens, self.positions, None, labels=self.tokens

@@ -23,7 +23,7 @@ they resolve them once and call the stack (:func:`_resolving`).
 Pure Python: nothing here imports torch or megatron-core (the real model the formulas are
 checked against is :func:`mcore_flash.benchmarks.models.build_flash_gpt`'s). The per-layer
 activation terms (:mod:`.activations`) are checked against the bytes measured by
-:func:`mcore_flash.memory.measure_activation_bytes` (tests/planning/test_planning.py).
+:func:`mcore_flash.measured_memory.measure_activation_bytes` (tests/planning/test_planning.py).
 """
 
 import functools

@@ -2,7 +2,7 @@
 
 Every term is one tensor (or one kind of tensor) that autograd keeps from the forward pass
 to the backward pass, named after the module that saves it (the suffix
-``mcore_flash.memory.SavedBytes.per_layer()`` reports, ``"<layer>"`` for the layer itself),
+``mcore_flash.measured_memory.SavedBytes.per_layer()`` reports, ``"<layer>"`` for the layer itself),
 with its size in bytes as an exact ``Fraction`` of the symbols
 
     s   sequence length (global),  b micro-batch size,  h hidden size,

@@ -21,7 +21,7 @@ graph is the original one; only saved values are re-materialised (the mechanism 
 The kernel runs once per step; its dropout mask is replayed by the kernel's backward from
 its own saved RNG state, as without recompute. The prelude draws no random numbers.
 
-Outer saved-tensor hooks (Megatron's activation offloading, :mod:`mcore_flash.memory`'s
+Outer saved-tensor hooks (Megatron's activation offloading, :mod:`mcore_flash.measured_memory`'s
 measurement) still see every tensor this boundary keeps: kept tensors go through the hooks
 that were active when the layer's forward began.
 

@@ -90,7 +90,7 @@ def _op_checks(rank, world_size, with_extras):
     import torch.distributed as dist
 
     from mcore_flash.emulation import op_double
-    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.measured_memory import measure_saved_bytes
     from mcore_flash.ops.context_parallel import context_parallel_attn_func, split_for_cp_rank
 
     double = op_double()
@@ -309,7 +309,7 @@ def _gpt_run(tp, cp, comm, weights=None, with_mask_check=False, recompute_qkv=Fa
         finalize_model_grads,
     )
 
-    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.measured_memory import measure_saved_bytes
     from mcore_flash.ops.context_parallel import gather_from_cp_ranks
     from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
@@ -643,7 +643,7 @@ def test_pair_cut_is_the_tight_square_of_what_the_band_sees():
 
 
 def test_op_saved_bytes_per_rank_are_half_at_cp2(cp2_run):
-    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.measured_memory import measure_saved_bytes
     from mcore_flash.ops import flash_attn_func
 
     q, k, v, _ = (x.requires_grad_() for x in _inputs())

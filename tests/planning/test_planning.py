@@ -1,6 +1,6 @@
 """Memory planner: formulas vs measured saved bytes, parameter counts, Korthikanti, CLI.
 
-Oracles: ``mcore_flash.memory.measure_activation_bytes`` on tiny GPTModels built with our
+Oracles: ``mcore_flash.measured_memory.measure_activation_bytes`` on tiny GPTModels built with our
 spec (TP1 in one process, TP2 +/- SP in two; all configs of one TP size share a worker),
 megatron-core's GPTModel built on the meta device (parameter counts), the formulas of
 Korthikanti et al. 2022, Table 2, and FLOPs counted by hand (packed documents).
@@ -136,7 +136,7 @@ def _w_measure(rank, world_size, cases, meta_models):
     """Per case: (per_layer, by_module, total) of one forward; parameter counts."""
     init_megatron(tp=world_size)
     try:
-        from mcore_flash.memory import measure_activation_bytes
+        from mcore_flash.measured_memory import measure_activation_bytes
 
         from _support.models import meta_parameter_count
 
@@ -299,7 +299,7 @@ def _w_measure_cp(rank, world_size, cases):
     """Per case at CP=2: this rank's (per_layer, by_module, total) on its half of the tokens."""
     init_megatron(cp=world_size)
     try:
-        from mcore_flash.memory import measure_activation_bytes
+        from mcore_flash.measured_memory import measure_activation_bytes
         from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 
         out = {}
@@ -352,7 +352,7 @@ def _w_measure_npu(rank, world_size, cases):
     from megatron.core import parallel_state
 
     from mcore_flash import platform
-    from mcore_flash.memory import measure_activation_bytes
+    from mcore_flash.measured_memory import measure_activation_bytes
     from mcore_flash.runtime.distributed import set_random_seed
 
     assert platform.setup() == "npu"

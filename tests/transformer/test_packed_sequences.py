@@ -164,7 +164,7 @@ def _op_checks(rank, world_size):
     import torch.distributed as dist
 
     from mcore_flash.emulation import op_double
-    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.measured_memory import measure_saved_bytes
     from mcore_flash.ops.backends import get_backend
     from mcore_flash.ops.context_parallel import (
         context_parallel_varlen_attn_func,
@@ -453,7 +453,7 @@ def test_documents_and_padding_rule():
 def test_saved_bytes_linear_in_length_with_many_documents():
     """Packed attention at S and 2S with documents of 16 tokens saves exactly 2x (q, k, v,
     out and the fp32 statistics; nothing quadratic), at CP=1 on the fused CPU kernel."""
-    from mcore_flash.memory import measure_saved_bytes
+    from mcore_flash.measured_memory import measure_saved_bytes
     from mcore_flash.ops import flash_attn_varlen_func
 
     def saved(total, heads=4, dim=8):

@@ -41,7 +41,7 @@ def _w_recompute(rank, world_size, modes, sequence_parallel):
     try:
         from megatron.core import tensor_parallel
 
-        from mcore_flash.memory import measure_activation_bytes
+        from mcore_flash.measured_memory import measure_activation_bytes
 
         tokens, labels, positions = batch(seq=64)
         results = {}

@@ -1,4 +1,4 @@
-"""The saved-bytes meter itself (``mcore_flash.memory``), which the planner and recompute tests trust.
+"""The saved-bytes meter itself (``mcore_flash.measured_memory``), which the planner and recompute tests trust.
 
 Oracle: byte counts of tensors built by hand, of known size, in situations the meter must
 get right whatever addresses the allocator hands out.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_flash.memory import measure_saved_bytes
+from mcore_flash.measured_memory import measure_saved_bytes
 
 NUMEL = 8192  # 32 KiB of float32
 
