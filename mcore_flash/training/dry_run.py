@@ -7,7 +7,7 @@ no-ops), for every pipeline stage:
 1. its model (its model chunks with the interleaved schedule) is built on the meta device at
    the full shape and its parameters are counted;
 2. it is built again the way the trainer builds it for training, by the trainer's own
-   functions (:mod:`.loop`): the model chunks in megatron's ``DistributedDataParallel`` (or
+   functions (:mod:`.setup`): the model chunks in megatron's ``DistributedDataParallel`` (or
    Megatron-FSDP), megatron's optimizer over them (distributed, precision-aware, offloaded:
    as the flags say), the learning-rate scheduler, the model config's hooks and the batch
    splitter. A flag that only those constructors read is checked by them, not by parsing alone.
@@ -166,23 +166,23 @@ def _build_for_training(config: TrainingConfig) -> dict:
     "shrunk": {flag: value}}``."""
     from megatron.core import parallel_state
 
-    from mcore_flash.training import loop
+    from mcore_flash.training import setup
 
     shrunk = shrunk_config(config)
     tokenizer, _ = tokenizer_and_vocab(config)
     vocab = SHRUNK_VOCAB_PER_TP_RANK * config.tensor_model_parallel_size
-    loop._batch_splitter(shrunk, tokenizer)  # --reset-attention-mask needs the tokenizer's EOD
+    setup.batch_splitter(shrunk, tokenizer)  # --reset-attention-mask needs the tokenizer's EOD
     built = []
     for stage in range(config.pipeline_model_parallel_size):
         parallel_state.set_pipeline_model_parallel_rank(stage)
         model_config = transformer_config(shrunk)
         with _fsdp_checks_of_this_rank_only(shrunk):
-            chunks = loop._data_parallel_model_chunks(
+            chunks = setup.data_parallel_model_chunks(
                 shrunk, model_config, vocab, model_args(shrunk, vocab)
             )
-        optimizer = loop._optimizer(shrunk, model_config, chunks)
-        loop._lr_scheduler(shrunk, optimizer)
-        loop._connect_model_config(shrunk, model_config, chunks, optimizer)
+        optimizer = setup.megatron_optimizer(shrunk, model_config, chunks)
+        setup.lr_scheduler(shrunk, optimizer)
+        setup.connect_model_config(shrunk, model_config, chunks, optimizer)
         built.append(
             {
                 "model": type(chunks[0]).__name__,

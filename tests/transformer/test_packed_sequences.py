@@ -556,7 +556,7 @@ def test_reset_attention_mask_needs_an_eod_token():
     import types
 
     from mcore_flash.runtime.arguments import parse_args
-    from mcore_flash.training.loop import _batch_splitter
+    from mcore_flash.training.setup import batch_splitter
 
     args = parse_args(
         [
@@ -571,7 +571,7 @@ def test_reset_attention_mask_needs_an_eod_token():
     with pytest.raises(
         ValueError, match="--reset-attention-mask cuts documents at the tokenizer's EOD"
     ):
-        _batch_splitter(args, types.SimpleNamespace(eod=None))
+        batch_splitter(args, types.SimpleNamespace(eod=None))
 
 
 @pytest.mark.parametrize("spawn", ["cp2_run", "cp4_run"])
