@@ -6,18 +6,13 @@ For each context-parallel size (``--cp-sizes``, default 1, 2, 4) and algorithm
 fixed total sequence (``--seq-length``) and times one forward + backward of
 :func:`mcore_flash.ops.context_parallel.context_parallel_attn_func` (median of
 ``--repeats`` runs after one untimed warm-up; ranks start each run together after a
-barrier). Reported per rank:
+barrier). CP=1 is the plain fused kernel on the whole sequence.
 
-* ``fwd+bwd ms``: the slowest rank's median (a training step waits for it), and the
-  fastest rank's, to show the (causal) load balance;
-* ``saved MiB``: bytes saved for backward (:func:`mcore_flash.measured_memory.measure_saved_bytes`),
-  measured in the warm-up run (the largest over ranks);
-* ``comm MiB``: bytes this rank sends in one forward + backward, computed from the
-  algorithm: ring: ``(cp-1)`` K/V blocks forward, ``(cp-1)`` K/V blocks and ``cp`` fp32
-  dK/dV blocks backward; Ulysses: ``(cp-1)/cp`` of q, k, v, out forward and of dout, dq,
-  dk, dv backward, and the fp32 lse (K/V after replication to ``cp`` heads when ``hkv < cp``).
-
-CP=1 is the plain fused kernel on the whole sequence. Each rank runs ``--threads``
+Reported per rank (:func:`format_table`; ms, MiB, ratios against cp=1): fwd+bwd time of the
+slowest and the fastest rank, bytes saved for backward
+(:func:`mcore_flash.measured_memory.measure_saved_bytes`), bytes sent
+(:func:`comm_bytes_per_rank`, computed from the algorithm). Column definitions and results:
+docs/benchmarks.md, "Context parallelism (CPU, gloo)". Each rank runs ``--threads``
 threads; on a machine with fewer cores than ``cp x threads`` the ranks share cores (the
 table header says how many cores there were). Progress goes to stderr, the markdown
 table to stdout.
@@ -77,7 +72,13 @@ class Result:
 
 
 def comm_bytes_per_rank(case: Case) -> int:
-    """Bytes one rank sends in one forward + backward (see the module docstring)."""
+    """Bytes one rank sends in one forward + backward, computed from the algorithm.
+
+    Ring (``p2p``): ``(cp-1)`` K/V blocks forward, ``(cp-1)`` K/V blocks and ``cp`` fp32
+    dK/dV blocks backward. Ulysses (``a2a``): ``(cp-1)/cp`` of q, k, v, out forward and of
+    dout, dq, dk, dv backward, and the fp32 lse (K/V after replication to ``cp`` heads when
+    ``hkv`` is not a multiple of ``cp``, e.g. ``hkv < cp``). 0 for cp = 1.
+    """
     cp = case.cp
     if cp == 1:
         return 0

@@ -10,15 +10,12 @@ One sample of ``S = --seq-length`` tokens holds documents of random lengths (see
   token sees only the earlier tokens of its own document.
 
 Causal attention work is proportional to the squared length, so the packed run should
-take ``sum(len_i**2) / S**2`` of the dense time (the *prediction*). Each time is one
-forward + backward, the median of ``--repeats`` runs after one untimed warm-up of each;
-the runs alternate (dense, packed, dense, ...) so that a change in machine load hits both
-alike. Both the wall time and the process's CPU time are reported: with one thread (the
-default) the CPU time is what the kernels cost even while other processes take the core,
-which stretches the wall time. The warm-up also checks that the packed output of the first document equals the
-dense output on those rows (causal attention over a prefix does not depend on what
-follows it). Progress goes to stderr; stdout gets a markdown table, or with ``--json``
-one JSON object.
+take ``sum(len_i**2) / S**2`` of the dense time (the *prediction*, :func:`predicted_ratio`).
+Times are milliseconds of one forward + backward, wall and process CPU, medians over
+``--repeats`` (how they are taken, and the warm-up's correctness check: :func:`measure`).
+Progress goes to stderr; stdout gets a markdown table (:func:`format_report`), or with
+``--json`` one JSON object (the fields of :class:`Report`). Usage, results and their
+reading: docs/benchmarks.md, "Packed documents (CPU)".
 """
 
 from __future__ import annotations
@@ -158,7 +155,16 @@ class Report:
 
 
 def measure(args, log: Callable[[str], None]) -> Report:
-    """Warm up both runs, then time them alternately; returns the :class:`Report`."""
+    """Warm up both runs, then time them alternately; returns the :class:`Report`.
+
+    Each time is one forward + backward, the median of ``--repeats`` runs after one untimed
+    warm-up of each; the runs alternate (dense, packed, dense, ...) so that a change in
+    machine load hits both alike. Both the wall time and the process's CPU time are
+    reported: with one thread (the default) the CPU time is what the kernels cost even while
+    other processes take the core, which stretches the wall time. The warm-up also checks
+    that the packed output of the first document equals the dense output on those rows
+    (causal attention over a prefix does not depend on what follows it).
+    """
     lengths = document_lengths(args.seq_length, args.mean_document_length, args.seed)
     prediction = predicted_ratio(lengths)
     log(

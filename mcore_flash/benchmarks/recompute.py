@@ -2,36 +2,20 @@
 
 A Llama-shaped ``GPTModel`` with our spec (RMSNorm, SwiGLU, GQA, RoPE, no biases, no
 dropout, fp32, causal with ``attention_mask=None``; by default Llama's proportions at small
-scale: 2 layers, h 1024, 8 heads of 128, 2 query groups, ffn 2752 = 2.6875 h) is built once per recompute mode
-(:func:`mcore_flash.transformer.recompute.recompute_mode_settings`: ``none``, ``qkv`` (our
+scale: 2 layers, h 1024, 8 heads of 128, 2 query groups, ffn 2752 = 2.6875 h) is built once
+per recompute mode (:func:`build_model`,
+:func:`mcore_flash.transformer.recompute.recompute_mode_settings`: ``none``, ``qkv`` (our
 module: keeps the kernel's output, re-runs norm -> QKV -> RoPE), ``attention`` = Megatron's
 ``selective`` + ``core_attn`` with our ``FlashTransformerLayer``, ``full`` =
-``full``/``uniform``/1 layer), all from the same seed, so the models hold identical weights. At each sequence length:
-
-* **bytes**: one forward under :func:`mcore_flash.measured_memory.measure_activation_bytes`. "Per
-  layer" is everything saved under ``decoder.layers.<i>`` plus what the ``decoder`` block
-  itself saves (with full recompute Megatron's checkpoint is called by the block, so the
-  layer inputs -- and the RoPE table, shared -- are charged to ``decoder``), divided by
-  the number of layers. What lies outside the layers (embedding, final norm, output layer,
-  loss) is reported separately.
-* **check step** (untimed, also the warm-up): one fwd+bwd under a saved-tensor hook that
-  sees every tensor saved in forward *and* in the recomputations run during backward, and
-  records the largest one (an ``s x s`` probability matrix would show up here); the
-  attention backend's ``forward``/``backward`` are wrapped to count calls (and calls of its
-  fallback, if it has one -- the CPU backend falls back to the blocked reference kernel for
-  dropout, which this benchmark does not use). Loss and gradients are compared with mode
-  ``none``.
-* **time**: after one more untimed step per mode, ``--repeats`` rounds of one fwd+bwd step
-  per mode, interleaved (none, qkv, attention, full, then qkv, attention, full, none, ...) so that a
-  change in machine load hits them alike. Medians of wall-clock and of process CPU time are
-  reported; the time relative to ``none`` is the median over rounds of the ratio to the same
-  round's ``none`` step. One thread by default (``--threads``): on a shared machine the
-  process CPU time is then close to what the step takes on an idle core, while wall-clock
-  also counts the time the process waited for one. The quartiles of the per-round ratios
-  show the noise; next to them, the extra FLOPs the planner's model
-  (:func:`mcore_flash.planning.recompute_overhead`) predicts for the same shape.
-
-Progress goes to stderr, markdown tables to stdout.
+``full``/``uniform``/1 layer), all from the same seed, so the models hold identical weights.
+At each sequence length (:func:`run_length`): **bytes** saved per layer and outside the
+layers (:meth:`Runner.measure_bytes`); an untimed **check step** (largest saved tensor,
+attention backend calls, loss and gradients against ``none``: :meth:`Runner.check_step`);
+**time**, medians of wall-clock and process CPU ms over interleaved steps, the ratio to
+``none`` paired by round (:func:`paired_ratio`, :func:`ratio_spread`), next to the planner's
+predicted extra FLOPs (:func:`predicted_extra`). Progress goes to stderr, markdown tables
+(bytes in MiB, times in ms) to stdout; column definitions, results and verdicts:
+docs/benchmarks.md, "Recompute (CPU)".
 """
 
 from __future__ import annotations
@@ -199,7 +183,15 @@ class Runner:
             param.grad = None
 
     def measure_bytes(self, num_layers: int, hidden: int) -> None:
-        """One forward's saved bytes into the result: per layer, per submodule, outside the layers."""
+        """One forward's saved bytes into the result: per layer, per submodule, outside the layers.
+
+        Measured under :func:`mcore_flash.measured_memory.measure_activation_bytes`. "Per
+        layer" is everything saved under ``decoder.layers.<i>`` plus what the ``decoder``
+        block itself saves (with full recompute Megatron's checkpoint is called by the block,
+        so the layer inputs -- and the RoPE table, shared -- are charged to ``decoder``),
+        divided by the number of layers. What lies outside the layers (embedding, final
+        norm, output layer, loss) is reported separately.
+        """
         from mcore_flash.measured_memory import measure_activation_bytes
 
         saved = measure_activation_bytes(
@@ -216,7 +208,16 @@ class Runner:
         r.input_bytes = self.tokens.numel() * hidden * torch.get_default_dtype().itemsize
 
     def check_step(self, counter: CallCounter) -> dict[str, torch.Tensor]:
-        """Untimed fwd+bwd: largest saved tensor, backend calls; returns the gradients."""
+        """Untimed fwd+bwd (also the warm-up): largest saved tensor, backend calls; returns
+        the gradients (:func:`run_length` compares them with mode ``none``'s, and the loss).
+
+        The step runs under a saved-tensor hook that sees every tensor saved in forward *and*
+        in the recomputations run during backward, and records the largest one (an ``s x s``
+        probability matrix would show up here). The attention backend's ``forward``/``backward``
+        are wrapped (:class:`CallCounter`) to count calls, and calls of its fallback, if it has
+        one -- the CPU backend falls back to the blocked reference kernel for dropout, which
+        this benchmark does not use.
+        """
         r = self.result
         phase = ["forward"]
 
@@ -267,7 +268,19 @@ def run_length(
     log: Callable[[str], None],
 ) -> list[Result]:
     """Every mode at sequence length ``s``: bytes and the check step (gradients against
-    ``none``), then the interleaved timed steps; progress lines go to ``log``."""
+    ``none``), then the interleaved timed steps; progress lines go to ``log``.
+
+    Timing: after one more untimed step per mode, ``--repeats`` rounds of one fwd+bwd step
+    per mode, interleaved (none, qkv, attention, full, then qkv, attention, full, none, ...)
+    so that a change in machine load hits them alike. Medians of wall-clock and of process
+    CPU time are reported; the time relative to ``none`` is the median over rounds of the
+    ratio to the same round's ``none`` step (:func:`paired_ratio`), and the quartiles of the
+    per-round ratios show the noise (:func:`ratio_spread`); next to them, the extra FLOPs the
+    planner's model (:func:`mcore_flash.planning.recompute_overhead`) predicts for the same
+    shape. One thread by default (``--threads``): on a shared machine the process CPU time is
+    then close to what the step takes on an idle core, while wall-clock also counts the time
+    the process waited for one.
+    """
     gen = torch.Generator().manual_seed(s)
     tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, s), generator=gen)
     runners = [Runner(models[mode], mode, tokens) for mode in args.modes]

@@ -5,24 +5,18 @@ megatron-core wheel): ``{"model": model.state_dict_for_save_checkpoint(), "optim
 optimizer.sharded_state_dict(..., metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})}``
 (``distrib_optimizer.py``: ``sharded_param_state_fsdp_dtensor``), every DTensor given its
 uneven chunk (``distributed/fsdp/src/megatron_fsdp/uneven_dtensor.py``), saved and loaded
-with ``torch.distributed.checkpoint``. Megatron-FSDP cuts each parameter's rows unevenly
-over the data x context parallel ranks (a rank may hold none), so DCP's own even-split
-offsets are wrong and every DTensor needs its real offset. With them recorded, DCP's planner
+with ``torch.distributed.checkpoint`` (:func:`state_dict`, :func:`save`, :func:`load_into`).
+Megatron-FSDP cuts each parameter's rows unevenly over the data x context parallel ranks (a
+rank may hold none), so DCP's own even-split offsets are wrong and every DTensor needs its
+real offset (:func:`attach_chunks`, in one collective). With them recorded, DCP's planner
 reads any other cut from the stored chunks: the weights and the optimizer state resume at
 another data x context parallel size (not another TP size:
-``compatibility.check_fsdp_optimizer_layout``).
-
-megatron-core's ``preprocess_state_dict_for_uneven_dtensor`` finds the offsets with one
-``all_gather_object`` per DTensor, and the ranks hold different optimizer keys (Adam has
-state only for parameters with a non-empty local shard: ``_init_optimizer_states_with_dummy_values``
-skips empty ones), so the ranks issue different numbers of collectives and the save hangs.
-:func:`attach_chunks` gathers every DTensor's local shape in ONE ``all_gather_object`` and
-computes the offsets as ``gather_and_compute_chunk_metadata`` does; a rank without a key
-writes nothing for it (DCP merges the ranks' plans).
+:func:`mcore_flash.checkpoint.compatibility.check_fsdp_optimizer_layout`).
 
 The counters, the scheduler and the layout are the checkpoint's common state: rank 0 writes
-them to ``common.pt`` with ``torch.save`` (the layout megatron-core 0.16's torch_dist uses),
-so :func:`mcore_flash.checkpoint.safe_pickles.load_common_state` reads both formats.
+them to ``common.pt`` with ``torch.save`` (:func:`write_common`; the layout megatron-core
+0.16's torch_dist uses), so :func:`mcore_flash.checkpoint.safe_pickles.load_common_state`
+reads both formats.
 """
 
 from __future__ import annotations
@@ -124,6 +118,14 @@ def attach_chunks(state: dict) -> None:
     ``gather_and_compute_chunk_metadata`` would compute, and the ``__create_chunk_list__`` /
     ``__create_write_items__`` closures that ``update_uneven_dtensor_chunk_metadata`` sets
     (``uneven_dtensor.py``, alike in megatron-core 0.16 and 0.19).
+
+    Why not megatron-core's own ``preprocess_state_dict_for_uneven_dtensor``: it finds the
+    offsets with one ``all_gather_object`` per DTensor, and the ranks hold different
+    optimizer keys (Adam has state only for parameters with a non-empty local shard:
+    ``_init_optimizer_states_with_dummy_values`` skips empty ones), so the ranks issue
+    different numbers of collectives and the save hangs. Here the offsets are computed as
+    ``gather_and_compute_chunk_metadata`` does, from the one gather; a rank without a key
+    writes nothing for it (DCP merges the ranks' plans).
     """
     dtensors = _dtensors(state)
     shapes = [None] * dist.get_world_size()

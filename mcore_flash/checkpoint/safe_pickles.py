@@ -2,27 +2,17 @@
 
 A torch_dist checkpoint holds three kinds of pickle that megatron's ``dist_checkpointing``
 loads with Python's full unpickler or ``torch.load(weights_only=False)`` (megatron-core
-0.16-0.19 on torch 2.13):
-
-* ``.metadata``: DCP's index, read with ``pickle.load`` (``FileSystemReader.read_metadata``);
-* the byte items inside ``__*_*.distcp`` (optimizer param groups, layers' extra state):
-  ``torch.load(weights_only=False)`` in ``DefaultLoadPlanner.load_bytes``;
-* ``common.pt``: ``torch.load`` with torch's default, ``weights_only=True`` unless the
-  environment sets ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``.
-
+0.16-0.19 on torch 2.13): ``.metadata`` (DCP's index), the byte items inside
+``__*_*.distcp`` and ``common.pt`` (which loader reads each: :func:`check_pickles`).
 :func:`check_pickles` and :func:`load_common_state` read each of them first with an
 unpickler that can only build plain data: torch's ``weights_only`` unpickler for
 ``torch.save`` data, and for ``.metadata`` an allowlist of DCP's own metadata classes (and
 torch sizes, dtypes, paths). A file that asks for anything else (``os.system``, any class
-outside the list) is refused with an error naming the file and the global, so by the time
-megatron unpickles a file it is known to hold data only.
-The RNG files are ours and are loaded with ``weights_only=True`` directly.
-
-One exception to "data only": megatron-core's ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``)
-keeps its sub-optimizers' classes in its param groups (``cpu_optimizer_cls``,
-``gpu_optimizer_cls``: ``optimizer/cpu_offloading/hybrid_optimizer.py``), so the byte items may
-name torch's own optimizer classes and ours (:data:`OPTIMIZER_CLASSES`); naming them imports
-nothing new, and building one runs only an optimizer constructor.
+outside the list) is refused with :class:`UnsafeCheckpoint`, naming the file and the global,
+so by the time megatron unpickles a file it is known to hold data only; one that cannot be
+read is a :class:`~mcore_flash.checkpoint.manifest.CorruptCheckpoint`. The RNG files are ours
+and are loaded with ``weights_only=True`` directly (:func:`load_rng_file`). One exception to
+"data only": the optimizer classes of :data:`OPTIMIZER_CLASSES` (why: :func:`check_pickles`).
 """
 
 from __future__ import annotations
@@ -49,7 +39,7 @@ _ALLOWED = {
 
 
 # the classes megatron-core's offloaded optimizer stores in its param groups (HostAdamW: its host
-# step with narrower moments, :mod:`.host_adam`)
+# step with narrower moments, :mod:`mcore_flash.optim.host_adam`)
 OPTIMIZER_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, HostAdamW)
 
 
@@ -80,7 +70,23 @@ def check_pickles(path: str) -> None:
     """Read the pickles of the torch_dist checkpoint at ``path`` that megatron would load
     unrestricted (``.metadata``, the byte items) with a restricted unpickler first; for
     ``common.pt`` :func:`load_common_state` is that check. Only the byte items are read, at
-    their offsets, not the tensor data; one that cannot be read is a damaged checkpoint."""
+    their offsets, not the tensor data; one that cannot be read is a damaged checkpoint.
+
+    How megatron-core 0.16-0.19 (torch 2.13) would load each kind of pickle:
+
+    * ``.metadata``: DCP's index, read with ``pickle.load``
+      (``FileSystemReader.read_metadata``);
+    * the byte items inside ``__*_*.distcp`` (optimizer param groups, layers' extra state):
+      ``torch.load(weights_only=False)`` in ``DefaultLoadPlanner.load_bytes``;
+    * ``common.pt``: ``torch.load`` with torch's default, ``weights_only=True`` unless the
+      environment sets ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``.
+
+    One exception to "data only": megatron-core's ``HybridDeviceOptimizer``
+    (``--optimizer-cpu-offload``) keeps its sub-optimizers' classes in its param groups
+    (``cpu_optimizer_cls``, ``gpu_optimizer_cls``:
+    ``optimizer/cpu_offloading/hybrid_optimizer.py``), so the byte items may name torch's own
+    optimizer classes and ours (:data:`OPTIMIZER_CLASSES`); naming them imports nothing new,
+    and building one runs only an optimizer constructor."""
     metadata_path = os.path.join(path, ".metadata")
     if not os.path.exists(metadata_path):
         return

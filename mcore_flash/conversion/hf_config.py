@@ -8,27 +8,15 @@ Architectures (:data:`ARCHITECTURES`): ``LlamaForCausalLM``; ``Qwen2ForCausalLM`
 Qwen2.5: a Llama with q/k/v biases, no o_proj bias: ``--add-qkv-bias``); ``Qwen3ForCausalLM``
 (dense Qwen3: per-head q/k RMSNorm before RoPE, no biases, its own ``head_dim``, default 128 as
 in transformers' ``Qwen3Config``: ``--qk-layernorm --kv-channels``). Export picks the
-architecture from those flags.
+architecture from those flags (:func:`architecture_of`, :func:`hf_config_from_model_args`).
 
-Read from ``config.json``: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
-``num_attention_heads``, ``num_key_value_heads``, ``vocab_size``, ``rms_norm_eps``,
-``max_position_embeddings``, ``tie_word_embeddings``, RoPE as ``rope_theta`` + ``rope_scaling``
-(transformers 4.x, the Hub) or ``rope_parameters`` (transformers 5.x): no scaling, Llama-3.1's
-``"llama3"`` (megatron's fixed low/high frequency factors 1 and 4 over 8192 positions) or
-integer ``"linear"`` interpolation. ``yarn`` is refused: megatron-core's ``YarnRotaryEmbedding``
-computes transformers' frequencies and attention factor (checked for Qwen's recipe), but
-``GPTModel(position_embedding_type="yarn")`` reads its settings from ``yarn_*`` config fields
-only ``MLATransformerConfig`` declares, and the trainer (whose flags are Megatron-LM's, which has
-none for them) does not set them.
-``hidden_act`` must be silu; Llama's ``head_dim``, ``attention_bias``, ``mlp_bias`` must have
-Llama's values, Qwen3's ``attention_bias`` false; Qwen's ``use_sliding_window`` must be false
-(then ``sliding_window`` and ``max_window_layers`` change nothing and are accepted) and its
-``layer_types``, where given, all ``full_attention``. Fields that ``transformers`` itself ignores or keeps as
-metadata are accepted: keys starting with ``_`` (``_name_or_path``, ``_attn_implementation_autoset``,
-...), ``PretrainedConfig``'s own attributes and the generation settings transformers 4.x stored
-in ``config.json`` (:data:`_PRETRAINED_CONFIG_FIELDS`, :data:`_GENERATION_FIELDS`). Any other field
-that would change the model (a non-empty ``pruned_heads`` among them) is an error naming it, so a
-checkpoint is never converted into a silently different model.
+Import (:func:`model_args_from_hf`, which lists the fields it reads and the values it
+requires): shape, norm epsilon, tied embeddings and RoPE (none, ``llama3``, integer
+``linear``; ``yarn`` is refused: :func:`_rope_args`) come from ``config.json``. Fields that
+``transformers`` itself ignores or keeps as metadata are accepted (:func:`is_metadata`); any
+other field that would change the model is a :class:`ConversionError` naming it, so a
+checkpoint is never converted into a silently different model. Supported models and
+refusals: docs/conversion.md, "What converts".
 """
 
 from __future__ import annotations
@@ -238,7 +226,22 @@ def read_generation_config(hf_dir: str) -> dict | None:
 
 def model_args_from_hf(config: dict) -> dict:
     """The trainer's ``model_args`` for a Llama, Qwen2 or Qwen3 ``config.json`` (raises
-    ConversionError naming the field)."""
+    ConversionError naming the field).
+
+    Read from ``config.json``: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``vocab_size``, ``rms_norm_eps``,
+    ``max_position_embeddings``, ``tie_word_embeddings``, RoPE as ``rope_theta`` +
+    ``rope_scaling`` (transformers 4.x, the Hub) or ``rope_parameters`` (transformers 5.x):
+    no scaling, Llama-3.1's ``"llama3"`` (megatron's fixed low/high frequency factors 1 and 4
+    over 8192 positions) or integer ``"linear"`` interpolation (:func:`_rope_args`).
+    ``hidden_act`` must be silu; Llama's ``head_dim``, ``attention_bias``, ``mlp_bias`` must
+    have Llama's values, Qwen3's ``attention_bias`` false; Qwen's ``use_sliding_window`` must
+    be false (then ``sliding_window`` and ``max_window_layers`` change nothing and are
+    accepted) and its ``layer_types``, where given, all ``full_attention``. Fields that
+    ``transformers`` itself ignores or keeps as metadata are accepted (:func:`is_metadata`).
+    Any other field that would change the model (a non-empty ``pruned_heads`` among them) is
+    an error naming it, so a checkpoint is never converted into a silently different model.
+    """
     architecture = _architecture(config)
     read = _READ | _READ_BY_ARCHITECTURE[architecture]
     unknown = sorted(
@@ -335,7 +338,10 @@ def _check_full_attention(config: dict) -> None:
 
 def is_metadata(field: str) -> bool:
     """Whether ``field`` is one transformers ignores or keeps as metadata (it changes no weight
-    and no computation of a Llama)."""
+    and no computation of a Llama): keys starting with ``_`` (``_name_or_path``,
+    ``_attn_implementation_autoset``, ...), ``PretrainedConfig``'s own attributes and the
+    generation settings transformers 4.x stored in ``config.json``
+    (:data:`_PRETRAINED_CONFIG_FIELDS`, :data:`_GENERATION_FIELDS`)."""
     return (
         field.startswith("_")
         or field in _IGNORED
@@ -345,6 +351,15 @@ def is_metadata(field: str) -> bool:
 
 
 def _rope_args(config: dict) -> dict:
+    """The RoPE flags for ``config``: ``rope_theta`` + ``rope_scaling`` (transformers 4.x) or
+    ``rope_parameters`` (5.x); no scaling, ``"llama3"`` or integer ``"linear"``.
+
+    ``yarn`` is refused: megatron-core's ``YarnRotaryEmbedding`` computes transformers'
+    frequencies and attention factor (checked for Qwen's recipe), but
+    ``GPTModel(position_embedding_type="yarn")`` reads its settings from ``yarn_*`` config
+    fields only ``MLATransformerConfig`` declares, and the trainer (whose flags are
+    Megatron-LM's, which has none for them) does not set them.
+    """
     rope = dict(config.get("rope_parameters") or {})
     rope.update(config.get("rope_scaling") or {})
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))

@@ -1,6 +1,6 @@
 """Train/valid/test GPT datasets from ``megatron.core.datasets`` (megatron-core 0.16 .. 0.19).
 
-``build_datasets`` wraps ``BlendedMegatronDatasetBuilder(GPTDataset | MockGPTDataset, sizes,
+:func:`build_datasets` wraps ``BlendedMegatronDatasetBuilder(GPTDataset | MockGPTDataset, sizes,
 is_built_on_rank, GPTDatasetConfig(...))`` with ``create_attention_mask=False``: samples are
 ``{"tokens", "labels", "loss_mask", "position_ids"}``, each ``[seq_length]`` (a blend of
 several prefixes, megatron's ``BlendedDataset``, adds ``"dataset_id"``), and no S x S
@@ -9,18 +9,10 @@ mask is ever built (the attention kernel applies causality itself; megatron then
 (default False); ``reset_attention_mask`` stays False here: the trainer turns EOD positions
 into cumulative document lengths (:mod:`mcore_flash.transformer.packed_sequences`).
 
-torch.distributed: megatron-core 0.16.1 also builds without a process group (checked). With one,
-the builder is collective - every rank must call ``build_datasets``: global rank 0 builds the
-index caches first, the others wait at a barrier and then load them from ``cache_dir``, which must
-therefore be a directory every rank sees. ``is_built_on_rank`` (default: every rank) may return
-False on ranks that need no data (Megatron-LM: True only on TP rank 0 of the first and last
-pipeline stages); those ranks get ``None``s. Global rank 0 must always build.
-
-Before megatron sees anything, each ``--data-path`` prefix is checked
-(:func:`mcore_flash.data.indexed.check_indexed_dataset`): both files exist, the ``.idx`` is
-intact and matches the ``.bin``, the token ids fit the tokenizer, and every split that gets a
-weight gets documents (megatron loops forever on an empty split). Errors are :class:`DataError`
-naming the argument and the fix.
+With a process group the build is collective: every rank calls :func:`build_datasets` (which
+ranks build and where the index caches go: its docstring). Each ``--data-path`` prefix is
+checked before megatron sees it (:func:`mcore_flash.data.indexed.check_indexed_dataset`);
+errors are :class:`DataError` naming the argument and the fix.
 """
 
 from __future__ import annotations
@@ -129,6 +121,20 @@ def build_datasets(
     writes its document/sample/shuffle index caches; required with real data (megatron's own
     default would be a ``cache/`` directory inside the data directory). ``scan_tokens``: how
     many token ids per prefix are checked against ``tokenizer.vocab_size`` (0: none).
+
+    torch.distributed: megatron-core 0.16.1 also builds without a process group (checked).
+    With one, the builder is collective - every rank must call ``build_datasets``: global
+    rank 0 builds the index caches first, the others wait at a barrier and then load them
+    from ``cache_dir``, which must therefore be a directory every rank sees.
+    ``is_built_on_rank`` (default: every rank) may return False on ranks that need no data
+    (Megatron-LM: True only on TP rank 0 of the first and last pipeline stages); those ranks
+    get ``None``s. Global rank 0 must always build.
+
+    Before megatron sees anything, each ``--data-path`` prefix is checked
+    (:func:`mcore_flash.data.indexed.check_indexed_dataset`): both files exist, the ``.idx``
+    is intact and matches the ``.bin``, the token ids fit the tokenizer, and every split that
+    gets a weight gets documents (megatron loops forever on an empty split). Errors are
+    :class:`DataError` naming the argument and the fix.
     """
     _check_tokenizer(tokenizer)
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:

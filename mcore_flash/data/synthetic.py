@@ -6,43 +6,16 @@ Every document is exactly ``seq_length`` ByteTokenizer tokens (so it is readable
     [lead filler]  @  k1 .. kK  :  filler ............................  ?  k1 .. kK  <eod>
                       \\__ key __/                                          \\_ answer _/
 
-* key: K letters ``a-z``, i.i.d. uniform (log 26 nats each);
-* filler: digits ``0-9``, i.i.d. uniform (log 10 nats each) - pure noise;
-* ``@ : ?`` markers at fixed positions, ``<eod>`` (256) last.
-
-Each answer token is the key token exactly ``distance`` positions earlier (default
-``seq_length - K - 2``, i.e. >= 3/4 of the sequence for K <= S/4 - 2; the lead filler is empty
-then). Nothing else in the document carries information about the key, so:
-
-* a model that cannot attend ``distance`` tokens back can at best predict the answer with the
-  uniform letter distribution: loss floor ``local_floor`` (nats/token, mean over the sequence);
-* a model that copies across the gap reaches ``perfect_floor`` = ``local_floor - K*log(26)/S``.
-
-Everything else (filler and key entropy, markers, eod) is learnable locally, so once the loss
-is near ``local_floor`` it can only fall further through long-range attention; the
-answer-token loss (``answer_loss_mask``) falls from log 26 = 3.26 towards 0. For S=256: K=16,
-distance=238, local floor 2.386, perfect floor 2.182.
-
-``key_depth="uniform"`` (``pretrain --synthetic-key-depth uniform``) places the key at a
-uniformly random depth instead, in exactly the layout of ``mcore-flash evaluate --task needle``
-(:func:`mcore_flash.evaluation.needle.needle_samples`)::
-
-    [lead filler]  @  k1 .. kK  :  [rest filler]  ?  k1 .. kK  <eod>
-
-with ``F = seq_length - 2K - 4`` digits in all, ``lead ~ U{0..F}`` drawn per document and the
-query ``?`` always at ``seq_length - K - 2``: the key-to-answer distance runs from ``K + 2``
-(lead ``F``, depth 1) to ``seq_length - K - 2`` (lead 0, depth 0: the fixed document). Where
-the ``@`` falls is itself ``log(F + 1)`` nats of entropy per document, so both floors are the
-fixed task's plus ``log(F + 1) / seq_length``; ``local_floor`` is then the best loss of a model
-that never copies the key (near depth 1 the key is close enough for a short-range head to copy
-it). For S=256, K=16: 2.407 and 2.204.
-
-Documents are exactly ``seq_length`` long, so with megatron's GPTDataset at the same
-``seq_length`` (which reads ``seq_length + 1`` tokens per sample, overlapping by one) every
-sample is one whole document plus the next document's first token: samples start where a
-document does (at ``@`` in the fixed task) and position ids match the layout. Generation is
-numpy (vectorised for the fixed task, a row at a time for the uniform one), deterministic in
-``seed`` (a few thousand 256-token documents: well under a second).
+key: K letters ``a-z``; filler: digits ``0-9`` (both i.i.d. uniform); ``@ : ?`` markers,
+``<eod>`` (256) last. Each answer token is the key token exactly ``distance`` positions
+earlier (:func:`make_task`), and nothing else carries information about the key, so the mean
+loss can fall below ``local_floor`` (nats/token) only by copying across the gap, towards
+``perfect_floor`` (the layout, floors and their derivation: :class:`LongRangeTask`; the
+answer-token loss: :func:`answer_loss_mask`). ``key_depth="uniform"`` (``pretrain
+--synthetic-key-depth uniform``) draws the key's depth per document, in the layout of
+:func:`mcore_flash.evaluation.needle.needle_samples`. Documents are deterministic in ``seed``
+(:func:`generate_documents`); one document per GPTDataset sample at the same ``seq_length``
+(:func:`write_synthetic_dataset`). Usage and values: docs/pretrain.md, "The built-in dataset".
 """
 
 from __future__ import annotations
@@ -87,8 +60,37 @@ KEY_DEPTHS = ("fixed", "uniform")
 class LongRangeTask:
     """Layout of one document (positions are 0-based within the document).
 
-    ``key_depth="uniform"``: the key's depth varies per document; ``distance`` is then the
-    longest (depth 0) and the per-document positions (``lead_length``, ``filler_length``,
+    ``key_depth="fixed"``: K key letters (log 26 nats each), the filler digits pure noise
+    (log 10 nats each). Each answer token is the key token exactly ``distance`` positions
+    earlier (default ``seq_length - K - 2``, i.e. >= 3/4 of the sequence for K <= S/4 - 2; the
+    lead filler is empty then). Nothing else in the document carries information about the
+    key, so:
+
+    * a model that cannot attend ``distance`` tokens back can at best predict the answer with
+      the uniform letter distribution: loss floor ``local_floor`` (nats/token, mean over the
+      sequence);
+    * a model that copies across the gap reaches ``perfect_floor`` = ``local_floor -
+      K*log(26)/S``.
+
+    Everything else (filler and key entropy, markers, eod) is learnable locally, so once the
+    loss is near ``local_floor`` it can only fall further through long-range attention; the
+    answer-token loss (:func:`answer_loss_mask`) falls from log 26 = 3.26 towards 0. For
+    S=256: K=16, distance=238, local floor 2.386, perfect floor 2.182.
+
+    ``key_depth="uniform"`` places the key at a uniformly random depth instead, in exactly
+    the layout of ``mcore-flash evaluate --task needle``
+    (:func:`mcore_flash.evaluation.needle.needle_samples`)::
+
+        [lead filler]  @  k1 .. kK  :  [rest filler]  ?  k1 .. kK  <eod>
+
+    with ``F = seq_length - 2K - 4`` digits in all, ``lead ~ U{0..F}`` drawn per document and
+    the query ``?`` always at ``seq_length - K - 2``: the key-to-answer distance runs from
+    ``K + 2`` (lead ``F``, depth 1) to ``seq_length - K - 2`` (lead 0, depth 0: the fixed
+    document). Where the ``@`` falls is itself ``log(F + 1)`` nats of entropy per document, so
+    both floors are the fixed task's plus ``log(F + 1) / seq_length``; ``local_floor`` is then
+    the best loss of a model that never copies the key (near depth 1 the key is close enough
+    for a short-range head to copy it). For S=256, K=16: 2.407 and 2.204. ``distance`` is then
+    the longest (depth 0) and the per-document positions (``lead_length``, ``filler_length``,
     ``key_start``) raise ValueError; ``query_position``, ``answer_start``, ``digits`` and the
     floors hold for every document."""
 
@@ -194,7 +196,9 @@ def make_task(
 
 
 def generate_documents(task: LongRangeTask, num_docs: int, seed: int) -> numpy.ndarray:
-    """``[num_docs, seq_length]`` int64 token ids of the task, deterministic in ``seed``."""
+    """``[num_docs, seq_length]`` int64 token ids of the task, deterministic in ``seed``.
+
+    numpy: vectorised for the fixed task, a row at a time for the uniform one."""
     if task.key_depth == "uniform":
         return _uniform_depth_documents(task, num_docs, seed)
     rng = numpy.random.default_rng(seed)
@@ -236,7 +240,12 @@ def write_synthetic_dataset(
     key_depth: str = "fixed",
 ) -> LongRangeTask:
     """Write ``num_docs`` task documents to ``output_prefix.bin/.idx`` (Megatron format, uint16,
-    ByteTokenizer ids, one sequence per document; atomic). Returns the task (floors, layout)."""
+    ByteTokenizer ids, one sequence per document; atomic). Returns the task (floors, layout).
+
+    Documents are exactly ``seq_length`` long, so with megatron's GPTDataset at the same
+    ``seq_length`` (which reads ``seq_length + 1`` tokens per sample, overlapping by one) every
+    sample is one whole document plus the next document's first token: samples start where a
+    document does (at ``@`` in the fixed task) and position ids match the layout."""
     if isinstance(num_docs, bool) or not isinstance(num_docs, int) or num_docs < 1:
         raise DataError(f"synthetic num_docs {num_docs!r}: must be a positive integer")
     task = make_task(seq_length, key_length, distance, key_depth)

@@ -1,49 +1,22 @@
 """Tokenizers that ``megatron.core.datasets`` accepts (duck-typed, megatron-core 0.16 .. 0.19).
 
-What megatron.core.datasets 0.16.1 reads from ``config.tokenizer``:
+A tokenizer here is a plain object (:class:`Tokenizer`, which lists what megatron reads from
+it) with ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str``, ``vocab_size``,
+``eod`` (== ``eos``), ``pad``, ``unique_identifiers`` (an OrderedDict of JSON-able values) and
+``unique_description``. It deliberately does not subclass megatron's
+``MegatronLegacyTokenizer`` (deprecated; logs a warning on construction) nor need
+``megatron.core.tokenizers`` (which wants the tokenizer libraries installed).
 
-* ``GPTDatasetConfig.__post_init__``: ``vocab_size`` (picks ``token_dtype_code``).
-* ``MegatronDataset.__init__``: ``unique_identifiers`` (JSON-dumped into the hash that names
-  the cached index files), ``pad`` (padding id; tokens equal to it are zeroed and their loss
-  masked, so it must never occur in real data), ``special_tokens_dict`` / ``eos`` / ``eod``
-  (only to detect a pad id that collides with another special token).
-* ``GPTDataset.__getitem__``: ``eod`` (for reset_position_ids / eod_mask_loss).
-* ``MockGPTDataset``: ``vocab_size`` and ``eod``.
+Types (``--tokenizer-type``, Megatron-LM's names where it has one; table:
+:func:`build_tokenizer`): ``ByteTokenizer`` (default, no file), ``HuggingFaceTokenizer``,
+``SentencePieceTokenizer``, ``NullTokenizer``. ``vocab_size`` is the tokenizer's true
+vocabulary size, as in Megatron-LM; the model's embedding is padded separately
+(:func:`padded_vocab_size`).
 
-So a tokenizer here is a plain object with ``tokenize(text) -> list[int]``,
-``detokenize(ids) -> str``, ``vocab_size``, ``eod`` (== ``eos``), ``pad``,
-``unique_identifiers`` (an OrderedDict of JSON-able values) and ``unique_description``.
-It deliberately does not subclass megatron's ``MegatronLegacyTokenizer`` (deprecated; logs a
-warning on construction) nor need ``megatron.core.tokenizers`` (which wants the tokenizer
-libraries installed).
-
-``vocab_size`` is the tokenizer's true vocabulary size, as in Megatron-LM. The model's
-embedding is padded separately: :func:`padded_vocab_size` is Megatron-LM's
-``--make-vocab-size-divisible-by`` rule (``ByteTokenizer``: 258 -> 384 with the default 128).
-
-Tokenizer types (``--tokenizer-type``; the names are Megatron-LM's where it has one):
-
-=========================  ======================================================================
-``ByteTokenizer``          default; UTF-8 bytes 0..255, ``eod`` = 256, ``pad`` = 257,
-                           ``vocab_size`` = 258. No file, no download. (Megatron-LM has no
-                           byte tokenizer type; megatron-core's ``ByteLevelTokenizer`` puts eos/pad
-                           on bytes 0/1, which collide with real data, so this one is our own.)
-``HuggingFaceTokenizer``   ``--tokenizer-model`` = a ``tokenizer.json`` file or a directory holding
-                           one, loaded with ``tokenizers.Tokenizer.from_file`` (optional package
-                           ``tokenizers``; Megatron-LM's type of the same name goes through
-                           ``transformers.AutoTokenizer`` instead).
-``SentencePieceTokenizer`` ``--tokenizer-model`` = a ``.model`` file (optional package
-                           ``sentencepiece``); ``GPTSentencePieceTokenizer`` is accepted as an alias.
-``NullTokenizer``          ``--vocab-size V``: text is space-separated integer ids < V; ``eod`` = V,
-                           ``vocab_size`` = V + 1 (Megatron-LM's NullTokenizer).
-=========================  ======================================================================
-
-**A checkpoint's tokenizer** (:func:`store_tokenizer`): ``convert hf-to-mcore`` copies the source
-directory's tokenizer files (:data:`TOKENIZER_FILES`, whichever exist) into ``<save>/tokenizer/``
-and records them in the checkpoint's common state (:func:`tokenizer_record`: the type they load
-as, each file's SHA-256); ``pretrain`` copies them into every new ``--save`` it writes, and the
-commands given no ``--tokenizer-type``/``--tokenizer-model`` load them
-(:func:`stored_tokenizer`, through ``mcore_flash.training.batches.run_tokenizer``).
+A checkpoint's tokenizer files travel with it: :func:`tokenizer_record`,
+:func:`store_tokenizer`, :func:`stored_tokenizer` (loaded through
+:func:`mcore_flash.runtime.tokenizer.run_tokenizer`); which command uses which tokenizer:
+docs/conversion.md, "The tokenizer travels".
 """
 
 from __future__ import annotations
@@ -102,10 +75,20 @@ _HF_PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|finetune_ri
 
 
 class Tokenizer(abc.ABC):
-    """Base class: the duck type megatron.core.datasets needs (see the module docstring).
+    """Base class: the duck type megatron.core.datasets needs.
 
     Subclasses pass their ``vocab_size``, ``eod`` and ``pad`` (``-1``: none) ids and the
     identifiers that make megatron's dataset caches unique.
+
+    What megatron.core.datasets 0.16.1 reads from ``config.tokenizer``:
+
+    * ``GPTDatasetConfig.__post_init__``: ``vocab_size`` (picks ``token_dtype_code``).
+    * ``MegatronDataset.__init__``: ``unique_identifiers`` (JSON-dumped into the hash that
+      names the cached index files), ``pad`` (padding id; tokens equal to it are zeroed and
+      their loss masked, so it must never occur in real data), ``special_tokens_dict`` /
+      ``eos`` / ``eod`` (only to detect a pad id that collides with another special token).
+    * ``GPTDataset.__getitem__``: ``eod`` (for reset_position_ids / eod_mask_loss).
+    * ``MockGPTDataset``: ``vocab_size`` and ``eod``.
     """
 
     tokenizer_type: str = ""
@@ -316,6 +299,25 @@ def build_tokenizer(
 ) -> Tokenizer:
     """The tokenizer for ``--tokenizer-type``/``--tokenizer-model``/``--vocab-size``.
 
+    Tokenizer types (``--tokenizer-type``; the names are Megatron-LM's where it has one):
+
+    =========================  ==================================================================
+    ``ByteTokenizer``          default; UTF-8 bytes 0..255, ``eod`` = 256, ``pad`` = 257,
+                               ``vocab_size`` = 258. No file, no download. (Megatron-LM has no
+                               byte tokenizer type; megatron-core's ``ByteLevelTokenizer`` puts
+                               eos/pad on bytes 0/1, which collide with real data, so this one
+                               is our own.)
+    ``HuggingFaceTokenizer``   ``--tokenizer-model`` = a ``tokenizer.json`` file or a directory
+                               holding one, loaded with ``tokenizers.Tokenizer.from_file``
+                               (optional package ``tokenizers``; Megatron-LM's type of the same
+                               name goes through ``transformers.AutoTokenizer`` instead).
+    ``SentencePieceTokenizer`` ``--tokenizer-model`` = a ``.model`` file (optional package
+                               ``sentencepiece``); ``GPTSentencePieceTokenizer`` is accepted as
+                               an alias.
+    ``NullTokenizer``          ``--vocab-size V``: text is space-separated integer ids < V;
+                               ``eod`` = V, ``vocab_size`` = V + 1 (Megatron-LM's NullTokenizer).
+    =========================  ==================================================================
+
     Raises :class:`DataError` naming the flag and the fix for an unknown type, a missing or bad
     model file, a missing optional package, or a flag the type does not use.
     """
@@ -362,7 +364,9 @@ def padded_vocab_size(
     vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
 ) -> int:
     """Megatron-LM's embedding size: ``vocab_size`` rounded up to a multiple of
-    ``make_vocab_size_divisible_by * tensor_model_parallel_size``."""
+    ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (Megatron-LM's
+    ``--make-vocab-size-divisible-by`` rule; ``ByteTokenizer``: 258 -> 384 with the default
+    128)."""
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
@@ -444,7 +448,14 @@ def store_tokenizer(source: str, target: str, record: Optional[dict] = None) -> 
     the record (None: no tokenizer files, nothing written).
 
     A missing ``target`` is written as ``<target>.tmp`` and renamed into place, so it is never
-    half there; an existing one (an export directory) is written into."""
+    half there; an existing one (an export directory) is written into.
+
+    ``convert hf-to-mcore`` copies the source directory's tokenizer files this way into
+    ``<save>/tokenizer/`` (:data:`TOKENIZER_DIR`) and records them in the checkpoint's common
+    state (:func:`tokenizer_record`: the type they load as, each file's SHA-256); ``pretrain``
+    copies them into every new ``--save`` it writes, and the commands given no
+    ``--tokenizer-type``/``--tokenizer-model`` load them (:func:`stored_tokenizer`, through
+    :func:`mcore_flash.runtime.tokenizer.run_tokenizer`)."""
     if record is None:
         record = tokenizer_record(source)
         if record is None:

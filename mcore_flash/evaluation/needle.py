@@ -14,11 +14,8 @@ copy task (:mod:`mcore_flash.data.synthetic`), with the needle moved::
   this is exactly a training document) and depth 1 right before ``?``.
 
 A sample counts as retrieved when greedy decoding after ``?`` produces the ``K`` key tokens
-exactly. That equals "the argmax at every answer position, given the true answer so far, is
-the true next key token" (if every greedy step is right, greedy decoding sees the true
-answer), so one teacher-forced forward pass scores it. Token accuracy (the fraction of key
-tokens whose teacher-forced argmax is right) is reported next to it; a model that cannot see
-the key scores at most ``1/26`` per token in expectation and ``26**-K`` exactly.
+exactly, scored by one teacher-forced forward pass (:func:`score_needles`); token accuracy is
+reported next to it (:class:`NeedleCell`). Usage and the main job's grid: docs/evaluate.md.
 """
 
 from __future__ import annotations
@@ -106,7 +103,15 @@ def needle_samples(
 
 def score_needles(model, tokens: torch.Tensor, answer_mask: torch.Tensor) -> tuple[int, int]:
     """``(samples retrieved exactly, key tokens retrieved)`` by ``model`` (a
-    :class:`~mcore_flash.evaluation.model_runner.LoadedModel`)."""
+    :class:`~mcore_flash.evaluation.model_runner.LoadedModel`).
+
+    A sample counts as retrieved when greedy decoding after ``?`` produces the ``K`` key
+    tokens exactly. That equals "the argmax at every answer position, given the true answer
+    so far, is the true next key token" (if every greedy step is right, greedy decoding sees
+    the true answer), so one teacher-forced forward pass scores it. Token accuracy (the
+    fraction of key tokens whose teacher-forced argmax is right) is reported next to it; a
+    model that cannot see the key scores at most ``1/26`` per token in expectation and
+    ``26**-K`` exactly."""
     greedy, _ = model.predict(tokens)
     labels = torch.roll(tokens, -1, dims=1)
     hit = (greedy == labels) & answer_mask

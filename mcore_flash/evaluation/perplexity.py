@@ -1,34 +1,18 @@
 """Loss and perplexity of a checkpoint on a text or on the trainer's held-out samples.
 
-Texts (``--input``): a ``.txt`` file is one text; a ``.jsonl`` file (or ``.jsonl.gz``) holds
-one text per line, under ``--json-key`` (default ``text``, ``mcore-flash preprocess``'s
-``--json-keys`` default), each evaluated on its own (no context crosses texts, no EOD is
-appended). A text of ``N`` tokens longer than the window ``L`` (``--seq-length``) is
-evaluated as transformers' perplexity guide does it
-(https://huggingface.co/docs/transformers/perplexity): windows ``[begin, end)`` with
-``begin = 0, S, 2S, ...`` (``S`` = ``--stride``), ``end = min(begin + L, N)``, stopping at the
-first window that reaches ``N``; a window scores only its last ``end - prev_end`` tokens (the
-others are context, label -100), and its first token never (nothing predicts it). So with
-``S < L`` every token but the text's first is scored exactly once; with ``S = L`` (disjoint
-windows, the default) the first token of each window is not scored either.
+Texts (``--input``, :func:`read_texts`): a ``.txt`` file is one text; a ``.jsonl`` file (or
+``.jsonl.gz``) holds one text per line, under ``--json-key`` (default ``text``), each
+evaluated on its own (no context crosses texts, no EOD is appended), tokenized as
+``transformers``' tokenizer does it (:class:`TextEncoder`), in the windows of transformers'
+perplexity guide (:func:`sliding_windows`, :func:`perplexity_of_texts`).
+Held-out samples (``--data-path``, :func:`perplexity_of_samples`): the validation split's
+GPTDataset samples, scored where their ``loss_mask`` is 1: the trainer's validation
+``lm loss``.
 
-The result is the token-weighted mean: the sum of the scored tokens' negative
-log-likelihoods over their number, exactly. (The guide weights each window's mean loss by
-``trg_len - 1``, one token fewer than a window after the first scores: an approximation.)
-
-Tokenization is what ``transformers``' tokenizer gives for the text: for a
-``HuggingFaceTokenizer`` the ``tokenizer.json``'s own special tokens are added (its
-post-processor, as ``AutoTokenizer(text)`` does: Llama 3's ``<|begin_of_text|>``, nothing for
-GPT-2); a ``SentencePieceTokenizer`` with a BOS id prepends it (as Llama 2's tokenizer does
-in transformers; for exact parity pass the checkpoint's ``tokenizer.json`` as a
-``HuggingFaceTokenizer``); the byte and null tokenizers have no BOS and add nothing. The trainer's
-own tokenization (``preprocess``) adds no special tokens.
-
-Held-out samples (``--data-path``): the first ``--num-samples`` samples of the validation
-split (``--split``) as megatron's GPTDataset builds them for the trainer (``--seq-length``
-tokens of the shuffled document stream, documents joined by their EOD), each scored where
-its ``loss_mask`` is 1, averaged over tokens: the quantity the trainer (and Megatron-LM)
-reports as the validation ``lm loss`` and its ``PPL`` (uncapped here).
+The result (:class:`Perplexity`) is the token-weighted mean negative log-likelihood of the
+scored tokens (nats per token, exact), ``exp`` of it, and the counts of scored tokens,
+sequences and forward rows. Usage, output and the transformers oracle: docs/evaluate.md,
+"The tasks".
 """
 
 from __future__ import annotations
@@ -63,7 +47,8 @@ class Perplexity:
 
 def read_texts(path: str, json_key: str = "text") -> list[str]:
     """The texts of ``--input``: a ``.txt`` file whole, or the ``json_key`` string of each
-    line of a ``.jsonl`` / ``.jsonl.gz`` file (blank lines skipped). ValueError names ``--input``
+    line of a ``.jsonl`` / ``.jsonl.gz`` file (blank lines skipped; ``text`` is
+    ``mcore-flash preprocess``'s ``--json-keys`` default). ValueError names ``--input``
     (or ``--json-key``) for a missing, unreadable or malformed file and for no text at all."""
     if not os.path.isfile(path):
         raise ValueError(f"--input {path}: no such file")
@@ -113,7 +98,14 @@ def _json_lines(path: str, key: str) -> list[str]:
 
 
 class TextEncoder:
-    """Text -> token ids as transformers' tokenizer gives them (see the module docstring).
+    """Text -> token ids as transformers' tokenizer gives them.
+
+    For a ``HuggingFaceTokenizer`` the ``tokenizer.json``'s own special tokens are added (its
+    post-processor, as ``AutoTokenizer(text)`` does: Llama 3's ``<|begin_of_text|>``, nothing
+    for GPT-2); a ``SentencePieceTokenizer`` with a BOS id prepends it (as Llama 2's tokenizer
+    does in transformers; for exact parity pass the checkpoint's ``tokenizer.json`` as a
+    ``HuggingFaceTokenizer``); the byte and null tokenizers have no BOS and add nothing. The
+    trainer's own tokenization (``preprocess``) adds no special tokens.
 
     ``prepended``: the ids put before every text (``[]``: none); ``bos``: whether there are any.
     """
@@ -155,7 +147,16 @@ def sliding_windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[i
     """transformers' perplexity windows of a text of ``n_tokens`` tokens: ``(begin, end,
     first)`` per window, the window being tokens ``[begin, end)`` and the scored tokens
     ``[first, end)`` (``first = max(prev_end, begin + 1)``: the guide's ``trg_len = end -
-    prev_end`` labels, less a first token nothing in the window predicts)."""
+    prev_end`` labels, less a first token nothing in the window predicts).
+
+    As the guide (https://huggingface.co/docs/transformers/perplexity) does it for a text of
+    ``N`` tokens longer than the window ``L`` (``--seq-length``): windows ``[begin, end)``
+    with ``begin = 0, S, 2S, ...`` (``S`` = ``--stride``), ``end = min(begin + L, N)``,
+    stopping at the first window that reaches ``N``; a window scores only its last ``end -
+    prev_end`` tokens (the others are context, label -100), and its first token never
+    (nothing predicts it). So with ``S < L`` every token but the text's first is scored
+    exactly once; with ``S = L`` (disjoint windows, the default) the first token of each
+    window is not scored either."""
     if not 1 <= stride <= max_length:
         raise ValueError(f"--stride {stride} must be in [1, --seq-length {max_length}]")
     windows, prev_end = [], 0
@@ -184,6 +185,10 @@ def perplexity_of_texts(
     (the TP/CP layout's); causal attention keeps the padding out of the scored positions,
     whose loss is masked. Windows of one padded length run ``batch_size`` at a time.
     ``progress(done, total)`` is called after each batch.
+
+    The result is the token-weighted mean: the sum of the scored tokens' negative
+    log-likelihoods over their number, exactly. (The guide weights each window's mean loss by
+    ``trg_len - 1``, one token fewer than a window after the first scores: an approximation.)
     """
     rows = []  # (padded length, document, begin, end, first)
     for index, ids in enumerate(documents):
@@ -221,7 +226,13 @@ def perplexity_of_texts(
 
 def perplexity_of_samples(model, batches: Iterable) -> Perplexity:
     """Perplexity over ``batches`` of ``(tokens [n, s], labels [n, s], loss_mask [n, s])``
-    (GPTDataset samples; :func:`~mcore_flash.evaluation.loss_by_position.stack_samples`)."""
+    (GPTDataset samples; :func:`~mcore_flash.evaluation.loss_by_position.stack_samples`).
+
+    With ``--data-path`` the batches are the first ``--num-samples`` samples of the
+    validation split (``--split``) as megatron's GPTDataset builds them for the trainer
+    (``--seq-length`` tokens of the shuffled document stream, documents joined by their EOD),
+    each scored where its ``loss_mask`` is 1, averaged over tokens: the quantity the trainer
+    (and Megatron-LM) reports as the validation ``lm loss`` and its ``PPL`` (uncapped here)."""
     total, count, samples = 0.0, 0, 0
     for tokens, labels, loss_mask in batches:
         _, loss = model.predict(tokens, labels)

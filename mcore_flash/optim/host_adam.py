@@ -1,33 +1,20 @@
 """The host optimizer step with narrower Adam moments: ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``.
 
-megatron-core's offloaded optimizer (``HybridDeviceOptimizer``, :mod:`.offload`) steps the host's
-share with torch's ``AdamW``, whose moments are fp32: 12 bytes of host memory per parameter with
-the fp32 master copy. Megatron-LM's ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` narrow them,
-but megatron-core passes those dtypes only to Transformer Engine's ``FusedAdam``
-(``optimizer/__init__.py``), which neither the NPU nor the CPU has. :class:`HostAdamW` is that
-step for the host: torch's own AdamW arithmetic (``torch.optim.adam.adam``, decoupled weight
-decay, the kernel the group asks for) in fp32, on moments *stored* in the group's
-``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (fp32 or bf16).
+megatron-core's offloaded optimizer (``HybridDeviceOptimizer``, :mod:`mcore_flash.training.offload`)
+steps the host's share with torch's ``AdamW``, whose moments are fp32: 12 bytes of host memory
+per parameter with the fp32 master copy. Megatron-LM's ``--exp-avg-dtype`` /
+``--exp-avg-sq-dtype`` narrow them, but megatron-core passes those dtypes only to Transformer
+Engine's ``FusedAdam`` (``optimizer/__init__.py``), which neither the NPU nor the CPU has.
+:class:`HostAdamW` is that step for the host: torch's own AdamW arithmetic
+(``torch.optim.adam.adam``, decoupled weight decay, the kernel the group asks for) in fp32, on
+moments *stored* in the group's ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (fp32 or bf16,
+:data:`MOMENT_DTYPES`).
 
-Numerics, per parameter and step: the stored moments are widened to fp32, torch's AdamW update
-runs on them and on the fp32 master parameter exactly as with fp32 moments, and a bf16 moment
-is stored with *stochastic rounding*: one of the two bf16 values around the fp32 one, the upper
-(in magnitude) with probability equal to the fp32 value's distance from the lower over their
-gap (16 uniform random bits added to the fp32 word's low 16, which are then cut), so the stored
-moment is the fp32 one in expectation. Rounding to nearest would lose every update smaller than
-half a bf16 unit: with beta2 = 0.999 the second moment then stops following a falling gradient.
-With fp32 storage it *is* torch's AdamW, bit for bit. One parameter's fp32 moments and random
-bits exist at a time, so the host holds the narrow state (2 bytes a bf16 moment) plus one
-parameter's widening (4 bytes an element a moment) and bits (12 bytes an element); moments a
-loader handed back wider (fp32) are stored narrow again by :meth:`HostAdamW.load_state_dict`,
-or at their next step when a loader set the state directly.
-
-Random bits: per parameter and step, 16 for each element of each bf16 moment, from Philox
-(numpy's counter-based generator) keyed by the parameter's position in the param groups (counted
-over all groups) and its number of elements, its counter set by the parameter's step count
-(after the update): a function of what a checkpoint keeps, independent of any global random
-state, and a stream of its own for every (parameter, step). So equal optimizers fed equal
-gradients store equal moments, and a run resumed from a state dict continues bit for bit.
+Invariants: with fp32 storage it *is* torch's AdamW, bit for bit; a bf16 moment is stored by
+stochastic rounding, the fp32 one in expectation (numerics and memory: :class:`HostAdamW`);
+its random bits are a function of what a checkpoint keeps (:func:`_rounding_bits`), so equal
+optimizers fed equal gradients store equal moments and a run resumed from a state dict
+continues bit for bit. Usage and evidence: docs/pretrain.md, "Optimizer offload".
 """
 
 from __future__ import annotations
@@ -45,7 +32,15 @@ MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _rounding_bits(index: int, shape: torch.Size, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The random low 16 bits (int32 in [0, 2**16), ``shape``) of ``exp_avg`` and of
     ``exp_avg_sq``: Philox keyed by the parameter's ``index`` and number of elements, its
-    counter's second word ``step``: disjoint blocks of the cipher for every (parameter, step)."""
+    counter's second word ``step``: disjoint blocks of the cipher for every (parameter, step).
+
+    Per parameter and step, 16 bits for each element of each bf16 moment, from Philox
+    (numpy's counter-based generator) keyed by the parameter's position in the param groups
+    (counted over all groups) and its number of elements, its counter set by the parameter's
+    step count (after the update): a function of what a checkpoint keeps, independent of any
+    global random state, and a stream of its own for every (parameter, step). So equal
+    optimizers fed equal gradients store equal moments, and a run resumed from a state dict
+    continues bit for bit."""
     numel = shape.numel()
     cipher = np.random.Philox(key=index + (numel << 64), counter=step << 64)
     words = cipher.random_raw((numel + 1) // 2).view(np.int32)[:numel]
@@ -73,8 +68,25 @@ def _narrow(state: dict, group: dict) -> None:
 class HostAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose ``exp_avg`` / ``exp_avg_sq`` are stored in each param group's
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (:data:`MOMENT_DTYPES`' values; constructor
-    defaults: fp32) and widened to fp32 for the update, bf16 ones stored by stochastic rounding
-    (the module's docstring). Parameters are fp32 (the master copies); no amsgrad, no maximize."""
+    defaults: fp32) and widened to fp32 for the update, bf16 ones stored by stochastic rounding.
+    Parameters are fp32 (the master copies); no amsgrad, no maximize.
+
+    Numerics, per parameter and step: the stored moments are widened to fp32, torch's AdamW
+    update runs on them and on the fp32 master parameter exactly as with fp32 moments, and a
+    bf16 moment is stored with *stochastic rounding*: one of the two bf16 values around the
+    fp32 one, the upper (in magnitude) with probability equal to the fp32 value's distance
+    from the lower over their gap (16 uniform random bits added to the fp32 word's low 16,
+    which are then cut: :func:`_store_rounded`), so the stored moment is the fp32 one in
+    expectation. Rounding to nearest would lose every update smaller than half a bf16 unit:
+    with beta2 = 0.999 the second moment then stops following a falling gradient. With fp32
+    storage it *is* torch's AdamW, bit for bit.
+
+    Memory: one parameter's fp32 moments and random bits exist at a time, so the host holds
+    the narrow state (2 bytes a bf16 moment) plus one parameter's widening (4 bytes an element
+    a moment) and bits (12 bytes an element); moments a loader handed back wider (fp32) are
+    stored narrow again by :meth:`HostAdamW.load_state_dict`, or at their next step when a
+    loader set the state directly.
+    """
 
     def __init__(
         self,
