@@ -42,7 +42,7 @@ the output), at most ``--max-new-tokens`` tokens: the EOS ids are those of the H
 checkpoint it was converted from (:func:`end_of_sequence_ids`); ``--ignore-eos`` produces
 exactly ``--max-new-tokens``. ``--json`` prints ``{"prompt_ids": [...], "output_ids": [...]}``.
 The tokenizer is the one stored with the checkpoint unless ``--tokenizer-type``/
-``--tokenizer-model`` are given (:func:`mcore_flash.training.batches.run_tokenizer`); ``--prompt``
+``--tokenizer-model`` are given (:func:`mcore_flash.runtime.tokenizer.run_tokenizer`); ``--prompt``
 is encoded without special tokens (no BOS), as Megatron-LM's tokenizers do.
 """
 
@@ -60,7 +60,8 @@ import torch.distributed as dist
 
 from mcore_flash import compat, platform
 from mcore_flash.runtime.arguments import build_parser as build_pretrain_parser
-from mcore_flash.runtime.arguments import parse_args
+from mcore_flash.runtime.arguments import resolve_tool_config
+from mcore_flash.runtime.config import TrainingConfig
 
 
 def build_parser():
@@ -117,6 +118,28 @@ def build_parser():
     return p
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """``mcore-flash generate``'s own flags (field = flag), checked on construction (ValueError
+    names the flag), and ``run``: the trainer's config of the model it loads (model, tokenizer,
+    ``--load``, layout, ``--seed``)."""
+
+    run: TrainingConfig
+    prompt: Optional[str]
+    prompt_ids: Optional[str]  # comma-separated token ids
+    chat: bool
+    max_new_tokens: int
+    ignore_eos: bool
+    no_kv_cache: bool
+    json: bool
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+
+    def __post_init__(self):
+        _check_generation_flags(self)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from mcore_flash.runtime.distributed import destroy_distributed, init_distributed
 
@@ -124,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parse_generate_args(argv)
     except ValueError as error:
         return _error(error)
-    init_distributed(args)
+    init_distributed(args.run)
     try:
         prompt_ids, output_ids, text = generate(args)
     except ValueError as error:
@@ -143,7 +166,7 @@ def _error(error: ValueError) -> int:
     return 2
 
 
-def parse_generate_args(argv: Optional[Sequence[str]] = None):
+def parse_generate_args(argv: Optional[Sequence[str]] = None) -> GenerateConfig:
     """generate's flags, checked (ValueError names the flag). The launcher's processes
     (``WORLD_SIZE``, 1 without a launcher) are one model replica: the model-parallel flags
     must multiply to their number, and the training batch flags are checked for that one
@@ -160,17 +183,17 @@ def parse_generate_args(argv: Optional[Sequence[str]] = None):
             f"--tensor-model-parallel-size x --pipeline-model-parallel-size must be {world}, "
             f"got {tp} x {pp}; pass the layout to run the checkpoint at"
         )
-    args = parse_args(argv, world_size=world, parser=parser)
-    _check_generation_flags(args)
-    return args
+    run = resolve_tool_config(vars(flags), world)
+    own = [field.name for field in dataclasses.fields(GenerateConfig) if field.name != "run"]
+    return GenerateConfig(run, **{name: getattr(flags, name) for name in own})
 
 
-def _check_generation_flags(args) -> None:
-    if not args.load:
+def _check_generation_flags(args: GenerateConfig) -> None:
+    if not args.run.load:
         raise ValueError("--load is required: the checkpoint to generate from")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.sequence_parallel:
+    if args.run.sequence_parallel:
         raise ValueError(
             "--sequence-parallel: generate runs without it (a decoded token cannot be split over "
             "the tensor-parallel ranks; megatron-core's static inference refuses it too); drop the flag"
@@ -193,11 +216,11 @@ def _check_generation_flags(args) -> None:
         )
 
 
-def generate(args) -> tuple[list[int], list[int], str]:
-    """``(prompt ids, generated ids, decoded text)``; call after ``init_distributed(args)``."""
+def generate(args: GenerateConfig) -> tuple[list[int], list[int], str]:
+    """``(prompt ids, generated ids, decoded text)``; call after ``init_distributed(args.run)``."""
     from mcore_flash.runtime.trained_model import load_trained_model
 
-    model, tokenizer, _, common = load_trained_model(args)
+    model, tokenizer, _, common = load_trained_model(args.run)
     prompt = prompt_ids(args, tokenizer)
     new = decode(
         model,
@@ -211,7 +234,7 @@ def generate(args) -> tuple[list[int], list[int], str]:
     return prompt, new, tokenizer.detokenize(new)
 
 
-def prompt_ids(args, tokenizer) -> list[int]:
+def prompt_ids(args: GenerateConfig, tokenizer) -> list[int]:
     """The prompt's token ids: ``--prompt-ids`` as given, or ``--prompt`` (in the chat
     template with ``--chat``) encoded without adding special tokens; all in the vocabulary."""
     if args.prompt_ids is not None:
@@ -276,9 +299,9 @@ class Sampling:
     seed: int = 1234
 
     @classmethod
-    def from_args(cls, args) -> "Sampling":
+    def from_args(cls, args: GenerateConfig) -> "Sampling":
         top_p = 1.0 if args.top_p is None else args.top_p
-        return cls(args.temperature, args.top_k or 0, top_p, args.seed)
+        return cls(args.temperature, args.top_k or 0, top_p, args.run.seed)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """Sampling probabilities, float64 ``[vocab]`` on the CPU, from ``logits`` ``[vocab]``

@@ -25,6 +25,7 @@ command.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -36,7 +37,8 @@ import numpy
 import torch.distributed as dist
 
 from mcore_flash.runtime.arguments import build_parser as build_pretrain_parser
-from mcore_flash.runtime.arguments import parse_args
+from mcore_flash.runtime.arguments import resolve_tool_config
+from mcore_flash.runtime.config import TrainingConfig
 
 TASKS = ("needle", "loss-by-position", "perplexity")
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -113,58 +115,101 @@ def _float_list(text: str, flag: str) -> list[float]:
         ) from None
 
 
-def resolve(argv: Optional[Sequence[str]]):
-    """Parsed and checked flags; ValueError names the flag. Adds ``eval_lengths`` and ``eval_depths``."""
+@dataclasses.dataclass(frozen=True)
+class EncodedTexts:
+    """``--task perplexity --input``: the texts as token ids; ``bos``: a BOS was prepended."""
+
+    documents: tuple[tuple[int, ...], ...]
+    bos: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateConfig:
+    """``mcore-flash evaluate``'s own flags (field = flag), their defaults resolved, checked on
+    construction (ValueError names the flag); ``run``: the trainer's config of the model it
+    loads (model, tokenizer, ``--load``, layout, ``--data-path``, ``--seq-length``, ``--seed``)."""
+
+    run: TrainingConfig
+    task: str
+    lengths: tuple[int, ...]  # the context lengths scored: needle's --lengths, else --seq-length
+    depths: tuple[float, ...]  # needle: the key's depths in [0, 1]
+    needle_length: Optional[int]  # needle: key letters (default max(2, --seq-length // 16))
+    num_samples: int
+    eval_batch_size: int
+    input: Optional[str]
+    json_key: str
+    stride: Optional[int]  # perplexity of --input: tokens between windows (default --seq-length)
+    json: bool
+    plot: Optional[str]
+    texts: Optional[EncodedTexts] = None  # perplexity of --input: read and tokenized once
+
+    def __post_init__(self):
+        _check(self)
+
+
+def resolve(argv: Optional[Sequence[str]]) -> EvaluateConfig:
+    """The parsed flags as an :class:`EvaluateConfig`, their defaults resolved, the needle's
+    tokenizer checked and the ``--input`` texts tokenized (ValueError names the flag)."""
+    flags = build_parser().parse_args(argv)
+    run = resolve_tool_config(vars(flags))
+    own = {
+        field.name: getattr(flags, field.name)
+        for field in dataclasses.fields(EvaluateConfig)
+        if field.name not in ("run", "texts")
+    }
+    if flags.task == "needle":
+        lengths = _int_list(flags.lengths, "--lengths") if flags.lengths else [run.seq_length]
+        own.update(
+            lengths=tuple(lengths),
+            depths=tuple(_float_list(flags.depths, "--depths")),
+            needle_length=(
+                max(2, run.seq_length // 16) if flags.needle_length is None else flags.needle_length
+            ),
+        )
+    else:
+        own.update(lengths=(run.seq_length,), depths=())
+    if flags.task == "perplexity" and flags.input is not None and flags.stride is None:
+        own.update(stride=run.seq_length)
+    config = EvaluateConfig(run, **own)
+    if config.task == "needle":
+        _check_needle_tokenizer(config.run)
+    if config.task == "perplexity" and config.input is not None:
+        config = dataclasses.replace(config, texts=_encoded_texts(config))
+    return config
+
+
+def _check(args: EvaluateConfig) -> None:
+    """The flags that cannot work together (ValueError naming the flag)."""
     from mcore_flash.evaluation.needle import check_needle_lengths
 
-    args = parse_args(argv, parser=build_parser())
-    if not args.load:
+    run = args.run
+    if not run.load:
         raise ValueError("--load is required: the checkpoint to evaluate")
     if args.num_samples < 1 or args.eval_batch_size < 1:
         raise ValueError(
             f"--num-samples and --eval-batch-size must be >= 1, got {args.num_samples}, {args.eval_batch_size}"
         )
     if args.task == "needle":
-        args.eval_lengths = (
-            _int_list(args.lengths, "--lengths") if args.lengths else [args.seq_length]
-        )
-        args.eval_depths = _float_list(args.depths, "--depths")
-        if args.needle_length is None:
-            args.needle_length = max(2, args.seq_length // 16)
-        kind, whose = args.tokenizer_type, ""
-        if kind is None and args.tokenizer_model is None:
-            from mcore_flash.checkpoint.tokenizer import stored_tokenizer_record
-
-            stored = stored_tokenizer_record(args.load)  # the tokenizer the model runner takes
-            kind = stored[0].get("type") if stored else None
-            whose = " (stored with the checkpoint)"
-        if kind not in (None, "ByteTokenizer"):
-            raise ValueError(
-                f"--task needle writes its markers and key letters as byte-tokenizer ids; --tokenizer-type "
-                f"{kind} is not supported by it{whose} (use --task loss-by-position)"
-            )
-        check_needle_lengths(args.eval_lengths, args.eval_depths, args.needle_length)
-    else:
-        args.eval_lengths = [args.seq_length]
+        check_needle_lengths(list(args.lengths), list(args.depths), args.needle_length)
     # resolved as the trainer's: "fixed" unless given, None with --data-path (given: refused)
-    if args.synthetic_key_depth == "uniform" and args.task != "loss-by-position":
+    if run.synthetic_key_depth == "uniform" and args.task != "loss-by-position":
         raise ValueError(
             "--synthetic-key-depth places the key of the built-in documents that --task loss-by-position "
             "scores without --data-path; drop it here"
         )
     if args.task == "perplexity":
-        _resolve_perplexity(args)
+        _check_perplexity(args)
     elif args.input is not None or args.stride is not None:
         raise ValueError(
             f"--input and --stride are flags of --task perplexity, not of --task {args.task}"
         )
-    extended = args.use_rope_scaling or args.rotary_seq_len_interpolation_factor
+    extended = run.use_rope_scaling or run.rotary_seq_len_interpolation_factor
     flag = "--lengths" if args.task == "needle" else "--seq-length"
-    multiple = _length_multiple(args)
-    for length in args.eval_lengths:
-        if length > args.max_position_embeddings and not extended:
+    multiple = _length_multiple(run)
+    for length in args.lengths:
+        if length > run.max_position_embeddings and not extended:
             raise ValueError(
-                f"{flag} {length} is beyond the model's {args.max_position_embeddings} positions "
+                f"{flag} {length} is beyond the model's {run.max_position_embeddings} positions "
                 "(--max-position-embeddings, from the checkpoint) and RoPE is not scaled: pass "
                 "--use-rope-scaling --rope-scaling-factor F or --rotary-seq-len-interpolation-factor N, or "
                 f"--max-position-embeddings {length} to measure unscaled extrapolation"
@@ -173,51 +218,70 @@ def resolve(argv: Optional[Sequence[str]]):
             raise ValueError(
                 f"{flag} {length} must be divisible by {multiple} with this TP/CP/SP layout"
             )
-    return args
 
 
-def _length_multiple(args) -> int:
+def _check_needle_tokenizer(run: TrainingConfig) -> None:
+    """The needle task writes byte-tokenizer ids: the run's tokenizer (given, else the one
+    stored with the checkpoint) must be the byte-level one."""
+    kind, whose = run.tokenizer_type, ""
+    if kind is None and run.tokenizer_model is None:
+        from mcore_flash.checkpoint.tokenizer import stored_tokenizer_record
+
+        stored = stored_tokenizer_record(run.load)  # the tokenizer the model runner takes
+        kind = stored[0].get("type") if stored else None
+        whose = " (stored with the checkpoint)"
+    if kind not in (None, "ByteTokenizer"):
+        raise ValueError(
+            f"--task needle writes its markers and key letters as byte-tokenizer ids; --tokenizer-type "
+            f"{kind} is not supported by it{whose} (use --task loss-by-position)"
+        )
+
+
+def _length_multiple(run: TrainingConfig) -> int:
     """What every sequence length must be a multiple of with this TP/CP/SP layout."""
-    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
-    return math.lcm(2 * cp if cp > 1 else 1, tp * cp if args.sequence_parallel else 1)
+    cp, tp = run.context_parallel_size, run.tensor_model_parallel_size
+    return math.lcm(2 * cp if cp > 1 else 1, tp * cp if run.sequence_parallel else 1)
 
 
-def _resolve_perplexity(args) -> None:
-    """``--task perplexity``: one source, a stride in range; the ``--input`` texts read and
-    tokenized into ``args.eval_documents`` (``args.eval_bos``: a BOS is prepended)."""
-    from mcore_flash.evaluation.perplexity import TextEncoder, read_texts
-    from mcore_flash.runtime.tokenizer import run_tokenizer
-
-    if (args.input is None) == (not args.data_path):
+def _check_perplexity(args: EvaluateConfig) -> None:
+    """``--task perplexity``: one source (``--input`` or ``--data-path``), a stride in range."""
+    run = args.run
+    if (args.input is None) == (not run.data_path):
         raise ValueError(
             "--task perplexity needs one source: --input FILE (.txt or .jsonl) or --data-path PREFIX "
             "(the validation split's samples)" + (", not both" if args.input is not None else "")
         )
     if args.plot:
         raise ValueError("--plot: --task perplexity prints numbers only; drop --plot")
-    if args.data_path:
+    if run.data_path:
         if args.stride is not None:
             raise ValueError(
                 "--stride applies to --input texts; --data-path is evaluated in the trainer's "
                 "--seq-length samples (drop --stride)"
             )
         return
-    if args.stride is None:
-        args.stride = args.seq_length
-    if not 1 <= args.stride <= args.seq_length:
+    if not 1 <= args.stride <= run.seq_length:
         raise ValueError(
-            f"--stride {args.stride} must be in [1, --seq-length {args.seq_length}]: windows of "
+            f"--stride {args.stride} must be in [1, --seq-length {run.seq_length}]: windows of "
             "--seq-length tokens start every --stride tokens"
         )
+
+
+def _encoded_texts(args: EvaluateConfig) -> EncodedTexts:
+    """The ``--input`` texts read and tokenized by the run's tokenizer (the flags', else the
+    checkpoint's), as transformers' tokenizer gives them."""
+    from mcore_flash.evaluation.perplexity import TextEncoder, read_texts
+    from mcore_flash.runtime.tokenizer import run_tokenizer
+
     texts = read_texts(args.input, args.json_key)
-    encode = TextEncoder(run_tokenizer(args))  # the flags', else the checkpoint's tokenizer
-    args.eval_documents = [encode(text) for text in texts]
-    args.eval_bos = encode.bos
-    if all(len(ids) < 2 for ids in args.eval_documents):
+    encode = TextEncoder(run_tokenizer(args.run))
+    documents = tuple(tuple(encode(text)) for text in texts)
+    if all(len(ids) < 2 for ids in documents):
         raise ValueError(
             f"--input {args.input}: no token to score; a text needs at least two tokens (nothing "
             "predicts the first)"
         )
+    return EncodedTexts(documents, encode.bos)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -228,7 +292,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         print(f"mcore-flash evaluate: error: {error}", file=sys.stderr)
         return 2
-    init_distributed(args)
+    init_distributed(args.run)
     try:
         result = evaluate(args)
     except ValueError as error:
@@ -241,12 +305,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def evaluate(args) -> dict:
-    """Run ``args.task`` on the checkpoint in ``args.load``; call after ``init_distributed``.
+def evaluate(args: EvaluateConfig) -> dict:
+    """Run ``args.task`` on the checkpoint in ``--load``; call after ``init_distributed(args.run)``.
     Returns the JSON-ready result (the same on every rank); rank 0 writes ``--plot``."""
     from mcore_flash.evaluation.model_runner import LoadedModel
 
-    model = LoadedModel(args)
+    model = LoadedModel(args.run)
     if args.task == "needle":
         result = {
             "task": "needle",
@@ -260,7 +324,7 @@ def evaluate(args) -> dict:
         result = {
             "task": "loss-by-position",
             "iteration": model.iteration,
-            "seq_length": args.seq_length,
+            "seq_length": args.run.seq_length,
             "buckets": [asdict(b) for b in _loss_buckets(args, model)],
         }
     if args.plot and _is_first_rank():
@@ -278,23 +342,25 @@ def evaluate(args) -> dict:
     return result
 
 
-def _needle_cells(args, model):
+def _needle_cells(args: EvaluateConfig, model):
     from mcore_flash.evaluation.needle import digit_filler, needle_grid, stream_filler
 
     filler = (
-        stream_filler(_held_out_stream(args, model.tokenizer)) if args.data_path else digit_filler
+        stream_filler(_held_out_stream(args, model.tokenizer))
+        if args.run.data_path
+        else digit_filler
     )
     cells = needle_grid(
         model,
-        args.eval_lengths,
-        args.eval_depths,
+        list(args.lengths),
+        list(args.depths),
         args.needle_length,
         args.num_samples,
         args.eval_batch_size,
         filler,
-        args.seed,
+        args.run.seed,
     )
-    total = len(args.eval_lengths) * len(args.eval_depths)
+    total = len(args.lengths) * len(args.depths)
     for done, cell in enumerate(cells, 1):
         _progress(
             f"needle {done}/{total}: length {cell.length} depth {cell.depth:g}: exact {cell.exact:.3f}, "
@@ -303,44 +369,45 @@ def _needle_cells(args, model):
         yield cell
 
 
-def _held_out_stream(args, tokenizer) -> numpy.ndarray:
+def _held_out_stream(args: EvaluateConfig, tokenizer) -> numpy.ndarray:
     """Tokens of the validation split of ``--data-path`` (EOD removed), one epoch, in order."""
-    valid = _validation_split(args, tokenizer, max(args.eval_lengths))
+    valid = _validation_split(args.run, tokenizer, max(args.lengths))
     tokens = numpy.concatenate(
         [numpy.asarray(valid[i]["tokens"]) for i in range(min(len(valid), 256))]
     )
     return tokens[tokens != tokenizer.eod]
 
 
-def _validation_split(args, tokenizer, seq_length: int):
+def _validation_split(run: TrainingConfig, tokenizer, seq_length: int):
     from mcore_flash.data.datasets import build_datasets
 
     _, valid, _ = build_datasets(
-        args.data_path,
+        run.data_path,
         False,
-        args.split,
+        run.split,
         seq_length,
-        args.seed,
+        run.seed,
         tokenizer,
         0,
         None,
         0,
-        cache_dir=args.data_cache_path or os.path.join(args.load, "data", "cache"),
+        cache_dir=run.data_cache_path or os.path.join(run.load, "data", "cache"),
     )
     if valid is None or len(valid) == 0:
         raise ValueError(
-            f"--split {args.split}: the held-out (validation) split of --data-path is empty; give it weight"
+            f"--split {run.split}: the held-out (validation) split of --data-path is empty; give it weight"
         )
     return valid
 
 
-def _loss_buckets(args, model):
+def _loss_buckets(args: EvaluateConfig, model):
     import torch
 
     from mcore_flash.evaluation.loss_by_position import loss_by_position, stack_samples
 
-    if args.data_path:
-        valid = _validation_split(args, model.tokenizer, args.seq_length)
+    run = args.run
+    if run.data_path:
+        valid = _validation_split(run, model.tokenizer, run.seq_length)
         indices = range(min(args.num_samples, len(valid)))
         samples = [valid[i] for i in indices]
     else:
@@ -348,9 +415,9 @@ def _loss_buckets(args, model):
 
         docs = torch.from_numpy(
             generate_documents(
-                make_task(args.seq_length, key_depth=args.synthetic_key_depth),
+                make_task(run.seq_length, key_depth=run.synthetic_key_depth),
                 args.num_samples,
-                seed=args.seed + HELD_OUT_SEED_OFFSET,
+                seed=run.seed + HELD_OUT_SEED_OFFSET,
             )
         )
         mask = torch.ones_like(docs, dtype=torch.float32)
@@ -365,33 +432,34 @@ def _loss_buckets(args, model):
     return loss_by_position(model, batches)
 
 
-def _perplexity(args, model) -> dict:
+def _perplexity(args: EvaluateConfig, model) -> dict:
     from mcore_flash.evaluation.loss_by_position import stack_samples
     from mcore_flash.evaluation.perplexity import perplexity_of_samples, perplexity_of_texts
 
+    run = args.run
     if args.input is not None:
         source = {
             "input": args.input,
-            "seq_length": args.seq_length,
+            "seq_length": run.seq_length,
             "stride": args.stride,
-            "bos": args.eval_bos,
+            "bos": args.texts.bos,
         }
         result = perplexity_of_texts(
             model,
-            args.eval_documents,
-            args.seq_length,
+            [list(ids) for ids in args.texts.documents],
+            run.seq_length,
             args.stride,
-            _length_multiple(args),
+            _length_multiple(run),
             args.eval_batch_size,
             lambda done, total: _progress(f"perplexity: {done}/{total} windows"),
         )
     else:
-        valid = _validation_split(args, model.tokenizer, args.seq_length)
+        valid = _validation_split(run, model.tokenizer, run.seq_length)
         samples = [valid[i] for i in range(min(args.num_samples, len(valid)))]
         source = {
-            "data_path": list(args.data_path),
-            "split": args.split,
-            "seq_length": args.seq_length,
+            "data_path": list(run.data_path),
+            "split": run.split,
+            "seq_length": run.seq_length,
         }
         batches = (
             stack_samples(samples[i : i + args.eval_batch_size])

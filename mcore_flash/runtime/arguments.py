@@ -10,12 +10,12 @@ the flag to change.
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from mcore_flash.data.synthetic import KEY_DEPTHS
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
-from mcore_flash.planning.layout import HOST_MOMENT_BYTES
 from mcore_flash.planning.models import MODELS
+from mcore_flash.planning.parallel_layout import HOST_MOMENT_BYTES
 from mcore_flash.runtime.config import DEFAULT_PRESET, TrainingConfig, resolve_config
 from mcore_flash.runtime.config_checks import (
     CKPT_FORMATS,
@@ -390,11 +390,19 @@ def parse_args(
     world_size: Optional[int] = None,
     parser: Optional[argparse.ArgumentParser] = None,
 ) -> argparse.Namespace:
-    """For the tools that add flags to :func:`build_parser`'s (``parser``: evaluate, generate):
-    the fields of the checked :class:`TrainingConfig` plus the tool's own flags, as one namespace
-    the tool may extend. The trainer itself uses :func:`parse_config`. The tools run one model
-    chunk per pipeline stage: the interleaved schedule's flags are refused."""
+    """For the tools that add flags to :func:`build_parser`'s (``parser``): the fields of the
+    checked :class:`TrainingConfig` (:func:`resolve_tool_config`) plus the tool's own flags, as
+    one namespace. The trainer itself uses :func:`parse_config`."""
     flags = vars((parser or build_parser()).parse_args(argv))
+    return argparse.Namespace(**{**flags, **resolve_tool_config(flags, world_size).to_dict()})
+
+
+def resolve_tool_config(
+    flags: Mapping[str, Any], world_size: Optional[int] = None
+) -> TrainingConfig:
+    """The :class:`TrainingConfig` of a tool's parsed ``flags`` (evaluate, generate: the model
+    it loads and the layout it runs at). The tools run one model chunk per pipeline stage:
+    the interleaved schedule's flags are refused."""
     if (
         flags["virtual_pipeline_model_parallel_size"]
         or flags["num_layers_per_virtual_pipeline_stage"]
@@ -404,7 +412,7 @@ def parse_args(
             "and generation run one model chunk per pipeline stage; drop the flag (a checkpoint saved "
             "with the interleaved schedule loads at any pipeline layout)"
         )
-    return argparse.Namespace(**{**flags, **resolve_config(flags, world_size).to_dict()})
+    return resolve_config(flags, world_size)
 
 
 def _window_size(text: str) -> tuple[int, int]:

@@ -191,7 +191,7 @@ def test_explicit_flags_win_and_checkpoints_without_a_tokenizer_behave_as_before
         ["--load", mc, "--task", "perplexity", "--input", str(tmp_path / "doc.txt")]
         + ["--seq-length", "32"]
     )
-    assert args.eval_documents == [oracle(TEXT)["input_ids"]]
+    assert args.texts.documents == (tuple(oracle(TEXT)["input_ids"]),)
     with pytest.raises(ValueError, match="stored with the checkpoint"):
         resolve(["--load", mc, "--task", "needle", "--seq-length", "64"])
 

@@ -77,7 +77,7 @@ def _w_generate(rank, world_size, load, runs):
         name: parse_generate_args(["--load", load, *PADDING, *map(str, argv)])
         for name, argv in runs.items()
     }
-    init_distributed(next(iter(parsed.values())))
+    init_distributed(next(iter(parsed.values())).run)
     results = {}
     for name, args in parsed.items():
         calls.clear()
@@ -279,4 +279,4 @@ def test_chat_without_a_template_or_with_a_failing_one_names_chat(source):
             ["--load", source["mc"], "--prompt", "hi", "--chat", *map(str, flags)]
         )
         with pytest.raises(ValueError, match="--chat: " + message):
-            prompt_ids(args, run_tokenizer(args))
+            prompt_ids(args, run_tokenizer(args.run))

@@ -193,7 +193,7 @@ def _w_layouts(rank, world_size, runs):
     results = []
     for argv in runs:
         args = cli.resolve(argv)
-        init_distributed(args)
+        init_distributed(args.run)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 results.append(cli.evaluate(args))
@@ -311,7 +311,7 @@ def test_data_path_is_the_validation_split_samples_scored_by_transformers(setup,
     from mcore_flash.evaluation.cli import _validation_split, resolve
 
     args = resolve(_argv(setup, *setup["data"]))
-    valid = _validation_split(args, ByteTokenizer(), WINDOW)
+    valid = _validation_split(args.run, ByteTokenizer(), WINDOW)
     hf = _transformers_model(setup["hf"])
     nll, tokens = 0.0, 0
     for i in range(6):
