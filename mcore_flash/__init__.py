@@ -4,7 +4,8 @@ Layers (imports point down only): ``mcore_flash.emulation`` (an emulated Ascend 
 and torch_npu, torch only), ``mcore_flash.ops`` (attention kernels, no Megatron),
 ``mcore_flash.platform`` (the device adapter), ``mcore_flash.transformer`` (Megatron
 modules and specs), then training, planning and the CLI (``--emulate-npu`` installs the
-emulation; nothing else imports it).
+emulation, as does the dry run of an optimizer-offload layout,
+:mod:`mcore_flash.training.dry_run`; nothing else imports it).
 """
 
 __version__ = "0.1.0"

@@ -1,30 +1,15 @@
 """The warnings megatron-core and torch print on every command that a user cannot act on.
 
-Importing megatron-core without Transformer Engine and apex (this project needs neither, and
-the PyPI package called ``apex`` is unrelated) warns five times that they are missing;
-megatron's own ``TransformerConfig`` default (``cuda_graph_scope="full"`` in 0.16,
-``cuda_graph_modules="full"`` in 0.19) trips its own deprecation warning; loading a
-``torch_dist`` checkpoint makes torch warn about megatron's use of its checkpoint API (0.16:
-``ShardedTensor`` and ``load_state_dict``; 0.19: ``load`` with a positional storage reader and
-``no_dist=True``). :data:`NOISE` lists these, each by its category, its full message and the
-module that raises it.
+:data:`NOISE` lists warnings, each by its category, its full message and the module that raises
+it (megatron-core without Transformer Engine and apex, megatron's own ``TransformerConfig``
+default, torch on megatron's use of its checkpoint API). :data:`LOG_NOISE` lists log records
+(the ``logging`` module, which ``-W`` does not reach), each by its level, its full message and
+the logger it is logged on. Both are pinned to megatron-core 0.16.1 / 0.19.2 and torch 2.13.
 
-megatron-core 0.19 and the CUDA build of torch also *log* (the ``logging`` module, which
-``-W`` does not reach) on every command: torch's ``cpp_extension``, imported by megatron, that
-its CUDA build finds a ``CUDA_HOME`` but no CUDA runtime (a machine without a GPU); megatron
-that ``GPTModel`` is deprecated (in favour of ``HybridModel``, every time one is built);
-megatron that its ``load_common`` is deprecated (it reads the ``common.pt`` of a checkpoint
-that ``mcore-flash convert hf-to-mcore`` wrote). :data:`LOG_NOISE` lists these, each by its level,
-its full message and the logger it is logged on.
-
-:func:`silence` filters exactly these: every other warning and log record (from these
-libraries and these loggers too) still prints. It does nothing when the user chose warning
-filters (``python -W ...`` or ``PYTHONWARNINGS``): then those decide, and the log records print
-too, so that one switch shows everything this module would hide (a log record has no option of
-its own that could bring it back past a filter). Child processes need nothing: torchrun's
-workers run the CLI's ``main`` (which calls :func:`silence`), and forked ones inherit the
-filters. The import-time messages need :func:`silence` before megatron-core (and torch's
-``cpp_extension``) is imported: the CLI calls it before it imports a subcommand.
+:func:`silence` filters exactly these: every other warning and log record still prints, and
+nothing is filtered when the user chose warning filters (``python -W ...`` or
+``PYTHONWARNINGS``). It must run before megatron-core (and torch's ``cpp_extension``) is
+imported: the CLI calls it before it imports a subcommand.
 """
 
 from __future__ import annotations
@@ -37,7 +22,14 @@ import warnings
 _NO_TE_APEX = "Transformer Engine and Apex are not installed. Falling back to "
 
 # (category, the whole message, the module raising it) -- as megatron-core 0.16.1 / 0.19.2 and
-# torch 2.13 print them (``mcore-flash convert|generate|pretrain``, a conversion, a resume)
+# torch 2.13 print them (``mcore-flash convert|generate|pretrain``, a conversion, a resume).
+# Importing megatron-core without Transformer Engine and apex (this project needs neither, and
+# the PyPI package called ``apex`` is unrelated) warns five times that they are missing;
+# megatron's own ``TransformerConfig`` default (``cuda_graph_scope="full"`` in 0.16,
+# ``cuda_graph_modules="full"`` in 0.19) trips its own deprecation warning; loading a
+# ``torch_dist`` checkpoint makes torch warn about megatron's use of its checkpoint API (0.16:
+# ``ShardedTensor`` and ``load_state_dict``; 0.19: ``load`` with a positional storage reader and
+# ``no_dist=True``).
 NOISE = (
     (
         UserWarning,
@@ -98,7 +90,11 @@ NOISE = (
 
 # (level, the whole message as a regular expression, the logger) -- log records megatron-core
 # 0.19.2 and torch 2.13's CUDA build print on stderr (no handler configured: logging's last resort,
-# or torch's own handler for its ``torch`` loggers)
+# or torch's own handler for its ``torch`` loggers) on every command: torch's ``cpp_extension``,
+# imported by megatron, that its CUDA build finds a ``CUDA_HOME`` but no CUDA runtime (a machine
+# without a GPU); megatron that ``GPTModel`` is deprecated (in favour of ``HybridModel``, every
+# time one is built); megatron that its ``load_common`` is deprecated (it reads the
+# ``common.pt`` of a checkpoint that ``mcore-flash convert hf-to-mcore`` wrote).
 LOG_NOISE = (
     (
         logging.WARNING,
@@ -143,7 +139,17 @@ _LOG_FILTERS = tuple((logger, _DropRecord(level, pattern)) for level, pattern, l
 
 def silence() -> None:
     """Filter the warnings in :data:`NOISE` and the log records in :data:`LOG_NOISE` (once is
-    enough; calling again changes nothing)."""
+    enough; calling again changes nothing).
+
+    Every other warning and log record (from these libraries and these loggers too) still
+    prints. It does nothing when the user chose warning filters (``python -W ...`` or
+    ``PYTHONWARNINGS``): then those decide, and the log records print too, so that one switch
+    shows everything this module would hide (a log record has no option of its own that could
+    bring it back past a filter). Child processes need nothing: torchrun's workers run the
+    CLI's ``main`` (which calls this), and forked ones inherit the filters. The import-time
+    messages need this before megatron-core (and torch's ``cpp_extension``) is imported: the
+    CLI calls it before it imports a subcommand.
+    """
     if sys.warnoptions:  # the user's -W / PYTHONWARNINGS decide
         return
     for category, message, module in NOISE:

@@ -7,23 +7,16 @@
 After ``install()`` the project's NPU path runs unchanged: ``platform.setup()`` detects
 an NPU, imports ``torch_npu.contrib.transfer_to_npu``, and every tensor of the model lives
 on an ``npu`` device whose data sits in CPU memory. ``mcore-flash pretrain --emulate-npu``
-does this for a whole training run (one process, or one per rank under ``torchrun``).
-
-What a rehearsal proves: tensor placement (an op mixing npu and CPU tensors fails as on
-a device, a rank uses one device index), collectives (HCCL-strict process groups: a CPU
-tensor in any collective fails as on HCCL), the operator contracts of the ``torch_npu``
-ops the project calls (doubles that raise on a call hardware would reject or compute
-wrongly), the ``transfer_to_npu`` patching order, and that every NPU branch of the
-project executes. What it cannot prove: kernel speed, the numerics of the real kernels
-(the doubles compute in float64/float32 on the CPU), HCCL topology and bandwidth, device
-memory limits, stream concurrency.
+does this for a whole training run (one process, or one per rank under ``torchrun``). What a
+rehearsal proves, and what it cannot: ``docs/rehearsal.md``.
 
 Parts: :mod:`.runtime` (``torch.npu``), :mod:`.tensor` (npu tensors), :mod:`.hccl` (the
 process-group backend), :mod:`.storage_sharing` (C++ storage sharing on the CPU data),
 :mod:`.transfer` (``transfer_to_npu``), :mod:`.dtensor` (DTensor's sharding propagation),
-:mod:`.fusion_attention`
-and :mod:`.fused_ops` (the operator doubles), and the ``torch_npu`` package beside them
-that ``import torch_npu`` finds.
+the operator doubles :mod:`.fusion_attention` (``npu_fusion_attention`` and its grad op),
+:mod:`.fusion_attention_args` (one call's arguments and their checks),
+:mod:`.fusion_attention_visibility` (which keys each query sees) and :mod:`.fused_ops`, and
+the ``torch_npu`` package beside them that ``import torch_npu`` finds.
 """
 
 from __future__ import annotations
@@ -70,7 +63,8 @@ def is_installed() -> bool:
 
 
 def activate():
-    """What ``import torch_npu`` does: register the device, ``torch.npu`` and ``hccl``; returns ``torch.npu``."""
+    """What ``import torch_npu`` does: register the device, ``torch.npu`` and ``hccl``;
+    returns ``torch.npu``."""
     import torch.distributed as dist
 
     from . import hccl, tensor
@@ -88,7 +82,8 @@ def activate():
 
 
 def op_calls() -> list:
-    """Every call of an emulated ``torch_npu`` op in this process, one dict each (see the doubles)."""
+    """Every call of an emulated ``torch_npu`` op in this process, one dict each (see the
+    doubles)."""
     return _CALLS
 
 

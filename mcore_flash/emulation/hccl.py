@@ -1,24 +1,16 @@
 """An HCCL-strict process-group backend for the emulated device: gloo underneath.
 
 ``torch.distributed`` picks a group's backend by the device type of the tensors. The
-backend registered here as ``"hccl"`` serves the ``npu`` device type only, like Ascend's
-``ProcessGroupHCCL``: a collective or point-to-point call on a CPU tensor finds no backend
-and fails with torch's "No backend type associated with device type cpu", exactly as on
-HCCL and NCCL (which serves ``cuda`` only). The npu tensors' CPU buffers go to a gloo
-process group, so the results are gloo's.
+backend registered here as ``"hccl"`` (:func:`register`) serves the ``npu`` device type
+only, like Ascend's ``ProcessGroupHCCL``: a collective or point-to-point call on a CPU tensor
+finds no backend and fails with torch's "No backend type associated with device type cpu",
+exactly as on HCCL and NCCL (which serves ``cuda`` only). The npu tensors' CPU buffers go to
+a gloo process group, so the results are gloo's.
 
-Reductions take HCCL's operators only (:func:`check_reduce_op`): ``AVG`` and ``PREMUL_SUM``
-(which gloo underneath would take or name as gloo's) fail as on ``ProcessGroupHCCL``.
-
-When a group is created every member publishes the host and the NPU it drives (its
-current device); two members on one host with the same NPU fail the way HCCL refuses
-to build such a communicator - the symptom of ranks that never called
-``torch.npu.set_device(LOCAL_RANK)``.
-
-Every c10d op on npu tensors is recorded against the HCCL communicator torch_npu's
-``ProcessGroupHCCL`` would run it on (:func:`communicators`): the device memory HCCL holds
-outside the allocator is a number of communicators, which the planner predicts
-(``mcore_flash/planning/communicators.py``) and the tests count here.
+What HCCL refuses is refused: reductions other than HCCL's (:func:`check_reduce_op`: ``AVG``
+and ``PREMUL_SUM`` fail as on ``ProcessGroupHCCL``), and two members of a group on one host
+driving the same NPU. Every c10d op on npu tensors is recorded against the HCCL communicator
+torch_npu's ``ProcessGroupHCCL`` would run it on (:func:`communicators`).
 """
 
 from __future__ import annotations
@@ -55,8 +47,9 @@ def check_reduce_op(reduce_op) -> None:
     (``torch_npu/csrc/distributed/ProcessGroupHCCL.cpp``) does before any communication:
     ``AVG`` and the bitwise ops raise "Cannot use ReduceOp.AVG with HCCL", anything else
     outside SUM/PRODUCT/MIN/MAX (``PREMUL_SUM``, made by ``_make_nccl_premul_sum``) raises
-    "Unhandled ReduceOp". Gloo underneath takes AVG, so without this check a rehearsal
-    would pass megatron's ``average_in_collective=True``, which fails on an NPU.
+    "Unhandled ReduceOp". Gloo underneath takes AVG (and would take or name ``PREMUL_SUM`` as
+    gloo's), so without this check a rehearsal would pass megatron's
+    ``average_in_collective=True``, which fails on an NPU.
 
     ``reduce_op`` is the ``c10d`` op's argument (a ``ScriptObject`` of ``c10d.ReduceOp``,
     whose ``op()`` is the ``RedOpType``) or a ``dist.ReduceOp``."""
@@ -76,6 +69,10 @@ def check_reduce_op(reduce_op) -> None:
 
 
 def _check_one_device_per_rank(store, rank: int, world_size: int) -> None:
+    """When a group is created every member publishes the host and the NPU it drives (its
+    current device); two members on one host with the same NPU fail the way HCCL refuses to
+    build such a communicator - the symptom of ranks that never called
+    ``torch.npu.set_device(LOCAL_RANK)``."""
     here = f"{socket.gethostname()}/{NAME}:{runtime().current_device()}"
     store.set(f"mcore_flash_emulated_hccl_device_{rank}", here)
     owners: dict[str, int] = {}
@@ -134,7 +131,11 @@ _P2P_OPS = {"c10d::send": "dst", "c10d::recv_": "src"}  # the peer argument, a r
 
 def communicators() -> Communicators:
     """The communicators this process has opened since it started or since
-    :func:`reset_communicators`."""
+    :func:`reset_communicators`.
+
+    The device memory HCCL holds outside the allocator is a number of communicators, which
+    the planner predicts (``mcore_flash/planning/communicators.py``) and the tests count
+    here."""
     return Communicators(frozenset(_COLLECTIVE_GROUPS), frozenset(_P2P_PAIRS))
 
 

@@ -1,21 +1,14 @@
 """``torch.npu`` of the emulated device: device selection, RNG, streams, memory statistics.
 
-What torch_npu's ``torch.npu`` module gives a training script, backed by the CPU:
+What torch_npu's ``torch.npu`` module gives a training script, backed by the CPU
+(:class:`NpuRuntime`, one per process: :func:`runtime`):
 
 * **Devices.** ``device_count()`` devices are visible (``MCORE_FLASH_EMULATED_NPUS``,
-  default 8, one Ascend node). A process drives exactly one of them: the current device
-  (``set_device``) when it first allocates. Asking for another index afterwards, or a
-  ``set_device`` to another index after the first allocation, raises - on hardware that
-  is a second device in one rank, which a training rank never wants. Every emulated
-  tensor *reports* the process's device (``npu:<index>``); underneath, torch's Python
-  device guard knows a single physical device, so index 0 is accepted as an alias of the
-  process's device (torch's own internals allocate on it). Ranks of one host that end up
-  on the same device are caught when they build an HCCL group (:mod:`.hccl`).
-* **RNG.** Each device has its own generator, separate from the CPU one, as on hardware;
-  seeded ops on npu tensors draw from the current device's generator.
-* **Lazy initialisation** as in torch_npu: ``is_initialized()`` turns True at the first
-  ``set_device``, ``current_device``, ``get_rng_state`` or allocation; ``_lazy_call``
-  queues callbacks (``manual_seed``, ``set_rng_state``) until then.
+  default 8, one Ascend node). A process drives exactly one of them (:meth:`NpuRuntime.claim`):
+  asking for another index, or a ``set_device`` to another index after the first allocation,
+  raises. Index 0 is accepted as an alias of the process's device.
+* **RNG.** Each device has its own generator, separate from the CPU one, as on hardware.
+* **Lazy initialisation** as in torch_npu, with ``_lazy_call`` queues.
 * **Streams and events** exist and do nothing (work is synchronous on the CPU).
 * **Memory statistics** count the bytes of live npu tensor storages (what the caching
   allocator calls "allocated"; nothing is cached, so "reserved" equals it).
@@ -110,6 +103,24 @@ class NpuRuntime:
     ``__all__`` names what ``transfer_to_npu`` copies onto ``torch.cuda`` (the subset of
     torch_npu 2.13's ``torch_npu.npu.__all__`` emulated here); ``random`` is
     ``torch_npu.npu.random``.
+
+    * **Devices.** ``device_count()`` devices are visible (``MCORE_FLASH_EMULATED_NPUS``,
+      default 8, one Ascend node). A process drives exactly one of them: the current device
+      (``set_device``) when it first allocates. Asking for another index afterwards, or a
+      ``set_device`` to another index after the first allocation, raises - on hardware that
+      is a second device in one rank, which a training rank never wants. Every emulated
+      tensor *reports* the process's device (``npu:<index>``); underneath, torch's Python
+      device guard knows a single physical device, so index 0 is accepted as an alias of the
+      process's device (torch's own internals allocate on it). Ranks of one host that end up
+      on the same device are caught when they build an HCCL group (:mod:`.hccl`).
+    * **RNG.** Each device has its own generator, separate from the CPU one, as on hardware;
+      seeded ops on npu tensors draw from the current device's generator.
+    * **Lazy initialisation** as in torch_npu: ``is_initialized()`` turns True at the first
+      ``set_device``, ``current_device``, ``get_rng_state`` or allocation; ``_lazy_call``
+      queues callbacks (``manual_seed``, ``set_rng_state``) until then.
+    * **Streams and events** exist and do nothing (work is synchronous on the CPU).
+    * **Memory statistics** count the bytes of live npu tensor storages (what the caching
+      allocator calls "allocated"; nothing is cached, so "reserved" equals it).
     """
 
     Stream = Stream
@@ -260,7 +271,8 @@ class NpuRuntime:
         )
 
     def get_device_capability(self, device=None):
-        """torch_npu 2.13: ``(major, minor)`` from ``TORCH_NPU_DEVICE_CAPABILITY="major.minor"``, else None."""
+        """torch_npu 2.13: ``(major, minor)`` from ``TORCH_NPU_DEVICE_CAPABILITY="major.minor"``,
+        else None."""
         value = os.environ.get("TORCH_NPU_DEVICE_CAPABILITY", "")
         major, dot, minor = value.partition(".")
         if not (dot and major.isdigit() and minor.isdigit()):

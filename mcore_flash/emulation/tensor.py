@@ -3,27 +3,12 @@
 An npu tensor is an :class:`NpuTensor`, a wrapper subclass holding a CPU tensor
 (``_elem``). ``__torch_dispatch__`` unwraps the arguments, runs the aten op on the CPU
 and wraps the result, so every op of torch works and gives the CPU's bits. What a real
-device enforces is enforced here:
-
-* an op mixing an npu tensor with a CPU tensor of one or more dimensions raises torch's
-  "Expected all tensors to be on the same device" (0-dim CPU scalars and CPU index
-  tensors are allowed, as on CUDA and Ascend); ``.numpy()`` refuses, as on a device;
-* seeded ops (dropout, ``randn`` ...) draw from the device's generator, not the CPU's;
-* views and in-place ops alias the CPU data exactly like device memory (megatron's
-  gradient buffers are views into one flat buffer);
-* ``Module.to("npu")`` keeps the Parameter objects' attributes (megatron's
-  ``sequence_parallel``, ``tensor_model_parallel`` ...), as a device backend written in C++
-  does by assigning ``param.data``; torch makes new Parameters for a Python wrapper;
-* collectives (``c10d`` ops) reach the process group's ``npu`` backend (:mod:`.hccl`)
-  with the CPU buffers; a CPU tensor finds no backend and fails as with HCCL;
-* pinned host memory is ordinary host memory (``pin_memory=True`` is dropped in the
-  torch factories, ``Tensor.pin_memory()`` copies): a Python backend cannot give torch a
-  pinned allocator.
-
-Factories (``torch.empty(..., device="npu")``) and CPU->npu copies have no npu tensor
-argument: they reach per-op kernels registered for the PrivateUse1 key, which build the
-result the same way. Ops are registered one by one because a boxed Python fallback for
-PrivateUse1 trips an internal assert in torch 2.13 when a subclass is involved.
+device enforces is enforced here (:class:`NpuTensor` lists it): an op mixing an npu tensor
+with a CPU tensor of one or more dimensions raises torch's "Expected all tensors to be on
+the same device"; seeded ops draw from the device's generator; views and in-place ops alias
+the CPU data like device memory; collectives reach the process group's ``npu`` backend
+(:mod:`.hccl`). Pinned host memory is ordinary host memory. :func:`register` makes ``npu`` a
+device of the process.
 
 Relies on private torch APIs (``_setup_privateuseone_for_python_backend``,
 ``_make_wrapper_subclass``, ``OpOverload.redispatch``, ``_functionalize_unsafe_set``),
@@ -77,7 +62,25 @@ def device_mismatch(op, other: Any) -> RuntimeError:
 
 
 class NpuTensor(torch.Tensor):
-    """A tensor on the emulated npu device; its data is the CPU tensor ``_elem``."""
+    """A tensor on the emulated npu device; its data is the CPU tensor ``_elem``.
+
+    What a real device enforces is enforced here:
+
+    * an op mixing an npu tensor with a CPU tensor of one or more dimensions raises torch's
+      "Expected all tensors to be on the same device" (0-dim CPU scalars and CPU index
+      tensors are allowed, as on CUDA and Ascend); ``.numpy()`` refuses, as on a device;
+    * seeded ops (dropout, ``randn`` ...) draw from the device's generator, not the CPU's;
+    * views and in-place ops alias the CPU data exactly like device memory (megatron's
+      gradient buffers are views into one flat buffer);
+    * ``Module.to("npu")`` keeps the Parameter objects' attributes (megatron's
+      ``sequence_parallel``, ``tensor_model_parallel`` ...), as a device backend written in C++
+      does by assigning ``param.data``; torch makes new Parameters for a Python wrapper;
+    * collectives (``c10d`` ops) reach the process group's ``npu`` backend (:mod:`.hccl`)
+      with the CPU buffers; a CPU tensor finds no backend and fails as with HCCL;
+    * pinned host memory is ordinary host memory (``pin_memory=True`` is dropped in the
+      torch factories, ``Tensor.pin_memory()`` copies): a Python backend cannot give torch a
+      pinned allocator.
+    """
 
     _elem: torch.Tensor
     __slots__ = ("_elem", "_finalizer")
@@ -314,7 +317,8 @@ def _collective(func, args, kwargs):
 
 def _functional_collective(func, args, kwargs):
     """A ``_c10d_functional`` op on npu tensors (DTensor's redistribution, e.g.
-    ``full_tensor()`` -> ``funcol.all_gather_single``, ``torch/distributed/_functional_collectives.py``):
+    ``full_tensor()`` -> ``funcol.all_gather_single``,
+    ``torch/distributed/_functional_collectives.py``):
     its CompositeExplicitAutograd kernel runs with the npu tensors themselves, so the c10d op
     it issues finds the group's npu backend (:func:`_collective`) and its ``wait_tensor``
     finds the work it registered on them. Given the CPU tensors inside, the kernel would ask
@@ -507,7 +511,8 @@ _PINNING_FACTORIES = (
 
 
 def _pinned_is_pageable(factory):
-    """``factory`` with ``pin_memory=True`` dropped: pinned host memory is ordinary host memory here."""
+    """``factory`` with ``pin_memory=True`` dropped: pinned host memory is ordinary host memory
+    here."""
 
     @functools.wraps(factory)
     def wrapper(*args, **kwargs):
@@ -540,7 +545,13 @@ _LIBRARIES: list = []  # torch.library registrations live as long as these objec
 
 
 def register(device_module) -> None:
-    """Make ``npu`` a device of this process (PrivateUse1), with ``device_module`` as ``torch.npu``."""
+    """Make ``npu`` a device of this process (PrivateUse1), with ``device_module`` as ``torch.npu``.
+
+    Factories (``torch.empty(..., device="npu")``) and CPU->npu copies have no npu tensor
+    argument: they reach per-op kernels registered for the PrivateUse1 key, which build the
+    result the same way. Ops are registered one by one because a boxed Python fallback for
+    PrivateUse1 trips an internal assert in torch 2.13 when a subclass is involved.
+    """
     global _PHYSICAL
     if _PHYSICAL is not None:
         return

@@ -1,22 +1,13 @@
 """What ``from torch_npu.contrib import transfer_to_npu`` does, for the emulated device.
 
 Follows torch_npu 2.13.0's ``contrib/transfer_to_npu.py`` for everything a Megatron
-training script touches, so that code that runs under this runs under the real one:
+training script touches, so that code that runs under this runs under the real one.
+:func:`apply` (once per process) patches, as torch_npu does:
 
-* ``torch.cuda``: every name of ``torch_npu.npu.__all__`` is copied onto the *existing*
-  ``torch.cuda`` module (and ``torch.cuda.random``), as torch_npu's ``_apply_patches``
-  does. Functions a library imported from ``torch.cuda`` before (megatron's
-  ``from torch.cuda import _lazy_call``) keep the old object, whose module globals now
-  see the npu functions. ``set_device``, ``get_rng_state`` and the other white-listed
-  functions also rewrite "cuda" device arguments; ``default_generators`` follows the
-  device's generators once it is initialised.
-* Device arguments "cuda" -> "npu" (strings, ``torch.device``, dicts; an int in a device
-  keyword becomes ``"npu:<int>"``, a positional int only for ``to``/``to_empty``) in the
-  torch factories, ``Tensor.new_* / to / pin_memory`` and ``Module.to / to_empty``.
-* ``Tensor.cuda = Tensor.npu``, ``Tensor.is_cuda = Tensor.is_npu``, ``Module.cuda = Module.npu``.
-* ``torch.distributed``: "nccl" -> "hccl" (and "cuda" -> "npu") in ``init_process_group`` and
-  in new groups (``_new_group_with_tag``); ``is_nccl_available = is_hccl_available``; no
-  default backend for "cuda".
+* ``torch.cuda``: the names of ``torch_npu.npu.__all__`` copied onto the *existing* module;
+* device arguments "cuda" -> "npu" in the torch factories, ``Tensor`` and ``Module`` methods;
+  ``Tensor.cuda``/``is_cuda`` and ``Module.cuda`` are the npu ones;
+* ``torch.distributed``: "nccl" -> "hccl" in ``init_process_group`` and new groups;
 * ``torch.jit.script`` returns its argument unchanged.
 
 Not done here (as in torch_npu): ``Tensor.type()`` still says ``torch.npu.FloatTensor``,
@@ -159,7 +150,25 @@ def _wrap_all(owner, names) -> None:
 
 
 def apply() -> None:
-    """Patch torch as ``transfer_to_npu`` does (once per process)."""
+    """Patch torch as ``transfer_to_npu`` does (once per process).
+
+    * ``torch.cuda``: every name of ``torch_npu.npu.__all__`` is copied onto the *existing*
+      ``torch.cuda`` module (and ``torch.cuda.random``), as torch_npu's ``_apply_patches``
+      does. Functions a library imported from ``torch.cuda`` before (megatron's
+      ``from torch.cuda import _lazy_call``) keep the old object, whose module globals now
+      see the npu functions. ``set_device``, ``get_rng_state`` and the other white-listed
+      functions also rewrite "cuda" device arguments; ``default_generators`` follows the
+      device's generators once it is initialised.
+    * Device arguments "cuda" -> "npu" (strings, ``torch.device``, dicts; an int in a device
+      keyword becomes ``"npu:<int>"``, a positional int only for ``to``/``to_empty``) in the
+      torch factories, ``Tensor.new_* / to / pin_memory`` and ``Module.to / to_empty``.
+    * ``Tensor.cuda = Tensor.npu``, ``Tensor.is_cuda = Tensor.is_npu``,
+      ``Module.cuda = Module.npu``.
+    * ``torch.distributed``: "nccl" -> "hccl" (and "cuda" -> "npu") in ``init_process_group``
+      and in new groups (``_new_group_with_tag``); ``is_nccl_available = is_hccl_available``;
+      no default backend for "cuda".
+    * ``torch.jit.script`` returns its argument unchanged.
+    """
     global _applied
     if _applied:
         return

@@ -2,29 +2,14 @@
 
 ``setup()`` picks the device ("npu" > "cuda" > "cpu", or the one asked for), binds this
 process to its device (``set_device(LOCAL_RANK)`` under a launcher, as Megatron-LM does)
-and makes megatron-core usable on it with a few named adaptations, one module each:
-
-==================================  =========  ==============================================
-adaptation                          devices    what it answers to (megatron-core 0.16.1)
-==================================  =========  ==============================================
-``transfer_to_npu``                 npu        Ascend's own: ``torch.cuda`` -> ``torch.npu``
-:mod:`.npu_device_capability`       npu        torch's broadcast asks the device capability
-:mod:`.megatron_tensor_methods`     npu, cpu   ``.type() == 'torch.cuda.FloatTensor'`` asserts
-                                               in the optimizer and grad clipping; on the CPU
-                                               also megatron's ``.cuda()`` calls
-:mod:`.checkpoint_without_output`   any w/o TE ``CheckpointWithoutOutput()`` fp8 default bug
-:mod:`.megatron_torch_view`         cpu        ``torch.cuda.*`` calls and ``device="cuda"``
-:mod:`.megatron_cpu_rng`            cpu        the CUDA RNG and tracker forks
-:mod:`.megatron_fsdp_device_mesh`   npu, cpu   Megatron-FSDP's ``DeviceMesh(device_type=
-                                               "cuda")``
-:mod:`.megatron_fsdp_premul_sum`    npu, cpu   Megatron-FSDP's NCCL-only PREMUL_SUM (and
-                                               AVG, which HCCL refuses) gradient reduction
-:mod:`.megatron_fsdp_cpu_view`      cpu        Megatron-FSDP's ``f"cuda:{current_device()}"``
-:mod:`.te_version_without_te`      any w/o TE ``OptimizerConfig``'s TE version check with
-                                               the precision-aware optimizer (offload)
-:mod:`.megatron_fsdp_no_te`         any w/o TE Megatron-FSDP's ``isinstance(m, TELinear)``
-                                               with TE's placeholder (TP > 1)
-==================================  =========  ==============================================
+and makes megatron-core usable on it with a few named adaptations (``_ADAPTATIONS``: which
+run on which device), one module each, each naming the megatron-core 0.16.1 code it answers
+to: ``transfer_to_npu`` (Ascend's own), :mod:`.npu_device_capability`,
+:mod:`.megatron_tensor_methods`, :mod:`.checkpoint_without_output`,
+:mod:`.megatron_torch_view`, :mod:`.megatron_cpu_rng`, :mod:`.megatron_fsdp_device_mesh`,
+:mod:`.megatron_fsdp_premul_sum`, :mod:`.megatron_fsdp_cpu_view`,
+:mod:`.te_version_without_te`, :mod:`.megatron_fsdp_no_te`. ``docs/megatron-spec.md``, "The
+device adapter", tabulates each: its devices and the code it answers to.
 
 The megatron adaptations are visible to megatron's modules only: the CPU view of
 ``torch`` is bound into ``megatron.*`` modules, tensor methods change their answer only

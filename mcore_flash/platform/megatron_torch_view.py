@@ -12,33 +12,8 @@ False; anything else falls through to the real ``torch.cuda`` and fails as befor
 the tensor factories map a ``"cuda"`` device to the CPU and drop ``pin_memory``. Modules
 imported after ``setup()`` get the view through an import hook. Real ``torch`` is untouched.
 
-Covers, in megatron-core 0.16.1:
-- ``torch.cuda.current_device()`` used as a device: RoPE
-  (``models/common/embeddings/rotary_pos_embedding.py:78,162,297``), SP all-gather /
-  reduce-scatter buffers (``tensor_parallel/mappings.py:91,141,148,181,442``,
-  ``tensor_parallel/layers.py:261,552,...``), DDP buffers
-  (``distributed/param_and_grad_buffer.py:783,800,806``), p2p buffers
-  (``pipeline_parallel/p2p_communication.py:190-202,313,321``),
-  ``distribute_saved_activations`` (``tensor_parallel/utils.py:70,91``), dist-ckpt save
-  (``dist_checkpointing/strategies/state_dict_saver.py:252``), timers, rerun state machine.
-- ``torch.cuda.synchronize()``: dist-ckpt save
-  (``dist_checkpointing/strategies/filesystem_async.py:230``, ``fully_parallel.py``), p2p
-  (``p2p_communication.py:242,398``), ``parallel_state.py``, timers.
-- ``torch.cuda.get_rng_state / manual_seed``: the RNG tracker
-  (``tensor_parallel/random.py:55,235-238``), ``model_parallel_cuda_manual_seed``
-  (``random.py:422``), ``rerun_state_machine.py:957,970``.
-- ``device="cuda"`` literals: optimizer (``optimizer/optimizer.py:473,481,485,907``),
-  ``optimizer/clip_grads.py:90,103,115,174,207``, ``utils.py:1207``,
-  ``optimizer/grad_scaler.py``, ``pipeline_parallel/schedules.py:596,983,2138`` (token
-  count), ``transformer/utils.py:35,40`` (``get_default_causal_mask``),
-  ``tensor_parallel/data.py:37``, ``dist_checkpointing/exchange_utils.py``,
-  ``state_dict_saver.py:204``; ``torch.autocast("cuda")`` (``schedules.py:418``).
-- ``torch.cuda.current_stream()`` / ``torch.cuda.stream(...)`` (megatron-core 0.19):
-  ``distributed/param_and_grad_buffer.py:632`` (``start_grad_sync``, every DDP step).
-- ``torch.cuda.Stream()`` / ``Event`` and ``stream.record_event().wait()`` (Megatron-FSDP's side
-  streams): ``distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:361-362``,
-  ``param_and_grad_buffer.py:3020,3205-3265,3338,3404,3582-3645`` (0.19: the same calls).
-- ``pin_memory=True``: RoPE context-parallel slicing (``models/common/embeddings/rope_utils.py:63``).
+The call sites it covers, file by file (megatron-core 0.16.1, and 0.19 where it added some):
+``docs/megatron-spec.md``, "The device adapter".
 """
 
 from __future__ import annotations

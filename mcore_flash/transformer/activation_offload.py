@@ -2,36 +2,18 @@
 
 ``--activation-offload-layers N`` (:func:`install`): for each forward of layer ``i < N`` of a
 ``TransformerBlock`` (this pipeline stage's layers), every tensor autograd saves for backward
-while the layer runs -- under full or partial recompute the checkpoint's input ``[s/tp/cp, b,
-h]`` (SP) or ``[s/cp, b, h]`` (megatron's ``CheckpointFunction`` saves it with
-``ctx.save_for_backward`` right after the layer's forward), under ``qkv`` recompute the kept
-attention output and softmax statistics (the boundary hands its kept tensors to these outer
-hooks), without recompute whatever the layer saves -- is copied to (pinned) host memory when
-the layer's forward ends and its device copy is released; before the layer's backward it comes
-back. The mechanism is ``torch.autograd.graph.saved_tensors_hooks`` (``save_on_cpu``'s design)
-around the block's forward; a forward pre-hook on each layer tells which layer a save belongs
-to (saves after layer ``i`` started and before the next layer starts are layer ``i``'s: the
-checkpoint saves its input after the layer returns).
+while the layer runs is copied to (pinned) host memory when the layer's forward ends and its
+device copy is released; before the layer's backward it comes back. Under full or partial
+recompute that is the checkpoint's input, under ``qkv`` recompute the kept attention output
+and softmax statistics, without recompute whatever the layer saves. Never offloaded:
+parameters and tensors sharing their storage, the block's other inputs, and under ``qkv``
+recompute the layer input. On a device the copies run on ``platform.side_stream()``,
+overlapping the neighbouring layer's compute (on the CPU every copy is synchronous);
+:attr:`ActivationOffload.events` records their order. One checkpoint must hold one layer
+(refused: ``--recompute-method uniform --recompute-num-layers > 1``).
 
-Never offloaded: parameters and tensors sharing a storage with one (weights, their views),
-tensors sharing a storage with the block's other inputs (the attention mask, RoPE's
-frequencies: shared by every layer, held by the model anyway), and under ``qkv`` recompute the
-layer input (the boundary holds it itself).
-
-Ordering, on a device (``platform.side_stream()``; on the CPU there is none and every copy is
-synchronous): layer ``i``'s device-to-host copies are issued on the side stream when its
-forward ends (at the next layer's start or the block's end), and its device tensors released
-at the following boundary, after the compute stream waits for the copy (so the copy overlaps
-layer ``i + 1``'s forward). In backward, the first unpack of layer ``i`` (its backward starts)
-waits for its own host-to-device copy (issued now if no prefetch did) and issues layer
-``i - 1``'s on the side stream, into buffers allocated on the compute stream, so that copy
-overlaps layer ``i``'s backward. :attr:`ActivationOffload.events` records this order as
-strings (``"d2h 3"``, ``"h2d 2"``, ``"wait 2"``, ``"release 3"``); each forward of the block
-(micro-batch) is a separate chain.
-
-Limits: one checkpoint must hold one layer (refused: ``--recompute-method uniform
---recompute-num-layers > 1``). On pipeline stages after the first, megatron's schedule holds
-the received input of layer 0 for its own backward, so parking it frees nothing there.
+:class:`ActivationOffload` states the mechanism and the order of copies;
+``docs/megatron-spec.md``, "Activation offload", the flag and its tests.
 """
 
 from __future__ import annotations
@@ -96,6 +78,40 @@ class _Handle:
 
 class ActivationOffload:
     """Offload of the first ``num_layers`` layers of ``block`` (a ``TransformerBlock``).
+
+    For each forward of layer ``i < num_layers``, every tensor autograd saves for backward
+    while the layer runs -- under full or partial recompute the checkpoint's input
+    ``[s/tp/cp, b, h]`` (SP) or ``[s/cp, b, h]`` (megatron's ``CheckpointFunction`` saves it
+    with ``ctx.save_for_backward`` right after the layer's forward), under ``qkv`` recompute
+    the kept attention output and softmax statistics (the boundary hands its kept tensors to
+    these outer hooks), without recompute whatever the layer saves -- is copied to (pinned)
+    host memory when the layer's forward ends and its device copy is released; before the
+    layer's backward it comes back. The mechanism is
+    ``torch.autograd.graph.saved_tensors_hooks`` (``save_on_cpu``'s design) around the block's
+    forward; a forward pre-hook on each layer tells which layer a save belongs to (saves after
+    layer ``i`` started and before the next layer starts are layer ``i``'s: the checkpoint
+    saves its input after the layer returns).
+
+    Never offloaded: parameters and tensors sharing a storage with one (weights, their views),
+    tensors sharing a storage with the block's other inputs (the attention mask, RoPE's
+    frequencies: shared by every layer, held by the model anyway), and under ``qkv`` recompute
+    the layer input (the boundary holds it itself).
+
+    Ordering, on a device (``platform.side_stream()``; on the CPU there is none and every copy
+    is synchronous): layer ``i``'s device-to-host copies are issued on the side stream when
+    its forward ends (at the next layer's start or the block's end), and its device tensors
+    released at the following boundary, after the compute stream waits for the copy (so the
+    copy overlaps layer ``i + 1``'s forward). In backward, the first unpack of layer ``i`` (its
+    backward starts) waits for its own host-to-device copy (issued now if no prefetch did) and
+    issues layer ``i - 1``'s on the side stream, into buffers allocated on the compute stream,
+    so that copy overlaps layer ``i``'s backward. :attr:`events` records this order as strings
+    (``"d2h 3"``, ``"h2d 2"``, ``"wait 2"``, ``"release 3"``); each forward of the block
+    (micro-batch) is a separate chain.
+
+    Limits: one checkpoint must hold one layer (refused: ``--recompute-method uniform
+    --recompute-num-layers > 1``). On pipeline stages after the first, megatron's schedule
+    holds the received input of layer 0 for its own backward, so parking it frees nothing
+    there.
 
     Attributes:
         events: the layers' forwards and the copies in the order issued: ``"forward i"`` (layer

@@ -2,56 +2,15 @@
 
 Replaces Megatron's ``DotProductAttention`` (which materialises ``[b, np, sq, sk]``
 scores) with :func:`mcore_flash.ops.flash_attn_func`: only ``q, k, v, out`` and the
-float32 logsumexp are kept for backward.
+float32 logsumexp are kept for backward. Megatron's interface is kept exactly: inputs
+``[sq, b, np, hn]`` (query) and ``[sk, b, ng, hn]`` (key/value, GQA not expanded), output
+``[sq, b, np * hn]``; packed (THD) ``[t, np, hn]`` -> ``[t, np * hn]``; ``np``/``ng`` per
+tensor-parallel rank; ``attention_mask`` bool, True = masked out.
 
-Megatron conventions kept exactly:
-
-* inputs ``[sq, b, np, hn]`` (query) and ``[sk, b, ng, hn]`` (key/value, GQA not
-  expanded), output ``[sq, b, np * hn]``; packed (THD) inputs ``[t, np, hn]``, output
-  ``[t, np * hn]``. ``np``/``ng`` are per tensor-parallel rank.
-* ``attention_mask`` is bool with True = masked out, broadcastable to ``[b, 1, sq, sk]``.
-  A mask equal to the causal one takes the fused causal path (no mask tensor reaches the
-  kernel); ``attention_mask=None`` follows ``attn_mask_type``; any other mask is honoured
-  as given.
-* ``softmax_scale`` defaults to ``1/sqrt(kv_channels)``. ``apply_query_key_layer_scaling``
-  divides the scores by ``layer_number`` and Megatron's softmax multiplies them back in
-  fp32, so it does not change the result; the fused kernel always accumulates in fp32, so
-  it is accepted and has no effect.
-* attention dropout is drawn inside ``get_cuda_rng_tracker().fork()`` when sequence
-  parallel is off (as Megatron does): different per TP rank, replayed by recompute.
-
-Context parallelism (``context_parallel_size > 1``; the stock module refuses it): each rank
-holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` of the sequence (Megatron's
-``get_batch_on_this_cp_rank``; :mod:`mcore_flash.transformer.context_parallel` for the
-trainer), and :func:`mcore_flash.ops.context_parallel.context_parallel_attn_func` runs over
-Megatron's CP group (``pg_collection.cp``, else ``parallel_state``): ``cp_comm_type`` "p2p"
-(default; ring with K/V passing) or "a2a" (Ulysses; heads divisible by TP x CP). Causal and
-unmasked attention only (an explicit mask must be the causal one).
-
-Packed documents (``packed_seq_params``, THD ``[t, np, hn]``; Megatron-LM's
-``--reset-attention-mask``): the kernel runs per document over ``cu_seqlens_q_padded`` (else
-``cu_seqlens_q``), at any CP size through
-:func:`mcore_flash.ops.context_parallel.context_parallel_varlen_attn_func` (each rank holds
-chunks ``r`` and ``2cp-1-r`` of every document; :mod:`mcore_flash.transformer.packed_sequences`
-builds such batches).
-
-Sliding windows: ``config.window_size = (left, right)`` (-1 = unbounded; the layers
-``window_attn_skip_freq`` picks, as megatron's ``is_layer_window_attention`` decides) runs
-flash-attn's bottom-right window in the kernel -- dense, packed and under context
-parallelism (ring: chunk pairs outside every window are skipped, for packed documents per
-document). With a causal mask type the right side is 0, as in
-flash-attn (Megatron's own mask would take ``right`` as given).
-
-Inference with megatron's static KV cache (``StaticInferenceContext``; ``mcore-flash
-generate``): megatron-core 0.16 and 0.19 pass the prompt as causal self-attention (``sq ==
-sk``), then each new token's query alone against every cached key (``sq = 1``, ``sk`` = the
-tokens so far) with ``attn_mask_type=no_mask``, ``attention_mask=None`` and no
-``packed_seq_params``. Both take the dense path as they are: the one query sees every key,
-as the last row of causal attention over the whole sequence does (sliding windows count back
-from it, bottom-right). A causal call with ``sq < sk`` (several new tokens against a cache;
-megatron's static cache sends none, which is why it feeds one token at a time after the
-prompt) is aligned bottom-right too: the last ``sq`` rows of causal attention
-(``test_kv_cache_calls_give_the_last_rows_of_causal_attention``).
+Beyond the stock module it runs context parallelism (``context_parallel_size > 1``: ring or
+Ulysses over Megatron's CP group), packed documents at any CP size, and sliding windows
+(``config.window_size``) in the kernel. :class:`FlashDotProductAttention` states the
+conventions and each path; ``docs/megatron-spec.md`` the tests behind them.
 
 Differences from the stock module: causal is aligned bottom-right when ``sq != sk``
 (flash-attn >= 2.1; identical when ``sq == sk``), and a query row whose keys are all
@@ -87,7 +46,38 @@ _CAUSAL_TYPES = tuple(
 
 
 class FlashDotProductAttention(MegatronModule):
-    """Fused-kernel core attention with Megatron's ``DotProductAttention`` interface."""
+    """Fused-kernel core attention with Megatron's ``DotProductAttention`` interface.
+
+    Megatron conventions kept exactly:
+
+    * inputs ``[sq, b, np, hn]`` (query) and ``[sk, b, ng, hn]`` (key/value, GQA not
+      expanded), output ``[sq, b, np * hn]``; packed (THD) inputs ``[t, np, hn]``, output
+      ``[t, np * hn]``. ``np``/``ng`` are per tensor-parallel rank.
+    * ``attention_mask`` is bool with True = masked out, broadcastable to ``[b, 1, sq, sk]``.
+      A mask equal to the causal one takes the fused causal path (no mask tensor reaches the
+      kernel); ``attention_mask=None`` follows ``attn_mask_type``; any other mask is honoured
+      as given.
+    * ``softmax_scale`` defaults to ``1/sqrt(kv_channels)``. ``apply_query_key_layer_scaling``
+      divides the scores by ``layer_number`` and Megatron's softmax multiplies them back in
+      fp32, so it does not change the result; the fused kernel always accumulates in fp32, so
+      it is accepted and has no effect.
+    * attention dropout is drawn inside ``get_cuda_rng_tracker().fork()`` when sequence
+      parallel is off (as Megatron does): different per TP rank, replayed by recompute.
+
+    Context parallelism: :meth:`_context_parallel_forward`; packed documents:
+    :meth:`_packed_forward`; sliding windows: :func:`_layer_window_size`.
+
+    Inference with megatron's static KV cache (``StaticInferenceContext``; ``mcore-flash
+    generate``): megatron-core 0.16 and 0.19 pass the prompt as causal self-attention
+    (``sq == sk``), then each new token's query alone against every cached key (``sq = 1``,
+    ``sk`` = the tokens so far) with ``attn_mask_type=no_mask``, ``attention_mask=None`` and
+    no ``packed_seq_params``. Both take the dense path as they are: the one query sees every
+    key, as the last row of causal attention over the whole sequence does (sliding windows
+    count back from it, bottom-right). A causal call with ``sq < sk`` (several new tokens
+    against a cache; megatron's static cache sends none, which is why it feeds one token at a
+    time after the prompt) is aligned bottom-right too: the last ``sq`` rows of causal
+    attention (``test_kv_cache_calls_give_the_last_rows_of_causal_attention``).
+    """
 
     def __init__(
         self,
@@ -152,7 +142,8 @@ class FlashDotProductAttention(MegatronModule):
         packed_seq_params=None,
         **kwargs,
     ) -> Tensor:
-        """``[sq, b, np, hn]`` (or packed ``[t, np, hn]``) -> ``[sq, b, np*hn]`` (``[t, np*hn]``)."""
+        """``[sq, b, np, hn]`` (or packed ``[t, np, hn]``) -> ``[sq, b, np*hn]``
+        (``[t, np*hn]``)."""
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by FlashDotProductAttention")
         causal_type = (attn_mask_type or self.attn_mask_type) in _CAUSAL_TYPES
@@ -193,6 +184,12 @@ class FlashDotProductAttention(MegatronModule):
     def _packed_forward(
         self, query, key, value, attention_mask, causal_type, dropout_p, params
     ) -> Tensor:
+        """Packed documents (``packed_seq_params``, THD ``[t, np, hn]``; Megatron-LM's
+        ``--reset-attention-mask``): the kernel runs per document over ``cu_seqlens_q_padded``
+        (else ``cu_seqlens_q``), at any CP size through
+        :func:`mcore_flash.ops.context_parallel.context_parallel_varlen_attn_func` (each rank
+        holds chunks ``r`` and ``2cp-1-r`` of every document;
+        :mod:`mcore_flash.transformer.packed_sequences` builds such batches)."""
         cu_seqlens = _packed_layout(params, attention_mask, causal_type)
         # as in the dense path: [t, n, d] copies out of the fused QKV buffer, the NPU's "TND"
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
@@ -213,7 +210,16 @@ class FlashDotProductAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
     def _context_parallel_forward(self, query, key, value, attention_mask, causal_type, dropout_p):
-        """The sequence is split over the CP group (chunks r and 2cp-1-r of 2cp on rank r)."""
+        """The sequence is split over the CP group (chunks r and 2cp-1-r of 2cp on rank r).
+
+        Context parallelism (``context_parallel_size > 1``; the stock module refuses it): each
+        rank holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` of the sequence (Megatron's
+        ``get_batch_on_this_cp_rank``; :mod:`mcore_flash.transformer.context_parallel` for the
+        trainer), and :func:`mcore_flash.ops.context_parallel.context_parallel_attn_func` runs
+        over Megatron's CP group (``pg_collection.cp``, else ``parallel_state``):
+        ``cp_comm_type`` "p2p" (default; ring with K/V passing) or "a2a" (Ulysses; heads
+        divisible by TP x CP). Causal and unmasked attention only (an explicit mask must be the
+        causal one)."""
         cp_size = self.cp_group.size()
         sq, b, np_, hn = query.shape
         if key.shape[0] != sq:
@@ -261,7 +267,14 @@ class FlashDotProductAttention(MegatronModule):
 def _layer_window_size(config, layer_number: int) -> tuple[int, int]:
     """This layer's ``(left, right)`` window (-1 = unbounded): ``config.window_size`` where
     megatron's ``is_layer_window_attention`` (``window_attn_skip_freq``) makes it a
-    sliding-window layer, else unbounded. Under a causal mask type the right side is 0."""
+    sliding-window layer, else unbounded. Under a causal mask type the right side is 0.
+
+    Sliding windows: ``config.window_size = (left, right)`` (-1 = unbounded; the layers
+    ``window_attn_skip_freq`` picks, as megatron's ``is_layer_window_attention`` decides) runs
+    flash-attn's bottom-right window in the kernel -- dense, packed and under context
+    parallelism (ring: chunk pairs outside every window are skipped, for packed documents per
+    document). With a causal mask type the right side is 0, as in flash-attn (Megatron's own
+    mask would take ``right`` as given)."""
     window = getattr(config, "window_size", None)
     if window is None or not is_layer_window_attention(
         window, getattr(config, "window_attn_skip_freq", None), layer_number

@@ -1,35 +1,17 @@
 """``FlashTransformerLayer``: Megatron's ``TransformerLayer`` with attention-only and qkv recompute.
 
 With a fused attention kernel, Megatron's ``selective`` + ``core_attn`` recompute re-runs
-the kernel and saves nothing: the kernel keeps only q, k, v, out and the logsumexp, and
-the output projection keeps the attention output anyway (Megatron-LM issues 464, 1225,
-1732). With this layer the same settings (``recompute_granularity="selective"``,
-``"core_attn" in recompute_modules``) instead checkpoint the whole attention sub-block:
+the kernel and saves nothing (Megatron-LM issues 464, 1225, 1732). With this layer the same
+settings instead checkpoint the whole attention sub-block,
 
     input_layernorm -> linear_qkv -> RoPE -> fused attention -> linear_proj -> bias-dropout-add
 
-keeps only the layer input ``[s/tp (SP) or s, b, h]`` for backward and recomputes the rest
-in backward through ``tensor_parallel.checkpoint`` (which replays the CPU/device RNG and
-the model-parallel RNG tracker, so attention and hidden dropout are identical). The
-boundary ends after the residual add so that nothing of the sub-block -- not even the
-dropout mask of the bias-dropout-add -- stays alive; measurements in docs/benchmarks.md.
-
-Megatron's other selective modules (``mlp``, ``layernorm`` for the pre-MLP norm) keep
-working; the input norm is inside the checkpoint, so its own ``layernorm`` recompute is
-switched off there.
-
-The spec parameter ``layer_recompute_modules`` adds selective modules the layer applies itself,
-beyond what megatron's config can say:
-
-* ``qkv`` (``--recompute-modules qkv``, which megatron's config does not know): the attention
-  sub-block keeps the layer input, the kernel's output and its statistics, and re-runs only
-  input norm -> QKV -> RoPE in backward, never the kernel
-  (:mod:`mcore_flash.transformer.qkv_recompute`). It combines with ``mlp`` and ``layernorm``
-  (pre-MLP norm), not with ``core_attn`` (which already recomputes more).
-* partial recompute: under ``--recompute-granularity full --recompute-method block
-  --recompute-num-layers N`` megatron's block recomputes the first N layers of each stage
-  whole; the spec gives the other layers the selective ``layer_recompute_modules`` (any of
-  ``qkv``, ``core_attn``, ``mlp``, ``layernorm``), which megatron would ignore under ``full``.
+keeping only the layer input ``[s/tp (SP) or s, b, h]`` for backward. The spec parameter
+``layer_recompute_modules`` (:data:`LAYER_MODULES`) adds selective modules the layer applies
+itself, beyond what megatron's config can say: ``qkv``
+(:mod:`mcore_flash.transformer.qkv_recompute`) and partial recompute's modules. Megatron's
+other selective modules (``mlp``, ``layernorm``) keep working. :class:`FlashTransformerLayer`
+states the rules; ``docs/megatron-spec.md``, "Recompute", what each mode keeps and costs.
 """
 
 from __future__ import annotations
@@ -47,7 +29,39 @@ LAYER_MODULES = ("qkv", "core_attn", "mlp", "layernorm")  # what layer_recompute
 
 class FlashTransformerLayer(TransformerLayer):
     """``TransformerLayer`` whose ``core_attn`` selective recompute covers the attention sub-block,
-    with the ``qkv`` module and partial recompute's selective modules (``layer_recompute_modules``)."""
+    with the ``qkv`` module and partial recompute's selective modules (``layer_recompute_modules``).
+
+    ``core_attn``: with a fused attention kernel, Megatron's ``selective`` + ``core_attn``
+    recompute re-runs the kernel and saves nothing: the kernel keeps only q, k, v, out and the
+    logsumexp, and the output projection keeps the attention output anyway (Megatron-LM issues
+    464, 1225, 1732). With this layer the same settings (``recompute_granularity="selective"``,
+    ``"core_attn" in recompute_modules``) instead checkpoint the whole attention sub-block
+    (input_layernorm -> linear_qkv -> RoPE -> fused attention -> linear_proj ->
+    bias-dropout-add), keeping only the layer input ``[s/tp (SP) or s, b, h]`` for backward and
+    recomputing the rest in backward through ``tensor_parallel.checkpoint`` (which replays the
+    CPU/device RNG and the model-parallel RNG tracker, so attention and hidden dropout are
+    identical). The boundary ends after the residual add so that nothing of the sub-block --
+    not even the dropout mask of the bias-dropout-add -- stays alive; measurements in
+    docs/benchmarks.md.
+
+    Megatron's other selective modules (``mlp``, ``layernorm`` for the pre-MLP norm) keep
+    working; the input norm is inside the checkpoint, so its own ``layernorm`` recompute is
+    switched off there.
+
+    ``layer_recompute_modules`` adds selective modules the layer applies itself, beyond what
+    megatron's config can say:
+
+    * ``qkv`` (``--recompute-modules qkv``, which megatron's config does not know): the
+      attention sub-block keeps the layer input, the kernel's output and its statistics, and
+      re-runs only input norm -> QKV -> RoPE in backward, never the kernel
+      (:mod:`mcore_flash.transformer.qkv_recompute`). It combines with ``mlp`` and
+      ``layernorm`` (pre-MLP norm), not with ``core_attn`` (which already recomputes more).
+    * partial recompute: under ``--recompute-granularity full --recompute-method block
+      --recompute-num-layers N`` megatron's block recomputes the first N layers of each stage
+      whole; the spec gives the other layers the selective ``layer_recompute_modules`` (any of
+      ``qkv``, ``core_attn``, ``mlp``, ``layernorm``), which megatron would ignore under
+      ``full``.
+    """
 
     def __init__(
         self, config, submodules, *args, layer_recompute_modules: Sequence[str] = (), **kwargs

@@ -8,20 +8,12 @@
 
 Documents are found as Megatron-LM finds them (``get_ltor_masks_and_position_ids``): a
 document ends right after each EOD token of the input ``tokens`` and at the end of every
-sample. The ``b`` samples of a micro-batch are flattened into one pack (THD: the model sees
-``[1, t]``), described by cumulative lengths -- never by an ``S x S`` mask.
-
-Padding rule (context parallelism, sequence parallelism). Under CP every document is split
-into ``2*cp`` equal chunks and rank ``r`` keeps chunks ``r`` and ``2cp-1-r`` of every
-document (Transformer Engine's THD scheme, which megatron-core's THD RoPE follows), so each
-document is padded at its END to a multiple of ``2*cp``; a document of 1..2cp-1 tokens
-becomes one of ``2*cp``. With ``pad_to_multiple_of`` (sequence parallelism needs each CP
-rank's rows divisible by TP) one more all-padding document closes the pack. Padding rows
-carry token 0, label 0, loss mask 0 and continue their document's positions; causal
-attention never shows them to a real token (they follow every real token of their
-document), so the loss and every gradient equal those of the unpadded documents. The
-padded lengths are both ``cu_seqlens_*`` and ``cu_seqlens_*_padded`` of the
-``PackedSeqParams``.
+sample (:func:`document_lengths`). The ``b`` samples of a micro-batch are flattened into one
+pack (THD: the model sees ``[1, t]``), described by cumulative lengths -- never by an
+``S x S`` mask. Under CP rank ``r`` keeps chunks ``r`` and ``2cp-1-r`` of every document
+(Transformer Engine's THD scheme), so each document is padded at its end to a multiple of
+``2*cp`` (:func:`padded_lengths`); padding never changes the loss or a gradient. The padded
+lengths are both ``cu_seqlens_*`` and ``cu_seqlens_*_padded`` of the ``PackedSeqParams``.
 """
 
 from __future__ import annotations
@@ -58,9 +50,22 @@ def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:
 
 
 def padded_lengths(lengths: list[int], cp_size: int, pad_to_multiple_of: int = 1) -> list[int]:
-    """The module docstring's padding rule: each length rounded up to a multiple of
-    ``2*cp`` (cp > 1), then an all-padding document appended if the total is not a
-    multiple of ``cp * pad_to_multiple_of`` (it is itself a multiple of ``2*cp``)."""
+    """The padding rule: each length rounded up to a multiple of ``2*cp`` (cp > 1), then an
+    all-padding document appended if the total is not a multiple of
+    ``cp * pad_to_multiple_of`` (it is itself a multiple of ``2*cp``).
+
+    Why (context parallelism, sequence parallelism): under CP every document is split into
+    ``2*cp`` equal chunks and rank ``r`` keeps chunks ``r`` and ``2cp-1-r`` of every document
+    (Transformer Engine's THD scheme, which megatron-core's THD RoPE follows), so each
+    document is padded at its END to a multiple of ``2*cp``; a document of 1..2cp-1 tokens
+    becomes one of ``2*cp``. With ``pad_to_multiple_of`` (sequence parallelism needs each CP
+    rank's rows divisible by TP) one more all-padding document closes the pack. Padding rows
+    carry token 0, label 0, loss mask 0 and continue their document's positions; causal
+    attention never shows them to a real token (they follow every real token of their
+    document), so the loss and every gradient equal those of the unpadded documents. The
+    padded lengths are both ``cu_seqlens_*`` and ``cu_seqlens_*_padded`` of the
+    ``PackedSeqParams``.
+    """
     multiple = 2 * cp_size if cp_size > 1 else 1
     padded = [-(-n // multiple) * multiple for n in lengths]
     total_multiple = math.lcm(multiple, cp_size * pad_to_multiple_of)

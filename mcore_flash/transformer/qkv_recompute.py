@@ -1,34 +1,18 @@
 """The ``qkv`` recompute boundary: keep the attention output, re-run only norm -> QKV -> RoPE.
 
 A fused attention kernel's backward needs ``q, k, v``, its output and its softmax
-statistics. ``out`` and the statistics cost the kernel's forward to rebuild (at 128K the
-kernel dominates the layer's FLOPs); ``q, k, v`` and everything the *prelude* of the
-attention sub-block keeps (the input norm's statistics, ``linear_qkv``'s input, RoPE's
-cos/sin) cost only the input norm, the QKV projection and RoPE. So one layer's forward
-under :class:`QKVRecompute` keeps
+statistics. ``out`` and the statistics cost the kernel's forward to rebuild; ``q, k, v`` and
+everything the *prelude* of the attention sub-block keeps (the input norm's statistics,
+``linear_qkv``'s input, RoPE's cos/sin) cost only the input norm, the QKV projection and
+RoPE. So one layer's forward under :class:`QKVRecompute` keeps the layer input, the kernel's
+``out`` and statistics and everything after the kernel, and drops every other tensor saved
+between the layer input and the kernel, as well as the kernel's own ``q, k, v``.
 
-* the layer input (it is the input norm's saved input: one tensor, kept as saved),
-* the kernel's ``out`` and statistics (and anything the kernel saves besides ``q, k, v``),
-* everything after the kernel (``linear_proj``'s input is ``out``; the bias-dropout-add),
-
-and drops every other tensor saved between the layer input and the kernel, as well as the
-kernel's own ``q, k, v``. In backward, the first time one of them is needed (the kernel's
-backward asks for ``q``), the prelude is re-run once from the kept layer input -- Megatron's
-own code, stopped where the core attention would start the kernel -- and the tensors it
-saves replace the dropped ones, one for one, in the order they were saved. The autograd
-graph is the original one; only saved values are re-materialised (the mechanism of
-``torch.utils.checkpoint``'s non-reentrant mode, with the kernel left out of the replay).
-The kernel runs once per step; its dropout mask is replayed by the kernel's backward from
-its own saved RNG state, as without recompute. The prelude draws no random numbers.
-
-Outer saved-tensor hooks (Megatron's activation offloading, :mod:`mcore_flash.measured_memory`'s
-measurement) still see every tensor this boundary keeps: kept tensors go through the hooks
-that were active when the layer's forward began.
-
-The kernel's ``q, k, v`` are recognised by identity: the tensors the core attention hands
-to the kernel (:meth:`QKVRecompute.kernel`). Kernels that save other tensors derived from
-them (the Ulysses all-to-all's head-split ``q, k, v``) keep those: the prelude's tensors are
-still dropped.
+In backward the prelude is re-run once from the kept layer input (Megatron's own code,
+stopped where the core attention would start the kernel), the first time a dropped tensor is
+needed. The kernel runs once per step; the autograd graph is the original one, only saved
+values are re-materialised; outer saved-tensor hooks still see every kept tensor.
+:class:`QKVRecompute` has the details.
 """
 
 from __future__ import annotations
@@ -56,6 +40,33 @@ class _PreludeRecomputed(Exception):
 
 class QKVRecompute:
     """One layer's forward with the ``qkv`` boundary; lives as long as its saved tensors.
+
+    ``out`` and the statistics cost the kernel's forward to rebuild (at 128K the kernel
+    dominates the layer's FLOPs), so one layer's forward under this boundary keeps
+
+    * the layer input (it is the input norm's saved input: one tensor, kept as saved),
+    * the kernel's ``out`` and statistics (and anything the kernel saves besides ``q, k, v``),
+    * everything after the kernel (``linear_proj``'s input is ``out``; the bias-dropout-add),
+
+    and drops every other tensor saved between the layer input and the kernel, as well as the
+    kernel's own ``q, k, v``. In backward, the first time one of them is needed (the kernel's
+    backward asks for ``q``), the prelude is re-run once from the kept layer input --
+    Megatron's own code, stopped where the core attention would start the kernel -- and the
+    tensors it saves replace the dropped ones, one for one, in the order they were saved. The
+    autograd graph is the original one; only saved values are re-materialised (the mechanism
+    of ``torch.utils.checkpoint``'s non-reentrant mode, with the kernel left out of the
+    replay). The kernel runs once per step; its dropout mask is replayed by the kernel's
+    backward from its own saved RNG state, as without recompute. The prelude draws no random
+    numbers.
+
+    Outer saved-tensor hooks (Megatron's activation offloading,
+    :mod:`mcore_flash.measured_memory`'s measurement) still see every tensor this boundary
+    keeps: kept tensors go through the hooks that were active when the layer's forward began.
+
+    The kernel's ``q, k, v`` are recognised by identity: the tensors the core attention hands
+    to the kernel (:meth:`kernel`). Kernels that save other tensors derived from them (the
+    Ulysses all-to-all's head-split ``q, k, v``) keep those: the prelude's tensors are still
+    dropped.
 
     Args:
         run_prelude: runs the attention sub-block from a layer input ``[s, b, h]`` (or the
@@ -125,7 +136,8 @@ class QKVRecompute:
         return saved[value] if kind == "prelude" else kernel_inputs[value]
 
     def _replay(self) -> tuple[list[Tensor], tuple[Tensor, ...]]:
-        """Re-run the prelude once from the kept input: (its saved tensors, the kernel's q, k, v)."""
+        """Re-run the prelude once from the kept input: (its saved tensors, the kernel's
+        q, k, v)."""
         if self._replayed is None:
             saved: list[Tensor] = []
 

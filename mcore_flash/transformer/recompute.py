@@ -1,23 +1,14 @@
 """Recompute settings: Megatron-LM's flags, validated, and the project's named modes.
 
-Modes (what ``mcore-flash plan --recompute`` and the benchmarks call them):
-
-* ``none`` -- every layer keeps its activations;
-* ``qkv`` -- ``--recompute-granularity selective --recompute-modules qkv`` (ours): the
-  attention sub-block keeps the layer input, the kernel's output and statistics, and
-  re-runs input norm -> QKV -> RoPE in backward, never the kernel
-  (:mod:`mcore_flash.transformer.qkv_recompute`);
-* ``attention`` -- Megatron's ``--recompute-granularity selective --recompute-modules
-  core_attn``, which with our spec keeps only each layer's input for the attention
-  sub-block (see :class:`~mcore_flash.transformer.layer.FlashTransformerLayer`);
-* ``full`` -- ``--recompute-granularity full --recompute-method uniform
-  --recompute-num-layers 1``: each layer keeps only its input.
-
-Partial recompute (for a plan that recomputes just enough): ``--recompute-granularity full
---recompute-method block --recompute-num-layers N --recompute-modules M...`` recomputes the
-first N layers of each pipeline stage (chunk) whole, as Megatron-LM does, and gives the other
-layers the selective modules M (``qkv``, ``core_attn``, ``mlp``, ``layernorm``); Megatron-LM
-refuses modules with ``full``, so this combination is ours.
+:func:`recompute_settings` turns Megatron-LM's ``--recompute-granularity``,
+``--recompute-method``, ``--recompute-num-layers`` and ``--recompute-modules`` into
+:class:`RecomputeSettings` (``TransformerConfig`` keywords plus the selective modules our
+layer applies itself), raising ValueError naming the flag to change for contradictory ones.
+Beyond Megatron-LM it takes the module ``qkv``
+(:mod:`mcore_flash.transformer.qkv_recompute`) and partial recompute (``full`` + ``block``
+with ``--recompute-modules``). :func:`recompute_mode_settings` gives the named modes
+(:data:`MODES`: ``none | qkv | attention | full``) that ``mcore-flash plan --recompute`` and
+the benchmarks use. What each keeps: ``docs/megatron-spec.md``, "Recompute".
 """
 
 from __future__ import annotations
@@ -34,8 +25,9 @@ QKV = "qkv"  # our module; megatron's TransformerConfig does not know it
 @dataclass(frozen=True)
 class RecomputeSettings:
     """``config``: ``TransformerConfig`` keyword arguments; ``layer_modules``: the spec's
-    ``layer_recompute_modules`` (:func:`~mcore_flash.transformer.get_gpt_decoder_block_flash_spec`),
-    the selective modules our layer applies itself (``qkv``; all of them under partial recompute)."""
+    ``layer_recompute_modules``
+    (:func:`~mcore_flash.transformer.get_gpt_decoder_block_flash_spec`), the selective modules
+    our layer applies itself (``qkv``; all of them under partial recompute)."""
 
     config: dict = field(default_factory=dict)
     layer_modules: tuple[str, ...] = ()
@@ -48,6 +40,12 @@ def recompute_settings(
     modules: Optional[Sequence[str]] = None,
 ) -> RecomputeSettings:
     """The settings for Megatron-LM's recompute flags (``qkv`` allowed among the modules).
+
+    Partial recompute (for a plan that recomputes just enough): ``--recompute-granularity full
+    --recompute-method block --recompute-num-layers N --recompute-modules M...`` recomputes the
+    first N layers of each pipeline stage (chunk) whole, as Megatron-LM does, and gives the
+    other layers the selective modules M (``qkv``, ``core_attn``, ``mlp``, ``layernorm``);
+    Megatron-LM refuses modules with ``full``, so this combination is ours.
 
     Raises ValueError naming the flag to change for contradictory settings.
     """
@@ -103,7 +101,20 @@ def _check_modules(modules: Sequence[str]) -> tuple[str, ...]:
 
 
 def recompute_mode_settings(mode: str) -> RecomputeSettings:
-    """The settings of a named mode (``none | qkv | attention | full``)."""
+    """The settings of a named mode (what ``mcore-flash plan --recompute`` and the benchmarks
+    call them):
+
+    * ``none`` -- every layer keeps its activations;
+    * ``qkv`` -- ``--recompute-granularity selective --recompute-modules qkv`` (ours): the
+      attention sub-block keeps the layer input, the kernel's output and statistics, and
+      re-runs input norm -> QKV -> RoPE in backward, never the kernel
+      (:mod:`mcore_flash.transformer.qkv_recompute`);
+    * ``attention`` -- Megatron's ``--recompute-granularity selective --recompute-modules
+      core_attn``, which with our spec keeps only each layer's input for the attention
+      sub-block (see :class:`~mcore_flash.transformer.layer.FlashTransformerLayer`);
+    * ``full`` -- ``--recompute-granularity full --recompute-method uniform
+      --recompute-num-layers 1``: each layer keeps only its input.
+    """
     if mode == "none":
         return recompute_settings(None)
     if mode == "qkv":

@@ -1,36 +1,22 @@
 """The one interface every attention backend implements.
 
-A backend is a pair of *kernels*, ``forward`` and ``backward``, in the style of
-FlashAttention-2's ``_flash_attn_forward`` / ``_flash_attn_backward``: forward returns the
-output together with the softmax statistics (:class:`SoftmaxStats`), backward takes them
-back and recomputes the probabilities. Autograd wiring lives in :mod:`mcore_flash.ops.api`;
-context parallelism calls the kernels directly to merge partial results
-(:func:`forward_kernel` / :func:`backward_kernel` put the tensors in a layout the backend takes).
+A backend (:class:`AttentionBackend`) is a pair of *kernels*, ``forward`` and ``backward``, in
+the style of FlashAttention-2's ``_flash_attn_forward`` / ``_flash_attn_backward``: forward
+returns the output together with the softmax statistics (:class:`SoftmaxStats`), backward
+takes them back and recomputes the probabilities. Autograd wiring lives in
+:mod:`mcore_flash.ops.api`; context parallelism calls the kernels directly to merge partial
+results (:func:`forward_kernel` / :func:`backward_kernel` put the tensors in a layout the
+backend takes).
 
-Conventions shared by all backends:
+Conventions shared by all backends (each argument's own: :class:`AttentionParams`):
 
-* Dense layouts (``params.layout``): ``"bshd"`` (flash-attn's; ``q`` ``[b, sq, hq, d]``,
-  ``k``/``v`` ``[b, sk, hkv, d]``) and ``"sbhd"`` (Megatron's ``[s, b, h, d]``). A backend
-  lists the ones its kernels take in ``layouts``; the others reach it as transposed views.
-  ``hq % hkv == 0`` (GQA/MQA; K/V are never expanded where the backend can avoid it).
-* ``out`` is in the layout and dtype of ``q``; the statistics are float32 ``[b, hq, sq(, w)]``
-  in every layout.
+* layouts ``"bshd"`` (``q`` ``[b, sq, hq, d]``, ``k``/``v`` ``[b, sk, hkv, d]``) and
+  ``"sbhd"`` (Megatron's ``[s, b, h, d]``); ``hq % hkv == 0`` (GQA/MQA);
+* ``out`` is in the layout and dtype of ``q``; the statistics are float32
+  ``[b, hq, sq(, w)]`` in every layout;
 * ``causal`` is aligned bottom-right (flash-attn >= 2.1): key ``j`` is visible to query ``i``
-  iff ``j <= i + sk - sq``.
-* A query row with no visible key yields ``out = 0``, ``lse = -inf`` and zero gradients.
-* ``attn_mask`` is bool, True = masked out, shaped ``[b|1, hq|1, sq, sk]``; it is combined
-  with ``causal``.
-* ``window = (lo, hi)`` (a band, None = unbounded on that side): key ``j`` is visible to
-  query ``i`` iff ``lo <= j - i - (sk - sq) <= hi``, the bottom-right aligned band of
-  flash-attn's ``window_size=(left, right)`` as ``(-left, right)``. Causal is the band
-  ``(None, 0)``; :func:`band` keeps one spelling for each, so a backend sees either
-  ``causal`` or a ``window``, never both. Offsets may be of either sign (context
-  parallelism shifts them for blocks away from the diagonal).
-* ``softcap > 0`` replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``;
-  ``alibi_slopes`` (float32 ``[hq]`` or ``[b, hq]``) then adds
-  ``-slope * |i + sk - sq - j + alibi_shift|`` (flash-attn's definition, for causal attention
-  too, when ``alibi_shift`` is 0; context parallelism sets it to a block's distance below the
-  global diagonal, as it shifts a window's band).
+  iff ``j <= i + sk - sq``; a window is a band ``(lo, hi)`` of ``j - i - (sk - sq)``;
+* a query row with no visible key yields ``out = 0``, ``lse = -inf`` and zero gradients.
 """
 
 from __future__ import annotations
@@ -52,7 +38,33 @@ LAYOUTS = ("bshd", "sbhd")
 
 @dataclass(frozen=True)
 class AttentionParams:
-    """The non-tensor arguments of one attention call (plus the optional bool mask)."""
+    """The non-tensor arguments of one attention call (plus the optional bool mask).
+
+    Conventions shared by all backends:
+
+    * Dense layouts (``layout``): ``"bshd"`` (flash-attn's; ``q`` ``[b, sq, hq, d]``,
+      ``k``/``v`` ``[b, sk, hkv, d]``) and ``"sbhd"`` (Megatron's ``[s, b, h, d]``). A backend
+      lists the ones its kernels take in ``layouts``; the others reach it as transposed views.
+      ``hq % hkv == 0`` (GQA/MQA; K/V are never expanded where the backend can avoid it).
+    * ``out`` is in the layout and dtype of ``q``; the statistics are float32
+      ``[b, hq, sq(, w)]`` in every layout.
+    * ``causal`` is aligned bottom-right (flash-attn >= 2.1): key ``j`` is visible to query
+      ``i`` iff ``j <= i + sk - sq``.
+    * A query row with no visible key yields ``out = 0``, ``lse = -inf`` and zero gradients.
+    * ``attn_mask`` is bool, True = masked out, shaped ``[b|1, hq|1, sq, sk]``; it is combined
+      with ``causal``.
+    * ``window = (lo, hi)`` (a band, None = unbounded on that side): key ``j`` is visible to
+      query ``i`` iff ``lo <= j - i - (sk - sq) <= hi``, the bottom-right aligned band of
+      flash-attn's ``window_size=(left, right)`` as ``(-left, right)``. Causal is the band
+      ``(None, 0)``; :func:`band` keeps one spelling for each, so a backend sees either
+      ``causal`` or a ``window``, never both. Offsets may be of either sign (context
+      parallelism shifts them for blocks away from the diagonal).
+    * ``softcap > 0`` replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``;
+      ``alibi_slopes`` (float32 ``[hq]`` or ``[b, hq]``) then adds
+      ``-slope * |i + sk - sq - j + alibi_shift|`` (flash-attn's definition, for causal
+      attention too, when ``alibi_shift`` is 0; context parallelism sets it to a block's
+      distance below the global diagonal, as it shifts a window's band).
+    """
 
     causal: bool
     softmax_scale: float

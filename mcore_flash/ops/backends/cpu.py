@@ -1,29 +1,18 @@
 """CPU backend: torch's fused flash kernel for the CPU, the reference kernel where it can't.
 
 ``aten._scaled_dot_product_flash_attention_for_cpu`` takes ``[b, h, s, d]``, supports GQA
-natively and returns the logsumexp; its backward op takes it back.
+natively and returns the logsumexp; its backward op takes it back. :class:`CpuBackend`
+keeps the conventions of :mod:`.base`:
 
-* Half precision: :func:`compute_dtype` is the one place that decides what the kernel
-  computes in. Backward always runs in float32 on upcast inputs: the kernel's own bf16
-  backward accumulates dq/dk/dv and the GQA group sum in bf16 and misses flash-attn's error
-  bound (``tests/ops/test_flash_attn_grid.py``). Forward runs bf16 in bf16 where the CPU has
-  native bf16 units (AVX512-BF16 / AMX: about 3x faster than float32 and within the bound)
-  unless ALiBi biases are added, float32 elsewhere (on AVX2 the float32 kernel was about 5x faster); fp16 always runs in
-  float32 (torch's fp16 CPU kernel is no faster than float32). ``docs/benchmarks.md``, "CPU
-  half precision", has the measurements. ``out`` and the gradients are cast back to the
-  input dtype.
-* Anything the kernel cannot express as its own causal flag -- a sliding window, causal with
-  ``sq != sk`` (it aligns causal top-left, we promise bottom-right), ALiBi, a bool
-  ``attn_mask`` -- runs in query chunks of :attr:`CpuBackend.query_chunk` rows: each chunk
-  sees only the key range its band allows (:func:`band_rows`; keys outside every row's window
-  are never computed) and gets a small additive bias ``[.., chunk, keys]`` for that range.
-  No ``[sq, sk]`` tensor is built and nothing but ``q, k, v, out, lse`` is saved.
-* Rows that see no key get ``out = 0`` and ``lse = -inf`` (the kernel reports 0 there).
-
-The reference kernel runs instead (decided from the arguments alone, so forward and backward
-always agree, and logged once per reason -- never silently ignored) for dropout > 0 and
-``softcap`` (the kernel has neither) and for an empty query or key sequence (the kernel
-crashes the process with SIGFPE).
+* it computes in the dtype :func:`compute_dtype` decides (backward always in float32);
+  ``out`` and the gradients are cast back to the input dtype;
+* what the kernel cannot express as its own causal flag (a sliding window, causal with
+  ``sq != sk``, ALiBi, a bool ``attn_mask``) runs in query chunks, each with a small additive
+  bias over the keys its band reaches (:meth:`CpuBackend._chunks`): no ``[sq, sk]`` tensor is
+  built and nothing but ``q, k, v, out, lse`` is saved;
+* rows that see no key get ``out = 0`` and ``lse = -inf`` (the kernel reports 0 there);
+* dropout > 0, ``softcap`` and empty sequences run the reference kernel, logged once per
+  reason (:meth:`CpuBackend._needs_fallback`).
 """
 
 from __future__ import annotations
@@ -51,7 +40,15 @@ _fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 def compute_dtype(
     dtype: torch.dtype, backward: bool, alibi: bool = False, native_bf16: Optional[bool] = None
 ) -> torch.dtype:
-    """The dtype the kernel computes in for inputs of ``dtype`` (see the module docstring).
+    """The dtype the kernel computes in for inputs of ``dtype``: the one place that decides it.
+
+    Backward always runs in float32 on upcast inputs: the kernel's own bf16 backward
+    accumulates dq/dk/dv and the GQA group sum in bf16 and misses flash-attn's error bound
+    (``tests/ops/test_flash_attn_grid.py``). Forward runs bf16 in bf16 where the CPU has native
+    bf16 units (AVX512-BF16 / AMX: faster than float32 and within the bound) unless ALiBi
+    biases are added, float32 elsewhere (on AVX2 the float32 kernel was the faster one); fp16
+    always runs in float32 (torch's fp16 CPU kernel is no faster than float32).
+    ``docs/benchmarks.md``, "CPU half precision", has the measurements.
 
     ``alibi``: the call adds ALiBi biases, which reach the kernel in its compute dtype and
     grow with the distance (bf16 would round a bias of 60 to a multiple of 0.25): float32.
@@ -66,7 +63,17 @@ def compute_dtype(
 
 
 class CpuBackend(AttentionBackend):
-    """torch's fused CPU flash-attention kernel."""
+    """torch's fused CPU flash-attention kernel.
+
+    Anything the kernel cannot express as its own causal flag -- a sliding window, causal
+    with ``sq != sk`` (it aligns causal top-left, we promise bottom-right), ALiBi, a bool
+    ``attn_mask`` -- runs in query chunks of :attr:`query_chunk` rows: each chunk sees only
+    the key range its band allows (:func:`~.base.band_rows`; keys outside every row's window
+    are never computed) and gets a small additive bias ``[.., chunk, keys]`` for that range
+    (:meth:`_chunks`). No ``[sq, sk]`` tensor is built and nothing but ``q, k, v, out, lse`` is
+    saved. Rows that see no key get ``out = 0`` and ``lse = -inf`` (the kernel reports 0
+    there).
+    """
 
     name = "cpu"
 
@@ -173,6 +180,10 @@ class CpuBackend(AttentionBackend):
             yield slice(q0, q1), slice(k0, k1), bias
 
     def _needs_fallback(self, q: Tensor, k: Tensor, params: AttentionParams) -> bool:
+        """Whether the reference kernel runs instead: for dropout > 0 and ``softcap`` (the
+        kernel has neither) and for an empty query or key sequence (the kernel crashes the
+        process with SIGFPE). Decided from the arguments alone, so forward and backward always
+        agree, and logged once per reason -- never silently ignored."""
         reason = None
         if q.shape[1] == 0 or k.shape[1] == 0:
             reason = "an empty sequence (torch's CPU kernel dies with SIGFPE on it)"
@@ -184,7 +195,7 @@ class CpuBackend(AttentionBackend):
 
 
 def _needs_bias(params: AttentionParams, sq: int, sk: int) -> bool:
-    """Whether the call needs the chunked, biased path (see the module docstring)."""
+    """Whether the call needs the chunked, biased path (see :class:`CpuBackend`)."""
     top_left_differs = params.causal and sq != sk
     biased = params.alibi_slopes is not None or params.attn_mask is not None
     return params.window is not None or biased or top_left_differs

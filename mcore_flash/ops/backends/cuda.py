@@ -1,30 +1,17 @@
 """CUDA backend: torch's fused attention kernels, called directly (no SDPA dispatch).
 
-Two kernels, both with native GQA/MQA (K/V are never expanded):
+Two kernels, both with native GQA/MQA (K/V are never expanded): ``flash``
+(:class:`FlashKernel`, FlashAttention-2 as built into torch; ``[b, s, h, d]`` as it is or
+packed ``[t, h, d]``, causal aligned bottom-right) and ``cudnn`` (:class:`CudnnKernel`,
+cuDNN's fused attention on ``[b, h, s, d]`` views). Each kernel's ``misfit`` names the calls
+it cannot take.
 
-* ``flash`` -- FlashAttention-2 as built into torch (``aten._flash_attention_forward`` /
-  ``_flash_attention_backward``): ``[b, s, h, d]`` as it is, packed ``[t, h, d]`` with
-  cumulative lengths, causal aligned bottom-right (our convention, also for sq != sk),
-  sliding windows whose two sides are >= 0 (with sq > sk + 1 also a right side below sk:
-  torch caps a larger or missing one at sk), dropout. sm80-sm121, fp16/bf16, head_dim a
-  multiple of 8 up to 256 (192 on sm86-sm89 and sm12x, whose flash backward takes no more).
-* ``cudnn`` -- cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and its
-  backward) on ``[b, h, s, d]`` views. Its causal mask is aligned top-left, so a causal call
-  uses it only when sq == sk; no windows; at least two queries and two keys; dropout in
-  multiples of 1/16 (none on cuDNN 9.11-9.13); head_dim a multiple of 8 up to 128.
-
-Which kernel runs (:meth:`CudaBackend.choose_kernel`, each choice logged once): by default
-cuDNN where torch's own SDPA prefers it -- sm90/sm100/sm103 (any sm9x/sm10x on CUDA 13
-builds) with a cuDNN newer than 9.15, unless ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is set
-(``check_prefer_cudnn_attention`` in torch's ``aten/src/ATen/native/transformers/cuda/
-sdp_utils.cpp``) -- and the call fits it, otherwise flash. The measurement behind that
-order: on an H200 (bf16, causal, 32 heads, head_dim 128, fwd+bwd) torch's cuDNN attention
-ran at 541 / 555 TFLOP/s at 8K / 32K tokens against 315-322 for its flash kernel (issue 16);
-``mcore-flash bench-cuda`` measures both on the machine at hand.
-``MCORE_FLASH_CUDA_KERNEL=flash|cudnn`` puts one kernel first. What neither kernel takes --
-fp32, an explicit mask, a window that excludes the diagonal, softcap, ALiBi (torch's flash
-backward has no slopes), ``deterministic=True`` (both backward kernels accumulate with
-atomics), empty sequences -- runs the reference kernel on the GPU (logged once per reason).
+:meth:`CudaBackend.choose_kernel` picks one per call (each choice logged once): by default
+cuDNN where torch's own SDPA prefers it (:meth:`CudaDevice.prefers_cudnn`) and the call fits
+it, otherwise flash; ``MCORE_FLASH_CUDA_KERNEL=flash|cudnn`` puts one kernel first. What
+neither kernel takes -- fp32, an explicit mask, a window that excludes the diagonal, softcap,
+ALiBi, ``deterministic=True``, empty sequences -- runs the reference kernel on the GPU
+(logged once per reason). Why cuDNN first: ``docs/benchmarks.md``, "Attention kernels (GPU)".
 
 This path has NOT run on a GPU in this project's CI (no GPU there): on the CPU the calls are
 checked against a test double that validates each one with torch's own meta kernels and
@@ -132,7 +119,15 @@ def _shape_misfit(
 
 
 class FlashKernel:
-    """FlashAttention-2 in torch: dense ``[b, s, h, d]`` or packed ``[t, h, d]``."""
+    """FlashAttention-2 in torch: dense ``[b, s, h, d]`` or packed ``[t, h, d]``.
+
+    ``aten._flash_attention_forward`` / ``_flash_attention_backward``: ``[b, s, h, d]`` as it
+    is, packed ``[t, h, d]`` with cumulative lengths, causal aligned bottom-right (our
+    convention, also for sq != sk), sliding windows whose two sides are >= 0 (with sq > sk + 1
+    also a right side below sk: torch caps a larger or missing one at sk), dropout. sm80-sm121,
+    fp16/bf16, head_dim a multiple of 8 up to 256 (192 on sm86-sm89 and sm12x, whose flash
+    backward takes no more).
+    """
 
     name = "flash"
 
@@ -166,7 +161,8 @@ class FlashKernel:
         return _shape_misfit(q, k, params, 256, "torch's flash kernel")
 
     def forward(self, q, k, v, params: AttentionParams, packed: Optional[Packed] = None):
-        """``(out like q, lse float32 [b, h, sq] or [h, t] with -inf on rows without keys, state)``."""
+        """``(out like q, lse float32 [b, h, sq] or [h, t] with -inf on rows without keys,
+        state)``."""
         out, lse, rng, unused, _ = self.aten._flash_attention_forward(
             *(_last_dim_contiguous(x) for x in (q, k, v)),
             *_lengths(q, k, packed),
@@ -220,7 +216,13 @@ def _flash_keywords(params: AttentionParams) -> dict:
 
 
 class CudnnKernel:
-    """cuDNN's fused attention on ``[b, h, s, d]`` views of ``[b, s, h, d]``."""
+    """cuDNN's fused attention on ``[b, h, s, d]`` views of ``[b, s, h, d]``.
+
+    ``aten._scaled_dot_product_cudnn_attention`` and its backward. Its causal mask is aligned
+    top-left, so a causal call uses it only when sq == sk; no windows; at least two queries and
+    two keys; dropout in multiples of 1/16 (none on cuDNN 9.11-9.13); head_dim a multiple of 8
+    up to 128.
+    """
 
     name = "cudnn"
 
@@ -306,6 +308,11 @@ class CudaBackend(AttentionBackend):
     ``aten`` (default ``torch.ops.aten``) holds the four kernel ops and ``device_info``
     (default :func:`query_device` of the tensors' device) describes the GPU: tests pass a
     double of each.
+
+    What neither kernel takes runs the reference kernel on the GPU (logged once per reason):
+    fp32, an explicit mask, a window that excludes the diagonal, softcap, ALiBi (torch's flash
+    backward has no slopes), ``deterministic=True`` (both backward kernels accumulate with
+    atomics), empty sequences.
     """
 
     name = "cuda"
@@ -339,7 +346,18 @@ class CudaBackend(AttentionBackend):
         return ("cudnn", "flash")
 
     def choose_kernel(self, q: Tensor, k: Tensor, params: AttentionParams) -> Optional[str]:
-        """The kernel that runs this call (None: the reference kernel), from the arguments alone."""
+        """The kernel that runs this call (None: the reference kernel), from the arguments alone.
+
+        The first of :meth:`kernel_order` whose ``misfit`` is None; each choice is logged once.
+        By default that is cuDNN where torch's own SDPA prefers it -- sm90/sm100/sm103 (any
+        sm9x/sm10x on CUDA 13 builds) with a cuDNN newer than 9.15, unless
+        ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is set (``check_prefer_cudnn_attention`` in torch's
+        ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``; :meth:`CudaDevice.prefers_cudnn`)
+        -- and the call fits it, otherwise flash. The measurement behind that order (cuDNN
+        well ahead of torch's flash kernel on an H200, issue 16) is in ``docs/benchmarks.md``,
+        "Attention kernels (GPU)"; ``mcore-flash bench-cuda`` measures both on the machine at
+        hand.
+        """
         device = self.device_info(q)
         misfits = []
         for name in self.kernel_order(device):

@@ -1,37 +1,18 @@
 """Ascend NPU backend: ``torch_npu.npu_fusion_attention`` and its grad op.
 
-Follows the operator contract of torch_npu 2.13 (``docs/npu-contract.md``):
+Follows the operator contract of torch_npu 2.13 (``docs/npu-contract.md``; each of our cases
+and the call it becomes: its section "How our backend calls ``npu_fusion_attention``"); the
+rules, one by one, are :class:`NpuBackend`'s:
 
-* layouts without copies: flash-attn's ``[b, s, h, d]`` is ``"BSND"``; Megatron's
-  ``[s, b, h, d]`` (``layout="sbhd"``) is passed as its free ``[s, b, h*d]`` view, ``"SBH"``,
-  as MindSpeed does; packed ``[t, h, d]`` is ``"TND"`` with cumulative
-  ``actual_seq_qlen``/``actual_seq_kvlen`` lists without the 0;
+* layouts without copies: ``"bshd"`` is ``"BSND"``, Megatron's ``[s, b, h, d]`` its free
+  ``[s, b, h*d]`` view ``"SBH"``, packed ``[t, h, d]`` ``"TND"``;
 * ``head_num`` is the number of QUERY heads; K/V keep their own head count (native GQA);
-* ``keep_prob = 1 - dropout_p``; dropout is replayed from the op's ``seed, offset, numels``;
-* sparse modes are named by :class:`~mcore_flash.npu_contract.SparseMode`, an ``IntEnum``
-  (the op receives the int);
-* causal -> ``RIGHT_DOWN_CAUSAL`` (3, bottom-right, our convention) with the cached
-  COMPRESSED 2048x2048 upper-triangular mask, never an ``S x S`` one;
-* a sliding window (our band ``(lo, hi)``) -> ``BAND`` (4, origin bottom-right) with the
-  compressed mask, ``pre_tockens = -lo`` and ``next_tockens = hi`` (unbounded
-  sides ``2147483647``), dense and TND alike;
-* an explicit bool mask (True = masked out, the op's polarity too) -> ``ALL_MASK`` (1, the
-  mask as given, tockens ignored), combined with the causal rule or the window when both
-  are asked for; ``inner_precise=2`` when a row sees no key;
-* ``softcap``, ``alibi_slopes`` and ``deterministic=True`` raise: the op has no score cap;
-  ALiBi would need its ``pse`` input, which ``npu_fusion_attention`` takes only as a
-  materialised ``[B|1, N, Sq, Skv]`` bias in the query's dtype (O(s^2) memory, again for the
-  grad op, and not in TND), while ``npu_fusion_attention_v2``'s ``pse_type=2`` generates the
-  bias from slopes by a formula the torch_npu 2.13 and CANN docs do not state (and only for
-  Sq == Skv); its docs name no deterministic switch;
-* backward gets the kernel's own ``softmax_max`` and ``softmax_sum`` ``[b, n, s, 8]`` back
-  (what torch_npu's autograd passes; context parallelism passes them merged as
-  (max, sum) pairs, as MindSpeed does); ``lse = max + log(sum)`` only for callers;
-* TND statistics are shaped ``[t, n, 8]`` but hold their data in ``[n, t, 8]`` order (the
-  default ``softmax_layout=""``): they are read through a free ``[n, t, 8]`` view;
-* in TND ``inner_precise`` does nothing, so packs the kernel cannot compute - a sequence
-  with queries but no keys, or causal with more queries than keys - run the reference
-  kernel (logged once); Megatron's packed self-attention never produces them.
+* causal and windows become sparse modes (:class:`~mcore_flash.npu_contract.SparseMode`)
+  with the cached compressed 2048x2048 mask, never an ``S x S`` one;
+* backward gets the kernel's own ``softmax_max`` and ``softmax_sum`` ``[b, n, s, 8]`` back;
+  ``lse = max + log(sum)`` only for callers;
+* ``softcap``, ``alibi_slopes`` and ``deterministic=True`` raise
+  (:meth:`NpuBackend.check_params`); packs TND cannot compute run the reference kernel.
 
 ``torch_npu`` is imported lazily, on first use: importing it without CANN breaks torch.
 This path has NOT run on Ascend hardware; it is tested against contract doubles of the
@@ -62,7 +43,37 @@ def _torch_npu():
 
 
 class NpuBackend(AttentionBackend):
-    """``npu_fusion_attention`` (FlashAttention on Ascend)."""
+    """``npu_fusion_attention`` (FlashAttention on Ascend).
+
+    How it calls the op (torch_npu 2.13's contract, ``docs/npu-contract.md``):
+
+    * layouts without copies: flash-attn's ``[b, s, h, d]`` is ``"BSND"``; Megatron's
+      ``[s, b, h, d]`` (``layout="sbhd"``) is passed as its free ``[s, b, h*d]`` view,
+      ``"SBH"``, as MindSpeed does; packed ``[t, h, d]`` is ``"TND"`` with cumulative
+      ``actual_seq_qlen``/``actual_seq_kvlen`` lists without the 0;
+    * ``head_num`` is the number of QUERY heads; K/V keep their own head count (native GQA);
+    * ``keep_prob = 1 - dropout_p``; dropout is replayed from the op's ``seed, offset, numels``;
+    * sparse modes are named by :class:`~mcore_flash.npu_contract.SparseMode`, an ``IntEnum``
+      (the op receives the int);
+    * causal -> ``RIGHT_DOWN_CAUSAL`` (3, bottom-right, our convention) with the cached
+      COMPRESSED 2048x2048 upper-triangular mask, never an ``S x S`` one;
+    * a sliding window (our band ``(lo, hi)``) -> ``BAND`` (4, origin bottom-right) with the
+      compressed mask, ``pre_tockens = -lo`` and ``next_tockens = hi`` (unbounded
+      sides ``2147483647``), dense and TND alike;
+    * an explicit bool mask (True = masked out, the op's polarity too) -> ``ALL_MASK`` (1, the
+      mask as given, tockens ignored), combined with the causal rule or the window when both
+      are asked for; ``inner_precise=2`` when a row sees no key;
+    * ``softcap``, ``alibi_slopes`` and ``deterministic=True`` raise (:meth:`check_params`
+      says why);
+    * backward gets the kernel's own ``softmax_max`` and ``softmax_sum`` ``[b, n, s, 8]`` back
+      (what torch_npu's autograd passes; context parallelism passes them merged as
+      (max, sum) pairs, as MindSpeed does); ``lse = max + log(sum)`` only for callers;
+    * TND statistics are shaped ``[t, n, 8]`` but hold their data in ``[n, t, 8]`` order (the
+      default ``softmax_layout=""``): they are read through a free ``[n, t, 8]`` view;
+    * in TND ``inner_precise`` does nothing, so packs the kernel cannot compute - a sequence
+      with queries but no keys, or causal with more queries than keys - run the reference
+      kernel (logged once); Megatron's packed self-attention never produces them.
+    """
 
     name = "npu"
     layouts = ("bshd", "sbhd")
@@ -97,6 +108,15 @@ class NpuBackend(AttentionBackend):
             )
 
     def check_params(self, params):
+        """Refuse ``softcap``, ``alibi_slopes`` and ``deterministic=True`` by name.
+
+        The op has no score cap. ALiBi would need its ``pse`` input, which
+        ``npu_fusion_attention`` takes only as a materialised ``[B|1, N, Sq, Skv]`` bias in the
+        query's dtype (O(s^2) memory, again for the grad op, and not in TND), while
+        ``npu_fusion_attention_v2``'s ``pse_type=2`` generates the bias from slopes by a formula
+        the torch_npu 2.13 and CANN docs do not state (and only for Sq == Skv). Its docs name no
+        deterministic switch.
+        """
         unsupported = [
             name
             for name, on in (

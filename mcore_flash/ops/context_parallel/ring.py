@@ -2,28 +2,16 @@
 ``megatron_cp_algo``).
 
 K/V blocks travel around the ring (rank r sends to r+1, receives from r-1) while the
-current block is computed: the send of the next block is posted (``batch_isend_irecv``)
-before the kernel runs and waited after it. Which rows of the local queries meet which rows
-of the visiting K/V block at each step, under which band and ALiBi shift, is
-:mod:`.ring_plan`'s arithmetic; a :class:`RingBlocks` strategy turns that plan into kernel
-calls, for one dense sequence (:class:`DenseBlocks`) or packed documents
-(:class:`PackedBlocks`). ``softcap`` and ``deterministic`` need nothing from the ring: the
-cap acts on each score before the softmax, so block statistics merge as they are, and the
-ring's order of accumulation is fixed. Each block returns ``(out_i, stats_i)``; partial
-results merge as (row max, row sum) pairs in fp32 accumulators (:mod:`.merge`).
+current block is computed. Which rows of the local queries meet which rows of the visiting
+K/V block at each step, under which band and ALiBi shift, is :mod:`.ring_plan`'s arithmetic;
+a :class:`RingBlocks` strategy turns that plan into kernel calls, for one dense sequence
+(:class:`DenseBlocks`) or packed documents (:class:`PackedBlocks`). Each block returns
+``(out_i, stats_i)``; partial results merge as (row max, row sum) pairs in fp32 accumulators
+(:mod:`.merge`). Backward replays the ring with the MERGED ``out`` and statistics
+(:class:`RingAttention` has the order of hops and kernels).
 
-Backward replays the ring: each block's kernel backward is called with the MERGED ``out``
-and statistics (so they give the final probabilities and ``rowsum(dout * out)`` the final
-``D``); dq accumulates locally, and an fp32 dK/dV accumulator travels with the K/V block,
-one hop behind it, so that after ``cp`` hops each rank receives the complete dK/dV of its
-own block. The dK/dV hop of step ``i`` is overlapped with the kernel of step ``i+1``.
-
-The autograd function saves only the local ``q, k, v, out`` and the fp32 statistics (plus
+:class:`RingAttention` saves only the local ``q, k, v, out`` and the fp32 statistics (plus
 the per-block dropout replay states): saved bytes per rank are ``1/cp`` of the unsplit ones.
-
-Packed documents: every block is ONE varlen kernel call over all documents with their
-cumulative lengths (with a window or ALiBi: one per group of documents whose cut pairs share
-a band, and an ALiBi shift).
 """
 
 from __future__ import annotations
@@ -89,7 +77,11 @@ _ALL = slice(None)
 class RingBlocks(Protocol):
     """The kernel calls of ring attention over one kind of local rows: the strategy
     :class:`RingAttention` runs, :class:`DenseBlocks` (one sequence) or
-    :class:`PackedBlocks` (packed documents)."""
+    :class:`PackedBlocks` (packed documents).
+
+    ``softcap`` and ``deterministic`` need nothing from the ring: the cap acts on each score
+    before the softmax, so block statistics merge as they are, and the ring's order of
+    accumulation is fixed."""
 
     params: AttentionParams  # of the whole call: its layout, causal flag, band, ALiBi slopes
     seq: int  # the sequence dim of q, k, v and out
@@ -193,7 +185,11 @@ class DenseBlocks:
 class PackedBlocks:
     """Ring blocks of packed documents (THD seen as ``[1, t_local, h, d]``): each document's
     local rows are its chunk ``r`` then its chunk ``2cp-1-r``, so a half is an index set and
-    kernels are the backend's varlen ones with the cumulative lengths of the rows taken."""
+    kernels are the backend's varlen ones with the cumulative lengths of the rows taken.
+
+    Every block is ONE varlen kernel call over all documents with their cumulative lengths
+    (with a window or ALiBi: one per group of documents whose cut pairs share a band, and an
+    ALiBi shift: :meth:`_pair_plan`)."""
 
     def __init__(
         self, backend: AttentionBackend, params: AttentionParams, local_cu: list[int], device
@@ -343,6 +339,16 @@ class RingAttention(torch.autograd.Function):
     (``[b, s_local, h, d]`` or ``[s_local, b, h, d]``; packed documents as
     ``[1, t_local, h, d]``) returns ``(out, lse)``: ``out`` like q (with v's head dim), and
     the merged statistics' logsumexp ``[b, hq, s_local]`` (not differentiable).
+
+    Forward: the send of the next K/V block is posted (``batch_isend_irecv``) before the
+    current block's kernels run and waited after them; each block's ``(out_i, stats_i)``
+    merges into fp32 accumulators (:mod:`.merge`).
+
+    Backward replays the ring: each block's kernel backward is called with the MERGED ``out``
+    and statistics (so they give the final probabilities and ``rowsum(dout * out)`` the final
+    ``D``); dq accumulates locally, and an fp32 dK/dV accumulator travels with the K/V block,
+    one hop behind it, so that after ``cp`` hops each rank receives the complete dK/dV of its
+    own block. The dK/dV hop of step ``i`` is overlapped with the kernel of step ``i+1``.
     """
 
     @staticmethod

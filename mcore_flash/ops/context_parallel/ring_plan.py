@@ -12,19 +12,10 @@ At step ``i`` rank ``r`` holds the K/V of rank ``src = (r - i) mod cp``; with
   q second half ``[c]`` x kv ``[2c]``, no mask.
 
 Without causal every step is q ``[2c]`` x kv ``[2c]``, no mask (:func:`blocks_by_halves`).
-
-With a sliding window (``window_size``) every step is split into its four chunk pairs
-(:func:`chunk_pairs`; query chunk ``a``, kv chunk ``b``, each ``[c]``): the global band
-``lo <= j - i <= hi`` becomes the local band ``(lo + delta, hi + delta)`` with
-``delta = (a - b) * c``; a pair the band misses entirely is skipped (neither computed nor
-masked, no kernel call), a pair it covers entirely runs unmasked, and a pair it cuts runs
-only the square of its rows that see a key against the keys they see (:func:`pair_cut`: no
-kernel meets a row without keys, which TND calls and flash-attn's windows cannot compute).
-With window 4096 at 128K over cp 8 most pairs are skipped. ALiBi (``alibi_slopes``) splits
-every step the same way, windowed or not (:func:`by_chunk_pairs`): its distance ``|j - i|``
-is global too, so each block's kernel gets its distance below the global diagonal as
-``alibi_shift`` (:class:`~mcore_flash.ops.backends.AttentionParams`): ``delta``, plus
-``first_row - first_key`` for a cut pair.
+With a sliding window or ALiBi (:func:`by_chunk_pairs`) every step is split into its four
+chunk pairs (:func:`chunk_pairs`), each with its local band and ALiBi distance shift, cut to
+the rows that see a key and the keys they see (:func:`pair_cut`); a pair the band misses
+runs no kernel.
 """
 
 from __future__ import annotations
@@ -57,12 +48,28 @@ def blocks_by_halves(step: int, rank: int, size: int, params: AttentionParams) -
 
 def by_chunk_pairs(params: AttentionParams) -> bool:
     """Whether a ring step must be split into its chunk pairs: a window's band, or ALiBi's
-    distances, depend on where each chunk lies, not only on the causal order of chunks."""
+    distances, depend on where each chunk lies, not only on the causal order of chunks.
+
+    ALiBi (``alibi_slopes``) splits every step the same way as a window, windowed or not: its
+    distance ``|j - i|`` is global too, so each block's kernel gets its distance below the
+    global diagonal as ``alibi_shift`` (:class:`~mcore_flash.ops.backends.AttentionParams`):
+    ``delta`` (:func:`chunk_pairs`), plus ``first_row - first_key`` for a cut pair
+    (:func:`pair_cut`)."""
     return params.window is not None or params.alibi_slopes is not None
 
 
 def chunk_pairs(step: int, rank: int, size: int) -> list[tuple[str, str, int]]:
-    """``(query half, kv half, query chunk - kv chunk)`` of the four chunk pairs of step ``step``."""
+    """``(query half, kv half, query chunk - kv chunk)`` of the four chunk pairs of step ``step``.
+
+    With a sliding window (``window_size``) every step is split into these pairs (query chunk
+    ``a``, kv chunk ``b``, each ``[c]``): the global band ``lo <= j - i <= hi`` becomes the
+    local band ``(lo + delta, hi + delta)`` with ``delta = (a - b) * c``; a pair the band
+    misses entirely is skipped (neither computed nor masked, no kernel call), a pair it covers
+    entirely runs unmasked, and a pair it cuts runs only the square of its rows that see a key
+    against the keys they see (:func:`pair_cut`: no kernel meets a row without keys, which TND
+    calls and flash-attn's windows cannot compute). With window 4096 at 128K over cp 8 most
+    pairs are skipped.
+    """
     q_chunks = zip(("first", "second"), cp_chunk_ids(size, rank))
     kv_chunks = list(zip(("first", "second"), cp_chunk_ids(size, (rank - step) % size)))
     return [(q_half, kv_half, a - b) for q_half, a in q_chunks for kv_half, b in kv_chunks]
