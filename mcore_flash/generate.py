@@ -1,49 +1,22 @@
 """``mcore-flash generate``: decoding from a checkpoint with the trainer's model.
 
-    mcore-flash generate --load DIR (--prompt TEXT [--chat] | --prompt-ids 1,2,3) --max-new-tokens N
-        [--temperature T [--top-k K] [--top-p P] [--seed S]] [--no-kv-cache] [--ignore-eos] [--json]
+Provides :func:`main` (the CLI), :func:`parse_generate_args` (the flags as a
+:class:`GenerateConfig`: generate's own flags, frozen and checked, plus ``run``, the trainer's
+:class:`~mcore_flash.runtime.config.TrainingConfig`, model flags left out taken from the
+checkpoint as with ``--use-checkpoint-args``), :func:`generate` and :func:`decode`. The model
+is built as ``mcore-flash pretrain`` builds it: the first check that a converted or extended
+checkpoint works.
 
-The model is built exactly as ``mcore-flash pretrain`` builds it (its flags; those left out
-come from the checkpoint, as with ``--use-checkpoint-args``), so this is the first check
-that a converted or extended checkpoint works.
-
-KV cache: megatron-core's own static-batching cache (``StaticInferenceContext``, as its static
-inference engine uses it). The prompt runs once (prefill: causal attention over the prompt,
-every layer's keys and values stored), then each step runs the newest token alone at its
-position (decode: its query against the cached keys; megatron sets the mask type to
-``no_mask`` once the cache holds tokens, which holds only earlier ones).
-``--no-kv-cache`` runs the whole sequence every step instead: the slow path the cache is
-tested against. (Megatron-LM's text generation server has no such flag; its older
-generation tools called it ``--recompute``, which here would read as activation recompute.)
-
-Sampling: greedy (the argmax) unless ``--temperature T`` > 0. Then the logits over the real
-vocabulary are divided by T, cut to the ``--top-k K`` largest (ties with the K-th kept) and
-then to the smallest set of most probable tokens whose probability reaches ``--top-p P``
-(transformers' order; Megatron-LM's ``--top_k``/``--top_p`` spellings are accepted), and one
-token is drawn from their softmax, in float64, by ``torch.multinomial`` with a CPU generator
-seeded with ``--seed`` (default 1234): a seed gives the same tokens on every device. The
-token is chosen on the last pipeline stage and broadcast from its first tensor-parallel rank,
-so every rank continues with the same one. Padding rows of the vocabulary are never chosen.
-
-``--chat``: ``--prompt`` becomes one user message in the tokenizer's chat template followed by
-the assistant's header (transformers' ``add_generation_prompt=True``), rendered as
-transformers renders it (:mod:`mcore_flash.data.chat_template`). It needs a Hugging Face
-tokenizer with a template: the one ``convert hf-to-mcore`` stores with the checkpoint, or
-``--tokenizer-model``.
-
-Layout: the processes ``torchrun`` starts are one model replica: TP x PP (context
-parallelism 1) must be their number, given by ``--tensor-model-parallel-size`` and
-``--pipeline-model-parallel-size`` (the checkpoint does not record the layout it was written
-at, and loads at any whose vocabulary padding matches). The training batch flags are not
-checked against the process count: nothing trains.
-
-Generation stops, as transformers' does, after the first end-of-sequence token (included in
-the output), at most ``--max-new-tokens`` tokens: the EOS ids are those of the Hugging Face
-checkpoint it was converted from (:func:`end_of_sequence_ids`); ``--ignore-eos`` produces
-exactly ``--max-new-tokens``. ``--json`` prints ``{"prompt_ids": [...], "output_ids": [...]}``.
-The tokenizer is the one stored with the checkpoint unless ``--tokenizer-type``/
-``--tokenizer-model`` are given (:func:`mcore_flash.runtime.tokenizer.run_tokenizer`); ``--prompt``
-is encoded without special tokens (no BOS), as Megatron-LM's tokenizers do.
+Invariants: the processes are one model replica (TP x PP = ``WORLD_SIZE``, CP 1, no sequence
+parallelism); token ids are ints of the real vocabulary (padding rows are never chosen);
+every rank gets the same tokens (the last pipeline stage's first TP rank's); one ``--seed``
+gives one output on any device and layout (:class:`Sampling`); generation ends after the
+first end-of-sequence id (:func:`end_of_sequence_ids`) or at ``--max-new-tokens``. Answers to
+megatron-core's static-batching KV cache (``StaticInferenceContext``, as its static inference
+engine uses it: :func:`_cached_steps`), to transformers' ``generate`` (sampling order,
+stopping) and chat templates (:mod:`mcore_flash.data.chat_template`), and to Megatron-LM's
+flag names. The manual (flags, KV cache, sampling, ``--chat``, layout, stopping, tokenizer):
+docs/conversion.md, section "``generate``".
 """
 
 from __future__ import annotations
@@ -291,7 +264,13 @@ def end_of_sequence_ids(common: dict) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen from the last position's logits (module docstring)."""
+    """How the next token is chosen from the last position's logits over the real vocabulary
+    (padding rows are never chosen): greedy (the argmax) unless ``temperature`` > 0. Then the
+    logits are divided by ``temperature``, cut to the ``top_k`` largest (ties with the K-th
+    kept) and then to the smallest set of most probable tokens whose probability reaches
+    ``top_p`` (transformers' order), and one token is drawn from their softmax, in float64, by
+    ``torch.multinomial`` with a CPU generator seeded with ``seed`` (``--seed``, default 1234):
+    a seed gives the same tokens on every device (docs/conversion.md, "``generate``")."""
 
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: no limit

@@ -1,26 +1,22 @@
 """``mcore-flash evaluate``: did the context extension work?
 
-    mcore-flash evaluate --load DIR --task needle [--lengths 256,512] [--depths 0,0.25,0.5,0.75,1]
-                         [--num-samples 100] [--needle-length K] [--json] [--plot grid.png]
-    mcore-flash evaluate --load DIR --task loss-by-position [--data-path P] [--num-samples 100]
-                         [--json] [--plot loss.png]
-    mcore-flash evaluate --load DIR --task perplexity --input FILE.txt|FILE.jsonl [--stride S]
-                         [--json-key text] [--json]
-    mcore-flash evaluate --load DIR --task perplexity --data-path P [--num-samples 100] [--json]
+Provides :func:`main` (the CLI), :func:`resolve` (the flags as an :class:`EvaluateConfig`:
+evaluate's own flags, frozen, defaults resolved and checked, plus ``run``, the trainer's
+:class:`~mcore_flash.runtime.config.TrainingConfig`), :func:`evaluate` (one task's JSON-ready
+result, the same on every rank) and :func:`format_table`. The model is built as
+``mcore-flash pretrain`` builds it (its flags; those left out come from the checkpoint, as
+with ``--use-checkpoint-args``) and runs under ``torchrun`` with TP, PP and CP. The tasks:
 
-The model is built as ``mcore-flash pretrain`` builds it (its flags; those left out come from
-the checkpoint, as with ``--use-checkpoint-args``) and runs under ``torchrun`` with TP, PP and
-CP. ``needle``: :mod:`mcore_flash.evaluation.needle` (haystack: held-out ``--data-path``
-documents, else the built-in digits; byte tokenizer). ``loss-by-position``:
-:mod:`mcore_flash.evaluation.loss_by_position` over held-out sequences of ``--seq-length``
-tokens: the validation split of ``--data-path`` (``--split``), else fresh documents of the
-built-in task. ``perplexity``: :mod:`mcore_flash.evaluation.perplexity` (mean loss in
-nats/token, its exp, the token count) of ``--input`` texts in transformers' sliding windows of
-``--seq-length`` tokens moving by ``--stride``, or of the validation split's samples of
-``--data-path`` (the trainer's validation loss). Lengths beyond the model's
-``--max-position-embeddings`` need a RoPE extension (``--use-rope-scaling`` or
-``--rotary-seq-len-interpolation-factor``) or a raised ``--max-position-embeddings`` on this
-command.
+* ``needle``: :mod:`mcore_flash.evaluation.needle` (haystack: held-out ``--data-path``
+  documents, else the built-in digits; byte tokenizer);
+* ``loss-by-position``: :mod:`mcore_flash.evaluation.loss_by_position` over held-out
+  ``--seq-length`` sequences (validation split of ``--data-path``, else the built-in task);
+* ``perplexity``: :mod:`mcore_flash.evaluation.perplexity` (mean loss in nats/token, its exp,
+  the token count) of ``--input`` texts in transformers' sliding windows, or of the validation
+  split's samples of ``--data-path`` (the trainer's validation loss).
+
+Lengths beyond ``--max-position-embeddings`` need a RoPE extension or a raised one; bad flags
+are ValueErrors naming the flag (exit status 2). The manual: docs/evaluate.md.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def init_distributed(config: TrainingConfig) -> str:
     for those is 30 minutes; Megatron-LM passes its flag to both, as here). The minutes are
     a float, where Megatron-LM takes an int: every value it accepts means the same here,
     and a test can ask for a few seconds through the flag itself (0.1 = 6 s) instead of a
-    switch that only tests would use. The watchdog (:mod:`.watchdog`) uses the same limit
+    switch that only tests would use. The watchdog (:mod:`mcore_flash.training.watchdog`) uses the same limit
     per iteration and per save.
     """
     device = platform.setup()

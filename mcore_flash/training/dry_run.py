@@ -1,40 +1,20 @@
 """``mcore-flash pretrain --dry-run``: check a cluster launch on one CPU, allocating next to nothing.
 
-The flags are validated for ``WORLD_SIZE`` ranks; then, in a fake process group of that size
-(this process is rank 0 of it: megatron sees the real TP/PP/CP/DP layout, collectives are
-no-ops), for every pipeline stage:
-
-1. its model (its model chunks with the interleaved schedule) is built on the meta device at
-   the full shape and its parameters are counted;
-2. it is built again the way the trainer builds it for training, by the trainer's own
-   functions (:mod:`.setup`): the model chunks in megatron's ``DistributedDataParallel`` (or
-   Megatron-FSDP), megatron's optimizer over them (distributed, precision-aware, offloaded:
-   as the flags say), the learning-rate scheduler, the model config's hooks and the batch
-   splitter. A flag that only those constructors read is checked by them, not by parsing alone.
-
-Step 2 cannot run on the meta device: megatron allocates its gradient and parameter buffers
-with an explicit device (``torch.cuda.current_device()``, which :mod:`mcore_flash.platform`
-maps to the CPU; Megatron-FSDP's buffers alike), so a 70B model's would take tens of GB. It
-runs on a **shrunk shape** instead: the same number of layers, attention heads and query
-groups, and every parallel, optimizer, offload, recompute, document and precision flag as
-given, but a hidden (and FFN) size of 2 per attention head and a vocabulary of 16 rows per
-tensor-parallel rank, so a stage's buffers and optimizer state take a few MB. The layer count
-is kept so that the flags that count layers (``--activation-offload-layers``,
-``--recompute-num-layers``, ``--num-layers-per-virtual-pipeline-stage``) mean what they mean
-at the full shape. The parameter counts (step 1) are the full shape's; whether the full
-shape's bytes fit is the planner's verdict, which ``mcore-flash pretrain --dry-run`` prints
-after this.
-
-``--optimizer-cpu-offload``: megatron-core's ``HybridDeviceOptimizer`` moves optimizer state
-off a device, and builds only on one (the CPU path refuses the flag, :mod:`.offload`). With it
-the dry run runs on the emulated Ascend NPU (:mod:`mcore_flash.emulation`, what
-``--emulate-npu`` rehearses), so the offloaded optimizer is built by megatron-core as on the
-cluster; without it, on the CPU.
-
-What one process of a fake world cannot check, and is left out: results of collectives
-(they do nothing). megatron's optimizer gets the fake data-parallel groups where it asks for
-gloo ones, and Megatron-FSDP's cross-rank check that the shards cover each tensor keeps its
-local half (:func:`_fsdp_checks_of_this_rank_only`).
+Provides :func:`dry_run` (its result is what ``pretrain --dry-run`` prints before the planner's
+verdict) and :func:`shrunk_config`. The flags are validated for ``WORLD_SIZE`` ranks; then, in
+a fake process group of that size (this process is rank 0: megatron sees the real TP/PP/CP/DP
+layout, collectives are no-ops), for every pipeline stage: step 1 builds its model chunks on
+the meta device at the full shape and counts their parameters (:func:`_count_parameters`);
+step 2 builds them again as the trainer does for training, by its own functions
+(:mod:`mcore_flash.training.setup`), at a shrunk shape (:func:`_build_for_training`), so a
+flag that only those constructors read is checked by them. The shrunk shape keeps the layers,
+heads, query groups and every other flag, with a hidden and FFN size of ``SHRUNK_HEAD_DIM``
+per head and ``SHRUNK_VOCAB_PER_TP_RANK`` vocabulary rows per TP rank: a few MB a stage.
+Parameter counts are the full shape's; whether its bytes fit is the planner's verdict. With
+``--optimizer-cpu-offload`` it runs on the emulated NPU (:mod:`mcore_flash.emulation`), else
+on the CPU. Left out: the results of collectives (megatron's optimizer gets fake gloo groups;
+Megatron-FSDP's shard check keeps its local half: :func:`_fsdp_checks_of_this_rank_only`).
+The manual: docs/pretrain.md, section "Checking a launch: ``--dry-run``".
 """
 
 from __future__ import annotations
@@ -126,7 +106,8 @@ def _fake_gloo_groups() -> None:
 
 
 def _count_parameters(config: TrainingConfig) -> dict:
-    """Step 1: every stage's model chunks on the meta device at the full shape, counted."""
+    """Step 1: every stage's model chunks (several with the interleaved schedule) on the meta
+    device at the full shape, counted."""
     from megatron.core import parallel_state
 
     _, vocab = tokenizer_and_vocab(config)
@@ -154,14 +135,24 @@ def _count_parameters(config: TrainingConfig) -> dict:
 
 def shrunk_config(config: TrainingConfig) -> TrainingConfig:
     """``config`` with the shrunk shape of step 2: hidden and FFN size 2 per attention head
-    (the heads, query groups and layers as given); every other flag as given."""
+    (the heads, query groups and layers as given); every other flag as given.
+
+    Step 2 cannot run on the meta device: megatron allocates its gradient and parameter
+    buffers with an explicit device (``torch.cuda.current_device()``, which
+    :mod:`mcore_flash.platform` maps to the CPU; Megatron-FSDP's buffers alike), so a 70B
+    model's would take tens of GB. The layer count is kept so that the flags that count layers
+    (``--activation-offload-layers``, ``--recompute-num-layers``,
+    ``--num-layers-per-virtual-pipeline-stage``) mean what they mean at the full shape."""
     hidden = SHRUNK_HEAD_DIM * config.num_attention_heads
     return dataclasses.replace(config, hidden_size=hidden, ffn_hidden_size=hidden)
 
 
 def _build_for_training(config: TrainingConfig) -> dict:
     """Step 2: each stage of the shrunk shape as the trainer sets it up for training
-    (:class:`.loop.PretrainRecipe` up to the checkpoint and the data); returns
+    (:class:`~mcore_flash.training.loop.PretrainRecipe` up to the checkpoint and the data): the
+    model chunks in megatron's ``DistributedDataParallel`` (or Megatron-FSDP), megatron's
+    optimizer over them (distributed, precision-aware, offloaded: as the flags say), the
+    learning-rate scheduler, the model config's hooks and the batch splitter; returns
     ``{"built": [{"model": wrapper class, "chunks": n, "optimizer": class}, per stage],
     "shrunk": {flag: value}}``."""
     from megatron.core import parallel_state

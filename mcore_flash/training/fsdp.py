@@ -1,29 +1,18 @@
 """ZeRO-3 in the trainer: megatron-core's Megatron-FSDP around the flash-spec GPTModel.
 
-``--use-megatron-fsdp`` wraps the model in megatron-core's ``FullyShardedDataParallel``
-(``distributed/fsdp/mcore_fsdp_adapter.py``) instead of its ``DistributedDataParallel``. It
-shards over the data x context parallel ranks what ``--data-parallel-sharding-strategy``
-names: ``optim`` the optimizer state (ZeRO-1), ``optim_grads`` also the gradients (ZeRO-2),
-``optim_grads_params`` also the weights (ZeRO-3: each FSDP unit's weights are all-gathered
-just before its forward and again before its backward, and freed after). The FSDP units are
-the transformer layers (ours subclass megatron's ``TransformerLayer``) and the embedding;
-the output layer and the final norm stay in one group of their own.
-
-What the trainer sets, and why (the planner models the same, :mod:`mcore_flash.planning`):
-
-* ``grad_reduce_in_fp32`` (fp32 main gradients, as without FSDP; bf16 with
-  ``--grad-reduce-in-bf16``), and on megatron-core 0.19, which ignores that field under FSDP,
-  ``megatron_fsdp_main_grads_dtype`` of the same dtype;
-* ``suggested_communication_unit_size`` = 2 x the parameter elements of one layer: the unit
-  being computed plus one prefetched; left unset, megatron floors it at 10^9 elements
-  (``megatron_fsdp.py``), which prefetches whole small models and about 9 layers of a 70B;
-* ``fsdp_double_buffer`` off (buffers are allocated and freed by ``resize_``);
-* ``gradient_reduce_div_fusion`` off: the per-token loss passes no scaling factor, and
-  NCCL's PREMUL_SUM does not exist on gloo or HCCL (:mod:`mcore_flash.platform`'s
-  ``megatron_fsdp_premul_sum`` covers any other configuration).
-
-The device adaptations Megatron-FSDP needs (mesh device type, streams, ``current_device()``
-formatted into a CUDA device string, PREMUL_SUM) live in :mod:`mcore_flash.platform`.
+Provides :func:`fully_sharded` (``--use-megatron-fsdp``: this rank's model in megatron-core's
+``FullyShardedDataParallel``, ``distributed/fsdp/mcore_fsdp_adapter.py``, instead of its
+``DistributedDataParallel``), :func:`ddp_config` (the settings the trainer runs it with, and
+why) and :func:`layer_elements`. It shards over the data x context parallel ranks what
+``--data-parallel-sharding-strategy`` names: ``optim`` the optimizer state (ZeRO-1),
+``optim_grads`` also the gradients (ZeRO-2), ``optim_grads_params`` also the weights (ZeRO-3:
+each FSDP unit's weights are all-gathered just before its forward and again before its
+backward, and freed after). The FSDP units are the transformer layers (ours subclass
+megatron's ``TransformerLayer``) and the embedding; the output layer and the final norm stay
+in one group of their own. The planner models the same (:mod:`mcore_flash.planning`). The
+device adaptations Megatron-FSDP needs (mesh device type, streams, ``current_device()``
+formatted into a CUDA device string, PREMUL_SUM) live in :mod:`mcore_flash.platform`. The
+manual: docs/pretrain.md, section "ZeRO-3: Megatron-FSDP".
 """
 
 from __future__ import annotations
@@ -47,7 +36,21 @@ def layer_elements(model: torch.nn.Module) -> int:
 
 
 def ddp_config(config, model: torch.nn.Module):
-    """megatron's ``DistributedDataParallelConfig`` for Megatron-FSDP as the trainer runs it."""
+    """megatron's ``DistributedDataParallelConfig`` for Megatron-FSDP as the trainer runs it.
+
+    What it sets, and why (the planner models the same, :mod:`mcore_flash.planning`):
+
+    * ``grad_reduce_in_fp32`` (fp32 main gradients, as without FSDP; bf16 with
+      ``--grad-reduce-in-bf16``), and on megatron-core 0.19, which ignores that field under
+      FSDP, ``megatron_fsdp_main_grads_dtype`` of the same dtype;
+    * ``suggested_communication_unit_size`` = 2 x the parameter elements of one layer: the
+      unit being computed plus one prefetched; left unset, megatron floors it at 10^9 elements
+      (``megatron_fsdp.py``), which prefetches whole small models and about 9 layers of a 70B;
+    * ``fsdp_double_buffer`` off (buffers are allocated and freed by ``resize_``);
+    * ``gradient_reduce_div_fusion`` off: the per-token loss passes no scaling factor, and
+      NCCL's PREMUL_SUM does not exist on gloo or HCCL
+      (:mod:`mcore_flash.platform.megatron_fsdp_premul_sum` covers any other configuration).
+    """
     from megatron.core.distributed import DistributedDataParallelConfig
 
     fields = {field.name for field in dataclasses.fields(DistributedDataParallelConfig)}

@@ -1,26 +1,19 @@
 """Hang detection: a rank that makes no progress for the timeout dumps its stacks and exits.
 
-One daemon thread per rank. The loop arms it at the start of every iteration
-(:meth:`Watchdog.begin_iteration`) and of every save (:meth:`Watchdog.begin_save`); hooks
-(:meth:`Watchdog.install`) mark each step of progress inside the armed work and name it: each
-micro-batch's forward and backward, the gradient reduction, the optimizer, what follows the
-update (the loss and stop-signal all-reduces, logging). Each mark moves the deadline, so an
-iteration of any number of micro-batches is never killed for its length; the limit bounds the
-longest single phase. When the rank has made no progress for ``--distributed-timeout-minutes``,
-the thread
-
-1. writes every thread's Python stack to stderr (``faulthandler.dump_traceback``),
-2. writes one line naming the rank (global rank and its TP/PP/CP/DP coordinates), the
-   iteration, the phase, and that the last complete checkpoint in ``--save`` is where to
-   resume,
-3. ends the process with ``os._exit(EXIT_CODE)`` (no ``finally`` or ``atexit`` runs: the main
-   thread is stuck), so ``torchrun`` ends the job non-zero and the scheduler can restart it
-   with ``--load``.
-
-The same limit bounds every collective (:func:`.distributed.init_distributed`): a collective
-starts after the phase that contains it, so this watchdog fires first, and it fires on the
-stuck rank too, which has no collective in flight to time out. It needs the
-stuck call to release the GIL, as collectives, device synchronizations and sleeps do.
+Provides :class:`Watchdog` (one daemon thread per rank), :func:`start` (this rank's, for a
+training run) and ``EXIT_CODE`` (3). The loop arms it at the start of every iteration,
+validation and save (:meth:`Watchdog.begin_iteration`, :meth:`~Watchdog.begin_evaluation`,
+:meth:`~Watchdog.begin_save`); each mark of progress (:meth:`Watchdog.phase`, also from the
+hooks of :meth:`Watchdog.install`) moves the deadline, so the limit bounds the longest single
+phase, never an iteration's length. The limit is ``--distributed-timeout-minutes``
+(Megatron-LM's flag; ``timeout_s`` in seconds), the one that bounds every collective
+(:func:`mcore_flash.runtime.distributed.init_distributed`): a collective starts after the
+phase that contains it, so this watchdog fires first, and it fires on the stuck rank too,
+which has no collective in flight to time out. Firing (:meth:`Watchdog._fire`) writes every
+thread's Python stack and one line naming the rank, its work and phase and where to resume,
+then ends the process with ``os._exit(EXIT_CODE)``, so ``torchrun`` ends the job non-zero. It
+needs the stuck call to release the GIL, as collectives, device synchronizations and sleeps
+do. The manual: docs/fault-tolerance.md, section "A hung rank".
 """
 
 from __future__ import annotations
@@ -140,8 +133,18 @@ class Watchdog:
                     self._fire()
 
     def _fire(self) -> None:
-        """Stacks, the line, exit: written to file descriptor 2 itself, as ``sys.stderr`` may
-        be redirected to a buffer that ``os._exit`` would drop."""
+        """When the armed work made no progress for ``timeout_s``:
+
+        1. writes every thread's Python stack to stderr (``faulthandler.dump_traceback``),
+        2. writes one line naming the rank (global rank and its TP/PP/CP/DP coordinates), the
+           work (iteration, validation or save), the phase, and that the last complete
+           checkpoint in ``--save`` is where to resume,
+        3. ends the process with ``os._exit(EXIT_CODE)`` (no ``finally`` or ``atexit`` runs:
+           the main thread is stuck), so ``torchrun`` ends the job non-zero and the scheduler
+           can restart it with ``--load``.
+
+        Stacks and line are written to file descriptor 2 itself, as ``sys.stderr`` may be
+        redirected to a buffer that ``os._exit`` would drop."""
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
