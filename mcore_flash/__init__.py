@@ -1,11 +1,13 @@
 """mcore_flash: fused FlashAttention for Megatron-Core, for long-context training.
 
-Layers (imports point down only): ``mcore_flash.emulation`` (an emulated Ascend device
-and torch_npu, torch only), ``mcore_flash.ops`` (attention kernels, no Megatron),
-``mcore_flash.platform`` (the device adapter), ``mcore_flash.transformer`` (Megatron
-modules and specs), then training, planning and the CLI (``--emulate-npu`` installs the
-emulation, as does the dry run of an optimizer-offload layout,
-:mod:`mcore_flash.training.dry_run`; nothing else imports it).
+Layers, lowest first (imports point down only; ``tests/test_layers.py`` declares and checks
+them): the leaves; ``emulation`` (an emulated Ascend device and torch_npu, torch only),
+``ops`` (attention kernels, no Megatron), ``platform`` (the device adapter);
+``transformer`` (Megatron modules and specs); ``data``, ``planning`` (pure Python),
+``optim``; ``checkpoint``; ``runtime`` (flags, config, model, a trained model);
+``conversion``; ``training``, ``evaluation``, ``generate``; the other CLIs. The emulation is
+installed by ``--emulate-npu`` and by the dry run of an optimizer-offload layout
+(:mod:`mcore_flash.training.dry_run`); nothing else imports it.
 """
 
 __version__ = "0.1.0"
