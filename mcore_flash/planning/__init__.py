@@ -1,4 +1,5 @@
-"""Memory planner: per-device bytes of a Megatron-Core layout with the fused attention.
+"""Memory planner: per-device bytes of a Megatron-Core layout with the fused attention, its
+predicted step time and the layouts that fit (docs/planner.md, docs/step-time.md).
 
     from mcore_flash.planning import Layout, plan_memory, search_layouts, plan_for_recipe
     from mcore_flash.planning.report import format_plan
@@ -7,36 +8,26 @@
                        device_memory="64GB")
     plan.fits, plan.per_device, plan.to_dict(), print(format_plan(plan))
 
-The modules form a one-way stack, lowest first (tests/planning/test_planning_layers.py holds it):
-``units``, ``models``, ``hardware`` (byte sizes, model shapes, device profiles) ->
-``activations``, ``flops``, ``parameters`` (the per-layer terms) -> ``fsdp`` -> ``layout``
-(the :class:`Layout` and its launch flags) -> ``communicators``, ``ddp_state`` (a rank's
-communicators, its DDP state bytes) -> ``plans`` (the plan types) -> ``host_offload`` ->
-``memory``, ``step_time``, ``compare`` (a plan, a step time, standard vs fused) ->
-``timeouts`` -> ``fitting`` (one layout up the memory ladder) -> ``search`` -> ``recipes``
--> ``report`` (text) -> ``cli``.
+The modules form a one-way stack, lowest first, declared and checked by
+tests/planning/test_planning_layers.py (``LAYERS``; docs/planner.md says what each holds).
 Inside the stack a model is a :class:`ModelShape`, a device a :class:`HardwareProfile`
 and a size an int of bytes. This package's functions also take preset names (``"tiny"``,
 ``"llama2-70b"``), profile names or JSON paths (``"h100-80g"``) and sizes (``"64GB"``):
-they resolve them once and call the stack (:func:`_resolving`).
-
-Pure Python: nothing here imports torch or megatron-core (the real model the formulas are
-checked against is :func:`mcore_flash.benchmarks.models.build_flash_gpt`'s). The per-layer
-activation terms (:mod:`.activations`) are checked against the bytes measured by
-:func:`mcore_flash.measured_memory.measure_activation_bytes` (tests/planning/test_planning.py).
+they resolve them once and call the stack (:func:`_resolving`). Pure Python: nothing here
+imports torch, megatron-core or another mcore_flash package.
 """
 
 import functools
 import inspect
 
-from . import activations as _activations
+from . import activation_bytes as _activation_bytes
 from . import compare as _compare
 from . import flops as _flops
 from . import memory as _memory
 from . import parameters as _parameters
 from . import search as _search
 from . import step_time as _step_time
-from .activations import (
+from .activation_bytes import (
     PROFILES,
     RECOMPUTE_MODES,
     Profile,
@@ -48,8 +39,8 @@ from .activations import (
 )
 from .flops import pipeline_bubble
 from .hardware import HARDWARE_PROFILES, HardwareProfile, load_hardware
-from .layout import Layout
 from .models import MODELS, ModelShape, get_model
+from .parallel_layout import Layout
 from .parameters import optimizer_bytes_per_parameter
 from .plans import CATEGORIES, ESTIMATED_CATEGORIES, MemoryPlan, launch_command
 from .recipes import RECIPE_70B_128K, plan_for_recipe
@@ -88,8 +79,8 @@ def _resolving(function):
     return resolved
 
 
-layer_terms = _resolving(_activations.layer_terms)
-non_layer_terms = _resolving(_activations.non_layer_terms)
+layer_terms = _resolving(_activation_bytes.layer_terms)
+non_layer_terms = _resolving(_activation_bytes.non_layer_terms)
 compare_standard = _resolving(_compare.compare_standard)
 forward_flops = _resolving(_flops.forward_flops)
 step_flops = _resolving(_flops.step_flops)

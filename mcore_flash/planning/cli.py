@@ -1,31 +1,19 @@
 """``mcore-flash plan``: per-device memory of a layout, a layout search, standard vs fused.
 
-    mcore-flash plan --model llama2-70b --seq-length 131072 --tp 8 --pp 2 --cp 16 \\
+    mcore-flash plan --model llama2-70b --seq-length 131072 --tp 8 --pp 2 --cp 16 \
         --num-devices 256 --recompute attention --device-memory 64GB [--json]
     mcore-flash plan --search --num-devices 256 --device-memory 64GB [--top 5]
     mcore-flash plan --compare-standard --model llama2-7b [--tp 1]
 
-``--hardware ascend-910b-64g|h100-80g|h200-141g|profile.json`` (default ascend-910b-64g)
-adds the predicted step time, tokens/s per device, MFU and their breakdown
-(:mod:`.step_time`); ``--search`` ranks the fitting layouts by that step time.
-``--mean-document-length N`` (tokens, e.g. 8K) plans sequences that pack documents of N
-tokens on average with document masking: attention FLOPs (and so the recompute overhead
-and the search's ranking) scale by N / seq-length; the memory does not change.
-
-Host offload (the ladder's 4th rung): ``--optimizer-cpu-offload [--optimizer-offload-fraction F]``
-and ``--activation-offload-layers N`` plan a layout with them (device and host bytes, the
-copies' and the host optimizer step's time); ``--host-memory`` is the host memory per node
-(default the profile's); ``--search`` climbs to offload when nothing fits on ZeRO-3 and,
-when nothing fits even there with fp32 main gradients, tries bf16 main gradients
-(``--grad-reduce-in-bf16``, the rung's narrower state; the flag plans a layout, or every
-layout of ``--search``, with them), then bf16 host moments as well (``--exp-avg-dtype bf16
---exp-avg-sq-dtype bf16``, the whole optimizer offloaded; the flags plan a layout, or every
-offloaded layout of ``--search``, with them), and when nothing fits then either says by how
-much and what closes the gap; ``--sensitivity``
-shows how the prediction moves when each figure the profile marks an assumption halves or
-doubles.
-
-Megatron-LM's long flag names (``--tensor-model-parallel-size`` ...) are accepted too.
+:func:`main` (``argv`` -> exit status) resolves ``--model``, ``--hardware`` and the sizes
+once (:func:`resolve`) and prints a layout's plan with its predicted step time on
+``--hardware`` (:mod:`.step_time`), the search's fitting layouts ranked by that step time,
+or the standard vs fused comparison: text, or JSON with ``--json``. Exit status: 0; 1 when
+the layout does not fit or the search finds nothing; 2 on an argument it refuses (the
+message names the flag). Megatron-LM's long flag names (``--tensor-model-parallel-size``
+...) are accepted too. What each flag plans (packed documents, Megatron-FSDP, host offload
+and the search's climb to it, bf16 main gradients and host moments, ``--sensitivity``):
+docs/planner.md, docs/step-time.md and ``--help``.
 """
 
 from __future__ import annotations
@@ -35,14 +23,14 @@ import json
 import sys
 from typing import NamedTuple, Optional
 
-from .activations import PROFILES
+from .activation_bytes import PROFILES
 from .compare import DEFAULT_SEQ_LENGTHS, compare_standard
 from .flops import check_mean_document_length
 from .fsdp import FSDP_STRATEGIES, PLANNED_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile, load_hardware
-from .layout import HOST_MOMENT_BYTES, Layout
 from .memory import MIN_FREE_SHARE, plan_memory
 from .models import MODELS, ModelShape, get_model
+from .parallel_layout import HOST_MOMENT_BYTES, Layout
 from .report import (
     format_candidate,
     format_compare,

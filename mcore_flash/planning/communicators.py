@@ -1,46 +1,26 @@
 """The HCCL communicators a training rank opens, and the device memory they hold outside
 any allocator (issue 47).
 
-CANN 8.5's HCCL guide ("HCCL_BUFFSIZE", hiascend.com canncommercial/850 hcclug_000076):
-every communicator exclusively holds 2 x ``HCCL_BUFFSIZE`` of device memory (default
-200 MB) for sending and receiving, outside torch's allocator. torch_npu 2.13's ``ProcessGroupHCCL``
-(``torch_npu/csrc/distributed/ProcessGroupHCCL.cpp``, Ascend/pytorch tag
-``v26.2.0-beta.1-pytorch2.13.0``) opens them lazily, at the first operation on a device:
-
-* a collective (a barrier is an all-reduce: ``ProcessGroupHCCL::barrier``) and a batched
-  point-to-point exchange (``batch_isend_irecv``: ``endCoalescing`` and
-  ``batch_isend_irecv_inner``) run on one communicator per group and device, keyed
-  ``getKeyFromDevices`` in ``getHCCLComm``; a rank drives one NPU, so one per group, of
-  ``HCCL_BUFFSIZE``;
-* a send or receive outside a batch (``pointToPoint``) runs on a 2-rank communicator per
-  peer pair of the group, keyed ``getKeySendRecv(rank, peer)`` and created with
-  ``HcclCommType::P2P`` and ``P2P_HCCL_BUFFSIZE`` (``OptionsManager::GetP2PBufferSize``:
-  default 20 MB; torch_npu's ``docs/zh/api/environment_variable/collective_communication/
-  P2P_HCCL_BUFFSIZE.md``: 2 x that each - it names ``batch_isend_irecv`` too, but the code
-  runs a batch as above), provided ``P2P_HCCL_BUFFSIZE`` >= 1 and CANN has
-  ``HcclCommInitRootInfoConfig``; with 0 it runs on the group's collective communicator.
-
-Two process groups of the same ranks are two ``ProcessGroupHCCL`` backends with
-communicators of their own: megatron's groups count by name, not by ranks.
-
-Which groups the trainer uses (megatron-core 0.16.1 and ``mcore_flash/training``; measured
-on the emulated NPU, whose HCCL-strict groups record each communicator as torch_npu keys
-it: ``mcore_flash/emulation/hccl.py``, tests/emulation/test_hccl_communicators.py) is
-:func:`stage_communicators`'s contract. Pure Python: no torch, no megatron.
-
-ASSUMPTIONS (no source found): a 1-rank group's communicator holds its buffers too
-(torch_npu opens it - ``ProcessGroupHCCL`` has no size-1 shortcut - and the HCCL guide
-names no exception); MB is 2**20 bytes; no group gets its own ``hccl_buffer_size``
-(``pg_options``: megatron passes them only with ``--nccl-communicator-config-path``,
-which the trainer lacks).
+:func:`stage_communicators` names the groups a rank of a pipeline stage opens a collective
+communicator on and those of its point-to-point communicators (its docstring: each rule
+with the megatron-core 0.16.1 or ``mcore_flash/training`` code it answers to);
+:func:`hccl_communicators` picks the layout's worst rank; :meth:`HcclCommunicators.buffer_bytes`
+gives the device bytes they hold: 2 x ``HCCL_BUFFSIZE`` per collective communicator, 2 x
+``P2P_HCCL_BUFFSIZE`` per point-to-point one (bytes; MB = 2**20 bytes). Groups count by
+name (megatron's ``group_desc``), not by ranks: two process groups of the same ranks hold
+communicators of their own. The rules are measured on the emulated NPU, whose HCCL-strict
+groups record each communicator as torch_npu keys it (``mcore_flash/emulation/hccl.py``,
+tests/emulation/test_hccl_communicators.py). Pure Python: no torch, no megatron. The
+sources (CANN's HCCL guide, torch_npu's ``ProcessGroupHCCL``) and the assumptions:
+docs/planner.md ("HCCL's buffers").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import Layout
 from .models import ModelShape
+from .parallel_layout import Layout
 from .units import MiB
 
 __all__ = [

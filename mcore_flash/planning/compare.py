@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional
 
-from . import activations as act
+from . import activation_bytes as act
 from .models import ModelShape
 
 __all__ = ["compare_standard", "DEFAULT_SEQ_LENGTHS"]

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
-from .layout import HOST_MOMENT_BYTES, Layout
 from .models import ModelShape
+from .parallel_layout import HOST_MOMENT_BYTES, Layout
 from .parameters import optimizer_order, stage_ddp_buffers
 from .units import BF16_BYTES, FP32_BYTES
 
@@ -124,7 +124,7 @@ def rank_shards(
 ) -> tuple[RankShard, ...]:
     """Every rank's :class:`RankShard` of pipeline stage ``stage`` over ``ranks`` (dp x cp),
     offloading ``fraction``: megatron's buffers (:func:`.parameters.stage_ddp_buffers`, with
-    ``bucket_size``: :attr:`.layout.Layout.ddp_bucket_size`), each rank's shard, its
+    ``bucket_size``: :attr:`.parallel_layout.Layout.ddp_bucket_size`), each rank's shard, its
     parameters in the optimizer's order (:func:`.parameters.optimizer_order`) and
     :func:`offloaded_parameters` of them."""
     buffers = stage_ddp_buffers(model, tp, pp, vp, stage, ranks, bucket_size)

@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from .hardware import HOST_FIELDS, HardwareProfile
-from .layout import Layout
 from .memory import plan_memory
 from .models import ModelShape
+from .parallel_layout import Layout
 from .plans import MemoryPlan
 
 __all__ = [

@@ -1,29 +1,17 @@
-"""Compute-overhead estimates used to rank layouts: recompute FLOPs and the pipeline bubble.
+"""FLOPs of a layout's compute, used to rank layouts: per-layer forward FLOPs, a step's, the
+recompute overhead and the pipeline bubble.
 
-Forward FLOPs per micro-batch (2 per multiply-add), causal attention:
-
-    projections + MLP (per layer):  2*b*s*(h*(a+2g)*d + a*d*h + h*f*(3 if SwiGLU else 2))
-    attention kernel  (per layer):  2*b*s*D*a*d        QK^T and PV, half of them masked
-    logits:                         2*b*s*h*V
-
-``D`` is the mean document length (tokens): a sample of ``s`` tokens packs ``s/D``
-documents of ``D`` tokens each and attention runs per document (document masking), so the
-kernel's ``s^2`` becomes ``(s/D)*D^2 = s*D``, i.e. ``D/s`` of the dense causal FLOPs.
-Without a mean document length ``D = s`` (one document fills the sample). Equal-length
-documents are a lower bound: any length distribution with the same mean has a larger
-``sum(len^2)``. The other terms are linear in ``s`` and do not depend on ``D``.
-
-Backward costs twice the forward for a GEMM (input and weight gradients). For a fused
-(flash) attention kernel it costs 2.5x: its backward recomputes QK^T from the saved
-logsumexp and then runs four more matmuls (dV, dP, dQ, dK) against the forward's two; an
-unfused kernel keeps the probabilities and needs only the four (2x). Recompute adds one
-forward of what it recomputes: ``full`` the whole layer, ``attention`` each layer's
-attention sub-block (QKV projection, attention kernel, output projection), ``core_attention``
-(Megatron's stock selective recompute) the attention kernel alone, ``qkv`` the QKV
-projection alone (``2*b*s*h*(a+2g)*d``; its input norm and RoPE are elementwise and, like
-every elementwise op here, not counted). The 1F1B bubble is
-``(pp-1)/(v*m)`` of the ideal step time (``v`` virtual stages per rank, ``m`` micro-batches
-per step).
+Units: 2 FLOPs per multiply-add; causal attention counts the unmasked half of QK^T and PV.
+:func:`forward_flops` gives one micro-batch's forward FLOPs per layer (projections,
+attention kernel, MLP) and once the logits; :func:`step_flops` one sequence's forward and
+backward without recompute (a GEMM's backward :data:`GEMM_BACKWARD` x its forward, a fused
+attention kernel's :data:`FUSED_ATTENTION_BACKWARD` x); :func:`recompute_overhead` the
+extra FLOPs of a recompute mode as a fraction of :func:`step_flops`; :func:`pipeline_bubble`
+the 1F1B bubble as a fraction of the ideal step time. A ``mean_document_length`` ``D``
+(tokens: packed documents with document masking, in ``[1, s]``,
+:func:`check_mean_document_length`; None: one document per sequence, ``D = s``) changes
+only the attention kernel's FLOPs, by ``D/s``. The formulas: each function's docstring;
+packed documents: docs/planner.md; how the step time uses them: docs/step-time.md.
 """
 
 from __future__ import annotations
@@ -79,7 +67,19 @@ def forward_flops(
     """Forward FLOPs of one micro-batch of ``micro_batch_size`` sequences of ``seq_length``
     tokens: per layer ``attention_projections`` (QKV and output projection),
     ``attention_kernel`` (QK^T, PV; over documents of ``mean_document_length`` tokens when
-    given) and ``mlp``; once ``logits``."""
+    given) and ``mlp``; once ``logits``. With ``b`` sequences of ``s`` tokens, ``D`` the
+    mean document length (``s`` without one):
+
+        attention_projections:  2*b*s*(h*(a+2g)*d + a*d*h)
+        attention_kernel:       2*b*s*D*a*d        QK^T and PV, half of them masked
+        mlp:                    2*b*s*h*f*(3 if SwiGLU else 2)
+        logits:                 2*b*s*h*V
+
+    A sample of ``s`` tokens packs ``s/D`` documents of ``D`` tokens each and attention runs
+    per document (document masking), so the kernel's ``s^2`` becomes ``(s/D)*D^2 = s*D``,
+    i.e. ``D/s`` of the dense causal FLOPs. Equal-length documents are a lower bound: any
+    length distribution with the same mean has a larger ``sum(len^2)``. The other terms are
+    linear in ``s`` and do not depend on ``D``."""
     block = attention_block_length(seq_length, mean_document_length)
     s, b, h, a, g, d, f = (
         float(seq_length),
@@ -105,7 +105,13 @@ def step_flops(
     mean_document_length: Optional[float] = None,
 ) -> float:
     """Forward + backward FLOPs of one sequence of ``seq_length`` tokens without recompute
-    (documents of ``mean_document_length`` tokens when given)."""
+    (documents of ``mean_document_length`` tokens when given).
+
+    Backward costs twice the forward for a GEMM (input and weight gradients). For a fused
+    (flash) attention kernel it costs 2.5x: its backward recomputes QK^T from the saved
+    logsumexp and then runs four more matmuls (dV, dP, dQ, dK) against the forward's two; an
+    unfused kernel (``fused_attention=False``) keeps the probabilities and needs only the
+    four (2x)."""
     fl = forward_flops(model, seq_length, mean_document_length=mean_document_length)
     kernel_backward = FUSED_ATTENTION_BACKWARD if fused_attention else GEMM_BACKWARD
     gemms = model.num_layers * (fl["attention_projections"] + fl["mlp"]) + fl["logits"]
@@ -123,7 +129,13 @@ def recompute_overhead(
 ) -> float:
     """Extra FLOPs of ``recompute`` (none, qkv, attention, full, core_attention) as a fraction of
     the step's FLOPs without recompute, for sequences of ``seq_length`` tokens (packing
-    documents of ``mean_document_length`` tokens when given)."""
+    documents of ``mean_document_length`` tokens when given).
+
+    Recompute adds one forward of what it recomputes: ``full`` the whole layer, ``attention``
+    each layer's attention sub-block (QKV projection, attention kernel, output projection),
+    ``core_attention`` (Megatron's stock selective recompute) the attention kernel alone,
+    ``qkv`` the QKV projection alone (``2*b*s*h*(a+2g)*d``; its input norm and RoPE are
+    elementwise and, like every elementwise op here, not counted)."""
     fl = forward_flops(model, seq_length, mean_document_length=mean_document_length)
     kernel, projections = fl["attention_kernel"], fl["attention_projections"]
     qkv_columns, output_columns = (
@@ -147,7 +159,8 @@ def recompute_overhead(
 
 
 def pipeline_bubble(pp: int, num_microbatches: Optional[int], vp: int = 1) -> float:
-    """1F1B (interleaved) bubble as a fraction of the ideal step time."""
+    """1F1B (interleaved) bubble as a fraction of the ideal step time: ``(pp-1)/(v*m)``
+    (``v`` virtual stages per rank, ``m`` micro-batches per step; ``pp`` when None)."""
     if pp == 1:
         return 0.0
     m = num_microbatches if num_microbatches else pp

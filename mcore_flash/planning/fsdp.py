@@ -2,36 +2,15 @@
 
 A pure-Python mirror of megatron-core's ``megatron_fsdp/param_and_grad_buffer.py``
 (0.16.1 and 0.19.x hold the same code; tests/planning/test_fsdp.py checks the mirror
-against megatron's own functions):
-
-* :func:`parameter_groups` mirrors ``_get_parameter_groups``: one group per FSDP unit module
-  (the trainer's units: the embedding and each transformer layer) and one per non-unit
-  (dtype, requires_grad) set (the final norm and the output layer); a ``shared_embedding``
-  parameter (tied embeddings split over pipeline stages) gets its own bucket; a non-unit
-  group is split once it reaches ``bucket_size`` elements; each group's
-  ``chunk_size_factor`` is the lcm of its parameters' ``shape[1:]`` element counts (after
-  megatron's sort by that count).
-* :func:`buffer_offsets` mirrors ``build_data_parallel_buffer_index``: where each parameter
-  starts in its bucket (chunk-aligned, with megatron's gap filling); the bucket is padded to a
-  multiple of ``D * chunk_size_factor`` (``D`` = the sharding group, data x context parallel
-  ranks) for every strategy but ``no_shard``, and rank ``r`` holds elements
-  ``[r * size/D, (r+1) * size/D)`` of it.
-
-:func:`fsdp_bytes` turns the groups into bytes per device and strategy (``N`` = a group's
-padded elements, ``p`` = parameter bytes, 4 = fp32):
-
-==================== ========== ============ ============ =======================================
-strategy             weights    main params  gradients    transient
-==================== ========== ============ ============ =======================================
-no_shard             params     N·4          N·4          -
-optim                N·p        N/D·4        N·4          -
-optim_grads          N·p        N/D·4        N/D·4        queued unsharded grad buckets
-optim_grads_params   N/D·p      N/D·4        N/D·4        gathered units + grad buckets
-==================== ========== ============ ============ =======================================
-
-plus Adam's exp_avg and exp_avg_sq, 8 bytes per real (unpadded) element of this rank's shard
-(the largest over the ``D`` ranks). A buffer is sharded only when ``D > 1`` (megatron:
-``is_data_distributed=... and group.size() > 1``).
+against megatron's own functions): :func:`parameter_groups` (``_get_parameter_groups``)
+and :func:`buffer_offsets` (``build_data_parallel_buffer_index``) make a device's
+:class:`Bucket` s, their parameters' offsets and padding (:meth:`Bucket.size`);
+:func:`backward_moments` replays megatron's backward bucket by bucket; :func:`fsdp_bytes`
+gives the bytes of one device per strategy (:data:`FSDP_STRATEGIES`) and
+:func:`prefetched_after_step` what a step leaves gathered. Sizes are elements (a bucket's)
+or bytes (the results); ``D`` (``ranks``) is the sharding group, data x context parallel
+ranks; megatron releases are ``(major, minor)``. The bytes per strategy and how they were
+measured: docs/planner.md ("Megatron-FSDP (ZeRO-3)").
 """
 
 from __future__ import annotations
@@ -143,7 +122,10 @@ class Bucket:
 
     ``unit``: the FSDP unit module's name, or None (gathered and reduced as a non-unit
     group); ``names`` / ``shapes``: its parameters in buffer order; ``offsets``: where each
-    starts (elements); ``end``: the unpadded length; ``chunk_size_factor`` as megatron's."""
+    starts (elements); ``end``: the unpadded length; ``chunk_size_factor`` as megatron's.
+    The bucket is padded to a multiple of ``D * chunk_size_factor`` (``D`` = the sharding
+    group, data x context parallel ranks) for every strategy but ``no_shard``, and rank
+    ``r`` holds elements ``[r * size/D, (r+1) * size/D)`` of it."""
 
     unit: Optional[str]
     names: tuple[str, ...]
@@ -190,7 +172,15 @@ def parameter_groups(
 ) -> list[Bucket]:
     """Megatron-FSDP's parameter groups of one device's ``params`` (``named_parameters``
     order, all of one dtype and trainable), in megatron's order. ``bucket_size`` (elements;
-    the DDP config's ``bucket_size``, None as the trainer leaves it) splits non-unit groups."""
+    the DDP config's ``bucket_size``, None as the trainer leaves it) splits non-unit groups.
+
+    Mirrors megatron's ``_get_parameter_groups``: one group per FSDP unit module (the
+    trainer's units: the embedding and each transformer layer) and one per non-unit
+    (dtype, requires_grad) set (the final norm and the output layer); a ``shared_embedding``
+    parameter (tied embeddings split over pipeline stages) gets its own bucket; a non-unit
+    group is split once it reaches ``bucket_size`` elements; each group's
+    ``chunk_size_factor`` is the lcm of its parameters' ``shape[1:]`` element counts (after
+    megatron's sort by that count)."""
     groups: dict[Optional[str], list[ParameterShape]] = {}
     for param in params:
         groups.setdefault(param.unit, []).append(param)
@@ -425,10 +415,12 @@ def fsdp_bytes(
     element, plus the gradient buckets, ``grad_bytes`` an element, with the parameter-dtype
     gradient being copied into one, gradient-accumulation fusion being off;
     ``megatron_release`` picks 0.16's reduce-scatter into a new shard), split into its
-    gathered parameters and the rest. The two kinds peak apart (tiny-test at DP2: the
+    gathered parameters and the rest. The two kinds peak apart (the tests' tiny model at DP2: the
     gathered units in the last layer's backward, the gradient buckets at the embedding's),
     so each may be less here than its own largest (:func:`gathered_parameter_bytes`,
     :func:`gradient_transient_bytes`). All three are measured exactly on the emulated NPU.
+    A buffer is sharded only when ``ranks > 1`` (megatron: ``is_data_distributed=... and
+    group.size() > 1``). The byte table per strategy: docs/planner.md.
     """
     if strategy not in FSDP_STRATEGIES:
         raise ValueError(f"sharding strategy {strategy!r}: choose one of {FSDP_STRATEGIES}")

@@ -21,9 +21,9 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Optional
 
-from . import activations as act
+from . import activation_bytes as act
 from .hardware import HardwareProfile
-from .layout import Layout
+from .parallel_layout import Layout
 from .plans import HOST_CATEGORIES, HostPlan, StagePlan
 
 __all__ = [
@@ -49,7 +49,7 @@ def offload_stage_bytes(
     ``--activation-offload-layers N``, from the order of events of
     :mod:`mcore_flash.transformer.activation_offload` (docs/planner.md, "Activation
     offload"). Layer ``i`` keeps ``S_i``, leaves ``R_i`` on the device when parked and
-    fetches ``V_i`` back (:func:`.activations.offloaded_layer`; under partial recompute the
+    fetches ``V_i`` back (:func:`.activation_bytes.offloaded_layer`; under partial recompute the
     first ``recompute_num_layers`` layers are recomputed whole). Per micro-batch in flight the
     device holds the layers not offloaded, ``sum(S_i, i >= N)`` (``activations`` and
     ``attention_statistics``), and the ``R_i`` of the offloaded ones, plus on stages after the

@@ -1,46 +1,20 @@
-"""Per-device memory plan for one parallel layout: the breakdown and a fits / does-not-fit verdict.
+"""Per-device memory plan for one parallel layout: the breakdown and a fits / does-not-fit
+verdict (:func:`plan_memory`).
 
-For every pipeline stage (the worst one decides) the plan adds up, in bytes per device:
-
-* ``weights`` (bf16, 2 B/param), ``gradients`` (fp32 main grads, 4 B/param; with bf16 main
-  gradients, ``layout.grad_reduce_in_bf16``, 2 B/param plus the distributed optimizer's fp32
-  gradients of the shard it keeps on the device, 4 B per shard element: see
-  :func:`.ddp_state.device_gradient_bytes`) and
-  ``optimizer_state`` (fp32 master + Adam m, v: 12 B/param, divided by ``dp * cp`` with the
-  distributed optimizer) of the stage's parameters on one TP rank;
-* ``activations``: the per-layer terms of :mod:`.activations` (exact, validated against
-  measured saved bytes) x layers per stage x micro-batches in flight (1F1B: ``pp - i`` on
-  stage ``i``; interleaved with ``v`` chunks: ``2(pp-i-1) + (v-1)pp + 1`` chunks of
-  ``L/(pp*v)`` layers), without the attention statistics, which are
-  ``attention_statistics``;
-* ``embeddings_and_loss``: saved outside the layers (token ids, final norm, output-layer
-  input, the fp32 cross-entropy softmax), x micro-batches in flight on that stage;
-* estimates of transient buffers (not measured, marked so in the breakdown):
-  ``logits_buffers`` (last stage: the logits and their fp32 gradient),
-  ``recompute_workspace`` (the activations of the layer being recomputed plus the
-  largest gradients of a layer's backward), ``communication_buffers`` (sequence-parallel
-  all-gather output, pipeline send/receive, context-parallel ring K/V and dK/dV;
-  gradient reduce-scatter and the distributed optimizer's all-gather work in place in
-  Megatron's contiguous buffers), ``runtime_reserve`` (fixed, for the runtime, collective
-  library workspaces) and ``allocator_fragmentation`` (a fraction of the dynamic memory).
-
-With Megatron-FSDP (``layout.fsdp``) ``weights``, ``gradients`` and ``optimizer_state`` are
-:func:`.fsdp.fsdp_bytes`' (megatron's parameter groups and padding, sharded over
-``dp * cp`` as the strategy says), and two more categories, :data:`.fsdp.FSDP_CATEGORIES`,
-hold what FSDP holds unsharded at the backward's worst moment for the two together: the
-gathered units and the unsharded gradient buckets (:func:`.fsdp.backward_moments`). They are
-added to every layer's activations, which peak at the first layer's backward: where FSDP's
-worst moment comes later, the total overstates the peak by what was freed in between.
-
-Optimizer offload and bf16 main gradients with the distributed optimizer (megatron's DDP) are
-counted exactly, per data-parallel rank: :mod:`.ddp_state`. Host offload (the optimizer's
-and activations') and a node's host bytes: :mod:`.host_offload`. The plan's types:
-:mod:`.plans`.
-
-The plan's compute estimates (recompute overhead, pipeline bubble) come from :mod:`.flops`;
-a ``mean_document_length`` (packed documents) changes only the attention-kernel FLOPs
-there, never the bytes: whatever the mask, the fused attention keeps per-token tensors only
-(q, k, v, out and the softmax statistics).
+For every pipeline stage the plan adds up bytes per device by category
+(:data:`.plans.CATEGORIES`; with Megatron-FSDP also :data:`.fsdp.FSDP_CATEGORIES`, with
+activation offload :data:`.plans.OFFLOAD_CATEGORIES`); the worst stage decides. The
+estimates (:data:`.plans.ESTIMATED_CATEGORIES`) are marked so; the activations are
+:mod:`.activation_bytes`' exact per-layer terms x layers per stage x micro-batches in
+flight; weights, gradients and optimizer state come from :mod:`.parameters`, :mod:`.fsdp`
+(Megatron-FSDP) or :mod:`.ddp_state` (optimizer offload and bf16 main gradients, per
+data-parallel rank), the communicators' buffers from :mod:`.communicators`, host bytes from
+:mod:`.host_offload`. A plan fits when it leaves ``min_free_memory`` of the device free
+(default :data:`MIN_FREE_SHARE` of it) and the host (where its memory is known) holds its
+fullest node. The plan's types are :mod:`.plans`; its compute estimates (recompute
+overhead, pipeline bubble) come from :mod:`.flops`, where a ``mean_document_length``
+changes the attention FLOPs and never the bytes. What each category holds:
+docs/planner.md ("Per device").
 """
 
 from __future__ import annotations
@@ -50,15 +24,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
-from . import activations as act
+from . import activation_bytes as act
 from .communicators import P2P_HCCL_BUFFSIZE_BYTES, stage_communicators
 from .ddp_state import device_gradient_bytes, exact_ddp_stage, exact_ddp_state, main_gradient_bytes
 from .flops import pipeline_bubble, recompute_overhead
 from .fsdp import FSDP_CATEGORIES, fsdp_bytes, stage_groups
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
 from .host_offload import check_offloaded_layers, host_plan, offload_stage_bytes
-from .layout import Layout
 from .models import ModelShape
+from .parallel_layout import Layout
 from .parameters import (
     layer_parameters,
     optimizer_bytes_per_parameter,
@@ -338,7 +312,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """The per-device memory plan of ``model`` at ``seq_length`` (tokens) under ``layout``.
 
-    ``profile`` names the device behaviour (:data:`activations.PROFILES`; ``npu`` for the
+    ``profile`` names the device behaviour (:data:`.activation_bytes.PROFILES`; ``npu`` for the
     Ascend recipes) unless ``activation_profile`` gives one. ``device_memory`` (bytes) makes
     the verdict, which keeps ``min_free_memory`` (bytes; default :data:`MIN_FREE_SHARE` of
     ``device_memory``) of it free; ``runtime_reserve`` (bytes) is set aside for the runtime and collectives;

@@ -203,8 +203,6 @@ MODELS: dict[str, ModelShape] = {
         # h 128, ffn 352, 4 heads, 2 groups, 256 positions; the byte-level tokenizer's 258 ids
         # padded to 384 rows (--make-vocab-size-divisible-by 128 at TP 1).
         ModelShape("tiny", 2, 128, 352, 4, 2, 384, max_position_embeddings=256),
-        # The tests' tiny Llama (tests/_support/gpt_models.py): 2 layers, h 64, 4 heads, 2 groups, ffn 128.
-        ModelShape("tiny-test", 2, 64, 128, 4, 2, 128, max_position_embeddings=128),
     )
 }
 

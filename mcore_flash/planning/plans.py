@@ -2,7 +2,7 @@
 (:class:`HostPlan`), the whole plan (:class:`MemoryPlan`) and its launch command.
 
 :func:`.memory.plan_memory` makes them; the byte categories are :data:`CATEGORIES` (their
-meaning: :mod:`.memory`), with FSDP :data:`.fsdp.FSDP_CATEGORIES`, with activation offload
+meaning: docs/planner.md, "Per device"), with FSDP :data:`.fsdp.FSDP_CATEGORIES`, with activation offload
 :data:`OFFLOAD_CATEGORIES` and on the host :data:`HOST_CATEGORIES` (:mod:`.host_offload`).
 """
 
@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import activations as act
+from . import activation_bytes as act
 from .ddp_state import main_gradient_bytes
 from .fsdp import FSDP_CATEGORIES
-from .layout import (
+from .models import ModelShape
+from .parallel_layout import (
     Layout,
     fsdp_flags,
     gradient_flags,
@@ -23,7 +24,6 @@ from .layout import (
     pretrain_command,
     recompute_flags,
 )
-from .models import ModelShape
 
 __all__ = [
     "MemoryPlan",
@@ -137,7 +137,7 @@ class MemoryPlan:
     dtype_bytes: int
     total_parameters: int
     stages: list[StagePlan]
-    layer_terms: list  # activations.Term, one layer, one micro-batch, this layout
+    layer_terms: list  # activation_bytes.Term, one layer, one micro-batch, this layout
     device_memory: Optional[int]
     recompute_overhead: float
     pipeline_bubble: float

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Optional
 
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES
-from .layout import Layout
 from .memory import plan_memory
 from .models import ModelShape, get_model
+from .parallel_layout import Layout
 from .plans import MemoryPlan
 from .units import parse_bytes
 
@@ -92,8 +92,8 @@ def plan_for_recipe(
 def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> MemoryPlan:
     """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included)
     against ``device_memory`` (bytes or a size such as ``"64GB"``; None: the capacity of its
-    ``--hardware`` profile, by default the 910B's 60.97 GiB), with that profile's collective
-    library buffers.
+    ``--hardware`` profile, by default :data:`.hardware.DEFAULT_HARDWARE`'s), with that
+    profile's collective library buffers.
 
     Megatron's selective recompute counts as ``attention`` when it includes ``core_attn``
     (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``

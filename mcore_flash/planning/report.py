@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import activations as act
-from .layout import offload_text, recompute_text
+from . import activation_bytes as act
 from .models import ModelShape
+from .parallel_layout import offload_text, recompute_text
 from .plans import ESTIMATED_CATEGORIES, OFFLOAD_CATEGORIES, MemoryPlan, launch_command
 from .search import Candidate, OffloadGap
 from .step_time import BREAKDOWN_KEYS, FSDP_BREAKDOWN_KEYS, OFFLOAD_BREAKDOWN_KEYS, StepTime

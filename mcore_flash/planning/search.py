@@ -1,37 +1,17 @@
 """Layout search: every TP x PP x CP (x interleaving) x recompute choice that fits, ranked.
 
-A layout fits when it leaves ``min_free_memory`` of the device free (a :func:`plan_memory`
-keyword; the CLI's ``--min-free-memory``, default 5% of the capacity). Ranking (best first):
-the predicted step time on the hardware profile (:mod:`.step_time`:
-compute with recompute, exposed TP / CP-ring / PP / DP communication, the pipeline
-bubble); then less communication (smaller CP, PP, TP), then more free memory. The step-time
-model's exposed ring time replaces the former rule of thumb that ring CP needs >= 8K
-tokens per rank.
-
-The memory ladder: each layout is tried with each recompute mode (flash attention alone,
-then recompute, "recompute just enough" included); one that still does not fit climbs to
-ZeRO-3, Megatron-FSDP with each of ``fsdp_choices`` (``optim_grads_params``,
-``optim_grads``) over its ``dp * cp > 1`` ranks: by default (``climb="needed"``) only when
-no layout of the device count fits on the lower rungs, full recompute included (a search
-whose ``recompute_choices`` leave out ``full`` has not finished the recompute rung and does
-not climb), with ``climb="each"`` for every layout that does not. One that does not fit on
-ZeRO-3 either climbs to host offload (``offload``; the distributed optimizer without FSDP,
-as the trainer refuses the two together), again only when no layout of the device count
-fits below it: the least optimizer offload fraction of :data:`.fitting.OFFLOAD_FRACTIONS` that fits,
-else the whole optimizer and the fewest activation-offloaded layers per stage that fit
-(offload just enough: the host step and the copies grow with it); a search whose
-``fsdp_choices`` are empty has not finished the ZeRO-3 rung and does not climb to offload.
-When nothing fits there with fp32 main gradients, the rung's narrower-state choice: the
-same again with bf16 main gradients (``Layout.grad_reduce_in_bf16``,
-``--grad-reduce-in-bf16``; ``bf16_gradients``, with bf16 parameters only), least offload
-first (without offload bf16 gradients save ``2N - 4N/(dp*cp)`` only, nothing at
-``dp*cp = 2``, and cost ``2N`` at 1, so they can fit only where they save); when the host
-still cannot hold the state, bf16 host moments as well (``Layout.host_moment_dtype``,
-``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``; ``bf16_moments``), which need the whole
-optimizer offloaded. A plan fits when the
-device holds its worst stage and the host its fullest node. ``Candidate.rung`` says which
-rung it needed; :func:`closest_offload` says, when nothing fits, by how much and what
-closes the gap; :func:`sensitivity` how the prediction moves with each assumed figure.
+:func:`search_layouts` returns a :class:`Candidate` (a memory plan and its predicted step
+time, :mod:`.step_time`) per fitting layout, best first (:func:`rank_key`: the predicted
+step time, then less communication: smaller CP, PP, TP, then more free memory). A layout
+fits when the device holds its worst stage with ``min_free_memory`` left free (a
+:func:`plan_memory` keyword; the CLI's ``--min-free-memory``, default 5% of the capacity)
+and, with host offload, the host its fullest node. A layout that does not fit climbs the
+memory ladder (:data:`LADDER`: flash attention and recompute, ZeRO-3, host offload and its
+narrower state), by default each rung only when no layout of the device count fits below
+it (the climb: :func:`search_layouts`, :mod:`.fitting`; docs/planner.md, "The ladder in
+``--search``"); ``Candidate.rung`` names the rung it needed. When nothing fits,
+:func:`closest_offload` says by how much and what closes the gap; :func:`sensitivity` how
+the prediction moves with each figure the hardware profile marks an assumption.
 """
 
 from __future__ import annotations
@@ -40,13 +20,13 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
-from .activations import RECOMPUTE_MODES
+from .activation_bytes import RECOMPUTE_MODES
 from .fitting import climb_layout, knows_host, replanned
 from .fsdp import PLANNED_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
-from .layout import Layout
 from .memory import plan_memory
 from .models import ModelShape
+from .parallel_layout import Layout
 from .plans import MemoryPlan, launch_command
 from .step_time import StepTime, predict_step_time
 from .timeouts import RunTimeouts, run_timeouts
@@ -78,7 +58,7 @@ class Candidate:
 
     @property
     def rung(self) -> str:
-        """The memory-ladder rung the layout needed (:attr:`.layout.Layout.rung`)."""
+        """The memory-ladder rung the layout needed (:attr:`.parallel_layout.Layout.rung`)."""
         return self.plan.layout.rung
 
     @property

@@ -1,63 +1,18 @@
 """Step-time model: seconds per training step of a layout on a hardware profile.
 
-Per device and micro-batch of ``b`` sequences of ``s`` tokens (``s_c = s/cp`` local
-tokens, ``B`` = 2 bytes per bf16 element, ``X`` = achievable FLOP/s = peak x achievable
-fraction; FLOPs from :func:`.flops.forward_flops`, causal attention halved):
-
-* compute of one layer: ``(3·G + 3.5·K + R) / (tp·cp) / X`` with ``G`` the projections' and
-  MLP's forward FLOPs, ``K`` the attention kernel's (the fused backward is 2.5x its
-  forward), ``R`` the recompute FLOPs of ``layout.recompute`` per layer
-  (:func:`.flops.recompute_overhead` by mode name; under partial recompute the layers'
-  shares of ``full`` and of the mode, :meth:`.layout.Layout.recompute_shares`). Load-balanced ring CP gives every rank
-  chunks ``r`` and ``2cp-1-r`` and so ``1/cp`` of the causal work. The last pipeline stage
-  also runs the logits, ``3·2·b·s·h·V / (tp·cp) / X``; it is the stage that sets the pace.
-* TP (sequence parallel): every all-gather / reduce-scatter moves the ``[s_c, b, h]``
-  tensor, ``(tp-1)/tp · s_c·b·h·B / bw`` seconds; 4 in the forward, 4 in the backward,
-  plus those the recompute re-runs (:data:`RECOMPUTE_COMMUNICATION`). Exposed unless
-  ``tp_comm_overlap`` (then only what the layer's GEMMs do not hide).
-* CP ring, per layer: ``cp-1`` hops of the local K/V, ``2·s_c·b·g_t·d·B`` bytes forward
-  and K/V + fp32 dK/dV, ``2·s_c·b·g_t·d·(B+4)``, backward (``g_t = max(1, g/tp)`` KV heads);
-  each hop hides behind one block of the kernel (``1/cp`` of the rank's kernel time):
-  exposed ``(cp-1)·max(0, hop - block)``, once more for the share of layers whose recompute
-  re-runs the kernel.
-* PP: a ``[s_c, b, h]/tp`` activation forward and its gradient backward at every chunk
-  boundary (``2·vp`` sends per micro-batch), exposed; the 1F1B bubble
-  :func:`.flops.pipeline_bubble` multiplies the ``m`` micro-batches' time.
-* DP over ``dp·cp`` ranks: the distributed optimizer reduce-scatters fp32 gradients
-  (4 B/param; 2 with ``--grad-reduce-in-bf16``) and all-gathers bf16 parameters (2 B/param) of the device's stage,
-  ``(n-1)/n · bytes / bw``; without it one fp32 all-reduce (twice the reduce-scatter).
-  ``layout.overlap_grad_reduce`` hides the reduction behind the last micro-batch's backward,
-  ``overlap_param_gather`` the gather behind the first forward.
-
-* Megatron-FSDP (``layout.fsdp``), per micro-batch over the ``n = dp·cp`` sharding ranks
-  (``N_u`` = a unit's padded elements, :mod:`.fsdp`): ``optim_grads_params`` all-gathers each
-  unit's bf16 parameters before its forward and again before its backward,
-  ``(n-1)/n · N_u·B / bw``; ``optim_grads`` and ``optim_grads_params`` reduce-scatter each
-  unit's fp32 gradients after its backward, ``(n-1)/n · 4·N_u / bw`` (``2·N_u`` with bf16 main
-  gradients). Each hides behind the
-  compute of the neighbouring layer (forward or backward): exposed ``max(0, comm - layer)``,
-  except the forward's first all-gather and the backward's last reduce-scatter, exposed
-  whole; the non-unit groups (final norm, output layer) are gathered and reduced exposed.
-  The per-step DP terms then vanish (``optim_grads`` keeps the all-gather of its unsharded
-  weights after the step).
-
-* Host offload (``H`` = the profile's host<->device bytes/s per device, one direction):
-  each of the ``N = activation_offload_layers`` offloaded layers of a stage copies its kept
-  tensors (``A`` bytes, :func:`.activations.layer_terms` of its recompute mode) to the host
-  after its forward and back before its backward, each hidden behind one layer's compute:
-  exposed ``N·(max(0, A/H - forward) + max(0, A/H - backward))`` per micro-batch. The
-  offloaded optimizer (fraction ``F`` of the ``P/(dp·cp)``-element shard): its host step,
-  ``ranks per node · F·P/(dp·cp) / E`` (``E`` = the node's host AdamW elements/s, shared
-  by its ranks), and its copies, fp32 gradients down (also with bf16 main gradients: the
-  host copy is fp32, the cast assumed on the device) and bf16 parameters up,
-  ``6·F·P/(dp·cp) / H``; once per step, their sum, or with ``overlap_cpu_optimizer``
-  (``--overlap-cpu-optimizer-d2h-h2d``) the larger of the two.
-
-A group uses the intra-node bandwidth when its ranks fit in one node (Megatron orders ranks
-TP, CP, DP, PP: TP spans ``tp`` consecutive ranks, CP ``tp·cp``, DP ``tp·cp·dp``, PP all),
-else the inter-node one. Not modelled: kernel launch and optimizer-step time, memory-bound
-elementwise ops (norms, RoPE, SwiGLU) beyond what the achievable fraction absorbs, network
-contention between groups, the host's memory bandwidth shared by activation copies.
+:func:`predict_step_time` returns a :class:`StepTime`: per device, the step's seconds by
+part (:data:`BREAKDOWN_KEYS`; with Megatron-FSDP also :data:`FSDP_BREAKDOWN_KEYS`, with
+host offload :data:`OFFLOAD_BREAKDOWN_KEYS`; the parts add up to the step time), its model
+FLOPs in two conventions (MFU) and the details behind the communication terms (seconds).
+Compute is :mod:`.flops`' FLOPs at the profile's achievable FLOP/s (peak x achievable
+fraction), split over ``tp·cp`` (load-balanced ring CP gives every rank ``1/cp`` of the
+causal work); every collective is a ring over its group, at the intra-node bandwidth when
+the group's ranks fit in one node (Megatron orders ranks TP, CP, DP, PP), else the
+inter-node one; a communication is exposed only where the compute it overlaps does not
+hide it. The last pipeline stage, which also runs the logits, sets the pace; the 1F1B
+bubble (:func:`.flops.pipeline_bubble`) scales the micro-batches' time. The equations term
+by term, what is not modelled and the validation against published figures:
+docs/step-time.md.
 """
 
 from __future__ import annotations
@@ -65,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import activations as act
+from . import activation_bytes as act
 from .flops import (
     FUSED_ATTENTION_BACKWARD,
     GEMM_BACKWARD,
@@ -76,8 +31,8 @@ from .flops import (
 )
 from .fsdp import stage_groups
 from .hardware import HardwareProfile
-from .layout import Layout
 from .models import ModelShape
+from .parallel_layout import Layout
 from .parameters import stage_parameters
 
 __all__ = [
@@ -292,6 +247,203 @@ def _offload_per_step(
     return {"host_optimizer_step": step, "optimizer_offload_copies": copies}
 
 
+@dataclass(frozen=True)
+class _LayerCompute:
+    """Seconds of one layer's compute (and of the last stage's logits), one micro-batch, this
+    device: ``(3·G + 3.5·K + R) / (tp·cp) / X`` split into its parts."""
+
+    gemm_forward: float  # the projections' and the MLP's forward, G / (tp·cp) / X
+    kernel_forward: float  # the attention kernel's forward, K / (tp·cp) / X
+    recompute: float  # the recompute's share of the step FLOPs, per layer
+    logits: float  # forward and backward of the output layer (the last stage)
+    overhead: float  # recompute FLOPs over the step's (:func:`.flops.recompute_overhead`)
+
+    @property
+    def gemm(self) -> float:
+        return (1 + GEMM_BACKWARD) * self.gemm_forward
+
+    @property
+    def kernel(self) -> float:
+        return (1 + FUSED_ATTENTION_BACKWARD) * self.kernel_forward
+
+    @property
+    def forward(self) -> float:
+        """One layer's forward."""
+        return self.gemm_forward + self.kernel_forward
+
+    @property
+    def backward(self) -> float:
+        """One layer's backward, its recompute included."""
+        return (
+            (self.gemm - self.gemm_forward) + (self.kernel - self.kernel_forward) + self.recompute
+        )
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every term of one prediction reads: ``model`` at ``seq_length`` tokens under
+    ``layout`` on ``hw``, activations of ``dtype_bytes`` bytes an element."""
+
+    model: ModelShape
+    seq_length: int
+    layout: Layout
+    hw: HardwareProfile
+    dtype_bytes: int
+
+    def check(self) -> None:
+        """ValueError for a recompute mode or a layer split the model does not know."""
+        model, layout = self.model, self.layout
+        if layout.recompute not in RECOMPUTE_COMMUNICATION:
+            raise ValueError(
+                f"recompute {layout.recompute!r}: the step-time model knows {tuple(RECOMPUTE_COMMUNICATION)}"
+            )
+        if model.num_layers % (layout.pp * layout.vp):
+            raise ValueError(
+                f"num_layers ({model.num_layers}) must be divisible by pp x vp = {layout.pp * layout.vp}"
+            )
+
+    @property
+    def recompute_shares(self) -> list[tuple[float, str]]:
+        """The layers' shares of their recompute modes (:meth:`.Layout.recompute_shares`)."""
+        return self.layout.recompute_shares(self.model.num_layers)
+
+
+def _layer_compute(step: _Step, mean_document_length: Optional[float]) -> _LayerCompute:
+    """One layer's compute and the logits, one micro-batch, this device; under partial
+    recompute the layers' shares of ``full`` and of the mode."""
+    model, seq_length, layout = step.model, step.seq_length, step.layout
+    shards, speed = layout.tp * layout.cp, step.hw.achievable_flops
+    fl = forward_flops(model, seq_length, layout.micro_batch_size, mean_document_length)
+    overhead = sum(
+        weight * recompute_overhead(model, seq_length, mode, True, mean_document_length)
+        for weight, mode in step.recompute_shares
+    )
+    flops = step_flops(model, seq_length, True, mean_document_length)
+    return _LayerCompute(
+        gemm_forward=(fl["attention_projections"] + fl["mlp"]) / shards / speed,
+        kernel_forward=fl["attention_kernel"] / shards / speed,
+        recompute=overhead * flops * layout.micro_batch_size / model.num_layers / shards / speed,
+        logits=(1 + GEMM_BACKWARD) * fl["logits"] / shards / speed,
+        overhead=overhead,
+    )
+
+
+def _tp_per_layer(
+    step: _Step, compute: _LayerCompute, tp_comm_overlap: bool
+) -> tuple[float, float]:
+    """``(exposed seconds per layer, seconds of one collective)`` of the sequence-parallel
+    all-gathers / reduce-scatters, those the recompute re-runs included."""
+    model, layout = step.model, step.layout
+    tp_repeats = sum(
+        weight * RECOMPUTE_COMMUNICATION[mode][0] for weight, mode in step.recompute_shares
+    )
+    tokens = step.seq_length / layout.cp * layout.micro_batch_size
+    collective = _ring(
+        layout.tp, tokens * model.hidden_size * step.dtype_bytes, _bandwidth(step.hw, layout.tp)
+    )
+    tp_layer = (TP_COLLECTIVES_PER_LAYER + tp_repeats) * collective
+    if tp_comm_overlap:
+        tp_layer = max(0.0, tp_layer - compute.gemm)
+    return tp_layer, collective
+
+
+def _cp_ring_per_layer(step: _Step, compute: _LayerCompute) -> tuple[float, float, float]:
+    """``(exposed seconds per layer, forward hop, backward hop)`` of the context-parallel
+    ring: each K/V hop hides behind one block of the kernel, the forward's again for the
+    share of layers whose recompute re-runs the kernel."""
+    model, layout, B = step.model, step.layout, step.dtype_bytes
+    if layout.cp == 1:
+        return 0.0, 0.0, 0.0
+    reruns_kernel = sum(
+        weight for weight, mode in step.recompute_shares if RECOMPUTE_COMMUNICATION[mode][1]
+    )
+    g_t = max(1.0, model.num_query_groups / layout.tp)
+    kv = 2 * (step.seq_length / layout.cp) * layout.micro_batch_size * g_t * model.head_dim
+    bandwidth = _bandwidth(step.hw, layout.tp * layout.cp)
+    hop_fwd, hop_bwd = kv * B / bandwidth, kv * (B + 4) / bandwidth
+    block_fwd = compute.kernel_forward / layout.cp
+    block_bwd = FUSED_ATTENTION_BACKWARD * compute.kernel_forward / layout.cp
+    exposed_fwd, exposed_bwd = max(0.0, hop_fwd - block_fwd), max(0.0, hop_bwd - block_bwd)
+    return (layout.cp - 1) * (exposed_fwd * (1 + reruns_kernel) + exposed_bwd), hop_fwd, hop_bwd
+
+
+def _pp_send_per_micro_batch(step: _Step) -> float:
+    """Seconds of the activation and gradient sent at every chunk boundary, exposed."""
+    layout = step.layout
+    if layout.pp == 1:
+        return 0.0
+    tokens = step.seq_length / layout.cp * layout.micro_batch_size
+    activation = (
+        tokens * step.model.hidden_size * step.dtype_bytes / (layout.tp if layout.sp else 1)
+    )
+    return 2 * layout.vp * activation / _bandwidth(step.hw, layout.num_devices)
+
+
+def _fsdp_slowest_stage(step: _Step, bandwidth: float, compute: _LayerCompute) -> dict[str, float]:
+    """Megatron-FSDP's exposed seconds per micro-batch on the stage where they are largest
+    (none without a sharded strategy)."""
+    layout = step.layout
+    if layout.fsdp not in ("optim_grads", "optim_grads_params"):
+        return {}
+    per_stage = [
+        _fsdp_per_micro_batch(
+            step.model,
+            layout,
+            stage,
+            bandwidth,
+            compute.forward,
+            compute.backward,
+            step.dtype_bytes,
+        )
+        for stage in range(layout.pp)
+    ]
+    return max(per_stage, key=lambda parts: sum(parts.values()))
+
+
+def _activation_offload_per_micro_batch(
+    step: _Step, compute: _LayerCompute, profile: str
+) -> dict[str, float]:
+    """Exposed seconds of the offloaded layers' copies, each hidden behind one layer's
+    forward (down) and backward (up)."""
+    layout = step.layout
+    if not layout.activation_offload_layers:
+        return {}
+    kept = kept_layer_bytes(step.model, step.seq_length, layout, profile, step.dtype_bytes)
+    copy = kept / step.hw.host("host_device_bandwidth")
+    exposed = max(0.0, copy - compute.forward) + max(0.0, copy - compute.backward)
+    return {"activation_offload_exposed": layout.activation_offload_layers * exposed}
+
+
+def _dp_per_step(step: _Step, bandwidth: float) -> tuple[float, float, int]:
+    """``(gradient reduction, parameter all-gather, parameters)``: seconds of the step's data-
+    parallel collectives over the ``dp·cp`` ranks, not yet overlapped, and the largest
+    stage's parameters on a device."""
+    lay, n = step.layout, step.layout.dp * step.layout.cp
+    params = max(
+        sum(stage_parameters(step.model, lay.tp, lay.pp, st).values()) for st in range(lay.pp)
+    )
+    grad = 2 if lay.grad_reduce_in_bf16 else 4  # --grad-reduce-in-bf16 reduces bf16 gradients
+    grad_reduce = _ring(n, params * grad, bandwidth) * (1 if lay.distributed_optimizer else 2)
+    gather = _ring(n, params * step.dtype_bytes, bandwidth) if lay.distributed_optimizer else 0.0
+    if lay.fsdp in ("optim_grads", "optim_grads_params"):
+        # reduced every micro-batch; optim_grads_params gathers in the forward
+        grad_reduce = 0.0
+        gather = gather if lay.fsdp == "optim_grads" else 0.0
+    return grad_reduce, gather, params
+
+
+def _megatron_flops_per_sequence(
+    model: ModelShape, seq_length: int, mean_document_length: Optional[float]
+) -> float:
+    """FLOPs of one sequence in NVIDIA's and MindSpeed-LLM's convention (the kernel counted
+    dense: twice the causal one)."""
+    one = forward_flops(model, seq_length, 1, mean_document_length)
+    return (1 + GEMM_BACKWARD) * (
+        model.num_layers * (one["attention_projections"] + one["mlp"] + 2 * one["attention_kernel"])
+        + one["logits"]
+    )
+
+
 def predict_step_time(
     model: ModelShape,
     seq_length: int,
@@ -309,149 +461,72 @@ def predict_step_time(
 
     ``mean_document_length`` (tokens; None = one document per sequence) scales the attention
     kernel's FLOPs as in :mod:`.flops`. ``layout.global_batch_size`` None means ``pp``
-    micro-batches per step. ``activation_profile`` (:data:`.activations.PROFILES`) sizes
+    micro-batches per step. ``activation_profile`` (:data:`.activation_bytes.PROFILES`) sizes
     what activation offload copies.
     """
-    m, hw, lay = model, hardware, layout
-    if lay.recompute not in RECOMPUTE_COMMUNICATION:
-        raise ValueError(
-            f"recompute {lay.recompute!r}: the step-time model knows {tuple(RECOMPUTE_COMMUNICATION)}"
-        )
-    if m.num_layers % (lay.pp * lay.vp):
-        raise ValueError(
-            f"num_layers ({m.num_layers}) must be divisible by pp x vp = {lay.pp * lay.vp}"
-        )
-    b, s, L, B = lay.micro_batch_size, seq_length, m.num_layers, dtype_bytes
-    shards, s_c = lay.tp * lay.cp, seq_length / lay.cp
-    speed = hw.achievable_flops
+    step = _Step(model, seq_length, layout, hardware, dtype_bytes)
+    step.check()
+    lay = layout
     micro = lay.num_microbatches or lay.pp
-    stage_layers = L // lay.pp
-
-    # compute of one layer and the logits, one micro-batch, this device (seconds)
-    fl = forward_flops(m, s, b, mean_document_length)
-    gemm_fwd = (fl["attention_projections"] + fl["mlp"]) / shards / speed
-    kernel_fwd = fl["attention_kernel"] / shards / speed
-    shares = lay.recompute_shares(L)  # partial recompute: some layers full, the rest lay.recompute
-    overhead = sum(
-        weight * recompute_overhead(m, s, mode, True, mean_document_length)
-        for weight, mode in shares
-    )
-    recompute = overhead * step_flops(m, s, True, mean_document_length) * b / L / shards / speed
-    logits = (1 + GEMM_BACKWARD) * fl["logits"] / shards / speed
-    gemm = (1 + GEMM_BACKWARD) * gemm_fwd
-    kernel = (1 + FUSED_ATTENTION_BACKWARD) * kernel_fwd
-
-    # tensor parallelism, per layer
-    tp_repeats = sum(weight * RECOMPUTE_COMMUNICATION[mode][0] for weight, mode in shares)
-    reruns_kernel = sum(weight for weight, mode in shares if RECOMPUTE_COMMUNICATION[mode][1])
-    collective = _ring(lay.tp, s_c * b * m.hidden_size * B, _bandwidth(hw, lay.tp))
-    tp_layer = (TP_COLLECTIVES_PER_LAYER + tp_repeats) * collective
-    if tp_comm_overlap:
-        tp_layer = max(0.0, tp_layer - gemm)
-
-    # context-parallel ring, per layer
-    cp_layer, hop_fwd, hop_bwd = 0.0, 0.0, 0.0
-    if lay.cp > 1:
-        g_t = max(1.0, m.num_query_groups / lay.tp)
-        kv = 2 * s_c * b * g_t * m.head_dim
-        bandwidth = _bandwidth(hw, shards)
-        hop_fwd, hop_bwd = kv * B / bandwidth, kv * (B + 4) / bandwidth
-        block_fwd, block_bwd = kernel_fwd / lay.cp, FUSED_ATTENTION_BACKWARD * kernel_fwd / lay.cp
-        exposed_fwd, exposed_bwd = max(0.0, hop_fwd - block_fwd), max(0.0, hop_bwd - block_bwd)
-        cp_layer = (lay.cp - 1) * (exposed_fwd * (1 + reruns_kernel) + exposed_bwd)
-
-    # pipeline sends, per micro-batch
-    pp_send = 0.0
-    if lay.pp > 1:
-        activation = s_c * b * m.hidden_size * B / (lay.tp if lay.sp else 1)
-        pp_send = 2 * lay.vp * activation / _bandwidth(hw, lay.num_devices)
-
-    n, dp_bandwidth = lay.dp * lay.cp, _bandwidth(hw, shards * lay.dp)
-    layer_forward = gemm_fwd + kernel_fwd
-    layer_backward = (gemm - gemm_fwd) + (kernel - kernel_fwd) + recompute
-    sharded = lay.fsdp in ("optim_grads", "optim_grads_params")
-    fsdp_micro = {}
-    if sharded:  # the slowest stage's collectives
-        per_stage = [
-            _fsdp_per_micro_batch(m, lay, st, dp_bandwidth, layer_forward, layer_backward, B)
-            for st in range(lay.pp)
-        ]
-        fsdp_micro = max(per_stage, key=lambda parts: sum(parts.values()))
-    offload_micro = {}
-    if lay.activation_offload_layers:
-        copy = kept_layer_bytes(m, s, lay, activation_profile, B) / hw.host("host_device_bandwidth")
-        offload_micro["activation_offload_exposed"] = lay.activation_offload_layers * (
-            max(0.0, copy - layer_forward) + max(0.0, copy - layer_backward)
-        )
+    stage_layers = model.num_layers // lay.pp
+    compute = _layer_compute(step, mean_document_length)
+    tp_layer, collective = _tp_per_layer(step, compute, tp_comm_overlap)
+    cp_layer, hop_fwd, hop_bwd = _cp_ring_per_layer(step, compute)
+    dp_bandwidth = _bandwidth(hardware, lay.tp * lay.cp * lay.dp)
     per_micro = {
-        "gemm": stage_layers * gemm,
-        "attention_kernel": stage_layers * kernel,
-        "recompute": stage_layers * recompute,
-        "logits": logits,
+        "gemm": stage_layers * compute.gemm,
+        "attention_kernel": stage_layers * compute.kernel,
+        "recompute": stage_layers * compute.recompute,
+        "logits": compute.logits,
         "tp_communication": stage_layers * tp_layer,
         "cp_ring_exposed": stage_layers * cp_layer,
-        "pp_send_recv": pp_send,
-        **fsdp_micro,
-        **offload_micro,
+        "pp_send_recv": _pp_send_per_micro_batch(step),
+        **_fsdp_slowest_stage(step, dp_bandwidth, compute),
+        **_activation_offload_per_micro_batch(step, compute, activation_profile),
     }
     breakdown = {key: micro * seconds for key, seconds in per_micro.items()}
-    micro_batch_s = sum(per_micro.values())
     breakdown["pipeline_bubble"] = pipeline_bubble(lay.pp, micro, lay.vp) * sum(breakdown.values())
-    fsdp_parts = {
+    per_step_parts = {
         key: breakdown.pop(key)
         for key in FSDP_BREAKDOWN_KEYS + OFFLOAD_BREAKDOWN_KEYS
         if key in breakdown
     }
 
     # data parallelism (and CP: gradients are reduced over dp x cp), once per step
-    params = max(sum(stage_parameters(m, lay.tp, lay.pp, st).values()) for st in range(lay.pp))
-    bandwidth = dp_bandwidth
-    grad = 2 if lay.grad_reduce_in_bf16 else 4  # --grad-reduce-in-bf16 reduces bf16 gradients
-    grad_reduce = _ring(n, params * grad, bandwidth) * (1 if lay.distributed_optimizer else 2)
-    param_gather = _ring(n, params * B, bandwidth) if lay.distributed_optimizer else 0.0
-    if sharded:  # reduced every micro-batch (above); optim_grads_params gathers in the forward
-        grad_reduce = 0.0
-        param_gather = param_gather if lay.fsdp == "optim_grads" else 0.0
-    backward = (
-        stage_layers * ((gemm - gemm_fwd) + (kernel - kernel_fwd) + recompute)
-        + logits * GEMM_BACKWARD / 3
-    )
-    forward = stage_layers * (gemm_fwd + kernel_fwd) + logits / 3
+    grad_reduce, param_gather, params = _dp_per_step(step, dp_bandwidth)
+    backward = stage_layers * compute.backward + compute.logits * GEMM_BACKWARD / 3
+    forward = stage_layers * compute.forward + compute.logits / 3
     breakdown["dp_grad_reduce_exposed"] = (
         max(0.0, grad_reduce - backward) if lay.overlap_grad_reduce else grad_reduce
     )
     breakdown["dp_param_gather_exposed"] = (
         max(0.0, param_gather - forward) if overlap_param_gather else param_gather
     )
-    breakdown.update(fsdp_parts)
-    breakdown.update(_offload_per_step(lay, hw, params / n))
+    breakdown.update(per_step_parts)
+    breakdown.update(_offload_per_step(lay, hardware, params / (lay.dp * lay.cp)))
 
-    tokens = micro * b * lay.dp  # sequences per step
-    one = forward_flops(m, s, 1, mean_document_length)  # one sequence; the kernel counted dense: x2
-    megatron = (1 + GEMM_BACKWARD) * (
-        L * (one["attention_projections"] + one["mlp"] + 2 * one["attention_kernel"])
-        + one["logits"]
-    )
+    sequences = micro * lay.micro_batch_size * lay.dp  # per step
+    megatron = _megatron_flops_per_sequence(model, seq_length, mean_document_length)
     details = {
         "tp_collective_s": collective,
         "cp_hop_forward_s": hop_fwd,
         "cp_hop_backward_s": hop_bwd,
-        "cp_block_forward_s": kernel_fwd / lay.cp,
+        "cp_block_forward_s": compute.kernel_forward / lay.cp,
         "dp_grad_reduce_s": grad_reduce,
         "dp_param_gather_s": param_gather,
-        "recompute_overhead": overhead,
-        "micro_batch_s": micro_batch_s,
+        "recompute_overhead": compute.overhead,
+        "micro_batch_s": sum(per_micro.values()),
         "pipeline_fill_s": (lay.pp - 1) * forward,
     }
     return StepTime(
-        model=m,
+        model=model,
         seq_length=seq_length,
         layout=lay,
-        hardware=hw,
+        hardware=hardware,
         num_microbatches=micro,
         breakdown=breakdown,
-        model_flops_per_step=tokens * step_flops(m, s, True, mean_document_length),
-        megatron_flops_per_step=tokens * megatron,
+        model_flops_per_step=sequences * step_flops(model, seq_length, True, mean_document_length),
+        megatron_flops_per_step=sequences * megatron,
         details=details,
         mean_document_length=mean_document_length,
     )

@@ -1,6 +1,6 @@
 """Megatron-FSDP's device bytes on the emulated NPU equal the planner's (issue 30).
 
-The trainer's ``PretrainRecipe`` runs the planner's ``tiny-test`` model (its vocabulary the
+The trainer's ``PretrainRecipe`` runs the tests' tiny model (``TINY_TEST``, its vocabulary the
 byte tokenizer's padded to 384 rows) in bf16, as the planner assumes: bf16 weights, fp32
 main gradients, fp32 main parameters and Adam (the planner's DDP side counts 12 B of
 optimizer state per parameter, which only mixed precision has). Per rank the emulated
@@ -70,7 +70,7 @@ from importlib.metadata import version
 
 import pytest
 
-from mcore_flash.planning import Layout, get_model, plan_memory
+from mcore_flash.planning import Layout, plan_memory
 from mcore_flash.planning.fsdp import (
     backward_moments,
     fsdp_bytes,
@@ -82,8 +82,9 @@ from mcore_flash.planning.fsdp import (
 from mcore_flash.planning.parameters import layer_parameters, total_parameters
 
 from _support.dist_utils import run_distributed
+from _support.models import TINY_TEST
 
-MODEL = replace(get_model("tiny-test"), vocab_size=384)
+MODEL = replace(TINY_TEST, vocab_size=384)
 SEQ = 64
 GLOBAL_BATCH = 4  # micro-batches of 1: 2 a step at DP2, 1 at DP4
 FLAGS = [

@@ -1,7 +1,7 @@
 """The optimizer offload's and bf16 gradients' device bytes (after setup, after a step, at a
 step's peak) and host bytes on the emulated NPU equal the planner's, per rank, exactly (issue 31).
 
-The trainer's ``PretrainRecipe`` runs the planner's ``tiny-test`` model (its vocabulary the
+The trainer's ``PretrainRecipe`` runs the tests' tiny model (``TINY_TEST``, its vocabulary the
 byte tokenizer's padded to 384 rows) in bf16 with the distributed optimizer at DP2, as the
 planner assumes: once resident (fp32 main gradients, Adam on the device), then with
 ``--optimizer-cpu-offload --optimizer-offload-fraction F --use-precision-aware-optimizer``
@@ -41,12 +41,13 @@ from __future__ import annotations
 import gc
 from dataclasses import replace
 
-from mcore_flash.planning import Layout, get_model, plan_memory
+from mcore_flash.planning import Layout, plan_memory
 from mcore_flash.planning.ddp_state import ddp_host_bytes, ddp_state_bytes, rank_shards
 
 from _support.dist_utils import run_distributed
+from _support.models import TINY_TEST
 
-MODEL = replace(get_model("tiny-test"), vocab_size=384)
+MODEL = replace(TINY_TEST, vocab_size=384)
 SEQ = 64
 DP = 2
 FLAGS = [

@@ -29,12 +29,13 @@ from mcore_flash.planning.fsdp import (
     prefetched_after_step,
     stage_groups,
 )
-from mcore_flash.planning.layout import pretrain_command
+from mcore_flash.planning.parallel_layout import pretrain_command
 from mcore_flash.planning.parameters import ParameterShape, stage_parameter_shapes
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.models import TINY_TEST
 
-TINY = get_model("tiny-test")
+TINY = TINY_TEST
 # llama2-70b's TP8 rank at TP1 (hidden 8192, 8 heads, 1 KV group, FFN 3584, vocabulary 4000):
 # its per-rank shapes are llama2-70b's at tp 8 (checked below); two layers keep the meta build small
 RANK_70B = replace(
@@ -262,7 +263,7 @@ def test_one_rank_shards_nothing():
     }
 
 
-# tiny-test by hand: a layer's factor is 128 (fc2 [64, 128]); fc2, proj, qkv, fc1 = 36864
+# TINY by hand: a layer's factor is 128 (fc2 [64, 128]); fc2, proj, qkv, fc1 = 36864
 # elements, the two 64-element norms after them: 36992, padded at D=2 to 37120; the
 # embedding [128, 64]: 8192; the final norm + output layer: 8256, padded to 8320.
 TINY_UNITS, TINY_LOOSE = (8192, 37120, 37120), 8320

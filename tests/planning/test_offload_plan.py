@@ -26,8 +26,8 @@ from mcore_flash.planning import Layout, plan_memory, predict_step_time, search_
 from mcore_flash.planning.cli import main
 from mcore_flash.planning.ddp_state import offloaded_parameters
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
-from mcore_flash.planning.layout import pretrain_command
 from mcore_flash.planning.models import get_model
+from mcore_flash.planning.parallel_layout import pretrain_command
 from mcore_flash.planning.parameters import (
     ParameterShape,
     ddp_buffer,
@@ -38,6 +38,7 @@ from mcore_flash.planning.search import Candidate, closest_offload, sensitivity
 from mcore_flash.planning.units import GiB
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.models import TINY_TEST
 
 SEQ = 131072
 LAYER_TP8 = 8192 * 1280 + 1024 * 8192 + 8192 * 7168 + 3584 * 8192 + 2 * 8192
@@ -130,7 +131,7 @@ def test_ddp_buffer_pads_and_shards_as_megatron():
 
 
 def _w_megatron_buckets(rank, world_size, bucket_sizes):
-    """megatron's own DDP buffer of tiny-test under the distributed optimizer with
+    """megatron's own DDP buffer of :data:`TINY_TEST` under the distributed optimizer with
     ``--overlap-grad-reduce`` and each bucket size: its buckets and each parameter's start."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -141,7 +142,7 @@ def _w_megatron_buckets(rank, world_size, bucket_sizes):
     try:
         out = {}
         for bucket_size in bucket_sizes:
-            gpt = build_flash_gpt(get_model("tiny-test"), params_dtype=torch.bfloat16, bf16=True)
+            gpt = build_flash_gpt(TINY_TEST, params_dtype=torch.bfloat16, bf16=True)
             ddp_config = DistributedDataParallelConfig(
                 use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket_size
             )
@@ -158,14 +159,12 @@ def _w_megatron_buckets(rank, world_size, bucket_sizes):
 def test_ddp_buckets_are_megatrons():
     """With ``--overlap-grad-reduce`` megatron closes a bucket once it holds ``bucket_size``
     elements (each bucket end padded to lcm(D, 128)): the planner's buffer has megatron's
-    buckets and parameter starts, at D = 2 (tiny-test, 123200 parameters; 30000 splits it
+    buckets and parameter starts, at D = 2 (:data:`TINY_TEST`, 123200 parameters; 30000 splits it
     into several buckets, 40M, megatron's default, leaves one)."""
     sizes = (30000, 40_000_000)
     megatron = run_distributed(_w_megatron_buckets, 2, sizes, timeout=300)[0]
     for bucket_size in sizes:
-        mirror = ddp_buffer(
-            stage_parameter_shapes(get_model("tiny-test")), 2, bucket_size=bucket_size
-        )
+        mirror = ddp_buffer(stage_parameter_shapes(TINY_TEST), 2, bucket_size=bucket_size)
         buckets, starts = megatron[bucket_size]
         assert [tuple(b) for b in buckets] == list(mirror.buckets), bucket_size
         assert starts == {slot.name: slot.start for slot in mirror.slots}, bucket_size

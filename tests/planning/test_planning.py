@@ -44,10 +44,12 @@ from mcore_flash.planning.report import format_plan
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.gpt_models import VOCAB, build_gpt, tiny_config
+from _support.models import TINY_TEST
 
 RECOMPUTE = ("none", "qkv", "attention", "full")
-# the tests' tiny model (tests/_support/gpt_models.py) and a second, odd-sized shape (d = 16, 3 layers)
-TINY = ModelShape("tiny-test", 2, 64, 128, 4, 2, VOCAB, max_position_embeddings=128)
+# the tests' tiny model (tests/_support/models.py, its vocabulary gpt_models' VOCAB) and a
+# second, odd-sized shape (d = 16, 3 layers)
+TINY = TINY_TEST
 ODD = ModelShape("odd", 3, 96, 160, 6, 3, VOCAB, max_position_embeddings=128)
 
 
@@ -157,7 +159,10 @@ def _w_measure(rank, world_size, cases, meta_models):
                 out.setdefault("flops", {})[case["name"]] = _count_gemm_flops(
                     model, tokens, positions
                 )
-        out["meta"] = {name: meta_parameter_count(name, tp=world_size) for name in meta_models}
+        out["meta"] = {
+            getattr(model, "name", model): meta_parameter_count(model, tp=world_size)
+            for model in meta_models
+        }
         if world_size == 1:
             out["trainer_tiny"] = _trainer_parameter_count("tiny")
         return out
@@ -388,7 +393,7 @@ def test_predicted_activation_bytes_match_measured_on_the_emulated_npu():
 @pytest.fixture(scope="module")
 def measured():
     tp1 = run_distributed(
-        _w_measure, 1, TP1_CASES, ("llama2-70b", "llama3-70b", "tiny-test"), timeout=300
+        _w_measure, 1, TP1_CASES, ("llama2-70b", "llama3-70b", TINY), timeout=300
     )[0]
     tp2 = run_distributed(_w_measure, 2, TP2_CASES, ("llama2-70b",), timeout=300)
     return tp1, tp2
@@ -481,13 +486,13 @@ def test_parameter_counts_match_megatron(measured):
     tp1, tp2 = measured
     assert tp1["meta"]["llama2-70b"] == total_parameters("llama2-70b") == 68_976_648_192
     assert tp1["meta"]["llama3-70b"] == total_parameters("llama3-70b")
-    assert tp1["meta"]["tiny-test"] == tp1["params"]["tiny-test"] == total_parameters(TINY)
+    assert tp1["meta"][TINY.name] == tp1["params"][TINY.name] == total_parameters(TINY)
     assert tp1["trainer_tiny"] == total_parameters(
         "tiny"
     )  # the model `pretrain --model tiny` trains
     assert tp1["params"]["odd"] == total_parameters(ODD)
     for rank_result in tp2:  # per TP rank: split weights, replicated norms
-        assert rank_result["params"]["tiny-test"] == sum(stage_parameters(TINY, tp=2).values())
+        assert rank_result["params"][TINY.name] == sum(stage_parameters(TINY, tp=2).values())
         assert rank_result["meta"]["llama2-70b"] == sum(
             stage_parameters("llama2-70b", tp=2).values()
         )

@@ -18,9 +18,9 @@ import mcore_flash.planning
 PACKAGE = "mcore_flash.planning"
 LAYERS = [
     ["units", "models", "hardware"],  # byte sizes, model shapes, device profiles
-    ["activations", "flops", "parameters"],  # per-layer saved bytes, FLOPs, parameter counts
+    ["activation_bytes", "flops", "parameters"],  # per-layer saved bytes, FLOPs, parameter counts
     ["fsdp"],  # Megatron-FSDP's parameter groups, padding and bytes per strategy
-    ["layout"],  # the parallel layout and its launch flags
+    ["parallel_layout"],  # the parallel layout and its launch flags
     # the collective library's communicators of a layout; megatron DDP's state bytes per rank
     ["communicators", "ddp_state"],
     ["plans"],  # a memory plan's types: a stage's bytes, a node's host bytes, the plan

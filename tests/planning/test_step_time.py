@@ -24,6 +24,8 @@ from mcore_flash.planning.hardware import (
 )
 from mcore_flash.planning.step_time import BREAKDOWN_KEYS
 
+from _support.models import TINY_TEST
+
 # ---- hardware profiles ------------------------------------------------------------------
 
 
@@ -105,11 +107,11 @@ HAND = HardwareProfile("hand", 1e-3, 0.5, 2**30, 1e6, 1e5, 4)
 
 
 def test_tiny_step_time_equals_the_hand_computation():
-    """tiny-test (L=2, h=64, a=4, g=2, d=16, f=128, V=128), s=256, TP2 SP x PP2 x CP2 x DP1, 4
+    """TINY_TEST (L=2, h=64, a=4, g=2, d=16, f=128, V=128), s=256, TP2 SP x PP2 x CP2 x DP1, 4
     micro-batches of 1; FLOPs at X = 5e8 FLOP/s, TP and CP inside a node (4 ranks <= 4),
     PP across nodes (8 ranks > 4)."""
     lay = Layout(tp=2, pp=2, cp=2, dp=1, micro_batch_size=1, global_batch_size=4)
-    st = predict_step_time("tiny-test", 256, lay, HAND)
+    st = predict_step_time(TINY_TEST, 256, lay, HAND)
     X = 5e8
     # forward FLOPs of one sequence: projections 2*256*(64*8*16 + 4*16*64), MLP 2*256*64*128*3,
     # causal kernel 2*256*256*4*16 (half of QK^T + PV), logits 2*256*64*128; each / (tp*cp = 4)
@@ -129,9 +131,7 @@ def test_tiny_step_time_equals_the_hand_computation():
     # 64 + 64*128/2 + 4*16*64/2 + 64 + 64*256/2 + 128*64/2 (norm, qkv, proj, norm, fc1, fc2)
     # + final norm 64 + output layer 128*64/2
     params = (64 + 4096 + 2048 + 64 + 8192 + 4096) + 64 + 4096
-    assert params == max(
-        sum(stage_parameters("tiny-test", 2, 2, stage).values()) for stage in (0, 1)
-    )
+    assert params == max(sum(stage_parameters(TINY_TEST, 2, 2, stage).values()) for stage in (0, 1))
     grad_reduce = 0.5 * params * 4 / 1e6  # fp32 reduce-scatter, overlapped with one backward:
     backward = 2 * gemm_fwd + 2.5 * kernel_fwd + logits * 2 / 3
     param_gather = 0.5 * params * 2 / 1e6  # bf16 all-gather, not overlapped by default
@@ -151,15 +151,15 @@ def test_tiny_step_time_equals_the_hand_computation():
 
 def test_recompute_adds_its_flops_and_re_run_communication():
     lay = Layout(tp=2, pp=2, cp=2, micro_batch_size=1, global_batch_size=4)
-    none = predict_step_time("tiny-test", 256, lay, HAND)
+    none = predict_step_time(TINY_TEST, 256, lay, HAND)
     for mode, collectives in (("qkv", 1), ("attention", 2), ("full", 4)):
-        st = predict_step_time("tiny-test", 256, replace(lay, recompute=mode), HAND)
+        st = predict_step_time(TINY_TEST, 256, replace(lay, recompute=mode), HAND)
         assert st.breakdown["recompute"] > 0 and st.step_time_s > none.step_time_s
         assert st.breakdown["tp_communication"] == pytest.approx(
             none.breakdown["tp_communication"] * (8 + collectives) / 8, rel=1e-12
         )
         assert st.mfu < none.mfu  # model FLOPs exclude the recompute
-    reruns = predict_step_time("tiny-test", 256, replace(lay, recompute="attention"), HAND)
+    reruns = predict_step_time(TINY_TEST, 256, replace(lay, recompute="attention"), HAND)
     fwd_exposed = 4096 * 2 / 1e6 - 8_388_608 / 4 / 5e8 / 2
     assert reruns.breakdown["cp_ring_exposed"] - none.breakdown["cp_ring_exposed"] == pytest.approx(
         4 * fwd_exposed

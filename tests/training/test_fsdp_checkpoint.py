@@ -404,7 +404,7 @@ FSDP_LAYOUT = {
 def test_fsdp_optimizer_state_refuses_another_layout_by_name(monkeypatch, now, expected):
     """What FSDP optimizer state cannot reload into (another TP size, a run without FSDP) is
     refused before any tensor is read, naming the way out; the saved layout as
-    save_checkpoint records it, this run's stubbed (no process group needed)."""
+    Checkpointer.save records it, this run's stubbed (no process group needed)."""
     from mcore_flash.checkpoint import compatibility
 
     monkeypatch.setattr(compatibility, "optimizer_layout", lambda _: {**FSDP_LAYOUT, **now})

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from mcore_flash.planning.layout import RECOMPUTE_FLAGS
+from mcore_flash.planning.parallel_layout import RECOMPUTE_FLAGS
 
 from _support.dist_utils import run_distributed
 from _support.pretrain_flags import tiny_flags

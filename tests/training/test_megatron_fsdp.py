@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_flash.planning.layout import RECOMPUTE_FLAGS
+from mcore_flash.planning.parallel_layout import RECOMPUTE_FLAGS
 from mcore_flash.runtime.arguments import parse_config
 from mcore_flash.runtime.config_checks import upstream_defect
 

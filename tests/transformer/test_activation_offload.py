@@ -5,7 +5,7 @@ recompute's RNG replay runs too) for gradients, bit for bit; on the emulated NPU
 ``torch.npu.memory_allocated`` counts live npu storages exactly, the run without offload's
 device bytes at each layer's backward and at each backward phase's peak, less what the
 offload's order of events leaves alive there, counted from the planner's per-layer bytes
-(:func:`mcore_flash.planning.activations.offloaded_layer`), never from the offload's own
+(:func:`mcore_flash.planning.activation_bytes.offloaded_layer`), never from the offload's own
 counters; the step's peak follows from those phase peaks.
 """
 
@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 
-from mcore_flash.planning.layout import RECOMPUTE_FLAGS
+from mcore_flash.planning.parallel_layout import RECOMPUTE_FLAGS
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.gpt_models import assert_same_bits, batch, flash_gpt, full_grads, tiny_config
@@ -227,10 +227,11 @@ def _offloaded_layer(mode):
     """The planner's S, R, P, V of one layer of :func:`_npu_model` (npu profile, fp32)."""
     from dataclasses import replace
 
-    from mcore_flash.planning import activations as act
-    from mcore_flash.planning import get_model
+    from mcore_flash.planning import activation_bytes as act
 
-    model = replace(get_model("tiny-test"), num_layers=L)
+    from _support.models import TINY_TEST
+
+    model = replace(TINY_TEST, num_layers=L)
     terms = act.layer_terms(
         model,
         SEQ,
@@ -247,9 +248,10 @@ def _offloaded_layer(mode):
 
 def _predicted_drops(mode, n):
     """What N = n offloaded layers take off the device, by mark (``B i``), from the offload's
-    order of events (module docstring; :func:`test_copies_are_issued_one_layer_ahead`) and
-    the planner's per-layer bytes S (kept), R (left on the device), P = S - R (released),
-    V (fetched back): ``(at the mark, at the peak of the phase that ends there)``.
+    order of events (``ActivationOffload``'s docstring;
+    :func:`test_copies_are_issued_one_layer_ahead`) and the planner's per-layer bytes S
+    (kept), R (left on the device), P = S - R (released), V (fetched back): ``(at the mark,
+    at the peak of the phase that ends there)``.
 
     * ``B L`` (the logits' backward) and ``B i + 1`` for i >= n (layer i's backward, not
       offloaded): the n offloaded layers are parked, at the mark and throughout: n P.

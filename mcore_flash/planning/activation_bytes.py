@@ -1,52 +1,19 @@
 """Activation memory, term by term: what each module of a layer saves for backward.
 
-Every term is one tensor (or one kind of tensor) that autograd keeps from the forward pass
-to the backward pass, named after the module that saves it (the suffix
-``mcore_flash.measured_memory.SavedBytes.per_layer()`` reports, ``"<layer>"`` for the layer itself),
-with its size in bytes as an exact ``Fraction`` of the symbols
-
-    s   sequence length (global),  b micro-batch size,  h hidden size,
-    a   attention heads,  g query groups (KV heads),  d head dim,  f FFN hidden size,
-    V   vocabulary,  t tensor-parallel size,  c context-parallel size,
-    B   activation dtype bytes (bf16: 2, fp32: 4),  sp sequence parallel on/off.
-
-With ``s_c = s / c`` (the context-parallel local sequence) and ``s_t = s_c / t`` under
-sequence parallel (``s_c`` without), one layer of our spec (fused attention, RMSNorm,
-SwiGLU, Megatron's RoPE) saves, with no recompute:
-
-    input_layernorm            x: s_t*b*h*B          rstd: s_t*b*4 (fp32)
-    self_attention.linear_qkv  input: s_t*b*h*B      (SP: the sharded input; all-gathered again in backward)
-    self_attention             RoPE cos/sin for q and k: 4*s_c*d*B  (independent of b and t)
-    self_attention.core_attention
-                               q: s_c*b*(a/t)*d*B    k, v: s_c*b*(g/t)*d*B each    out: s_c*b*(a/t)*d*B
-                               statistics: b*(a/t)*s_c*R   (R = 4: fp32 logsumexp on CPU/CUDA;
-                                                            64: softmax_max + softmax_sum [.., 8] fp32 on NPU)
-    self_attention.linear_proj input = the attention output above (same storage: 0 more)
-    pre_mlp_layernorm          x: s_t*b*h*B          rstd: s_t*b*4
-    mlp.linear_fc1             input: s_t*b*h*B
-    mlp                        SwiGLU: fc1 output s_c*b*(2f/t)*B + silu(gate) s_c*b*(f/t)*B
-                               + (up + 0) s_c*b*(f/t)*B                      (Megatron's unfused glu)
-    mlp.linear_fc2             input: s_c*b*(f/t)*B
-    <layer>                    hidden dropout masks (2 x s_t*b*h*M), only with hidden_dropout > 0
-
-No term grows with s^2. Recompute modes:
-
-* ``none``: all of the above;
-* ``attention`` (our selective ``core_attn``): input_layernorm .. linear_proj (and the first
-  bias-dropout-add) are replaced by the layer input ``s_t*b*h*B`` (``<layer>``);
-* ``full`` (uniform, 1 layer): only the layer input ``s_t*b*h*B`` per layer, plus the RoPE
-  frequencies ``s_c*d*4`` once per micro-batch (shared by all layers' checkpoints);
-* ``core_attention`` (Megatron's stock selective recompute, used for the Korthikanti
-  reproduction): the core attention keeps only its inputs q, k, v; its output is then
-  saved by linear_proj.
-
-The standard (unfused) attention instead keeps q, k, v (GQA expanded to a/t heads), the
-softmax output ``b*(a/t)*s_c^2`` (fp32 when the softmax runs in fp32), an ``[s_c, s_c]``
-bool causal mask and, with attention dropout, the dropout mask and output (else the
-softmax output cast back to B); see
-:data:`PROFILES` for the device and convention differences, and
-:func:`korthikanti_table2` for Korthikanti et al.'s formulas that the ``korthikanti``
-profile reproduces term by term.
+:func:`layer_terms` (one transformer layer) and :func:`non_layer_terms` (embedding, final
+norm, output layer, loss) return :class:`Term` s, one per tensor (or kind of tensor) that
+autograd keeps from the forward to the backward pass, per micro-batch on one device: named
+after the module that saves it (the suffix
+``mcore_flash.measured_memory.SavedBytes.per_layer()`` reports, ``"<layer>"`` for the
+layer itself), its size in bytes an exact ``Fraction``. A :class:`Profile`
+(:data:`PROFILES`) says how the device's kernels and the modelling convention save tensors
+(fused or standard attention, statistics, norms, RoPE, SwiGLU, dropout masks); a recompute
+mode (:data:`RECOMPUTE_MODES`) what the layer keeps. :func:`sum_terms` and
+:func:`by_module` add terms up; :func:`offloaded_layer` splits a layer's for activation
+offload; :func:`korthikanti_table2` holds Korthikanti et al.'s formulas, which the
+``korthikanti`` profile reproduces term by term (:func:`korthikanti_model`). The terms
+module by module, per recompute mode, and their validation against measured bytes:
+docs/planner.md ("Per-layer activation terms").
 """
 
 from __future__ import annotations
@@ -209,34 +176,12 @@ def _dims(
     return s_c, s_t, F(micro_batch), F(dtype), mask, F(model.num_attention_heads, tp), g_local
 
 
-def layer_terms(
-    model: ModelShape,
-    seq_length: int,
-    micro_batch_size: int = 1,
-    *,
-    tp: int = 1,
-    cp: int = 1,
-    sequence_parallel: bool = True,
-    recompute: str = "none",
-    profile="npu",
-    dtype_bytes: Optional[int] = 2,
-) -> list[Term]:
-    """Bytes one transformer layer keeps for backward, per micro-batch, on one device."""
-    p = _profile(profile)
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute {recompute!r}: choose one of {RECOMPUTE_MODES}")
-    s_c, s_t, b, B, M, a_t, g_t = _dims(
-        model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes
-    )
-    h, d, f, t = F(model.hidden_size), F(model.head_dim), F(model.ffn_hidden_size), F(tp)
+def _attention_terms(model: ModelShape, p: Profile, dims: tuple, recompute: str) -> list[Term]:
+    """The attention sub-block's terms with no recompute of its own (``core_attention``
+    aside): input norm, QKV input, RoPE, q, k, v, the kernel's saved outputs, the bias-dropout-add mask."""
+    s_c, s_t, b, B, M, a_t, g_t = dims
+    h, d = F(model.hidden_size), F(model.head_dim)
     stat = _norm_stats_bytes(model, p)
-
-    layer_input = Term(
-        "<layer>", "layer input (recompute checkpoint)", s_t * b * h * B, scope="layer"
-    )
-    if recompute == "full":
-        return [layer_input]
-
     attn: list[Term] = [
         Term("input_layernorm", "input", s_t * b * h * B),
         Term("input_layernorm", "statistics (fp32)", s_t * b * stat),
@@ -251,65 +196,83 @@ def layer_terms(
     v = Term("self_attention.core_attention", "v", s_c * b * kv_heads * d * B)
     attn += [q, k, v]
     if p.attention == "fused":
-        if recompute == "core_attention":  # checkpoint keeps q, k, v; linear_proj keeps the output
-            attn.append(
-                Term(
-                    "self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B
-                )
-            )
-        else:
-            attn.append(Term("self_attention.core_attention", "out", s_c * b * a_t * d * B))
-            attn.append(
-                Term(
-                    "self_attention.core_attention",
-                    "softmax statistics",
-                    b * a_t * s_c * p.stats_bytes_per_row,
-                    category="attention_stats",
-                )
-            )
+        attn += _fused_kernel_terms(p, dims, d, recompute)
     elif p.attention == "standard":
-        if recompute != "core_attention":
-            scores = b * a_t * s_c * s_c  # elements of one [b, a/t, s, s] tensor
-            softmax = F(4) if p.softmax_fp32 else B
-            attn.append(
-                Term(
-                    "self_attention.core_attention.scale_mask_softmax",
-                    "softmax output",
-                    scores * softmax,
-                )
-            )
-            if p.causal_mask_saved:
-                mask_name = "causal mask [s, s] bool (built by every layer)"
-                attn.append(
-                    Term("self_attention.core_attention.scale_mask_softmax", mask_name, s_c * s_c)
-                )
-            if p.attention_dropout > 0:
-                attn.append(
-                    Term(
-                        "self_attention.core_attention.attention_dropout",
-                        "dropout mask",
-                        scores * M,
-                    )
-                )
-                attn.append(
-                    Term("self_attention.core_attention", "dropped-out probabilities", scores * B)
-                )
-            elif softmax != B:
-                attn.append(
-                    Term(
-                        "self_attention.core_attention",
-                        "probabilities cast to the dtype",
-                        scores * B,
-                    )
-                )
-        attn.append(
-            Term("self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B)
-        )
+        attn += _standard_attention_terms(p, dims, d, recompute)
     else:
         raise ValueError(f"profile attention {p.attention!r}: 'fused' or 'standard'")
     if p.hidden_dropout > 0:
         attn.append(Term("<layer>", "attention bias-dropout-add mask", s_t * b * h * M))
+    return attn
 
+
+def _fused_kernel_terms(p: Profile, dims: tuple, d: Fraction, recompute: str) -> list[Term]:
+    """What the fused kernel keeps besides q, k, v: its output and softmax statistics;
+    under ``core_attention`` recompute only its output, as linear_proj's input."""
+    s_c, s_t, b, B, M, a_t, g_t = dims
+    if recompute == "core_attention":  # checkpoint keeps q, k, v; linear_proj keeps the output
+        return [
+            Term("self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B)
+        ]
+    return [
+        Term("self_attention.core_attention", "out", s_c * b * a_t * d * B),
+        Term(
+            "self_attention.core_attention",
+            "softmax statistics",
+            b * a_t * s_c * p.stats_bytes_per_row,
+            category="attention_stats",
+        ),
+    ]
+
+
+def _standard_attention_terms(p: Profile, dims: tuple, d: Fraction, recompute: str) -> list[Term]:
+    """What Megatron's standard attention keeps besides q, k, v: the softmax output, the
+    causal mask, the dropout mask and probabilities (none of those under ``core_attention``
+    recompute), and linear_proj's input."""
+    s_c, s_t, b, B, M, a_t, g_t = dims
+    terms: list[Term] = []
+    if recompute != "core_attention":
+        scores = b * a_t * s_c * s_c  # elements of one [b, a/t, s, s] tensor
+        softmax = F(4) if p.softmax_fp32 else B
+        terms.append(
+            Term(
+                "self_attention.core_attention.scale_mask_softmax",
+                "softmax output",
+                scores * softmax,
+            )
+        )
+        if p.causal_mask_saved:
+            mask_name = "causal mask [s, s] bool (built by every layer)"
+            terms.append(
+                Term("self_attention.core_attention.scale_mask_softmax", mask_name, s_c * s_c)
+            )
+        if p.attention_dropout > 0:
+            terms.append(
+                Term("self_attention.core_attention.attention_dropout", "dropout mask", scores * M)
+            )
+            terms.append(
+                Term("self_attention.core_attention", "dropped-out probabilities", scores * B)
+            )
+        elif softmax != B:
+            terms.append(
+                Term(
+                    "self_attention.core_attention",
+                    "probabilities cast to the dtype",
+                    scores * B,
+                )
+            )
+    terms.append(
+        Term("self_attention.linear_proj", "input (attention output)", s_c * b * a_t * d * B)
+    )
+    return terms
+
+
+def _mlp_terms(model: ModelShape, p: Profile, dims: tuple, tp: int) -> list[Term]:
+    """The MLP sub-block's terms: pre-MLP norm, fc1 input, the activation's input (and
+    Megatron's unfused SwiGLU's copies), fc2 input, the bias-dropout-add mask."""
+    s_c, s_t, b, B, M, a_t, g_t = dims
+    h, f, t = F(model.hidden_size), F(model.ffn_hidden_size), F(tp)
+    stat = _norm_stats_bytes(model, p)
     mlp_terms = [
         Term("pre_mlp_layernorm", "input", s_t * b * h * B, scope="mlp"),
         Term("pre_mlp_layernorm", "statistics (fp32)", s_t * b * stat, scope="mlp"),
@@ -337,27 +300,57 @@ def layer_terms(
     mlp_terms.append(Term("mlp.linear_fc2", "input", s_c * b * f / t * B, scope="mlp"))
     if p.hidden_dropout > 0:
         mlp_terms.append(Term("<layer>", "MLP bias-dropout-add mask", s_t * b * h * M, scope="mlp"))
+    return mlp_terms
 
+
+def _qkv_kept(attn: list[Term], p: Profile, layer_input_bytes: Fraction) -> list[Term]:
+    """The attention terms ``qkv`` recompute keeps: the layer input (as the input norm's
+    saved input), the kernel's out and statistics, the bias-dropout-add mask."""
+    if p.attention != "fused":
+        raise ValueError(
+            "recompute 'qkv' keeps the fused kernel's output: it needs the fused attention profile"
+        )
+    kernel_outputs = [
+        t
+        for t in attn
+        if t.module == "self_attention.core_attention" and t.name not in ("q", "k", "v")
+    ]
+    after_kernel = [t for t in attn if t.module == "<layer>"]  # the bias-dropout-add mask
+    return (
+        [Term("input_layernorm", "input (the layer input)", layer_input_bytes)]
+        + kernel_outputs
+        + after_kernel
+    )
+
+
+def layer_terms(
+    model: ModelShape,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = True,
+    recompute: str = "none",
+    profile="npu",
+    dtype_bytes: Optional[int] = 2,
+) -> list[Term]:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one device."""
+    p = _profile(profile)
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {recompute!r}: choose one of {RECOMPUTE_MODES}")
+    dims = _dims(model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
+    s_c, s_t, b, B, M, a_t, g_t = dims
+    input_bytes = s_t * b * F(model.hidden_size) * B
+    layer_input = Term("<layer>", "layer input (recompute checkpoint)", input_bytes, scope="layer")
+    if recompute == "full":
+        return [layer_input]
+    attn = _attention_terms(model, p, dims, recompute)
+    mlp_terms = _mlp_terms(model, p, dims, tp)
     if recompute == "attention":
         attn = [layer_input]
-    elif (
-        recompute == "qkv"
-    ):  # the layer input (as the input norm's saved input), the kernel's out + statistics
-        if p.attention != "fused":
-            raise ValueError(
-                "recompute 'qkv' keeps the fused kernel's output: it needs the fused attention profile"
-            )
-        kernel_outputs = [
-            t
-            for t in attn
-            if t.module == "self_attention.core_attention" and t.name not in ("q", "k", "v")
-        ]
-        after_kernel = [t for t in attn if t.module == "<layer>"]  # the bias-dropout-add mask
-        attn = (
-            [Term("input_layernorm", "input (the layer input)", s_t * b * h * B)]
-            + kernel_outputs
-            + after_kernel
-        )
+    elif recompute == "qkv":
+        attn = _qkv_kept(attn, p, input_bytes)
     return [term for term in attn + mlp_terms if term.bytes]
 
 

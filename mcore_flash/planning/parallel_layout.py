@@ -12,7 +12,7 @@ import shlex
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .activations import RECOMPUTE_MODES
+from .activation_bytes import RECOMPUTE_MODES
 from .fsdp import FSDP_STRATEGIES
 from .models import ModelShape
 
