@@ -114,7 +114,7 @@ class Checkpointer:
             consumed_samples=consumed_samples,
             padded_vocab_size=self.padded_vocab_size,
             model_args=self.model_args,
-            optimizer_layout=optimizer_layout(self.optimizer),
+            optimizer_layout=optimizer_layout(self.optimizer, self.format.name),
             **provenance,
         )
         state = (self.model_chunks, self.optimizer, self.scheduler, common)
@@ -174,7 +174,8 @@ class Checkpointer:
                 "to train from them starting at iteration 0 (or --no-load-optim to keep the checkpoint's iteration)"
             )
         if load_optim:
-            check_optimizer_layout(root, common, self.optimizer)
+            now = optimizer_layout(self.optimizer, self.format.name)
+            check_optimizer_layout(root, common, now)
             self.format.load(path, common, self.model_chunks, self.optimizer, self.scheduler)
         else:
             self.format.load_weights(root, path, common, self.model_chunks)

@@ -34,21 +34,19 @@ def check_same_model(root: str, common: dict, padded_vocab_size: int, model_args
         )
 
 
-def optimizer_layout(optimizer) -> dict:
-    """What decides whether optimizer state reloads: its format (``fsdp_dtensor`` with
-    Megatron-FSDP), distributed or not, the TP, PP, virtual pipeline (1: no interleaving)
-    and data x context parallel sizes, and the storage dtypes of Adam's moments."""
+def optimizer_layout(optimizer, checkpoint_format: str) -> dict:
+    """What decides whether optimizer state reloads: its format (``checkpoint_format``, the
+    run's: ``fsdp_dtensor`` with Megatron-FSDP), distributed or not, the TP, PP, virtual
+    pipeline (1: no interleaving) and data x context parallel sizes, and the storage dtypes of
+    Adam's moments."""
     from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inners = getattr(optimizer, "chained_optimizers", [optimizer])
     names = {dtype: name for name, dtype in MOMENT_DTYPES.items()}
     groups = [group for inner in inners for group in inner.optimizer.param_groups]
-    fsdp = any(
-        getattr(getattr(inner, "ddp_config", None), "use_megatron_fsdp", False) for inner in inners
-    )
     return {
-        "format": FSDP_DTENSOR if fsdp else TORCH_DIST,
+        "format": checkpoint_format,
         "distributed": any(isinstance(inner, DistributedOptimizer) for inner in inners),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
@@ -66,8 +64,9 @@ def optimizer_layout(optimizer) -> dict:
     }
 
 
-def check_optimizer_layout(root: str, common: dict, optimizer) -> None:
-    """Refuse optimizer state that would not load into this run's optimizer (errors name the flag).
+def check_optimizer_layout(root: str, common: dict, now: dict) -> None:
+    """Refuse optimizer state that would not load into this run's optimizer, whose
+    :func:`optimizer_layout` is ``now`` (errors name the flag).
 
     The distributed optimizer's ``dp_reshardable`` state is cut into the DP ranks' flat
     buffers of each TP/PP shard and model chunk: it reloads under any data-parallel size, but
@@ -77,7 +76,6 @@ def check_optimizer_layout(root: str, common: dict, optimizer) -> None:
     two formats do not load into each other.
     """
     saved = common.get("optimizer_layout")
-    now = optimizer_layout(optimizer)
     check_moment_dtypes(root, saved or {}, now)
     if saved is None:  # written before the layout was recorded
         return

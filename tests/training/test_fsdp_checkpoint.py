@@ -401,27 +401,27 @@ FSDP_LAYOUT = {
         ({"format": "torch_dist"}, "saved with --use-megatron-fsdp"),
     ],
 )
-def test_fsdp_optimizer_state_refuses_another_layout_by_name(monkeypatch, now, expected):
+def test_fsdp_optimizer_state_refuses_another_layout_by_name(now, expected):
     """What FSDP optimizer state cannot reload into (another TP size, a run without FSDP) is
     refused before any tensor is read, naming the way out; the saved layout as
-    Checkpointer.save records it, this run's stubbed (no process group needed)."""
+    Checkpointer.save records it, this run's given (no process group needed)."""
     from mcore_flash.checkpoint import compatibility
 
-    monkeypatch.setattr(compatibility, "optimizer_layout", lambda _: {**FSDP_LAYOUT, **now})
     with pytest.raises(ValueError, match=expected) as error:
-        compatibility.check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
+        compatibility.check_optimizer_layout(
+            "/ckpt", {"optimizer_layout": FSDP_LAYOUT}, {**FSDP_LAYOUT, **now}
+        )
     assert "--no-load-optim" in str(error.value), error.value
 
 
 @pytest.mark.parametrize("size", [1, 4])
-def test_fsdp_optimizer_state_is_accepted_at_another_data_context_parallel_size(monkeypatch, size):
+def test_fsdp_optimizer_state_is_accepted_at_another_data_context_parallel_size(size):
     """Another data x context parallel size passes the check (DCP reshards the state:
     ``test_fsdp_optimizer_state_reshards_between_dp2_and_dp4``), at the saved TP size."""
     from mcore_flash.checkpoint import compatibility
 
     layout = {**FSDP_LAYOUT, "data_context_parallel_size": size}
-    monkeypatch.setattr(compatibility, "optimizer_layout", lambda _: layout)
-    compatibility.check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, None)
+    compatibility.check_optimizer_layout("/ckpt", {"optimizer_layout": FSDP_LAYOUT}, layout)
 
 
 def test_fsdp_weights_into_a_run_without_fsdp_refuse_another_tp_size_or_pipelining(monkeypatch):
