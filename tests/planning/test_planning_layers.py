@@ -113,6 +113,13 @@ def layer_violations(imports: dict[str, set[str]], layers: list[list[str]]) -> l
     return problems
 
 
+def _package(directory, sources: dict[str, str]) -> str:
+    """``directory`` with one file per ``{name: source}``; returns its path."""
+    for name, text in sources.items():
+        (directory / name).write_text(text)
+    return str(directory)
+
+
 def test_planning_imports_point_down_only():
     directory = os.path.dirname(mcore_flash.planning.__file__)
     assert layer_violations(planning_imports(directory), LAYERS) == []
@@ -129,9 +136,7 @@ def test_the_check_sees_lazy_and_same_layer_imports(tmp_path):
         "stray.py": "",
         "lazy.py": "def f():\n    from .high import g\n",
     }
-    for name, text in sources.items():
-        (tmp_path / name).write_text(text)
-    imports = planning_imports(str(tmp_path))
+    imports = planning_imports(_package(tmp_path, sources))
     assert imports["high"] == {"mid", "low"} and imports["low"] == set()
     layers = [["low"], ["twin", "mid", "lazy"], ["high"]]
     assert layer_violations(imports, layers) == [
@@ -156,9 +161,7 @@ def test_the_check_sees_torch_megatron_and_other_packages(tmp_path):
         "high.py": "from megatron.core import parallel_state\nfrom mcore_flash import ops\n",
         "top.py": "from mcore_flash.planning import mid\nfrom mcore_flash.transformer.specs import x\n",
     }
-    for name, text in sources.items():
-        (tmp_path / name).write_text(text)
-    assert foreign_imports(str(tmp_path)) == [
+    assert foreign_imports(_package(tmp_path, sources)) == [
         "high imports mcore_flash",
         "high imports megatron.core",
         "mid imports torch",
