@@ -732,7 +732,7 @@ def test_mcore_to_hf_names_a_changed_checkpoint_file_and_writes_nothing(tmp_path
 
 _FAIL_MID_WRITE = """
 import sys
-from mcore_flash.checkpoint import safetensors_io, dcp_stream
+from mcore_flash.conversion import safetensors_io
 calls = []
 def failing(original):
     def wrapper(*args, **kwargs):
