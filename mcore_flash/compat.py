@@ -14,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from typing import Optional
 
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
-def mlp_spec(submodules: MLPSubmodules):
-    """The ``TransformerLayerSubmodules.mlp`` entry for megatron's dense ``MLP``.
+def mlp_spec(submodules: MLPSubmodules, module: type = MLP, params: Optional[dict] = None):
+    """The ``TransformerLayerSubmodules.mlp`` entry for megatron's dense ``MLP`` (or a subclass
+    ``module``, built with the extra keyword arguments ``params``).
 
     0.18+ (``transformer/mlp.py: MLP.as_mlp_submodule``): the layer builds its MLP by calling
     ``submodules.mlp(config=, pg_collection=, is_mtp_layer=, name=)``; a ``ModuleSpec(MLP)`` is
@@ -28,9 +30,10 @@ def mlp_spec(submodules: MLPSubmodules):
     with the warning "Rewrapping ModuleSpec with module ...".
     0.16-0.17: a ``ModuleSpec(module=MLP)``, built by ``build_module`` with ``tp_group``.
     """
+    params = params or {}
     if hasattr(MLP, "as_mlp_submodule"):
-        return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
-    return ModuleSpec(module=MLP, submodules=submodules)
+        return functools.partial(module.as_mlp_submodule, submodules=submodules, **params)
+    return ModuleSpec(module=module, submodules=submodules, params=params)
 
 
 def megatron_get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:

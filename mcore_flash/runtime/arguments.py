@@ -204,6 +204,30 @@ def build_parser() -> argparse.ArgumentParser:
         "memory between their forward and backward, prefetched one layer ahead (0: off)",
     )
 
+    tiles = p.add_argument_group("sequence tiling (docs/sequence-tiling.md)")
+    tiles.add_argument(
+        "--loss-compute-mode",
+        choices=["default", "chunk"],
+        default="default",
+        help="chunk: the output layer and the vocab-parallel cross-entropy per tile of "
+        "--loss-chunk-size tokens, never the whole sequence's logits (MindSpeed-LLM's flag)",
+    )
+    tiles.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        metavar="N",
+        help="tokens per loss tile with --loss-compute-mode chunk (default 1024; under "
+        "--sequence-parallel a multiple of --tensor-model-parallel-size)",
+    )
+    tiles.add_argument(
+        "--mlp-chunk-size",
+        type=int,
+        metavar="N",
+        help="compute each MLP in tiles of N tokens, each tile's intermediates recomputed in its "
+        "backward (ALST's TiledMLP; under --sequence-parallel a multiple of "
+        "--tensor-model-parallel-size; default: untiled)",
+    )
+
     opt = p.add_argument_group("precision, optimiser and schedule")
     opt.add_argument("--bf16", action="store_true")
     opt.add_argument("--fp16", action="store_true")

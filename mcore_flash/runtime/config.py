@@ -119,6 +119,10 @@ class TrainingConfig:
     activation_offload_layers: (
         int  # first N layers of each stage park their saved tensors on the host
     )
+    # sequence tiling: tokens per tile; None: the whole sequence at once (megatron's)
+    loss_compute_mode: str  # "default" or "chunk"
+    loss_chunk_size: Optional[int]  # resolved: None unless loss_compute_mode == "chunk"
+    mlp_chunk_size: Optional[int]
     # precision, optimiser and schedule
     bf16: bool
     fp16: bool

@@ -163,6 +163,7 @@ def checked_and_derived(args: Flags, world_size: int) -> dict[str, Any]:
     recompute = _recompute(args, pp * (vp or 1))
     _check_activation_offload(args, pp)
     return dict(
+        loss_chunk_size=_loss_chunk_size(args, tp),
         virtual_pipeline_model_parallel_size=vp,
         num_layers_per_virtual_pipeline_stage=None,  # resolved into vp (so a recheck agrees)
         world_size=world_size,
@@ -313,6 +314,40 @@ def _check_overlap_param_gather(args: Flags) -> None:
             "--overlap-param-gather with --optimizer-cpu-offload is not validated here (the "
             "host optimizer copies the parameters back itself); drop one of them"
         )
+
+
+LOSS_CHUNK_SIZE = 1024  # tokens per loss tile unless --loss-chunk-size says (MindSpeed-LLM's)
+
+
+def _loss_chunk_size(args: Flags, tp: int) -> Optional[int]:
+    """``--loss-compute-mode chunk``'s tile (``--loss-chunk-size``, else :data:`LOSS_CHUNK_SIZE`),
+    None in the default mode; ``--mlp-chunk-size`` checked alongside. A tile's tokens under
+    ``--sequence-parallel`` come from every TP rank alike, so they are a multiple of TP."""
+    chunk = args.loss_compute_mode == "chunk"
+    if args.loss_chunk_size is not None and not chunk:
+        raise ValueError(
+            "--loss-chunk-size applies to --loss-compute-mode chunk (the default mode computes the "
+            "whole sequence's logits): add --loss-compute-mode chunk or drop the size"
+        )
+    size = None
+    if chunk:
+        size = LOSS_CHUNK_SIZE if args.loss_chunk_size is None else args.loss_chunk_size
+    for flag, value in (("--loss-chunk-size", size), ("--mlp-chunk-size", args.mlp_chunk_size)):
+        if value is None:
+            continue
+        if value < 1:
+            raise ValueError(f"{flag} must be a positive number of tokens, got {value}")
+        if args.sequence_parallel and value % tp:
+            raise ValueError(
+                f"{flag} {value}: under --sequence-parallel each tile takes the same number of rows from "
+                f"every one of the --tensor-model-parallel-size {tp} ranks; use a multiple of {tp}"
+            )
+    if args.mlp_chunk_size is not None and args.activation_offload_layers:
+        raise ValueError(
+            "--mlp-chunk-size with --activation-offload-layers is not validated (the tiles' "
+            "recompute keeps the MLP input on the device, out of the offload's reach); drop one"
+        )
+    return size
 
 
 def _check_activation_offload(args: Flags, pp: int) -> None:

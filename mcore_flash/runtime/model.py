@@ -1,4 +1,5 @@
-"""The GPTModel the trainer builds: megatron-core's ``GPTModel`` with the flash block spec."""
+"""The GPTModel the trainer builds: megatron-core's ``GPTModel`` (optionally with a tiled loss) with
+the flash block spec."""
 
 from __future__ import annotations
 
@@ -83,20 +84,23 @@ def build_model(
     (:func:`transformer_config`'s), with ``padded_vocab_size`` embedding rows; with
     ``parallel_output=False`` the logits are gathered over TP (full vocabulary on every rank);
     ``vp_stage``: which of the rank's chunks under the interleaved schedule (None: the stage).
+    ``--loss-compute-mode chunk`` and ``--mlp-chunk-size`` compute the loss and the MLPs in
+    sequence tiles (:mod:`mcore_flash.transformer.gpt_model`, ``.tiled_mlp``).
     With ``--activation-offload-layers N`` the first N layers of the stage park their saved
     tensors on the host (:mod:`mcore_flash.transformer.activation_offload`)."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     from mcore_flash.transformer import activation_offload, get_gpt_decoder_block_flash_spec
+    from mcore_flash.transformer.gpt_model import TiledLossGPTModel
 
-    model = GPTModel(
+    model = TiledLossGPTModel(
         model_config,
         get_gpt_decoder_block_flash_spec(
             model_config,
             attention_backend=config.attention_backend,
             vp_stage=vp_stage,
             layer_recompute_modules=config.recompute.layer_modules,
+            mlp_chunk_size=config.mlp_chunk_size,
         ),
         vocab_size=padded_vocab_size,
         max_sequence_length=max(config.max_position_embeddings, config.seq_length),
@@ -110,6 +114,7 @@ def build_model(
         seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
         parallel_output=parallel_output,
         vp_stage=vp_stage,
+        loss_chunk_size=config.loss_chunk_size,
     )
     if config.activation_offload_layers:  # ``model.activation_offload.events``: the copies' order
         model.activation_offload = activation_offload.install(

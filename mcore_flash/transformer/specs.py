@@ -1,9 +1,10 @@
 """Megatron ``ModuleSpec``s whose core attention is the fused kernel and whose norms are ours.
 
 ``get_gpt_layer_flash_spec`` mirrors megatron-core's ``get_gpt_layer_local_spec`` (same
-modules, same checkpoint key map) with three substitutions: ``core_attention`` is
+modules, same checkpoint key map) with four substitutions: ``core_attention`` is
 :class:`FlashDotProductAttention`, every norm is :mod:`mcore_flash.transformer.norms`
-(sequence-parallel capable, fused on NPU), and the layer is :class:`FlashTransformerLayer`
+(sequence-parallel capable, fused on NPU), the MLP is megatron's computed in optional sequence
+tiles (:class:`TiledMLP`), and the layer is :class:`FlashTransformerLayer`
 (``selective`` + ``core_attn`` recompute covers the whole attention sub-block). ``get_gpt_decoder_block_flash_spec`` also
 replaces the final norm, which Megatron otherwise builds from apex or its SP-refusing
 torch norm; pass it to ``GPTModel(transformer_layer_spec=...)``.
@@ -39,6 +40,7 @@ from .activations import SwiGLU
 from .attention import FlashDotProductAttention
 from .layer import FlashTransformerLayer
 from .norms import norm_class
+from .tiled_mlp import TiledMLP
 
 
 def get_gpt_layer_flash_spec(
@@ -46,6 +48,7 @@ def get_gpt_layer_flash_spec(
     qk_layernorm: bool = False,
     attention_backend: Optional[str] = None,
     layer_recompute_modules: Sequence[str] = (),
+    mlp_chunk_size: Optional[int] = None,
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec: our norms, Megatron's projections and MLP, fused attention.
 
@@ -57,6 +60,7 @@ def get_gpt_layer_flash_spec(
             config's (:class:`FlashTransformerLayer`): ``qkv`` (keep the attention output,
             re-run norm -> QKV -> RoPE), and under full/block recompute the modules of the
             layers the block does not recompute whole.
+        mlp_chunk_size: tokens per MLP tile (:class:`TiledMLP`); None: the whole sequence.
     """
     norm = norm_class(normalization)
     return ModuleSpec(
@@ -79,7 +83,7 @@ def get_gpt_layer_flash_spec(
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=mlp_spec(_mlp_submodules()),
+            mlp=_mlp(mlp_chunk_size),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -89,11 +93,15 @@ def get_gpt_layer_flash_spec(
     )
 
 
-def _mlp_submodules() -> MLPSubmodules:
-    """Megatron's MLP with our fused SwiGLU in its activation hook."""
-    return MLPSubmodules(
+def _mlp(chunk_size: Optional[int]):
+    """Megatron's MLP with our fused SwiGLU in its activation hook; tiled with ``chunk_size``
+    (megatron-core 0.16-0.17 then log "Unknown MLP type" per layer: they compare the class)."""
+    submodules = MLPSubmodules(
         linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU
     )
+    if chunk_size is None:
+        return mlp_spec(submodules)
+    return mlp_spec(submodules, TiledMLP, {"chunk_size": chunk_size})
 
 
 def get_gpt_decoder_block_flash_spec(
@@ -103,13 +111,15 @@ def get_gpt_decoder_block_flash_spec(
     attention_backend: Optional[str] = None,
     vp_stage: Optional[int] = None,
     layer_recompute_modules: Sequence[str] = (),
+    mlp_chunk_size: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
     """Submodules of this pipeline stage's ``TransformerBlock``, final norm included.
 
     ``normalization`` and ``qk_layernorm`` default to the config's settings.
     ``layer_recompute_modules`` (:func:`get_gpt_layer_flash_spec`) go to every layer, except under
     ``recompute_method="block"`` to the first ``recompute_num_layers`` of the stage (chunk),
-    which megatron's block recomputes whole (partial recompute).
+    which megatron's block recomputes whole (partial recompute). ``mlp_chunk_size``: tokens
+    per MLP tile in every layer (None: untiled).
     """
     normalization = normalization or config.normalization
     qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
@@ -118,7 +128,9 @@ def get_gpt_decoder_block_flash_spec(
     if config.recompute_granularity == "full" and config.recompute_method == "block":
         whole = min(num_layers, config.recompute_num_layers)
     whole_spec, layer_spec = (
-        get_gpt_layer_flash_spec(normalization, qk_layernorm, attention_backend, modules)
+        get_gpt_layer_flash_spec(
+            normalization, qk_layernorm, attention_backend, modules, mlp_chunk_size
+        )
         for modules in ((), layer_recompute_modules)
     )
     return TransformerBlockSubmodules(

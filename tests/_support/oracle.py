@@ -15,6 +15,11 @@ from typing import Optional
 
 import torch
 
+# The project's bf16 tolerances: a bf16 computation against its fp32/float64 counterpart
+# (outputs, gradients), rounding once per kernel with fp32 accumulation.
+BF16_OUT = dict(atol=1.5e-2, rtol=1.5e-2)
+BF16_GRAD = dict(atol=3e-2, rtol=3e-2)
+
 
 def visible(
     sq: int,
