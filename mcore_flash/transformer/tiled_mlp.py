@@ -6,7 +6,8 @@ a time, in forward, in backward and inside full / attention / qkv recompute (whi
 layer and so re-run the tiles). The MLP is position-wise, so a tile is simply a slice of this
 rank's rows: under sequence parallelism megatron's fc1 all-gathers the tile's rows of every rank
 and fc2 reduce-scatters them back, one tile at a time. Cost: the MLP's forward runs once more
-per step (the tile's recompute), and the collectives are per tile.
+per step (the tile's recompute), and the collectives are per tile. The MLP draws no random
+numbers (dropout is the layer's, after it), so the tiles' checkpoints keep no RNG state.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class TiledMLP(MLP):
         if per_token_scale is not None:
             raise ValueError("--mlp-chunk-size: the tiled MLP takes no per_token_scale (MoE)")
         outputs = [
-            checkpoint(self._tile, tile, use_reentrant=False)
+            checkpoint(self._tile, tile, use_reentrant=False, preserve_rng_state=False)
             for tile in hidden_states.split(rows, dim=0)
         ]
         bias = self.linear_fc2.bias if self.linear_fc2.skip_bias_add else None
