@@ -95,9 +95,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.nn.functional.linear(tile, weight)
             )
             _all_reduce(tile_max, dist.ReduceOp.MAX, tp_group)
-            _, _, predicted, tile_sum, _ = VocabParallelCrossEntropy.calculate_predicted_logits(
+            predicted, tile_sum = VocabParallelCrossEntropy.calculate_predicted_logits(
                 logits, labels[where], tile_max, start_index, end_index
-            )
+            )[2:4]  # (the exponentials, in the logits' storage, are not kept)
             del logits, tile
             _all_reduce(predicted, dist.ReduceOp.SUM, tp_group)
             _all_reduce(tile_sum, dist.ReduceOp.SUM, tp_group)
