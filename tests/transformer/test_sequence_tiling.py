@@ -129,6 +129,7 @@ MLP_CASES = [
     for mode, modules, config in (
         ("none", (), {}),
         ("qkv", ("qkv",), dict(recompute_granularity="selective", recompute_modules=[])),
+        ("attention", (), dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
         ("full", (), dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
     )
 ]
