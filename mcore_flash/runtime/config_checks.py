@@ -342,11 +342,6 @@ def _loss_chunk_size(args: Flags, tp: int) -> Optional[int]:
                 f"{flag} {value}: under --sequence-parallel each tile takes the same number of rows from "
                 f"every one of the --tensor-model-parallel-size {tp} ranks; use a multiple of {tp}"
             )
-    if args.mlp_chunk_size is not None and args.activation_offload_layers:
-        raise ValueError(
-            "--mlp-chunk-size with --activation-offload-layers is not validated (the tiles' "
-            "recompute keeps the MLP input on the device, out of the offload's reach); drop one"
-        )
     return size
 
 

@@ -6,8 +6,11 @@ a time, in forward, in backward and inside full / attention / qkv recompute (whi
 layer and so re-run the tiles). The MLP is position-wise, so a tile is simply a slice of this
 rank's rows: under sequence parallelism megatron's fc1 all-gathers the tile's rows of every rank
 and fc2 reduce-scatters them back, one tile at a time. Cost: the MLP's forward runs once more
-per step (the tile's recompute), and the collectives are per tile. The MLP draws no random
-numbers (dropout is the layer's, after it), so the tiles' checkpoints keep no RNG state.
+per step (the tile's recompute), and the collectives are per tile.
+
+The tiles are megatron's checkpoints (``tensor_parallel.checkpoint``, reentrant): each saves its
+input slice with ``save_for_backward``, so what sees a layer's saved tensors (activation offload's
+hooks) sees the tiles' inputs too, and parks them like any other.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.mlp import MLP
-from torch.utils.checkpoint import checkpoint
 
 
 class TiledMLP(MLP):
@@ -44,7 +47,7 @@ class TiledMLP(MLP):
         if per_token_scale is not None:
             raise ValueError("--mlp-chunk-size: the tiled MLP takes no per_token_scale (MoE)")
         outputs = [
-            checkpoint(self._tile, tile, use_reentrant=False, preserve_rng_state=False)
+            tensor_parallel.checkpoint(self._tile, False, tile)
             for tile in hidden_states.split(rows, dim=0)
         ]
         bias = self.linear_fc2.bias if self.linear_fc2.skip_bias_add else None

@@ -199,7 +199,6 @@ def test_tiled_loss_equals_float64_cross_entropy():
         (["--mlp-chunk-size", "-4"], "--mlp-chunk-size"),
         (["--loss-compute-mode", "chunk", "--loss-chunk-size", "9", "--sequence-parallel",
           "--tensor-model-parallel-size", "2"], "multiple of 2"),
-        (["--mlp-chunk-size", "64", "--activation-offload-layers", "1"], "--activation-offload-layers"),
     ],
 )
 def test_bad_tiling_flags_name_the_flag(flags, flag):
