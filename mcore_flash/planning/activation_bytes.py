@@ -8,7 +8,9 @@ after the module that saves it (the suffix
 layer itself), its size in bytes an exact ``Fraction``. A :class:`Profile`
 (:data:`PROFILES`) says how the device's kernels and the modelling convention save tensors
 (fused or standard attention, statistics, norms, RoPE, SwiGLU, dropout masks); a recompute
-mode (:data:`RECOMPUTE_MODES`) what the layer keeps. :func:`sum_terms` and
+mode (:data:`RECOMPUTE_MODES`) what the layer keeps; the tiled MLP and loss (sequence
+tiling) what the MLP and the loss keep, :func:`mlp_tile_terms` what one MLP tile rebuilds
+in its backward. :func:`sum_terms` and
 :func:`by_module` add terms up; :func:`offloaded_layer` splits a layer's for activation
 offload; :func:`korthikanti_table2` holds Korthikanti et al.'s formulas, which the
 ``korthikanti`` profile reproduces term by term (:func:`korthikanti_model`). The terms
@@ -30,6 +32,8 @@ __all__ = [
     "RECOMPUTE_MODES",
     "Term",
     "layer_terms",
+    "mlp_tile_tokens",
+    "mlp_tile_terms",
     "non_layer_terms",
     "sum_terms",
     "by_module",
@@ -267,40 +271,96 @@ def _standard_attention_terms(p: Profile, dims: tuple, d: Fraction, recompute: s
     return terms
 
 
-def _mlp_terms(model: ModelShape, p: Profile, dims: tuple, tp: int) -> list[Term]:
-    """The MLP sub-block's terms: pre-MLP norm, fc1 input, the activation's input (and
-    Megatron's unfused SwiGLU's copies), fc2 input, the bias-dropout-add mask."""
-    s_c, s_t, b, B, M, a_t, g_t = dims
-    h, f, t = F(model.hidden_size), F(model.ffn_hidden_size), F(tp)
-    stat = _norm_stats_bytes(model, p)
-    mlp_terms = [
-        Term("pre_mlp_layernorm", "input", s_t * b * h * B, scope="mlp"),
-        Term("pre_mlp_layernorm", "statistics (fp32)", s_t * b * stat, scope="mlp"),
-        Term("mlp.linear_fc1", "input", s_t * b * h * B, scope="mlp"),
-    ]
+def _mlp_intermediate_terms(
+    model: ModelShape, p: Profile, dims: tuple, tp: int, tokens: Fraction
+) -> list[Term]:
+    """The MLP's ``[tokens, b, *f/tp]`` intermediates: the activation's input (and Megatron's
+    unfused SwiGLU's copies) and the fc2 input; ``tokens`` is ``s_c``, or one tile's tokens
+    under the tiled MLP (:func:`mlp_tile_terms`)."""
+    b, B = dims[2], dims[3]
+    f, t = F(model.ffn_hidden_size), F(tp)
+    terms = []
     if model.gated:
         swiglu_module = "mlp.activation_func" if p.swiglu_fused else "mlp"
-        mlp_terms.append(
-            Term(swiglu_module, "fc1 output (SwiGLU input)", s_c * b * 2 * f / t * B, scope="mlp")
+        terms.append(
+            Term(
+                swiglu_module, "fc1 output (SwiGLU input)", tokens * b * 2 * f / t * B, scope="mlp"
+            )
         )
         if not p.swiglu_fused:
-            mlp_terms.append(Term("mlp", "silu(gate) output", s_c * b * f / t * B, scope="mlp"))
-            mlp_terms.append(
+            terms.append(Term("mlp", "silu(gate) output", tokens * b * f / t * B, scope="mlp"))
+            terms.append(
                 Term(
                     "mlp",
                     "up-projection copy (x_linear + offset)",
-                    s_c * b * f / t * B,
+                    tokens * b * f / t * B,
                     scope="mlp",
                 )
             )
     else:
-        mlp_terms.append(
-            Term("mlp", "fc1 output (activation input)", s_c * b * f / t * B, scope="mlp")
+        terms.append(
+            Term("mlp", "fc1 output (activation input)", tokens * b * f / t * B, scope="mlp")
         )
-    mlp_terms.append(Term("mlp.linear_fc2", "input", s_c * b * f / t * B, scope="mlp"))
+    terms.append(Term("mlp.linear_fc2", "input", tokens * b * f / t * B, scope="mlp"))
+    return terms
+
+
+def _mlp_terms(model: ModelShape, p: Profile, dims: tuple, tp: int, tiled: bool) -> list[Term]:
+    """The MLP sub-block's terms: pre-MLP norm, fc1 input, the activation's input (and
+    Megatron's unfused SwiGLU's copies), fc2 input, the bias-dropout-add mask. ``tiled`` (the
+    tiled MLP, ``--mlp-chunk-size`` shorter than ``s_c``): the tiles' checkpoints hold the MLP
+    input (the fc1 input's storage) and none of the intermediates, rebuilt per tile in backward."""
+    s_c, s_t, b, B, M, a_t, g_t = dims
+    h = F(model.hidden_size)
+    stat = _norm_stats_bytes(model, p)
+    mlp_terms = [
+        Term("pre_mlp_layernorm", "input", s_t * b * h * B, scope="mlp"),
+        Term("pre_mlp_layernorm", "statistics (fp32)", s_t * b * stat, scope="mlp"),
+    ]
+    if tiled:
+        mlp_terms.append(
+            Term(
+                "mlp", "input (the tiles' checkpoints: the fc1 input)", s_t * b * h * B, scope="mlp"
+            )
+        )
+    else:
+        mlp_terms.append(Term("mlp.linear_fc1", "input", s_t * b * h * B, scope="mlp"))
+        mlp_terms += _mlp_intermediate_terms(model, p, dims, tp, s_c)
     if p.hidden_dropout > 0:
         mlp_terms.append(Term("<layer>", "MLP bias-dropout-add mask", s_t * b * h * M, scope="mlp"))
     return mlp_terms
+
+
+def mlp_tile_tokens(seq_length: int, cp: int, mlp_chunk_size: Optional[int]) -> Optional[Fraction]:
+    """Tokens of one tile of the tiled MLP (``--mlp-chunk-size``), or None where the MLP runs
+    untiled: no tile size, or one of at least the CP rank's ``seq_length / cp`` tokens (the
+    trainer's ``TiledMLP`` then calls megatron's MLP as is)."""
+    if mlp_chunk_size is None or mlp_chunk_size >= F(seq_length, cp):
+        return None
+    return F(mlp_chunk_size)
+
+
+def mlp_tile_terms(
+    model: ModelShape,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = True,
+    profile="npu",
+    dtype_bytes: Optional[int] = 2,
+    mlp_chunk_size: Optional[int] = None,
+) -> list[Term]:
+    """The MLP intermediates one tile of the tiled MLP rebuilds in its backward (the
+    ``[N, b, *f/tp]`` terms of :func:`layer_terms` at ``N`` = :func:`mlp_tile_tokens`
+    tokens); none where the MLP runs untiled."""
+    tokens = mlp_tile_tokens(seq_length, cp, mlp_chunk_size)
+    if tokens is None:
+        return []
+    p = _profile(profile)
+    dims = _dims(model, p, seq_length, micro_batch_size, tp, cp, sequence_parallel, dtype_bytes)
+    return _mlp_intermediate_terms(model, p, dims, tp, tokens)
 
 
 def _qkv_kept(attn: list[Term], p: Profile, layer_input_bytes: Fraction) -> list[Term]:
@@ -334,8 +394,11 @@ def layer_terms(
     recompute: str = "none",
     profile="npu",
     dtype_bytes: Optional[int] = 2,
+    mlp_chunk_size: Optional[int] = None,
 ) -> list[Term]:
-    """Bytes one transformer layer keeps for backward, per micro-batch, on one device."""
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one device;
+    ``mlp_chunk_size``: tokens per tile of the tiled MLP (None: untiled; the MLP is tiled
+    where :func:`mlp_tile_tokens` says so)."""
     p = _profile(profile)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute {recompute!r}: choose one of {RECOMPUTE_MODES}")
@@ -346,7 +409,8 @@ def layer_terms(
     if recompute == "full":
         return [layer_input]
     attn = _attention_terms(model, p, dims, recompute)
-    mlp_terms = _mlp_terms(model, p, dims, tp)
+    tiled = mlp_tile_tokens(seq_length, cp, mlp_chunk_size) is not None
+    mlp_terms = _mlp_terms(model, p, dims, tp, tiled)
     if recompute == "attention":
         attn = [layer_input]
     elif recompute == "qkv":
@@ -367,11 +431,17 @@ def non_layer_terms(
     dtype_bytes: Optional[int] = 2,
     first_stage: bool = True,
     last_stage: bool = True,
+    loss_chunk_size: Optional[int] = None,
 ) -> list[Term]:
     """Saved bytes outside the layers, per micro-batch: embedding, final norm, output layer, loss.
 
     ``module`` is the model-level path (``embedding.word_embeddings``, ``output_layer``,
     ``""`` for the loss, ``decoder`` for tensors the block's checkpoints keep).
+    ``loss_chunk_size`` (the tiled loss, ``--loss-compute-mode chunk``; None: megatron's
+    cross-entropy over the whole sequence's logits): the loss keeps, besides the output
+    layer's input, the per-token fp32 maximum and sum of exponentials and, with ``b > 1``,
+    its ``[s, b]`` int64 copy of the labels (at ``b = 1`` the transpose is a view of the
+    batch's labels), never the ``[s, b, V/tp]`` softmax.
     """
     p = _profile(profile)
     s_c, s_t, b, B, M, a_t, g_t = _dims(
@@ -405,9 +475,14 @@ def non_layer_terms(
         add("decoder.final_layernorm", "input", s_t * b * h * B)
         add("decoder.final_layernorm", "statistics (fp32)", s_t * b * stat)
         add("output_layer", "input", s_t * b * h * B)
-        add("", "cross-entropy softmax (fp32)", s_c * b * V / t * 4)
-        add("", "cross-entropy target mask (bool)", s_c * b)
-        add("", "cross-entropy masked targets (int64)", s_c * b * 8)
+        if loss_chunk_size is None:
+            add("", "cross-entropy softmax (fp32)", s_c * b * V / t * 4)
+            add("", "cross-entropy target mask (bool)", s_c * b)
+            add("", "cross-entropy masked targets (int64)", s_c * b * 8)
+        else:
+            add("", "tiled loss: per-token max and sum of exponentials (fp32)", 2 * s_c * b * 4)
+            if b > 1:
+                add("", "tiled loss: labels [s, b] (int64, a transposed copy)", s_c * b * 8)
     return terms
 
 

@@ -11,8 +11,9 @@ once (:func:`resolve`) and prints a layout's plan with its predicted step time o
 or the standard vs fused comparison: text, or JSON with ``--json``. Exit status: 0; 1 when
 the layout does not fit or the search finds nothing; 2 on an argument it refuses (the
 message names the flag). Megatron-LM's long flag names (``--tensor-model-parallel-size``
-...) are accepted too. What each flag plans (packed documents, Megatron-FSDP, host offload
-and the search's climb to it, bf16 main gradients and host moments, ``--sensitivity``):
+...) are accepted too. What each flag plans (packed documents, Megatron-FSDP, sequence
+tiling, host offload and the search's climb to them, bf16 main gradients and host moments,
+``--sensitivity``):
 docs/planner.md, docs/step-time.md and ``--help``.
 """
 
@@ -30,7 +31,7 @@ from .fsdp import FSDP_STRATEGIES, PLANNED_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile, load_hardware
 from .memory import MIN_FREE_SHARE, plan_memory
 from .models import MODELS, ModelShape, get_model
-from .parallel_layout import HOST_MOMENT_BYTES, Layout
+from .parallel_layout import DEFAULT_LOSS_CHUNK_SIZE, HOST_MOMENT_BYTES, Layout
 from .report import (
     format_candidate,
     format_compare,
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="Adam's moments on the host in bf16 (the trainer's host step; both flags alike, the whole "
             "optimizer offloaded); --search tries them anyway on the offload rung when the host is too small",
         )
+    _add_tile_flags(p)
     p.add_argument(
         "--host-memory",
         help="host memory per node, e.g. 2TB (binary; default the hardware profile's, an assumption for the 910B)",
@@ -272,6 +274,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_tile_flags(p: argparse.ArgumentParser) -> None:
+    """The sequence tiling flags, the trainer's names (docs/planner.md, "Sequence tiling")."""
+    p.add_argument(
+        "--loss-compute-mode",
+        choices=("default", "chunk"),
+        default="default",
+        help="chunk: the output layer and the cross-entropy per tile of --loss-chunk-size tokens (the "
+        "trainer's flag); --search tries tiles anyway once nothing fits on ZeRO-3",
+    )
+    p.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        metavar="N",
+        help=f"tokens per loss tile with --loss-compute-mode chunk (default {DEFAULT_LOSS_CHUNK_SIZE}; under "
+        "sequence parallelism a multiple of --tp)",
+    )
+    p.add_argument(
+        "--mlp-chunk-size",
+        type=int,
+        metavar="N",
+        help="every MLP in tiles of N tokens, each recomputed in its backward (the trainer's flag; under "
+        "sequence parallelism a multiple of --tp; default: untiled)",
+    )
+
+
 def _fsdp(args) -> Optional[str]:
     """The strategy of ``--use-megatron-fsdp [--data-parallel-sharding-strategy S]``, or None."""
     if args.sharding_strategy and not args.use_megatron_fsdp:
@@ -307,6 +334,25 @@ def _host_moment_dtype(args) -> str:
             "plans both moments in one dtype; give them alike"
         )
     return args.exp_avg_dtype
+
+
+def _tiles(args) -> tuple[Optional[int], Optional[int]]:
+    """The ``(loss, MLP)`` tiles of ``--loss-compute-mode chunk [--loss-chunk-size N]`` and
+    ``--mlp-chunk-size N`` (tokens; None: untiled), refused by name as the trainer refuses
+    them (a multiple of TP under sequence parallelism: :class:`.parallel_layout.Layout`)."""
+    chunk = args.loss_compute_mode == "chunk"
+    if args.loss_chunk_size is not None and not chunk:
+        raise ValueError(
+            "--loss-chunk-size applies to --loss-compute-mode chunk (the default mode computes the whole "
+            "sequence's logits): add --loss-compute-mode chunk or drop the size"
+        )
+    loss = None
+    if chunk:
+        loss = DEFAULT_LOSS_CHUNK_SIZE if args.loss_chunk_size is None else args.loss_chunk_size
+    for flag, value in (("--loss-chunk-size", loss), ("--mlp-chunk-size", args.mlp_chunk_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be a positive number of tokens, got {value}")
+    return loss, args.mlp_chunk_size
 
 
 def _dp(args) -> int:
@@ -433,6 +479,7 @@ def _step_options(args) -> dict:
 def _plan(args, inputs: Inputs) -> int:
     model, hardware, device_memory, _, dtype_bytes = inputs
     dp = _dp(args)
+    loss_chunk_size, mlp_chunk_size = _tiles(args)
     gbs = args.global_batch_size or default_global_batch_size(
         args.seq_length, args.micro_batch_size, dp
     )
@@ -455,6 +502,8 @@ def _plan(args, inputs: Inputs) -> int:
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         host_moment_dtype=_host_moment_dtype(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
+        loss_chunk_size=loss_chunk_size,
+        mlp_chunk_size=mlp_chunk_size,
     )
     if layout.grad_reduce_in_bf16 and dtype_bytes != 2:
         raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
@@ -496,6 +545,7 @@ def search_candidates(args, inputs: Inputs) -> list[Candidate]:
     first (it shows the first ``--top``)."""
     if args.grad_reduce_in_bf16 and inputs.dtype_bytes != 2:
         raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
+    loss_chunk_size, mlp_chunk_size = _tiles(args)
     return search_layouts(
         inputs.model,
         args.seq_length,
@@ -513,6 +563,8 @@ def search_candidates(args, inputs: Inputs) -> list[Candidate]:
         offload=args.offload,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         host_moment_dtype=_host_moment_dtype(args),
+        loss_chunk_size=loss_chunk_size,
+        mlp_chunk_size=mlp_chunk_size,
         hardware=inputs.hardware,
         step_options=_step_options(args),
         **_plan_kwargs(args, inputs),

@@ -6,7 +6,8 @@ Units: 2 FLOPs per multiply-add; causal attention counts the unmasked half of QK
 attention kernel, MLP) and once the logits; :func:`step_flops` one sequence's forward and
 backward without recompute (a GEMM's backward :data:`GEMM_BACKWARD` x its forward, a fused
 attention kernel's :data:`FUSED_ATTENTION_BACKWARD` x); :func:`recompute_overhead` the
-extra FLOPs of a recompute mode as a fraction of :func:`step_flops`; :func:`pipeline_bubble`
+extra FLOPs of a recompute mode as a fraction of :func:`step_flops`, :func:`tiling_overhead`
+those of the sequence tiles' recomputed forward passes; :func:`pipeline_bubble`
 the 1F1B bubble as a fraction of the ideal step time. A ``mean_document_length`` ``D``
 (tokens: packed documents with document masking, in ``[1, s]``,
 :func:`check_mean_document_length`; None: one document per sequence, ``D = s``) changes
@@ -26,6 +27,7 @@ __all__ = [
     "forward_flops",
     "step_flops",
     "recompute_overhead",
+    "tiling_overhead",
     "pipeline_bubble",
 ]
 
@@ -156,6 +158,26 @@ def recompute_overhead(
         * per_layer[recompute]
         / step_flops(model, seq_length, fused_attention, mean_document_length)
     )
+
+
+def tiling_overhead(
+    model: ModelShape,
+    seq_length: int,
+    loss_tiled: bool,
+    mlp_tiled: bool,
+    fused_attention: bool = True,
+    mean_document_length: Optional[float] = None,
+) -> float:
+    """Extra FLOPs of sequence tiling as a fraction of :func:`step_flops` (sequences of
+    ``seq_length`` tokens), on top of any layer recompute: the tiled loss (``loss_tiled``)
+    recomputes each tile's logits in its backward, one more output-layer forward
+    (``2*b*s*h*V``); the tiled MLP (``mlp_tiled``) each tile's fc1 and fc2, one more MLP
+    forward per layer (``L * 2*b*s*h*f*(3 if SwiGLU else 2)``)."""
+    fl = forward_flops(model, seq_length, mean_document_length=mean_document_length)
+    extra = (fl["logits"] if loss_tiled else 0.0) + (
+        model.num_layers * fl["mlp"] if mlp_tiled else 0.0
+    )
+    return extra / step_flops(model, seq_length, fused_attention, mean_document_length)
 
 
 def pipeline_bubble(pp: int, num_microbatches: Optional[int], vp: int = 1) -> float:

@@ -1,8 +1,8 @@
 """Host offload: a stage's device and host bytes of activation offload, and a node's host bytes.
 
 Host offload (``layout.optimizer_offload_fraction``, ``layout.activation_offload_layers``;
-the ladder's 4th rung): ``optimizer_state`` keeps what the rank does not offload
-(:mod:`.ddp_state`); ``activations`` and ``attention_statistics`` keep the layers not
+the ladder's 5th rung, after sequence tiling): ``optimizer_state`` keeps what the rank does
+not offload (:mod:`.ddp_state`); ``activations`` and ``attention_statistics`` keep the layers not
 offloaded, and ``activation_offload_buffers`` holds what the offloaded layers add at the
 backward's worst moment, from the offload's order of events (:func:`offload_stage_bytes`:
 what stays on the device of a parked layer, and an offloaded layer's own copies fetched with

@@ -27,7 +27,7 @@ from typing import Optional
 from . import activation_bytes as act
 from .communicators import P2P_HCCL_BUFFSIZE_BYTES, stage_communicators
 from .ddp_state import device_gradient_bytes, exact_ddp_stage, exact_ddp_state, main_gradient_bytes
-from .flops import pipeline_bubble, recompute_overhead
+from .flops import pipeline_bubble, recompute_overhead, tiling_overhead
 from .fsdp import FSDP_CATEGORIES, fsdp_bytes, stage_groups
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
 from .host_offload import check_offloaded_layers, host_plan, offload_stage_bytes
@@ -66,19 +66,29 @@ class _MicroBatch:
     ``local_tokens``: ``s / cp`` (the CP rank's share); ``rank_tokens``: ``s / (cp * tp)``
     under sequence parallelism (the tokens of a [s, b, h] tensor a TP rank holds), else
     ``local_tokens``; ``batch``: micro-batch size ``b``; ``element_bytes``: the activation
-    dtype's bytes ``B``.
+    dtype's bytes ``B``; ``loss_tile_tokens``: the tokens of one tile of the tiled loss,
+    ``min(N, s / cp)`` (None: megatron's loss); ``mlp_tile_tokens``: of one tile of the tiled
+    MLP (None: untiled, :func:`.activation_bytes.mlp_tile_tokens`).
     """
 
     local_tokens: Fraction
     rank_tokens: Fraction
     batch: int
     element_bytes: int
+    loss_tile_tokens: Optional[Fraction] = None
+    mlp_tile_tokens: Optional[Fraction] = None
 
     @classmethod
     def of(cls, seq_length: int, layout: Layout, dtype_bytes: int) -> "_MicroBatch":
         local = Fraction(seq_length, layout.cp)
+        loss_chunk = layout.loss_chunk_size
         return cls(
-            local, local / layout.tp if layout.sp else local, layout.micro_batch_size, dtype_bytes
+            local,
+            local / layout.tp if layout.sp else local,
+            layout.micro_batch_size,
+            dtype_bytes,
+            None if loss_chunk is None else min(Fraction(loss_chunk), local),
+            act.mlp_tile_tokens(seq_length, layout.cp, layout.mlp_chunk_size),
         )
 
 
@@ -116,13 +126,18 @@ def _mean_layer_bytes(
 def _recompute_workspace(
     terms: list[act.Term],
     none_terms: list[act.Term],
+    tile_terms: list[act.Term],
     model: ModelShape,
     layout: Layout,
     micro: _MicroBatch,
 ) -> Fraction:
     """Estimated bytes alive while one layer runs its backward: what its recompute rebuilds
     (``none_terms`` less the kept ``terms``) plus the largest gradients inside a layer's
-    backward, ``s_c * b * (fc1 width / tp + 2h) * B``."""
+    backward, ``s_c * b * (fc1 width / tp + 2h) * B``. Under the tiled MLP (``tile_terms``:
+    one tile's intermediates, :func:`.activation_bytes.mlp_tile_terms`, ``N`` tokens) the
+    intermediates are rebuilt one tile at a time whatever the recompute mode (``none_terms``
+    and ``terms`` hold none of them), and the gradients are
+    ``(N * fc1 width / tp + s_c * 2h) * b * B``."""
     if layout.recompute == "full" or layout.recompute_num_layers:
         rebuilt = act.sum_terms(none_terms)
     elif layout.recompute == "attention":
@@ -142,13 +157,13 @@ def _recompute_workspace(
     else:
         rebuilt = Fraction(0)
     fc1_width_per_rank = Fraction(model.ffn_hidden_size * (2 if model.gated else 1), layout.tp)
+    fc1_tokens = micro.local_tokens if micro.mlp_tile_tokens is None else micro.mlp_tile_tokens
     gradients = (
-        micro.local_tokens
+        (fc1_tokens * fc1_width_per_rank + micro.local_tokens * 2 * model.hidden_size)
         * micro.batch
-        * (fc1_width_per_rank + 2 * model.hidden_size)
         * micro.element_bytes
     )
-    return rebuilt + gradients
+    return rebuilt + act.sum_terms(tile_terms) + gradients
 
 
 def _communication_buffers(model: ModelShape, layout: Layout, micro: _MicroBatch) -> Fraction:
@@ -194,6 +209,7 @@ def _outside_layers_bytes(
         layout.micro_batch_size,
         first_stage=stage == 0,
         last_stage=stage == layout.pp - 1,
+        loss_chunk_size=layout.loss_chunk_size,
         **{
             **term_options,
             "recompute": "full" if layout.recompute_num_layers else layout.recompute,
@@ -216,8 +232,14 @@ def _outside_layers_bytes(
 
 
 def _notes(seq_length: int, layout: Layout, profile: act.Profile) -> list[str]:
-    """Warnings the numbers do not show: short CP ranks, an unfilled pipeline, unfused attention."""
+    """Warnings the numbers do not show: short CP ranks, an unfilled pipeline, unfused
+    attention, an MLP tile no shorter than the sequence (untiled)."""
     notes = []
+    if layout.mlp_chunk_size is not None and layout.mlp_chunk_size >= seq_length // layout.cp:
+        notes.append(
+            f"--mlp-chunk-size {layout.mlp_chunk_size} >= the {seq_length // layout.cp} tokens per CP rank: the "
+            "MLP runs untiled (one tile), with megatron's memory and compute"
+        )
     if layout.cp > 1 and seq_length // layout.cp < 8192:
         notes.append(
             f"{seq_length // layout.cp} tokens per CP rank: ring context parallelism hides its communication only "
@@ -340,11 +362,8 @@ def plan_memory(
         profile=activation_profile,
         dtype_bytes=dtype_bytes,
     )
-    terms, none_terms, full_terms = (
-        act.layer_terms(
-            model, seq_length, layout.micro_batch_size, **{**term_options, "recompute": mode}
-        )
-        for mode in (layout.recompute, "none", "full")
+    terms, none_terms, full_terms, tile_terms = _layer_term_sets(
+        model, seq_length, layout, term_options
     )
     recompute_shares = layout.recompute_shares(model.num_layers)
     layer_activations, layer_statistics = _mean_layer_bytes(terms, full_terms, model, layout)
@@ -358,7 +377,7 @@ def plan_memory(
         full_terms=full_terms,
         layer_activations=layer_activations,
         layer_statistics=layer_statistics,
-        workspace=_recompute_workspace(terms, none_terms, model, layout, micro),
+        workspace=_recompute_workspace(terms, none_terms, tile_terms, model, layout, micro),
         communication=_communication_buffers(model, layout, micro),
         optimizer_per_parameter=optimizer_bytes_per_parameter(
             layout.distributed_optimizer, layout.dp, layout.cp
@@ -384,9 +403,8 @@ def plan_memory(
         stages=stages,
         layer_terms=terms,
         device_memory=device_memory,
-        recompute_overhead=sum(
-            weight * recompute_overhead(model, seq_length, mode, fused, mean_document_length)
-            for weight, mode in recompute_shares
+        recompute_overhead=_compute_overhead(
+            model, seq_length, micro, recompute_shares, fused, mean_document_length
         ),
         pipeline_bubble=pipeline_bubble(layout.pp, layout.num_microbatches, layout.vp),
         mean_document_length=mean_document_length,
@@ -395,6 +413,55 @@ def plan_memory(
         min_free_memory=(
             default_min_free_memory(device_memory) if min_free_memory is None else min_free_memory
         ),
+    )
+
+
+def _layer_term_sets(
+    model: ModelShape, seq_length: int, layout: Layout, term_options: dict
+) -> tuple[list[act.Term], list[act.Term], list[act.Term], list[act.Term]]:
+    """One layer's terms under ``layout.recompute``, ``none`` and ``full`` (the MLP tiled as
+    ``layout`` says), and one tile's intermediates of the tiled MLP (none untiled)."""
+    terms, none_terms, full_terms = (
+        act.layer_terms(
+            model,
+            seq_length,
+            layout.micro_batch_size,
+            mlp_chunk_size=layout.mlp_chunk_size,
+            **{**term_options, "recompute": mode},
+        )
+        for mode in (layout.recompute, "none", "full")
+    )
+    tile_terms = act.mlp_tile_terms(
+        model,
+        seq_length,
+        layout.micro_batch_size,
+        mlp_chunk_size=layout.mlp_chunk_size,
+        **{k: v for k, v in term_options.items() if k != "recompute"},
+    )
+    return terms, none_terms, full_terms, tile_terms
+
+
+def _compute_overhead(
+    model: ModelShape,
+    seq_length: int,
+    micro: _MicroBatch,
+    recompute_shares: list[tuple[float, str]],
+    fused: bool,
+    mean_document_length: Optional[float],
+) -> float:
+    """Extra FLOPs over the step's without recompute: the layers' recompute modes by their
+    ``recompute_shares`` (:meth:`.Layout.recompute_shares`), and the sequence tiles'
+    recomputed forward passes."""
+    return sum(
+        weight * recompute_overhead(model, seq_length, mode, fused, mean_document_length)
+        for weight, mode in recompute_shares
+    ) + tiling_overhead(
+        model,
+        seq_length,
+        micro.loss_tile_tokens is not None,
+        micro.mlp_tile_tokens is not None,
+        fused,
+        mean_document_length,
     )
 
 
@@ -425,12 +492,22 @@ def _stage_activations(
 
 
 def _logits_bytes(inputs: _PlanInputs, stage: int) -> Fraction:
-    """The last stage's logits and their fp32 gradient (0 on the other stages)."""
+    """The last stage's logits and their fp32 copy, ``s_c * b * V/tp * (B + 4)`` (0 on the
+    other stages). The tiled loss holds one tile's, ``N * b * V/tp * (B + 4)`` (forward and
+    backward alike), the fp32 gradient of the output weight accumulated over the tiles,
+    ``V/tp * h * 4``, and under sequence parallelism the tile's gathered hidden states,
+    ``N * b * h * B`` (``N`` = ``min(--loss-chunk-size, s_c)``)."""
     layout, micro = inputs.layout, inputs.micro
     if stage != layout.pp - 1:
         return Fraction(0)
     vocab_per_rank = Fraction(inputs.model.vocab_size, layout.tp)
-    return micro.local_tokens * micro.batch * vocab_per_rank * (micro.element_bytes + FP32_BYTES)
+    per_token = micro.batch * vocab_per_rank * (micro.element_bytes + FP32_BYTES)
+    tile = micro.loss_tile_tokens
+    if tile is None:
+        return micro.local_tokens * per_token
+    hidden = inputs.model.hidden_size
+    gathered = tile * micro.batch * hidden * micro.element_bytes if layout.sp else 0
+    return tile * per_token + vocab_per_rank * hidden * FP32_BYTES + gathered
 
 
 def _stage_plan(inputs: _PlanInputs, stage: int) -> StagePlan:

@@ -20,12 +20,15 @@ __all__ = [
     "Layout",
     "RECOMPUTE_FLAGS",
     "HOST_MOMENT_BYTES",
+    "DEFAULT_LOSS_CHUNK_SIZE",
     "recompute_flags",
     "recompute_text",
     "fsdp_flags",
     "offload_flags",
     "offload_text",
     "gradient_flags",
+    "tiling_flags",
+    "tiling_text",
     "pretrain_command",
 ]
 
@@ -46,6 +49,9 @@ RECOMPUTE_FLAGS = {
 }
 # bytes of one Adam moment per element, by the host state's dtype (--exp-avg-dtype's names)
 HOST_MOMENT_BYTES = {"fp32": 4, "bf16": 2}
+# the trainer's tile with --loss-compute-mode chunk and no --loss-chunk-size (its
+# mcore_flash/runtime/config_checks.py LOSS_CHUNK_SIZE, MindSpeed-LLM's)
+DEFAULT_LOSS_CHUNK_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -62,10 +68,11 @@ class Layout:
     ranks, or None for megatron's DDP (with the distributed optimizer when
     ``distributed_optimizer``); FSDP implies the distributed optimizer.
 
-    Host offload (the ladder's 4th rung; both need the distributed optimizer and refuse
-    FSDP, as the trainer does): ``optimizer_offload_fraction`` in [0, 1] is the share of this
-    rank's optimizer shard (by elements) whose fp32 master and Adam moments live and step on
-    the host (megatron-core's ``HybridDeviceOptimizer``, ``--optimizer-cpu-offload``);
+    Host offload (the ladder's 5th rung, after sequence tiling; both need the distributed
+    optimizer and refuse FSDP, as the trainer does): ``optimizer_offload_fraction`` in [0, 1]
+    is the share of this rank's optimizer shard (by elements) whose fp32 master and Adam
+    moments live and step on the host (megatron-core's ``HybridDeviceOptimizer``,
+    ``--optimizer-cpu-offload``);
     ``activation_offload_layers`` is the first that many layers of each pipeline stage whose
     kept tensors wait for their backward in host memory (``--activation-offload-layers``).
     ``overlap_cpu_optimizer`` (``--overlap-cpu-optimizer-d2h-h2d``) overlaps the offloaded
@@ -86,6 +93,15 @@ class Layout:
     produces them, and the step time hides that reduction behind the backward; the buckets
     are part of the buffer layout (:attr:`ddp_bucket_size`). Megatron-FSDP overlaps its own
     way and ignores it (no flag is printed with FSDP).
+
+    Sequence tiling (the ladder's rung before host offload; docs/planner.md, "Sequence
+    tiling"): ``loss_chunk_size`` tokens per tile of the output layer and the vocab-parallel
+    cross-entropy (``--loss-compute-mode chunk --loss-chunk-size N``; None: megatron's
+    whole-sequence logits); ``mlp_chunk_size`` tokens per tile of every MLP, each tile
+    recomputed in its backward (``--mlp-chunk-size N``; None: untiled; a tile of at least the
+    CP rank's tokens runs untiled, as the trainer does). Each is a positive number of tokens,
+    a multiple of ``tp`` under sequence parallelism; the tiled MLP does not go with activation
+    offload (the trainer refuses the pair).
     """
 
     tp: int = 1
@@ -106,6 +122,8 @@ class Layout:
     grad_reduce_in_bf16: bool = False
     host_moment_dtype: str = "fp32"
     overlap_grad_reduce: bool = True
+    loss_chunk_size: Optional[int] = None
+    mlp_chunk_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "vp", "micro_batch_size"):
@@ -130,6 +148,7 @@ class Layout:
                 "--use-megatron-fsdp implies the distributed optimizer: drop --no-distributed-optimizer"
             )
         self._check_offload()
+        self._check_tiles()
         if self.vp > 1 and self.pp == 1:
             raise ValueError("an interleaved schedule (vp > 1) needs pp > 1")
         if self.global_batch_size is not None and self.global_batch_size % (
@@ -179,6 +198,33 @@ class Layout:
                 "it): drop --no-distributed-optimizer"
             )
 
+    def _check_tiles(self) -> None:
+        """ValueError naming the flag for tiles the trainer refuses (its ``_loss_chunk_size``)."""
+        for flag, value in (
+            ("--loss-chunk-size", self.loss_chunk_size),
+            ("--mlp-chunk-size", self.mlp_chunk_size),
+        ):
+            if value is None:
+                continue
+            if value < 1:
+                raise ValueError(f"{flag} must be a positive number of tokens, got {value}")
+            if self.sp and value % self.tp:
+                raise ValueError(
+                    f"{flag} {value}: under --sequence-parallel each tile takes the same number of rows from "
+                    f"every one of the --tensor-model-parallel-size {self.tp} ranks; use a multiple of {self.tp}"
+                )
+        if self.mlp_chunk_size is not None and self.activation_offload_layers:
+            raise ValueError(
+                "--mlp-chunk-size with --activation-offload-layers: the trainer refuses the pair (the tiles' "
+                "recompute keeps the MLP input on the device, out of the offload's reach); drop one"
+            )
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the loss or the MLPs are given tiles (``loss_chunk_size``,
+        ``mlp_chunk_size``)."""
+        return self.loss_chunk_size is not None or self.mlp_chunk_size is not None
+
     @property
     def offloads(self) -> bool:
         """Whether anything lives on the host: optimizer state or activations."""
@@ -188,11 +234,14 @@ class Layout:
     def rung(self) -> str:
         """The rung of the memory ladder this layout stands on: ``"flash attention"`` (no
         recompute, no sharding beyond the distributed optimizer), ``"recompute"``,
-        ``"ZeRO-3"`` (Megatron-FSDP, with or without recompute) or ``"offload"`` (host
-        offload of the optimizer or of activations, or the narrower state of bf16 main
-        gradients)."""
+        ``"ZeRO-3"`` (Megatron-FSDP, with or without recompute), ``"sequence tiling"`` (the
+        tiled loss or MLP, with or without those) or ``"offload"`` (host offload of the
+        optimizer or of activations, or the narrower state of bf16 main gradients, with or
+        without any of those)."""
         if self.offloads or self.grad_reduce_in_bf16:
             return "offload"
+        if self.tiled:
+            return "sequence tiling"
         if self.fsdp is not None:
             return "ZeRO-3"
         if self.recompute != "none" or self.recompute_num_layers:
@@ -259,7 +308,12 @@ class Layout:
         return min(n, self.num_microbatches * self.vp) if self.num_microbatches else n
 
     def to_dict(self) -> dict:
+        """The fields, ``num_devices`` and ``num_microbatches``; the tile sizes only where set
+        (the JSON of an untiled layout is what it was before tiling existed)."""
         out = asdict(self)
+        for name in ("loss_chunk_size", "mlp_chunk_size"):
+            if out[name] is None:
+                del out[name]
         out["num_devices"] = self.num_devices
         out["num_microbatches"] = self.num_microbatches
         return out
@@ -305,6 +359,27 @@ def offload_flags(layout: Layout) -> list[str]:
 def gradient_flags(layout: Layout) -> list[str]:
     """``--grad-reduce-in-bf16`` for ``layout``'s bf16 main gradients; none for fp32."""
     return ["--grad-reduce-in-bf16"] if layout.grad_reduce_in_bf16 else []
+
+
+def tiling_flags(layout: Layout) -> list[str]:
+    """The ``mcore-flash pretrain`` flags of ``layout``'s sequence tiling (none untiled):
+    ``--loss-compute-mode chunk --loss-chunk-size N`` and ``--mlp-chunk-size N``."""
+    flags = []
+    if layout.loss_chunk_size is not None:
+        flags += ["--loss-compute-mode", "chunk", "--loss-chunk-size", str(layout.loss_chunk_size)]
+    if layout.mlp_chunk_size is not None:
+        flags += ["--mlp-chunk-size", str(layout.mlp_chunk_size)]
+    return flags
+
+
+def tiling_text(layout: Layout) -> str:
+    """``layout``'s sequence tiling in words (empty untiled)."""
+    parts = []
+    if layout.loss_chunk_size is not None:
+        parts.append(f"loss tiles of {layout.loss_chunk_size} tokens")
+    if layout.mlp_chunk_size is not None:
+        parts.append(f"MLP tiles of {layout.mlp_chunk_size} tokens")
+    return ", ".join(parts)
 
 
 def offload_text(layout: Layout) -> str:
@@ -380,6 +455,7 @@ def pretrain_command(
     args += fsdp_flags(layout)
     args += offload_flags(layout)
     args += gradient_flags(layout)
+    args += tiling_flags(layout)
     if mean_document_length is not None:  # the plan assumes document masking
         args += ["--reset-attention-mask", "--reset-position-ids"]
     args += recompute_flags(layout)

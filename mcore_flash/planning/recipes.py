@@ -99,6 +99,8 @@ def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> Me
     (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``
     otherwise (a conservative upper bound). Full recompute by ``block`` is partial recompute:
     its ``--recompute-num-layers`` layers of each chunk whole, the others by the modules.
+    The sequence tiles are the config's resolved ``loss_chunk_size`` (None unless
+    ``--loss-compute-mode chunk``) and ``mlp_chunk_size``.
     """
     config = args.recompute.config
     modules = args.recompute.layer_modules
@@ -133,6 +135,8 @@ def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> Me
         overlap_cpu_optimizer=args.overlap_cpu_optimizer_d2h_h2d,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
+        loss_chunk_size=args.loss_chunk_size,
+        mlp_chunk_size=args.mlp_chunk_size,
     )
     hardware = args.hardware or HARDWARE_PROFILES[DEFAULT_HARDWARE]
     capacity = hardware.capacity if device_memory is None else parse_bytes(device_memory)

@@ -11,10 +11,16 @@ from typing import Optional
 
 from . import activation_bytes as act
 from .models import ModelShape
-from .parallel_layout import offload_text, recompute_text
+from .parallel_layout import offload_text, recompute_text, tiling_text
 from .plans import ESTIMATED_CATEGORIES, OFFLOAD_CATEGORIES, MemoryPlan, launch_command
 from .search import Candidate, OffloadGap
-from .step_time import BREAKDOWN_KEYS, FSDP_BREAKDOWN_KEYS, OFFLOAD_BREAKDOWN_KEYS, StepTime
+from .step_time import (
+    BREAKDOWN_KEYS,
+    FSDP_BREAKDOWN_KEYS,
+    OFFLOAD_BREAKDOWN_KEYS,
+    TILING_BREAKDOWN_KEYS,
+    StepTime,
+)
 from .units import format_bytes
 
 __all__ = [
@@ -78,6 +84,7 @@ def format_plan(plan: MemoryPlan, launch: Optional[str] = None) -> str:
         f"{'distributed' if lay.distributed_optimizer else 'replicated'} optimizer; "
         f"{'bf16 main gradients (--grad-reduce-in-bf16); ' if lay.grad_reduce_in_bf16 else ''}"
         f"{sharding_text(lay)}"
+        f"{f'{tiling_text(lay)}; ' if lay.tiled else ''}"
         f"micro-batches/step {lay.num_microbatches or 'n/a'}",
         "",
         f"per-layer activations (one micro-batch, this device{', layers not recomputed whole' if lay.recompute_num_layers else ''}): "
@@ -174,7 +181,8 @@ def sharding_text(layout) -> str:
 
 def format_step_time(step: StepTime) -> str:
     """A headline (step time, tokens/s per device, MFU on which devices), then one line per
-    non-zero part of the breakdown (seconds and share of the step)."""
+    non-zero part of the breakdown (seconds and share of the step) and, with sequence
+    tiling, the tiles' assumed GEMM efficiency."""
     total, hw = step.step_time_s, step.hardware
     devices = (
         f"{step.layout.num_devices} x {hw.name} ({hw.peak_bf16_tflops:g} TFLOP/s peak x "
@@ -184,10 +192,17 @@ def format_step_time(step: StepTime) -> str:
         f"step time on {devices}: {total:.3f} s; {step.tokens_per_s_per_device:,.0f} tokens/s per "
         f"device; MFU {step.mfu:.1%} (Megatron convention {step.mfu_megatron:.1%})",
     ]
-    for key in BREAKDOWN_KEYS + FSDP_BREAKDOWN_KEYS + OFFLOAD_BREAKDOWN_KEYS:
+    after_logits = BREAKDOWN_KEYS.index("logits") + 1  # the tiles' parts follow the logits
+    keys = BREAKDOWN_KEYS[:after_logits] + TILING_BREAKDOWN_KEYS + BREAKDOWN_KEYS[after_logits:]
+    for key in keys + FSDP_BREAKDOWN_KEYS + OFFLOAD_BREAKDOWN_KEYS:
         seconds = step.breakdown.get(key, 0.0)
         if seconds:
             lines.append(f"  {key:<26} {seconds:>10.3f} s  {seconds / total:>6.1%}")
+    if "tile_efficiency" in step.details:
+        lines.append(
+            f"  assumption: the tiles' GEMMs at {step.details['tile_efficiency']:g} x the untiled speed "
+            "(tile_efficiency, not measured; --sensitivity)"
+        )
     return "\n".join(lines)
 
 
@@ -205,6 +220,7 @@ def format_candidate(rank: int, candidate: Candidate) -> str:
         f"\n{rank}. TP{lay.tp}{' SP' if lay.sp else ''} PP{lay.pp}{f' v{lay.vp}' if lay.vp > 1 else ''} "
         f"CP{lay.cp} DP{lay.dp}, recompute {recompute_text(lay, plan.model.num_layers)}"
         f"{f', Megatron-FSDP {lay.fsdp}' if lay.fsdp else ''}"
+        f"{f', {tiling_text(lay)}' if lay.tiled else ''}"
         f"{f', {offload_text(lay)}' if offload_text(lay) else ''} (rung: {candidate.rung}): "
         f"{step.step_time_s:.2f} s per step, "
         f"{step.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {step.mfu:.1%}; "

@@ -6,10 +6,11 @@ step time, then less communication: smaller CP, PP, TP, then more free memory). 
 fits when the device holds its worst stage with ``min_free_memory`` left free (a
 :func:`plan_memory` keyword; the CLI's ``--min-free-memory``, default 5% of the capacity)
 and, with host offload, the host its fullest node. A layout that does not fit climbs the
-memory ladder (:data:`LADDER`: flash attention and recompute, ZeRO-3, host offload and its
-narrower state), by default each rung only when no layout of the device count fits below
-it (the climb: :func:`search_layouts`, :mod:`.fitting`; docs/planner.md, "The ladder in
-``--search``"); ``Candidate.rung`` names the rung it needed. When nothing fits,
+memory ladder (:data:`LADDER`: flash attention and recompute, ZeRO-3, sequence tiling,
+host offload and its narrower state, each with and then without the tiles), by default each
+rung only when no layout of the device count fits below it (the climb:
+:func:`search_layouts`, :mod:`.fitting`; docs/planner.md, "The ladder in ``--search``");
+``Candidate.rung`` names the rung it needed. When nothing fits,
 :func:`closest_offload` says by how much and what closes the gap; :func:`sensitivity` how
 the prediction moves with each figure the hardware profile marks an assumption.
 """
@@ -17,7 +18,7 @@ the prediction moves with each figure the hardware profile marks an assumption.
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from .activation_bytes import RECOMPUTE_MODES
@@ -39,6 +40,8 @@ __all__ = [
     "Rung",
     "default_global_batch_size",
     "SEARCH_RECOMPUTE_MODES",
+    "LOSS_TILE_TOKENS",
+    "tile_choices",
     "closest_offload",
     "sensitivity",
 ]
@@ -47,6 +50,10 @@ DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # Llama-2's 4M-token batches
 # what --search tries (and --recompute accepts): our modes; Megatron's stock core_attention
 # recompute saves nothing with a fused kernel (README "Recompute")
 SEARCH_RECOMPUTE_MODES = tuple(mode for mode in RECOMPUTE_MODES if mode != "core_attention")
+# the tiled loss's tile on the ladder's tiling rungs (tokens): 32 tiles of a 128K sequence,
+# GEMMs of [4096, h] x [h, V/tp]; the trainer's default (1024) saves 3/4 of a few hundred MiB
+# more for four times the tiles and their collectives (docs/planner.md, "Sequence tiling")
+LOSS_TILE_TOKENS = 4096
 
 
 @dataclass
@@ -143,6 +150,9 @@ def search_layouts(
     grad_reduce_in_bf16: bool = False,
     bf16_moments: bool = True,
     host_moment_dtype: str = "fp32",
+    sequence_tiling: bool = True,
+    loss_chunk_size: Optional[int] = None,
+    mlp_chunk_size: Optional[int] = None,
     hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
     step_options: Optional[dict] = None,
     **plan_kwargs,
@@ -162,9 +172,14 @@ def search_layouts(
     layout is retried with host offload (just enough), and when that fails too and
     ``bf16_gradients`` (with bf16 parameters and activations), with bf16 main gradients and
     host offload (just enough), and when that fails too and ``bf16_moments``, with bf16 host
-    moments as well; ``grad_reduce_in_bf16`` plans every layout with bf16 main gradients,
-    ``host_moment_dtype`` every offloaded one with those moments, ``overlap_grad_reduce``
-    (``Layout.overlap_grad_reduce``) every layout. ``hardware`` and ``step_options``
+    moments as well; with ``sequence_tiling`` the ladder tries the tiled loss and MLP
+    (:func:`tile_choices`) once nothing fits on ZeRO-3, alone (with ZeRO-3 where needed) and
+    then after each offload step has failed without them; ``grad_reduce_in_bf16`` plans every
+    layout with bf16 main gradients, ``host_moment_dtype`` every offloaded one with those
+    moments, ``loss_chunk_size`` / ``mlp_chunk_size`` every layout with those tiles (tokens;
+    layouts whose TP does not divide them under sequence parallelism are left out, and the
+    tiling rungs are not climbed), ``overlap_grad_reduce`` (``Layout.overlap_grad_reduce``)
+    every layout. ``hardware`` and ``step_options``
     (keywords of :func:`predict_step_time`: ``tp_comm_overlap`` ...) drive the step time;
     ``plan_kwargs`` go to :func:`plan_memory` (``profile``, ``runtime_reserve``,
     ``mean_document_length`` ...). The rungs are :data:`LADDER`'s.
@@ -201,6 +216,8 @@ def search_layouts(
         grad_reduce_in_bf16=grad_reduce_in_bf16,
         bf16_moments=bf16_moments,
         host_moment_dtype=host_moment_dtype,
+        sequence_tiling=sequence_tiling,
+        tiles=(loss_chunk_size, mlp_chunk_size),
         hardware=hardware,
         step_kwargs=step_kwargs,
         plan_kwargs={**plan_kwargs, "hardware": hardware},
@@ -247,6 +264,8 @@ class _Search:
     grad_reduce_in_bf16: bool
     bf16_moments: bool
     host_moment_dtype: str
+    sequence_tiling: bool
+    tiles: tuple[Optional[int], Optional[int]]  # the given (loss, MLP) tiles: every layout's
     hardware: HardwareProfile
     step_kwargs: dict
     plan_kwargs: dict
@@ -260,6 +279,11 @@ class _Search:
             and self.plan_kwargs.get("param_bytes", 2) == 2
         )
 
+    @property
+    def tiling_rungs(self) -> bool:
+        """Whether the ladder's tiling rungs are climbed: asked for, and no tiles given."""
+        return self.sequence_tiling and self.tiles == (None, None)
+
 
 @dataclass(frozen=True)
 class Rung:
@@ -267,9 +291,10 @@ class Rung:
     that does not fit is retried with each Megatron-FSDP strategy of the search's
     ``fsdp_choices`` (``fsdp``; on every rung with ``climb="each"``) or with its least host
     offload that fits (``host_offload``); ``bf16_gradients``: with bf16 main gradients where
-    the search allows them, ``bf16_moments``: with bf16 host moments. ``climbable``: whether
-    a search may climb to it; ``optional``: when it may not, the next rung is still tried,
-    else the climb ends there."""
+    the search allows them, ``bf16_moments``: with bf16 host moments; ``tiling``: every
+    layout with each of its :func:`tile_choices`. ``climbable``: whether a search may climb
+    to it; ``optional``: when it may not, the next rung is still tried, else the climb ends
+    there."""
 
     name: str
     climbable: Callable[[_Search], bool]
@@ -278,7 +303,41 @@ class Rung:
     bf16_gradients: bool = False
     bf16_moments: bool = False
     optional: bool = False
+    tiling: bool = False
 
+
+def _tiled(rung: Rung) -> Rung:
+    """``rung`` with sequence tiling: climbed after it, where the search climbs tiling rungs."""
+    return replace(
+        rung,
+        name=f"{rung.name}, sequence tiling",
+        climbable=lambda search: rung.climbable(search) and search.tiling_rungs,
+        optional=True,
+        tiling=True,
+    )
+
+
+_OFFLOAD = Rung("offload", climbable=lambda search: search.offload, host_offload=True)
+# the offload rung's narrower state: bf16 main gradients, then bf16 host moments as well
+_BF16_GRADIENTS = Rung(
+    "offload, bf16 main gradients",
+    climbable=lambda search: (
+        search.bf16_gradients and search.narrow and not search.grad_reduce_in_bf16
+    ),
+    host_offload=True,
+    bf16_gradients=True,
+    optional=True,
+)
+_BF16_MOMENTS = Rung(
+    "offload, bf16 main gradients and host moments",
+    climbable=lambda search: (
+        search.bf16_moments and search.narrow and search.host_moment_dtype == "fp32"
+    ),
+    host_offload=True,
+    bf16_gradients=True,
+    bf16_moments=True,
+    optional=True,
+)
 
 # the memory ladder, lowest first: the search climbs a rung only while no layout of the
 # device count fits on the rung below (climb="needed")
@@ -296,27 +355,21 @@ LADDER = (
         ),
         fsdp=True,
     ),
-    Rung("offload", climbable=lambda search: search.offload, host_offload=True),
-    # the offload rung's narrower state: bf16 main gradients, then bf16 host moments as well
+    # the tiled loss and MLP before any host offload (with ZeRO-3 where a layout needs it)
     Rung(
-        "offload, bf16 main gradients",
-        climbable=lambda search: (
-            search.bf16_gradients and search.narrow and not search.grad_reduce_in_bf16
-        ),
-        host_offload=True,
-        bf16_gradients=True,
+        "sequence tiling",
+        climbable=lambda search: search.tiling_rungs,
+        fsdp=True,
         optional=True,
+        tiling=True,
     ),
-    Rung(
-        "offload, bf16 main gradients and host moments",
-        climbable=lambda search: (
-            search.bf16_moments and search.narrow and search.host_moment_dtype == "fp32"
-        ),
-        host_offload=True,
-        bf16_gradients=True,
-        bf16_moments=True,
-        optional=True,
-    ),
+    # each offload step alone, then with the tiles: the tiles are the cheapest addition
+    _OFFLOAD,
+    _tiled(_OFFLOAD),
+    _BF16_GRADIENTS,
+    _tiled(_BF16_GRADIENTS),
+    _BF16_MOMENTS,
+    _tiled(_BF16_MOMENTS),
 )
 
 
@@ -355,12 +408,27 @@ def _parallel_sizes(
     return tps, pps, cps
 
 
-def _candidate_layouts(search: _Search, grad_reduce_in_bf16: bool) -> Iterator[Layout]:
-    """Every layout the search tries, in its order (TP, PP, CP, interleaving, recompute; DP
-    takes the remaining devices), with ``grad_reduce_in_bf16``: those whose sizes divide the
-    devices, the sequence (``2 * cp`` ring chunks, TP ranks under sequence parallelism) and
-    the global batch, interleaved only over more than one stage that splits the layers and
-    the micro-batches."""
+def tile_choices(
+    model: ModelShape, seq_length: int, tp: int, cp: int
+) -> list[tuple[int, Optional[int]]]:
+    """The ``(loss, MLP)`` tiles (tokens) the tiling rungs try for a layout of ``tp`` x
+    ``cp``: the loss in tiles of :data:`LOSS_TILE_TOKENS`, then the loss and every MLP, the
+    MLP in tiles of the hidden size (ALST's TiledMLP: ``ceil(s / h)`` tiles), each rounded up
+    to a multiple of ``tp``; the MLP's only where its tile is shorter than the CP rank's
+    ``seq_length / cp`` tokens (else it runs untiled)."""
+    loss, mlp = (-(-tokens // tp) * tp for tokens in (LOSS_TILE_TOKENS, model.hidden_size))
+    return [(loss, None)] + ([(loss, mlp)] if mlp < seq_length // cp else [])
+
+
+def _candidate_layouts(
+    search: _Search, grad_reduce_in_bf16: bool, tiling: bool = False
+) -> Iterator[Layout]:
+    """Every layout the search tries, in its order (TP, PP, CP, interleaving, recompute, the
+    tiles; DP takes the remaining devices), with ``grad_reduce_in_bf16``: those whose sizes
+    divide the devices, the sequence (``2 * cp`` ring chunks, TP ranks under sequence
+    parallelism), the global batch and the search's given tiles (TP ranks under sequence
+    parallelism), interleaved only over more than one stage that splits the layers and the
+    micro-batches; with ``tiling`` each with every one of its :func:`tile_choices`."""
     s = search
     for tp, pp, cp in itertools.product(s.tps, s.pps, s.cps):
         if s.num_devices % (tp * pp * cp):
@@ -370,10 +438,15 @@ def _candidate_layouts(search: _Search, grad_reduce_in_bf16: bool) -> Iterator[L
             continue
         if s.sequence_parallel and tp > 1 and (s.seq_length // cp) % tp:
             continue
+        if s.sequence_parallel and any(tile % tp for tile in s.tiles if tile is not None):
+            continue
         gbs = s.global_batch_size or default_global_batch_size(s.seq_length, s.micro_batch_size, dp)
         if gbs % (s.micro_batch_size * dp):
             continue
-        for vp, recompute in itertools.product(s.vp_choices, s.recompute_choices):
+        tiles = tile_choices(s.model, s.seq_length, tp, cp) if tiling else [s.tiles]
+        for vp, recompute, (loss, mlp) in itertools.product(
+            s.vp_choices, s.recompute_choices, tiles
+        ):
             if vp > 1 and (
                 pp == 1 or s.model.num_layers % (pp * vp) or (gbs // (s.micro_batch_size * dp)) % pp
             ):
@@ -391,6 +464,8 @@ def _candidate_layouts(search: _Search, grad_reduce_in_bf16: bool) -> Iterator[L
                 distributed_optimizer=s.distributed_optimizer,
                 grad_reduce_in_bf16=grad_reduce_in_bf16,
                 overlap_grad_reduce=s.overlap_grad_reduce,
+                loss_chunk_size=loss,
+                mlp_chunk_size=mlp,
             )
 
 
@@ -402,7 +477,7 @@ def _rung_candidates(search: _Search, rung: Rung) -> list[Candidate]:
     bf16 = s.grad_reduce_in_bf16 or (rung.bf16_gradients and s.bf16_gradients)
     moments = "bf16" if rung.bf16_moments else s.host_moment_dtype
     found = []
-    for layout in _candidate_layouts(s, bf16):
+    for layout in _candidate_layouts(s, bf16, rung.tiling):
         for plan in climb_layout(
             s.model,
             s.seq_length,
@@ -538,10 +613,33 @@ def sensitivity(
     """How the candidate's prediction moves when each figure its hardware profile marks an
     assumption (:meth:`.hardware.HardwareProfile.assumptions`) is scaled by each of
     ``factors``: per (field, factor) the predicted step time's and tokens/s' relative change,
-    and whether the plan still fits (the host figures change the host verdict)."""
+    and whether the plan still fits (the host figures change the host verdict). A tiled
+    layout also gets the step-time model's ``tile_efficiency`` (an assumption, at most 1;
+    the bytes do not change)."""
     plan, step = candidate.plan, candidate.step
     hardware = step.hardware
     rows = []
+
+    def row(name: str, factor: float, value, changed, fits, **options) -> dict:
+        new_step = predict_step_time(
+            plan.model,
+            plan.seq_length,
+            plan.layout,
+            changed,
+            dtype_bytes=plan.dtype_bytes,
+            mean_document_length=plan.mean_document_length,
+            **{**(step_options or {}), **options},
+        )
+        return {
+            "field": name,
+            "factor": factor,
+            "value": value,
+            "step_time_change": new_step.step_time_s / step.step_time_s - 1,
+            "tokens_per_s_change": new_step.tokens_per_s_per_device / step.tokens_per_s_per_device
+            - 1,
+            "fits": fits,
+        }
+
     for name in hardware.assumptions():
         for factor in factors:
             value = getattr(hardware, name) * factor
@@ -550,15 +648,6 @@ def sensitivity(
             if name.endswith("_bytes") or name.endswith("bytes_per_rank"):
                 value = int(value)
             changed = hardware.with_(**{name: value})
-            new_step = predict_step_time(
-                plan.model,
-                plan.seq_length,
-                plan.layout,
-                changed,
-                dtype_bytes=plan.dtype_bytes,
-                mean_document_length=plan.mean_document_length,
-                **(step_options or {}),
-            )
             new_plan = plan_memory(
                 plan.model,
                 plan.seq_length,
@@ -566,16 +655,11 @@ def sensitivity(
                 device_memory=plan.device_memory,
                 **{**(plan_kwargs or {}), "hardware": changed},
             )
+            rows.append(row(name, factor, value, changed, new_plan.fits))
+    if "tile_efficiency" in step.details:
+        for factor in factors:
+            value = min(step.details["tile_efficiency"] * factor, 1.0)
             rows.append(
-                {
-                    "field": name,
-                    "factor": factor,
-                    "value": value,
-                    "step_time_change": new_step.step_time_s / step.step_time_s - 1,
-                    "tokens_per_s_change": new_step.tokens_per_s_per_device
-                    / step.tokens_per_s_per_device
-                    - 1,
-                    "fits": new_plan.fits,
-                }
+                row("tile_efficiency", factor, value, hardware, plan.fits, tile_efficiency=value)
             )
     return rows

@@ -2,7 +2,8 @@
 
 :func:`predict_step_time` returns a :class:`StepTime`: per device, the step's seconds by
 part (:data:`BREAKDOWN_KEYS`; with Megatron-FSDP also :data:`FSDP_BREAKDOWN_KEYS`, with
-host offload :data:`OFFLOAD_BREAKDOWN_KEYS`; the parts add up to the step time), its model
+host offload :data:`OFFLOAD_BREAKDOWN_KEYS`, with sequence tiling
+:data:`TILING_BREAKDOWN_KEYS`; the parts add up to the step time), its model
 FLOPs in two conventions (MFU) and the details behind the communication terms (seconds).
 Compute is :mod:`.flops`' FLOPs at the profile's achievable FLOP/s (peak x achievable
 fraction), split over ``tp·cp`` (load-balanced ring CP gives every rank ``1/cp`` of the
@@ -12,7 +13,7 @@ inter-node one; a communication is exposed only where the compute it overlaps do
 hide it. The last pipeline stage, which also runs the logits, sets the pace; the 1F1B
 bubble (:func:`.flops.pipeline_bubble`) scales the micro-batches' time. The equations term
 by term, what is not modelled and the validation against published figures:
-docs/step-time.md.
+docs/step-time.md; the sequence tiles' terms: docs/planner.md ("Sequence tiling").
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ __all__ = [
     "BREAKDOWN_KEYS",
     "FSDP_BREAKDOWN_KEYS",
     "OFFLOAD_BREAKDOWN_KEYS",
+    "TILING_BREAKDOWN_KEYS",
+    "TILE_EFFICIENCY",
     "kept_layer_bytes",
 ]
 
@@ -78,6 +81,16 @@ OFFLOAD_BREAKDOWN_KEYS = (
     "optimizer_offload_copies",
 )
 OFFLOAD_COPY_BYTES = 6  # per offloaded element and step: fp32 gradient down, bf16 parameter up
+# the breakdown's extra parts under sequence tiling (absent without it): what the tiles add,
+# their recomputed forward and their GEMMs' lower efficiency
+TILING_BREAKDOWN_KEYS = ("loss_tiling", "mlp_tiling")
+# ASSUMPTION (not measured): the speed of a tile's GEMMs relative to the untiled ones (the
+# search's tiles are 4096 and h tokens, GEMMs of [4096..8192, h] x [h, V/tp or 2f/tp]);
+# predict_step_time(tile_efficiency=...), halved in --sensitivity
+TILE_EFFICIENCY = 1.0
+# TP collectives the tiled MLP's recomputed forward repeats per layer: fc1's all-gather, fc2's
+# reduce-scatter
+TILED_MLP_COLLECTIVES = 2
 
 
 @dataclass
@@ -250,13 +263,16 @@ def _offload_per_step(
 @dataclass(frozen=True)
 class _LayerCompute:
     """Seconds of one layer's compute (and of the last stage's logits), one micro-batch, this
-    device: ``(3·G + 3.5·K + R) / (tp·cp) / X`` split into its parts."""
+    device: ``(3·G + 3.5·K + R) / (tp·cp) / X`` split into its parts, and what sequence
+    tiling adds (0 untiled)."""
 
     gemm_forward: float  # the projections' and the MLP's forward, G / (tp·cp) / X
     kernel_forward: float  # the attention kernel's forward, K / (tp·cp) / X
     recompute: float  # the recompute's share of the step FLOPs, per layer
     logits: float  # forward and backward of the output layer (the last stage)
     overhead: float  # recompute FLOPs over the step's (:func:`.flops.recompute_overhead`)
+    loss_tiling: float = 0.0  # the tiled loss: its recomputed logits, its tiles' efficiency
+    mlp_tiling: float = 0.0  # per layer: the tiled MLP's recomputed forward, its tiles' efficiency
 
     @property
     def gemm(self) -> float:
@@ -273,25 +289,31 @@ class _LayerCompute:
 
     @property
     def backward(self) -> float:
-        """One layer's backward, its recompute included."""
+        """One layer's backward, its recompute (the tiled MLP's included)."""
         return (
-            (self.gemm - self.gemm_forward) + (self.kernel - self.kernel_forward) + self.recompute
+            (self.gemm - self.gemm_forward)
+            + (self.kernel - self.kernel_forward)
+            + self.recompute
+            + self.mlp_tiling
         )
 
 
 @dataclass(frozen=True)
 class _Step:
     """What every term of one prediction reads: ``model`` at ``seq_length`` tokens under
-    ``layout`` on ``hw``, activations of ``dtype_bytes`` bytes an element."""
+    ``layout`` on ``hw``, activations of ``dtype_bytes`` bytes an element, tiles' GEMMs at
+    ``tile_efficiency`` of the untiled speed."""
 
     model: ModelShape
     seq_length: int
     layout: Layout
     hw: HardwareProfile
     dtype_bytes: int
+    tile_efficiency: float = TILE_EFFICIENCY
 
     def check(self) -> None:
-        """ValueError for a recompute mode or a layer split the model does not know."""
+        """ValueError for a recompute mode or a layer split the model does not know, or a
+        tile efficiency outside (0, 1]."""
         model, layout = self.model, self.layout
         if layout.recompute not in RECOMPUTE_COMMUNICATION:
             raise ValueError(
@@ -301,16 +323,30 @@ class _Step:
             raise ValueError(
                 f"num_layers ({model.num_layers}) must be divisible by pp x vp = {layout.pp * layout.vp}"
             )
+        if not 0 < self.tile_efficiency <= 1:
+            raise ValueError(
+                f"tile_efficiency {self.tile_efficiency}: the tiles' GEMM speed as a fraction of the "
+                "untiled one, in (0, 1]"
+            )
 
     @property
     def recompute_shares(self) -> list[tuple[float, str]]:
         """The layers' shares of their recompute modes (:meth:`.Layout.recompute_shares`)."""
         return self.layout.recompute_shares(self.model.num_layers)
 
+    @property
+    def mlp_tiled(self) -> bool:
+        """Whether the MLPs run in tiles (:func:`.activation_bytes.mlp_tile_tokens`)."""
+        lay = self.layout
+        return act.mlp_tile_tokens(self.seq_length, lay.cp, lay.mlp_chunk_size) is not None
+
 
 def _layer_compute(step: _Step, mean_document_length: Optional[float]) -> _LayerCompute:
     """One layer's compute and the logits, one micro-batch, this device; under partial
-    recompute the layers' shares of ``full`` and of the mode."""
+    recompute the layers' shares of ``full`` and of the mode. Sequence tiling runs the
+    tiled GEMMs at ``step.tile_efficiency``: the tiled loss's four output-layer GEMM passes
+    (forward, the tile's recomputed forward, backward's two) instead of three, the tiled
+    MLP's forward, recomputed forward and backward (and full recompute's forward)."""
     model, seq_length, layout = step.model, step.seq_length, step.layout
     shards, speed = layout.tp * layout.cp, step.hw.achievable_flops
     fl = forward_flops(model, seq_length, layout.micro_batch_size, mean_document_length)
@@ -319,12 +355,26 @@ def _layer_compute(step: _Step, mean_document_length: Optional[float]) -> _Layer
         for weight, mode in step.recompute_shares
     )
     flops = step_flops(model, seq_length, True, mean_document_length)
+    untiled = 1 + GEMM_BACKWARD  # a GEMM's forward and backward, in forward passes
+    slower = 1 / step.tile_efficiency
+    logits_forward = fl["logits"] / shards / speed
+    mlp_runs = untiled + sum(weight for weight, mode in step.recompute_shares if mode == "full")
     return _LayerCompute(
         gemm_forward=(fl["attention_projections"] + fl["mlp"]) / shards / speed,
         kernel_forward=fl["attention_kernel"] / shards / speed,
         recompute=overhead * flops * layout.micro_batch_size / model.num_layers / shards / speed,
-        logits=(1 + GEMM_BACKWARD) * fl["logits"] / shards / speed,
+        logits=untiled * logits_forward,
         overhead=overhead,
+        loss_tiling=(
+            logits_forward * ((untiled + 1) * slower - untiled)
+            if layout.loss_chunk_size is not None
+            else 0.0
+        ),
+        mlp_tiling=(
+            fl["mlp"] / shards / speed * ((mlp_runs + 1) * slower - mlp_runs)
+            if step.mlp_tiled
+            else 0.0
+        ),
     )
 
 
@@ -332,11 +382,12 @@ def _tp_per_layer(
     step: _Step, compute: _LayerCompute, tp_comm_overlap: bool
 ) -> tuple[float, float]:
     """``(exposed seconds per layer, seconds of one collective)`` of the sequence-parallel
-    all-gathers / reduce-scatters, those the recompute re-runs included."""
+    all-gathers / reduce-scatters, those the recompute and the tiled MLP's recomputed
+    forward re-run included."""
     model, layout = step.model, step.layout
     tp_repeats = sum(
         weight * RECOMPUTE_COMMUNICATION[mode][0] for weight, mode in step.recompute_shares
-    )
+    ) + (TILED_MLP_COLLECTIVES if step.mlp_tiled else 0)
     tokens = step.seq_length / layout.cp * layout.micro_batch_size
     collective = _ring(
         layout.tp, tokens * model.hidden_size * step.dtype_bytes, _bandwidth(step.hw, layout.tp)
@@ -414,6 +465,19 @@ def _activation_offload_per_micro_batch(
     return {"activation_offload_exposed": layout.activation_offload_layers * exposed}
 
 
+def _tiling_per_micro_batch(
+    step: _Step, compute: _LayerCompute, stage_layers: int
+) -> dict[str, float]:
+    """Seconds sequence tiling adds to one micro-batch on the last stage
+    (:data:`TILING_BREAKDOWN_KEYS`, each only where that part is tiled)."""
+    parts = {}
+    if step.layout.loss_chunk_size is not None:
+        parts["loss_tiling"] = compute.loss_tiling
+    if step.mlp_tiled:
+        parts["mlp_tiling"] = stage_layers * compute.mlp_tiling
+    return parts
+
+
 def _dp_per_step(step: _Step, bandwidth: float) -> tuple[float, float, int]:
     """``(gradient reduction, parameter all-gather, parameters)``: seconds of the step's data-
     parallel collectives over the ``dp·cp`` ranks, not yet overlapped, and the largest
@@ -455,6 +519,7 @@ def predict_step_time(
     tp_comm_overlap: bool = False,
     overlap_param_gather: bool = False,
     activation_profile: str = "npu",
+    tile_efficiency: float = TILE_EFFICIENCY,
 ) -> StepTime:
     """Predicted seconds per step of ``model`` at ``seq_length`` tokens under ``layout`` on
     ``hardware``.
@@ -462,9 +527,10 @@ def predict_step_time(
     ``mean_document_length`` (tokens; None = one document per sequence) scales the attention
     kernel's FLOPs as in :mod:`.flops`. ``layout.global_batch_size`` None means ``pp``
     micro-batches per step. ``activation_profile`` (:data:`.activation_bytes.PROFILES`) sizes
-    what activation offload copies.
+    what activation offload copies. ``tile_efficiency`` (:data:`TILE_EFFICIENCY`, an
+    assumption): the speed of the sequence tiles' GEMMs relative to the untiled ones.
     """
-    step = _Step(model, seq_length, layout, hardware, dtype_bytes)
+    step = _Step(model, seq_length, layout, hardware, dtype_bytes, tile_efficiency)
     step.check()
     lay = layout
     micro = lay.num_microbatches or lay.pp
@@ -478,6 +544,7 @@ def predict_step_time(
         "attention_kernel": stage_layers * compute.kernel,
         "recompute": stage_layers * compute.recompute,
         "logits": compute.logits,
+        **_tiling_per_micro_batch(step, compute, stage_layers),
         "tp_communication": stage_layers * tp_layer,
         "cp_ring_exposed": stage_layers * cp_layer,
         "pp_send_recv": _pp_send_per_micro_batch(step),
@@ -494,7 +561,9 @@ def predict_step_time(
 
     # data parallelism (and CP: gradients are reduced over dp x cp), once per step
     grad_reduce, param_gather, params = _dp_per_step(step, dp_bandwidth)
-    backward = stage_layers * compute.backward + compute.logits * GEMM_BACKWARD / 3
+    backward = (
+        stage_layers * compute.backward + compute.logits * GEMM_BACKWARD / 3 + compute.loss_tiling
+    )
     forward = stage_layers * compute.forward + compute.logits / 3
     breakdown["dp_grad_reduce_exposed"] = (
         max(0.0, grad_reduce - backward) if lay.overlap_grad_reduce else grad_reduce
@@ -518,6 +587,8 @@ def predict_step_time(
         "micro_batch_s": sum(per_micro.values()),
         "pipeline_fill_s": (lay.pp - 1) * forward,
     }
+    if lay.loss_chunk_size is not None or step.mlp_tiled:  # the assumption the parts rest on
+        details["tile_efficiency"] = tile_efficiency
     return StepTime(
         model=model,
         seq_length=seq_length,

@@ -131,11 +131,11 @@ def test_every_llama31_70b_launch_line_at_128k_carries_limits_above_its_longest_
     capsys, devices
 ):
     """Each printed line's --distributed-timeout-minutes and HCCL_EXEC_TIMEOUT exceed the
-    predicted longest phase (8 NPUs print none: nothing fits one node at 128K, the gap the
-    sequence-tiled loss and MLP are to close)."""
+    predicted longest phase (8 NPUs print lines too since the search tiles the loss: one node
+    at 128K fits with --loss-compute-mode chunk, tests/planning/test_tiling_plan.py)."""
     argv = f"--search --model llama3.1-70b --seq-length 131072 --num-devices {devices} --top 5"
     _, out = _json(capsys, argv.split())
-    assert bool(out["layouts"]) == (devices > 8)
+    assert out["layouts"]
     for layout in out["layouts"]:
         command = layout["launch_command"]
         minutes = float(command.split("--distributed-timeout-minutes ")[1].split()[0])
