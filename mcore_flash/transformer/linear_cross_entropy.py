@@ -38,7 +38,9 @@ def linear_cross_entropy(
     ``hidden @ weight.T``. ``hidden``: ``[s/TP, b, h]`` with ``sequence_parallel``, else
     ``[s, b, h]``; ``weight``: this rank's ``[V/TP, h]`` vocabulary rows; ``tile_tokens``: sequence
     positions per tile (a multiple of TP under sequence parallelism)."""
-    return _LinearCrossEntropy.apply(hidden, weight, labels, tile_tokens, tp_group, sequence_parallel)
+    return _LinearCrossEntropy.apply(
+        hidden, weight, labels, tile_tokens, tp_group, sequence_parallel
+    )
 
 
 class _Tiles:
@@ -124,7 +126,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target_mask = (target < ctx.vocab_range[0]) | (target >= ctx.vocab_range[1])
             masked_target_1d = (target - ctx.vocab_range[0]).masked_fill(target_mask, 0).view(-1)
             grad_2d, arange_1d, update, grad_logits = (
-                VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask)
+                VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
+                    softmax, target_mask
+                )
             )
             grad_logits = VocabParallelCrossEntropy.calculate_gradients(
                 grad_2d, arange_1d, masked_target_1d, update, grad_logits, grad_loss[where]

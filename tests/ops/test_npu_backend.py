@@ -19,6 +19,7 @@ import torch
 from mcore_flash.emulation import fusion_attention as nd
 from mcore_flash.emulation import op_double
 from mcore_flash.ops import flash_attn_func, flash_attn_varlen_func
+
 from _support.oracle import BF16_GRAD, BF16_OUT
 
 INF = float("inf")

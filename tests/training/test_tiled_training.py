@@ -18,7 +18,16 @@ TILED = ["--loss-compute-mode", "chunk", "--loss-chunk-size", "24", "--mlp-chunk
 PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", *PACKED]
 PP2 = ["--pipeline-model-parallel-size", "2"]
-OFFLOAD = ["--activation-offload-layers", "1", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+OFFLOAD = [
+    "--activation-offload-layers",
+    "1",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+]
 REL = 1e-5
 
 
@@ -48,15 +57,22 @@ def _runs(layouts: dict, extra=()) -> list:
 
 def test_tiled_training_equals_untiled_on_the_cpu(tmp_path):
     layouts = {"tp2 sp packed": TP2_SP, "pp2": PP2, "offload": ["--activation-offload-layers", "1"]}
-    for runs in run_distributed(w_recipe_runs, 2, _runs(layouts), str(tmp_path), _nothing, timeout=600):
+    for runs in run_distributed(
+        w_recipe_runs, 2, _runs(layouts), str(tmp_path), _nothing, timeout=600
+    ):
         _assert_same_steps(runs, layouts)
 
 
 def test_tiled_training_equals_untiled_on_the_emulated_npu(tmp_path):
     layouts = {"tp2 sp packed": TP2_SP, "offload full recompute": [*TP2_SP, *OFFLOAD]}
     per_rank = run_distributed(
-        w_recipe_runs, 2, _runs(layouts, ["--emulate-npu"]), str(tmp_path), _nothing,
-        timeout=600, emulate_npu=True,
+        w_recipe_runs,
+        2,
+        _runs(layouts, ["--emulate-npu"]),
+        str(tmp_path),
+        _nothing,
+        timeout=600,
+        emulate_npu=True,
     )
     for runs in per_rank:
         _assert_same_steps(runs, layouts)

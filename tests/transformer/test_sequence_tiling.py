@@ -73,13 +73,18 @@ def _errors(pair):
     """Largest difference per tensor relative to the reference's largest entry."""
     (ref_loss, ref_grads), (loss, grads) = pair
     assert grads.keys() == ref_grads.keys()
-    rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
     return {"loss": rel(loss, ref_loss), **{n: rel(grads[n], g) for n, g in ref_grads.items()}}
 
 
 def _inputs(tp=1, cp=1, sequence_parallel=False, packed=False, seed=1):
     tokens, labels, positions = batch(batch_size=1 if packed else 2, seq=2 * SEQ, seed=seed)
-    loss_mask = (torch.rand(labels.shape, generator=torch.Generator().manual_seed(seed)) > 0.2).float()
+    loss_mask = (
+        torch.rand(labels.shape, generator=torch.Generator().manual_seed(seed)) > 0.2
+    ).float()
     if not packed and cp == 1:
         return tokens, labels, positions, loss_mask, None
     from mcore_flash.transformer.packed_sequences import pack_documents
@@ -130,7 +135,11 @@ MLP_CASES = [
         ("none", (), {}),
         ("qkv", ("qkv",), dict(recompute_granularity="selective", recompute_modules=[])),
         ("attention", (), dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
-        ("full", (), dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+        (
+            "full",
+            (),
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        ),
     )
 ]
 
@@ -155,9 +164,19 @@ def test_tiled_loss_and_mlp_in_bf16():
 
 PARALLEL_CASES = [
     ("tp2 sp", dict(tp=2), dict(loss_chunk=16, mlp_chunk=16), dict(sequence_parallel=True)),
-    ("tp2 sp ragged", dict(tp=2), dict(loss_chunk=6, mlp_chunk=10, tied=True), dict(sequence_parallel=True)),
+    (
+        "tp2 sp ragged",
+        dict(tp=2),
+        dict(loss_chunk=6, mlp_chunk=10, tied=True),
+        dict(sequence_parallel=True),
+    ),
     ("tp2", dict(tp=2), dict(loss_chunk=24, mlp_chunk=24), {}),
-    ("cp2 packed", dict(cp=2), dict(loss_chunk=12, mlp_chunk=12), dict(packed=True, config=dict(cp_comm_type="p2p"))),
+    (
+        "cp2 packed",
+        dict(cp=2),
+        dict(loss_chunk=12, mlp_chunk=12),
+        dict(packed=True, config=dict(cp_comm_type="p2p")),
+    ),
 ]
 
 
@@ -197,14 +216,24 @@ def test_tiled_loss_equals_float64_cross_entropy():
         (["--loss-compute-mode", "chunk", "--loss-chunk-size", "0"], "--loss-chunk-size"),
         (["--loss-chunk-size", "64"], "--loss-chunk-size"),
         (["--mlp-chunk-size", "-4"], "--mlp-chunk-size"),
-        (["--loss-compute-mode", "chunk", "--loss-chunk-size", "9", "--sequence-parallel",
-          "--tensor-model-parallel-size", "2"], "multiple of 2"),
+        (
+            [
+                "--loss-compute-mode",
+                "chunk",
+                "--loss-chunk-size",
+                "9",
+                "--sequence-parallel",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+            "multiple of 2",
+        ),
     ],
 )
 def test_bad_tiling_flags_name_the_flag(flags, flag):
-    from _support.pretrain_flags import tiny_flags
-
     from mcore_flash.runtime.arguments import parse_config
+
+    from _support.pretrain_flags import tiny_flags
 
     with pytest.raises(ValueError, match=flag):
         parse_config([*tiny_flags(), *flags], world_size=2)
