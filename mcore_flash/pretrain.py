@@ -16,15 +16,22 @@ if TYPE_CHECKING:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parse and check ``argv`` into the run's config once, then dry-run or train; returns the
-    exit code (0 done or fits, 1 diverged / save failed / does not fit, 2 bad flags)."""
+    """Parse and check ``argv`` into the run's config once (a ``--load`` the flags need a
+    checkpoint in included), print its notes and resolved arguments (saved into ``--save``
+    too: :mod:`.runtime.startup`), then dry-run or train; returns the exit code (0 done or
+    fits, 1 diverged / save failed / does not fit, 2 bad flags)."""
     # Imported here, not at the top: megatron's checkpoint writer starts a helper process
     # with the spawn method, which re-imports this module (``python -m mcore_flash.pretrain``);
     # a top-level megatron import made that cost ~8 s at the first save of every launch.
+    from mcore_flash.runtime import startup
     from mcore_flash.runtime.arguments import parse_config
 
     try:
         config = parse_config(argv)
+        startup.require_checkpoint(config)
+        startup.announce(config)
+        if not config.dry_run:
+            startup.save_arguments(config)
     except ValueError as error:  # bad flags: say which, before anything is allocated
         print(f"mcore-flash pretrain: error: {error}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 MARKER = "latest_checkpointed_iteration.txt"
 # the formats a checkpoint is written in (``common["ckpt_format"]``; :mod:`.formats`)
@@ -117,3 +117,17 @@ def read_model_args(root: str) -> dict:
             f"--use-checkpoint-args: the checkpoint in --load {root} predates stored model flags; pass them"
         )
     return saved
+
+
+def check_checkpoint(load: Optional[str], needing: Sequence[str]) -> None:
+    """Raise ValueError naming ``load`` when it holds no checkpoint (no
+    ``latest_checkpointed_iteration.txt``) and the flags ``needing`` (given) load from it."""
+    if not needing or load is None or latest_iteration(load) is not None:
+        return
+    what = "does not exist" if not os.path.exists(load) else "holds no checkpoint"
+    flags = " ".join(needing)
+    raise ValueError(
+        f"--load {load} {what} (no {MARKER}), and {flags} loads from it: point --load "
+        "at the --save directory of an earlier run or at a converted checkpoint (`mcore-flash "
+        f"convert hf-to-mcore`), or drop {flags} to start from scratch"
+    )

@@ -4,150 +4,288 @@ The edge of the trainer: :func:`parse_config` turns ``argv`` into the frozen, ch
 :class:`~mcore_flash.runtime.config.TrainingConfig` (presets and checks live in
 :mod:`mcore_flash.runtime.config`). Everything here is pure Python: flags are parsed and
 validated against the world size before torch allocates anything, and each error names
-the flag to change.
+the flag to change. A Megatron-LM or MindSpeed-LLM launch line is taken as written: their
+flags that are not ours are registered and resolved by :mod:`mcore_flash.runtime.launch_flags`;
+an unknown flag gets "did you mean" from both vocabularies, never argparse's usage dump.
+``--help`` shows every flag's default (a preset's as the ``tiny`` preset's value).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import sys
 from typing import Any, Mapping, Optional, Sequence
 
 from mcore_flash.data.synthetic import KEY_DEPTHS
 from mcore_flash.planning.hardware import HARDWARE_PROFILES
 from mcore_flash.planning.models import MODELS
 from mcore_flash.planning.parallel_layout import HOST_MOMENT_BYTES
-from mcore_flash.runtime.config import DEFAULT_PRESET, TrainingConfig, resolve_config
+from mcore_flash.runtime.config import (
+    DEFAULT_PRESET,
+    TRAINING_DEFAULTS,
+    TrainingConfig,
+    preset_defaults,
+    resolve_config,
+)
 from mcore_flash.runtime.config_checks import (
     CKPT_FORMATS,
     DEFAULT_SHARDING_STRATEGY,
     SHARDING_STRATEGIES,
 )
+from mcore_flash.runtime.launch_flags import LaunchFlagsRefused, add_launch_flags
+from mcore_flash.runtime.launch_semantics import ATTENTION_BACKENDS
 
 
 class _DefaultsOnceFormatter(argparse.HelpFormatter):
     """argparse's ``ArgumentDefaultsHelpFormatter``, but a flag's default is shown once: not
     when its help already says it ("(default tiny)", "default: the preset's") or when there
-    is none to show (``None``: the preset or the device decides; ``False``: a switch)."""
+    is none to show (``None``: the help says who decides; ``False``: a switch)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
-            return text
+        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text  # ``is``: a default of 0 or 0.0 is shown (``0.0 == False``)
         return text + " (default: %(default)s)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+class FlagParser(argparse.ArgumentParser):
+    """argparse without its usage dump: an error is one ``prog: error:`` message (exit code 2,
+    as argparse), and an unknown flag gets "did you mean" among every flag the parser knows:
+    ours and the Megatron-LM / MindSpeed-LLM flags of :mod:`.launch_flags`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(self._unknown(unknown))
+        return parsed
+
+    def _unknown(self, tokens: Sequence[str]) -> str:
+        """One line per unknown flag in ``tokens`` (argparse's leftovers), with its near names."""
+        flags = [token.split("=", 1)[0] for token in tokens if token.startswith("-")]
+        if not flags:
+            return f"unexpected argument(s): {' '.join(tokens)}"
+        known = list(self._option_string_actions)
+        lines = []
+        for flag in flags:
+            started = [name for name in known if name.startswith(flag)]  # an abbreviation
+            near = (started + difflib.get_close_matches(flag, known, n=3, cutoff=0.6))[:3]
+            hint = (
+                f"did you mean {' or '.join(near)}?"
+                if near
+                else "neither a flag of this trainer nor a Megatron-LM / MindSpeed-LLM flag it "
+                "maps (docs/launch-scripts.md)"
+            )
+            lines.append(f"unknown flag {flag}: {hint}")
+        return "\n".join(lines)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _preset(dest: str, rule: str = "", after: str = "") -> str:
+    """The ``(default: ...)`` of a flag the ``--model`` preset fills: the default preset's value
+    and, for a schedule flag, the other presets' (``TRAINING_DEFAULTS``); ``rule``: how the
+    default follows from another flag first; ``after``: what limits it."""
+    tiny = preset_defaults(DEFAULT_PRESET)[dest]
+    text = f"the --model preset's, {DEFAULT_PRESET}: {_shown(tiny)}"
+    others = TRAINING_DEFAULTS.get(dest, tiny)
+    if others != tiny:
+        shown = "--micro-batch-size x data-parallel size" if others is None else _shown(others)
+        text += f", the others: {shown}"
+    return f"(default: {rule}{text}{after})".replace("%", "%%")
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(
         prog="mcore-flash pretrain",
-        description="Pretrain a Llama-style GPT on megatron-core with the fused-attention spec.",
+        description="Pretrain a Llama-style GPT on megatron-core with the fused-attention spec. "
+        "Takes Megatron-LM's and MindSpeed-LLM's GPT launch lines (docs/launch-scripts.md).",
         formatter_class=_DefaultsOnceFormatter,
+        allow_abbrev=False,  # as Megatron-LM's: a foreign flag never matches a prefix of ours
     )
-    model = p.add_argument_group("model")
+    _add_model_flags(p.add_argument_group("model"))
+    _add_attention_flags(p.add_argument_group("attention"))
+    _add_parallel_flags(p.add_argument_group("parallelism"))
+    _add_recompute_flags(p.add_argument_group("recompute and sequence tiling"))
+    _add_schedule_flags(p.add_argument_group("precision, optimiser and schedule"))
+    _add_data_flags(p.add_argument_group("data"))
+    _add_checkpoint_flags(p.add_argument_group("checkpoints, logging and device"))
+    add_launch_flags(p)
+    return p
+
+
+def _add_model_flags(model) -> None:
     model.add_argument(
         "--model",
         choices=sorted(MODELS),
         default=None,
-        help=f"preset shape (default {DEFAULT_PRESET})",
+        help=f"preset shape and schedule: every flag below marked 'the --model preset's' takes "
+        f"its value unless given (default {DEFAULT_PRESET})",
     )
-    for flag in (
-        "--num-layers",
-        "--hidden-size",
+    model.add_argument("--num-layers", type=int, help=_preset("num_layers"))
+    model.add_argument("--hidden-size", type=int, help=_preset("hidden_size"))
+    model.add_argument(
         "--ffn-hidden-size",
-        "--num-attention-heads",
-        "--num-query-groups",
-    ):
-        model.add_argument(flag, type=int)
-    model.add_argument("--group-query-attention", action="store_true")
-    model.add_argument("--seq-length", type=int)
-    model.add_argument("--max-position-embeddings", type=int)
+        type=int,
+        help=_preset(
+            "ffn_hidden_size",
+            "with --hidden-size given, Megatron-LM's 4 x hidden (2/3 of it with --swiglu, "
+            "rounded down to a multiple of 64); else ",
+        ),
+    )
+    model.add_argument("--num-attention-heads", type=int, help=_preset("num_attention_heads"))
     model.add_argument(
-        "--position-embedding-type", choices=["rope", "learned_absolute"], help="(default rope)"
+        "--num-query-groups",
+        type=int,
+        help=_preset(
+            "num_query_groups",
+            "with --num-attention-heads given, the heads (1 with --group-query-attention), "
+            "Megatron-LM's; else ",
+        ),
     )
     model.add_argument(
-        "--rotary-base", type=int, help="RoPE base (raise it to extend the context: 'ABF')"
+        "--group-query-attention",
+        action="store_true",
+        help="grouped-query attention: on by itself when --num-query-groups differs from the "
+        "heads; with --num-attention-heads but no --num-query-groups, 1 group (Megatron-LM's)",
+    )
+    model.add_argument("--seq-length", type=int, help="tokens per sample " + _preset("seq_length"))
+    model.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        help="positions the model is for; at least --seq-length when given "
+        + _preset("max_position_embeddings"),
+    )
+    model.add_argument(
+        "--position-embedding-type",
+        choices=["rope", "learned_absolute"],
+        help=_preset("position_embedding_type"),
+    )
+    model.add_argument(
+        "--rotary-base",
+        type=int,
+        help="RoPE base (raise it to extend the context: 'ABF') " + _preset("rotary_base"),
     )
     model.add_argument(
         "--use-rope-scaling",
         action="store_true",
         default=None,
-        help="Llama-3.1's RoPE frequency scaling (over 8192 original positions)",
+        help="Llama-3.1's RoPE frequency scaling (over 8192 original positions) "
+        + _preset("use_rope_scaling"),
     )
     model.add_argument(
-        "--rope-scaling-factor", type=float, help="factor of --use-rope-scaling (Llama-3.1: 8)"
+        "--rope-scaling-factor",
+        type=float,
+        help="factor of --use-rope-scaling (Llama-3.1: 8) " + _preset("rope_scaling_factor"),
     )
     model.add_argument(
         "--rotary-seq-len-interpolation-factor",
         type=int,
         default=None,
-        help="linear position interpolation: positions are divided by this factor",
+        help="linear position interpolation: positions are divided by this factor (default: none)",
     )
     model.add_argument(
-        "--norm-epsilon", type=float, help="epsilon of RMSNorm/LayerNorm (default: the preset's)"
+        "--norm-epsilon", type=float, help="epsilon of RMSNorm/LayerNorm " + _preset("norm_epsilon")
     )
     model.add_argument(
-        "--normalization", choices=["RMSNorm", "LayerNorm"], help="(default RMSNorm)"
+        "--normalization", choices=["RMSNorm", "LayerNorm"], help=_preset("normalization")
     )
-    model.add_argument("--swiglu", action="store_true", default=None)
-    model.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
-    model.add_argument("--disable-bias-linear", action="store_true", default=None)
-    model.add_argument(
-        "--add-qkv-bias",
-        action="store_true",
-        default=None,
-        help="a bias on the query/key/value projection alone (Qwen2/Qwen2.5)",
-    )
-    model.add_argument(
-        "--qk-layernorm",
-        action="store_true",
-        default=None,
-        help="normalise queries and keys per head (Qwen3; --normalization's norm)",
-    )
+    for flag, dest, text in (
+        ("--swiglu", "swiglu", "gated SiLU MLP"),
+        (
+            "--untie-embeddings-and-output-weights",
+            "untie_embeddings_and_output_weights",
+            "separate output layer",
+        ),
+        ("--disable-bias-linear", "disable_bias_linear", "no bias on any linear layer"),
+        (
+            "--add-qkv-bias",
+            "add_qkv_bias",
+            "a bias on the query/key/value projection alone (Qwen2/Qwen2.5)",
+        ),
+        (
+            "--qk-layernorm",
+            "qk_layernorm",
+            "normalise queries and keys per head (Qwen3; --normalization's norm)",
+        ),
+    ):
+        model.add_argument(flag, action="store_true", default=None, help=f"{text} {_preset(dest)}")
     model.add_argument(
         "--kv-channels",
         type=int,
         default=None,
-        help="attention head size (default --hidden-size / --num-attention-heads)",
+        help="attention head size (default: --hidden-size / --num-attention-heads, or the "
+        "preset's head size when neither is given)",
     )
-    model.add_argument("--attention-dropout", type=float, default=0.0)
-    model.add_argument("--hidden-dropout", type=float, default=0.0)
     model.add_argument(
+        "--attention-dropout", type=float, default=0.0, help="dropout of the attention scores"
+    )
+    model.add_argument(
+        "--hidden-dropout", type=float, default=0.0, help="dropout after attention and MLP"
+    )
+
+
+def _add_attention_flags(attention) -> None:
+    attention.add_argument(
         "--attention-backend",
-        choices=["npu", "cuda", "cpu", "reference"],
         default=None,
-        help="fused attention backend (default: by device)",
+        metavar="{" + ",".join(ATTENTION_BACKENDS) + "}",
+        help="the fused attention kernel's implementation (default: by device; Megatron-LM's "
+        "kernel names are refused, docs/launch-scripts.md)",
     )
-    model.add_argument(
+    attention.add_argument(
         "--window-size",
         type=_window_size,
         default=None,
         metavar="LEFT,RIGHT",
         help="sliding-window attention: each token sees LEFT earlier and RIGHT later tokens "
-        "(-1 = unbounded; the right side is 0 under causal attention), e.g. 4095,0",
+        "(-1 = unbounded; the right side is 0 under causal attention), e.g. 4095,0 "
+        "(default: none, full causal attention)",
     )
-    model.add_argument(
+    attention.add_argument(
         "--window-attn-skip-freq",
         type=int,
         default=None,
-        help="every N-th layer uses full attention, the others the window (megatron's meaning)",
+        help="every N-th layer uses full attention, the others the window (megatron's meaning; "
+        "default: none, every layer uses the window)",
     )
 
-    par = p.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+
+def _add_parallel_flags(par) -> None:
+    par.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="ranks each layer is split over"
+    )
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages")
+    vp_default = "(default: none, one model chunk per stage)"
     par.add_argument(
         "--num-layers-per-virtual-pipeline-stage",
         type=int,
         default=None,
-        help="the interleaved 1F1B schedule: each pipeline rank holds (layers per stage / N) model chunks of N layers",
+        help="the interleaved 1F1B schedule: each pipeline rank holds (layers per stage / N) "
+        f"model chunks of N layers {vp_default}",
     )
     par.add_argument(
         "--virtual-pipeline-model-parallel-size",
         type=int,
         default=None,
-        help="the interleaved 1F1B schedule with this many model chunks per pipeline rank",
+        help=f"the interleaved 1F1B schedule with this many model chunks per pipeline rank {vp_default}",
     )
-    par.add_argument("--context-parallel-size", type=int, default=1)
-    par.add_argument("--cp-comm-type", choices=["p2p", "a2a"], default="p2p")
+    par.add_argument(
+        "--context-parallel-size", type=int, default=1, help="ranks each sequence is split over"
+    )
+    par.add_argument(
+        "--cp-comm-type",
+        choices=["p2p", "a2a"],
+        default=None,
+        help="context parallelism by a ring (p2p) or all-to-all (a2a, Ulysses) (default p2p)",
+    )
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
@@ -190,11 +328,28 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/fault-tolerance.md); fractions allowed (Megatron-LM takes whole minutes)",
     )
 
-    rec = p.add_argument_group("recompute")
-    rec.add_argument("--recompute-granularity", choices=["full", "selective"])
-    rec.add_argument("--recompute-method", choices=["uniform", "block"])
-    rec.add_argument("--recompute-num-layers", type=int)
-    rec.add_argument("--recompute-modules", nargs="*")
+
+def _add_recompute_flags(rec) -> None:
+    rec.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        help="(default: none, every layer keeps its activations)",
+    )
+    rec.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        help="(default: none; --recompute-granularity full needs one)",
+    )
+    rec.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        help="(default: none; --recompute-granularity full needs it)",
+    )
+    rec.add_argument(
+        "--recompute-modules",
+        nargs="*",
+        help="(default core_attn with --recompute-granularity selective; ours: qkv)",
+    )
     rec.add_argument(
         "--activation-offload-layers",
         type=int,
@@ -203,23 +358,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="park what the first N layers of each pipeline stage keep for backward in (pinned) host "
         "memory between their forward and backward, prefetched one layer ahead (0: off)",
     )
-
-    tiles = p.add_argument_group("sequence tiling (docs/sequence-tiling.md)")
-    tiles.add_argument(
+    rec.add_argument(
         "--loss-compute-mode",
         choices=["default", "chunk"],
         default="default",
         help="chunk: the output layer and the vocab-parallel cross-entropy per tile of "
-        "--loss-chunk-size tokens, never the whole sequence's logits (MindSpeed-LLM's flag)",
+        "--loss-chunk-size tokens, never the whole sequence's logits (MindSpeed-LLM's flag; "
+        "docs/sequence-tiling.md)",
     )
-    tiles.add_argument(
+    rec.add_argument(
         "--loss-chunk-size",
         type=int,
         metavar="N",
         help="tokens per loss tile with --loss-compute-mode chunk (default 1024; under "
         "--sequence-parallel a multiple of --tensor-model-parallel-size)",
     )
-    tiles.add_argument(
+    rec.add_argument(
         "--mlp-chunk-size",
         type=int,
         metavar="N",
@@ -228,17 +382,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensor-model-parallel-size; default: untiled)",
     )
 
-    opt = p.add_argument_group("precision, optimiser and schedule")
+
+def _add_schedule_flags(opt) -> None:
     opt.add_argument("--bf16", action="store_true")
     opt.add_argument("--fp16", action="store_true")
-    opt.add_argument("--lr", type=float)
-    opt.add_argument("--min-lr", type=float)
-    opt.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    opt.add_argument("--lr-warmup-iters", type=int)
-    opt.add_argument("--weight-decay", type=float, default=0.01)
-    opt.add_argument("--clip-grad", type=float, default=1.0)
-    opt.add_argument("--adam-beta1", type=float, default=0.9)
-    opt.add_argument("--adam-beta2", type=float, default=0.95)
+    opt.add_argument("--lr", type=float, help="peak learning rate " + _preset("lr"))
+    opt.add_argument("--min-lr", type=float, help="where the decay ends " + _preset("min_lr"))
+    opt.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine"],
+        default="cosine",
+        help="from --lr down to --min-lr over the iterations after the warm-up",
+    )
+    opt.add_argument(
+        "--lr-warmup-iters",
+        type=int,
+        help="linear warm-up from 0 "
+        + _preset("lr_warmup_iters", after="; at most 10% of --train-iters, said when cut"),
+    )
+    opt.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay")
+    opt.add_argument(
+        "--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this"
+    )
+    opt.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's beta1")
+    opt.add_argument("--adam-beta2", type=float, default=0.95, help="Adam's beta2")
     opt.add_argument(
         "--optimizer-cpu-offload",
         action="store_true",
@@ -269,10 +436,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="overlap the offloaded optimizer's gradient and parameter copies with its host step",
     )
-    opt.add_argument("--micro-batch-size", type=int)
-    opt.add_argument("--global-batch-size", type=int)
-    opt.add_argument("--train-iters", type=int)
-    opt.add_argument("--seed", type=int, default=1234)
+    opt.add_argument(
+        "--micro-batch-size",
+        type=int,
+        help="sequences per micro-batch and data-parallel rank " + _preset("micro_batch_size"),
+    )
+    opt.add_argument(
+        "--global-batch-size",
+        type=int,
+        help="sequences per iteration " + _preset("global_batch_size"),
+    )
+    opt.add_argument("--train-iters", type=int, help="iterations " + _preset("train_iters"))
+    opt.add_argument(
+        "--seed", type=int, default=1234, help="of the weights, the data order and dropout"
+    )
     opt.add_argument(
         "--eval-interval",
         type=int,
@@ -284,18 +461,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-iters",
         type=int,
         default=100,
-        help="global batches per validation (Megatron-LM's default, 100)",
+        help="global batches per validation; 0 turns validation off (Megatron-LM's meaning)",
     )
 
-    data = p.add_argument_group("data")
+
+def _add_data_flags(data) -> None:
     data.add_argument(
         "--data-path",
         nargs="*",
         help="indexed-dataset prefixes (default: the built-in long-range task)",
     )
-    data.add_argument("--split", default="98,2,0")
-    data.add_argument("--tokenizer-type", default=None)
-    data.add_argument("--tokenizer-model", default=None)
+    data.add_argument(
+        "--split", default="98,2,0", help="train, validation, test weights of --data-path"
+    )
+    data.add_argument(
+        "--tokenizer-type",
+        default=None,
+        help="ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer or NullTokenizer "
+        "(default: the tokenizer stored with the checkpoint in --load, else ByteTokenizer)",
+    )
+    data.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="the tokenizer's file or directory (default: none, for ByteTokenizer)",
+    )
     data.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
@@ -312,7 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--reset-position-ids", action="store_true", help="positions restart after every EOD"
     )
     data.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
-    data.add_argument("--data-cache-path", default=None)
+    data.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="where megatron caches the dataset indices, a directory every rank reads "
+        "(default: SAVE/data/cache)",
+    )
     data.add_argument(
         "--synthetic-key-depth",
         choices=KEY_DEPTHS,
@@ -323,23 +517,31 @@ def build_parser() -> argparse.ArgumentParser:
         "records it: resuming with the other placement is refused",
     )
 
-    device = p.add_argument_group("device")
-    device.add_argument(
+
+def _add_checkpoint_flags(ckpt) -> None:
+    ckpt.add_argument(
         "--emulate-npu",
         action="store_true",
         help="rehearse the Ascend NPU code path on CPU processes: an emulated npu device, "
         "HCCL-strict process groups and contract doubles of the torch_npu ops",
     )
-
-    ckpt = p.add_argument_group("checkpoints and logging")
     ckpt.add_argument(
-        "--save", default=None, help="checkpoint + metrics directory (default runs/<model>)"
+        "--save",
+        default=None,
+        help="checkpoint + metrics directory (default: --load when given, a run saving where it "
+        "resumed from; else runs/<model>; --finetune needs its own)",
     )
-    ckpt.add_argument("--load", default=None)
+    ckpt.add_argument(
+        "--load",
+        default=None,
+        help="resume from the checkpoint there, or start from scratch while it holds none (said "
+        "so); --finetune, --no-load-optim and --use-checkpoint-args need one there (default: "
+        "none, random weights)",
+    )
     ckpt.add_argument(
         "--ckpt-format",
-        choices=CKPT_FORMATS,
         default=None,
+        metavar="{" + ",".join(CKPT_FORMATS) + "}",
         help="torch_dist (megatron's dist_checkpointing), or fsdp_dtensor (torch DCP of Megatron-FSDP's "
         "DTensors); default: fsdp_dtensor with --use-megatron-fsdp, else torch_dist",
     )
@@ -364,28 +566,39 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="take the model flags not given on the command line from the checkpoint in --load",
     )
-    ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument(
+        "--save-interval",
+        type=int,
+        default=None,
+        help="(default: --train-iters, one checkpoint at the end)",
+    )
     ckpt.add_argument(
         "--exit-interval",
         type=int,
         default=None,
-        help="save and exit after iteration N (same schedule)",
+        help="save and exit after iteration N (same schedule; default: none)",
     )
     ckpt.add_argument(
         "--exit-duration-in-mins",
         type=float,
         default=None,
         help="save and exit 0 after the first iteration that ends past this many minutes of the run "
-        "(setup included; every rank agrees), to stop inside a scheduler's wall-time limit",
+        "(setup included; every rank agrees), to stop inside a scheduler's wall-time limit "
+        "(default: none)",
     )
-    ckpt.add_argument("--log-interval", type=int, default=10)
-    ckpt.add_argument("--tensorboard-dir", default=None)
+    ckpt.add_argument(
+        "--log-interval", type=int, default=10, help="iterations between progress lines"
+    )
+    ckpt.add_argument(
+        "--tensorboard-dir", default=None, help="TensorBoard event files (default: none)"
+    )
     ckpt.add_argument(
         "--hardware",
         default=None,
         metavar="NAME|FILE.json",
         help=f"device profile ({', '.join(HARDWARE_PROFILES)} or a JSON file, as for `mcore-flash plan "
-        "--hardware`): adds MFU (model TFLOP/s per device / the profile's BF16 peak) to the log",
+        "--hardware`): adds MFU (model TFLOP/s per device / the profile's BF16 peak) to the log "
+        "(default: none, no MFU)",
     )
     ckpt.add_argument(
         "--device-memory",
@@ -398,15 +611,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate flags and build one rank's model on the meta device (WORLD_SIZE from env)",
     )
-    return p
 
 
 def parse_config(
     argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
 ) -> TrainingConfig:
     """The trainer's config for ``argv``, checked against ``world_size`` (default: env
-    WORLD_SIZE, else 1, or TP x PP x CP for ``--dry-run``); ValueError names the flag."""
-    return resolve_config(vars(build_parser().parse_args(argv)), world_size)
+    WORLD_SIZE, else 1, or TP x PP x CP for ``--dry-run``); ValueError names the flag
+    (:class:`~.launch_flags.LaunchFlagsRefused`: every refused flag, in ``argv``'s order);
+    a flag argparse cannot read exits 2 with one message (:class:`FlagParser`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = vars(build_parser().parse_args(argv))
+    try:
+        return resolve_config(flags, world_size)
+    except LaunchFlagsRefused as refused:
+        raise refused.in_order(argv) from None
 
 
 def parse_args(

@@ -20,9 +20,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from mcore_flash.checkpoint import directory
 from mcore_flash.planning.hardware import HardwareProfile
 from mcore_flash.planning.models import MODELS, ModelShape
 from mcore_flash.runtime.config_checks import checked_and_derived
+from mcore_flash.runtime.launch_flags import resolve_launch_flags
 from mcore_flash.transformer.recompute import RecomputeSettings
 
 DEFAULT_PRESET = "tiny"
@@ -172,6 +174,9 @@ class TrainingConfig:
     device_memory: Optional[str]
     dry_run: bool
     world_size: int
+    # what the launch line's flags became where that needs saying (aliases, flags that change
+    # nothing here, defaults a preset or Megatron-LM's rules chose): said once at the start
+    notes: tuple[str, ...] = ()
     # derived (by __post_init__)
     data_parallel_size: int = field(init=False)  # world_size / (TP x PP x CP)
     # per iteration and data-parallel rank: global / (micro x DP)
@@ -192,32 +197,39 @@ class TrainingConfig:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
-# The flags a TrainingConfig holds: every field but the world size and the derived ones.
+# The flags a TrainingConfig holds: every field but the world size, the notes and the derived ones.
 FLAG_NAMES = tuple(
     field.name
     for field in dataclasses.fields(TrainingConfig)
-    if field.init and field.name != "world_size"
+    if field.init and field.name not in ("world_size", "notes")
 )
 
 
 def resolve_config(flags: Mapping[str, Any], world_size: Optional[int] = None) -> TrainingConfig:
     """The config of the parsed ``flags`` (``vars`` of the pretrain parser's namespace; other
     keys are ignored) for ``world_size`` ranks (default: env WORLD_SIZE, else 1, or TP x PP x CP
-    for ``--dry-run``). Raises ValueError naming the flag for settings that cannot work."""
+    for ``--dry-run``). A Megatron-LM or MindSpeed-LLM launch line's own flags are resolved
+    first (:mod:`.launch_flags`: :class:`~.launch_flags.LaunchFlagsRefused` names every refused
+    one). Raises ValueError naming the flag for settings that cannot work."""
+    updates, notes = resolve_launch_flags(flags)
+    flags = {**flags, **updates}
     values = {name: flags[name] for name in FLAG_NAMES}
     for name in ("data_path", "recompute_modules"):  # argparse's lists, frozen as the rest
         if values[name] is not None:
             values[name] = tuple(values[name])
+    given_positions = values["max_position_embeddings"]  # on the line, not the checkpoint's
     if values["use_checkpoint_args"]:
         values.update(_checkpoint_model_flags(values))
-    values.update(_preset_values(values))
+    filled, preset_notes = _preset_values(values)
+    values.update(filled)
+    notes += preset_notes + _position_notes(values, given_positions)
     if world_size is None:
         model_parallel = (
             values["tensor_model_parallel_size"] * values["pipeline_model_parallel_size"]
         )
         model_parallel *= values["context_parallel_size"]
         world_size = int(os.environ.get("WORLD_SIZE", model_parallel if values["dry_run"] else 1))
-    return TrainingConfig(**values, world_size=world_size)
+    return TrainingConfig(**values, world_size=world_size, notes=tuple(notes))
 
 
 def preset_shape(name: str) -> ModelShape:
@@ -229,9 +241,10 @@ def _checkpoint_model_flags(values: Mapping[str, Any]) -> dict[str, Any]:
     """``--use-checkpoint-args``: the checkpoint's value of every model flag left unset."""
     if not values["load"]:
         raise ValueError("--use-checkpoint-args needs --load")
-    from mcore_flash.checkpoint.directory import read_model_args
-
-    saved = read_model_args(values["load"])
+    directory.check_checkpoint(
+        values["load"], ["--use-checkpoint-args"]
+    )  # before torch is imported
+    saved = directory.read_model_args(values["load"])
     filled = {}
     for name, value in saved.items():
         if name == "vocab_size" or (
@@ -243,10 +256,9 @@ def _checkpoint_model_flags(values: Mapping[str, Any]) -> dict[str, Any]:
     return filled
 
 
-def _preset_values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The values ``--model`` (default tiny) gives the model/schedule flags left unset, and the
-    defaults that follow from them (warm-up, GQA, ``--save``, ``--save-interval``)."""
-    name = values["model"] or DEFAULT_PRESET
+def preset_defaults(name: str) -> dict[str, Any]:
+    """The values ``--model name`` gives the model and schedule flags left unset (before the
+    rules of :func:`_preset_values`: Megatron-LM's derived defaults, the warm-up cut)."""
     shape = preset_shape(name)
     defaults = dict(
         num_layers=shape.num_layers,
@@ -270,6 +282,17 @@ def _preset_values(values: Mapping[str, Any]) -> dict[str, Any]:
         **TRAINING_DEFAULTS,
     )
     defaults.update(TRAINING_PRESETS.get(name, {}))
+    return defaults
+
+
+def _preset_values(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``(filled, notes)``: the values ``--model`` (default tiny) gives the model/schedule flags
+    left unset, and the defaults that follow from them (warm-up, GQA, ``--save``,
+    ``--save-interval``). A shape flag given on the line takes what Megatron-LM derives from it
+    (:func:`_derived_from_shape`), not the preset's. ``notes``: the warm-up cut."""
+    name = values["model"] or DEFAULT_PRESET
+    shape = preset_shape(name)
+    defaults = {**preset_defaults(name), **_derived_from_shape(values)}
     if values["rope_scaling_factor"] is not None and not (
         values["use_rope_scaling"] or shape.rope_scaling
     ):
@@ -282,11 +305,82 @@ def _preset_values(values: Mapping[str, Any]) -> dict[str, Any]:
         **{key: value for key, value in defaults.items() if values[key] is None},
     }
     resolved = {**values, **filled}
+    notes = []
     if values["lr_warmup_iters"] is None:  # a short run keeps 10% warm-up rather than failing
-        filled["lr_warmup_iters"] = min(resolved["lr_warmup_iters"], resolved["train_iters"] // 10)
+        warmup = min(resolved["lr_warmup_iters"], resolved["train_iters"] // 10)
+        if warmup != resolved["lr_warmup_iters"]:
+            notes.append(
+                f"--lr-warmup-iters {warmup}: the {name} preset's {resolved['lr_warmup_iters']}, "
+                f"cut to 10% of --train-iters {resolved['train_iters']} (give --lr-warmup-iters to "
+                "choose)"
+            )
+        filled["lr_warmup_iters"] = warmup
     if resolved["num_query_groups"] != resolved["num_attention_heads"]:
         filled["group_query_attention"] = True
-    filled["save"] = values["save"] or os.path.join("runs", name)
+    filled["save"] = _save_directory(values, name)
     if values["save_interval"] is None:
         filled["save_interval"] = resolved["train_iters"]
-    return filled
+    return filled, notes
+
+
+def _derived_from_shape(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Megatron-LM's defaults of the shape flags that follow from a shape flag the line gives
+    (its ``validate_args``): ``--num-query-groups`` = ``--num-attention-heads`` (1 with
+    ``--group-query-attention``), ``--ffn-hidden-size`` = 4 x ``--hidden-size`` (SwiGLU: 2/3 of
+    that, rounded down to a multiple of 64), ``--kv-channels`` = hidden / heads. A launch line
+    that sets the heads means multi-head attention unless it says otherwise, not the preset's
+    query groups."""
+    derived = {}
+    if values["num_attention_heads"] is not None:
+        derived["num_query_groups"] = (
+            1 if values["group_query_attention"] else values["num_attention_heads"]
+        )
+    if values["hidden_size"] is not None:
+        swiglu = values["swiglu"]
+        if swiglu is None:
+            swiglu = preset_shape(values["model"] or DEFAULT_PRESET).gated
+        four_h = 4 * values["hidden_size"]
+        derived["ffn_hidden_size"] = int(four_h * 2 / 3 / 64) * 64 if swiglu else four_h
+    if values["hidden_size"] is not None or values["num_attention_heads"] is not None:
+        derived["kv_channels"] = None  # hidden / heads, megatron-core's own default
+    return derived
+
+
+def _save_directory(values: Mapping[str, Any], name: str) -> str:
+    """``--save``, else the run in ``--load`` (a resume saves where it resumed from), else
+    ``runs/<preset>``. Megatron-LM saves nothing without ``--save``; a resume that saved
+    into ``runs/tiny`` instead would split one run over two directories. ``--finetune`` starts a
+    new run from the checkpoint, which it must not write into: it needs its own ``--save``."""
+    if values["save"]:
+        return values["save"]
+    if values["finetune"]:
+        raise ValueError(
+            f"--finetune starts a new run from the weights in --load {values['load']}: give it its "
+            "own --save directory (without --save a run saves into --load, over the checkpoint it "
+            "starts from)"
+        )
+    return values["load"] or os.path.join("runs", name)
+
+
+def _position_notes(values: Mapping[str, Any], given_positions: Optional[int]) -> list[str]:
+    """``--seq-length`` past ``--max-position-embeddings`` with RoPE: refused when the line gives
+    both (Megatron-LM's ``validate_args`` asserts ``max_position_embeddings >= seq_length``
+    whatever the position embedding); said once when the positions are the preset's or the
+    checkpoint's (context extension: RoPE takes any position). Learned absolute positions are
+    refused by :mod:`.config_checks` (a table of that many rows)."""
+    seq, positions = values["seq_length"], values["max_position_embeddings"]
+    if seq <= positions or values["position_embedding_type"] != "rope":
+        return []
+    if given_positions is not None:
+        raise ValueError(
+            f"--seq-length {seq} is above --max-position-embeddings {positions}: Megatron-LM refuses "
+            f"this too; pass --max-position-embeddings {seq} (with RoPE it records the context the "
+            "model is trained for)"
+        )
+    source = "checkpoint's" if values["use_checkpoint_args"] else f"{values['model']} preset's"
+    return [
+        f"--seq-length {seq} is past the {source} --max-position-embeddings {positions}: RoPE "
+        "takes any position, and positions past it are new to the model unless RoPE is extended "
+        "(--rotary-base, --use-rope-scaling, --rotary-seq-len-interpolation-factor); pass "
+        f"--max-position-embeddings {seq} to record the longer context"
+    ]

@@ -10,7 +10,7 @@ from importlib.metadata import version
 from typing import Any, Optional
 
 from mcore_flash.checkpoint.directory import FSDP_DTENSOR, TORCH_DIST
-from mcore_flash.data.datasets import parse_data_path
+from mcore_flash.data.datasets import parse_data_path, parse_split
 from mcore_flash.data.indexed import check_indexed_dataset
 from mcore_flash.planning.hardware import load_hardware
 from mcore_flash.transformer.recompute import RecomputeSettings, recompute_settings
@@ -156,6 +156,7 @@ def checked_and_derived(args: Flags, world_size: int) -> dict[str, Any]:
     _check_moment_dtypes(args)
     _check_overlap_param_gather(args)
     if args.data_path:
+        parse_split(args.split)  # DataError naming a bad --split
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_indexed_dataset(prefix, arg="--data-path", scan_tokens=0)
@@ -180,6 +181,12 @@ def checked_and_derived(args: Flags, world_size: int) -> dict[str, Any]:
 def _recompute(args: Flags, chunks: int) -> RecomputeSettings:
     """What the ``--recompute-*`` flags mean; full recompute of at most the layers of one of the
     ``chunks`` (pipeline stages x virtual stages) megatron's block recomputes within."""
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ValueError(
+            "--recompute-granularity full needs --recompute-method uniform (every layer, in "
+            "groups of --recompute-num-layers) or block (the first --recompute-num-layers layers "
+            "of each stage)"
+        )
     recompute = recompute_settings(
         args.recompute_granularity,
         args.recompute_method,
@@ -286,8 +293,7 @@ def _check_validation(args: Flags) -> None:
             "--eval-interval needs a validation set: the built-in task has none; give --data-path "
             "with a --split whose second weight is above 0 (e.g. 98,2,0), or --mock-data"
         )
-    weights = args.split.replace("/", ",").split(",")
-    if args.data_path and (len(weights) < 2 or float(weights[1]) <= 0):
+    if args.data_path and parse_split(args.split)[1] <= 0:  # DataError naming a bad --split
         raise ValueError(
             f"--eval-interval needs a validation split: --split {args.split} gives it no "
             "documents; e.g. --split 98,2,0"
@@ -377,6 +383,16 @@ def _check_model_layout(args: Flags, tp: int, pp: int, cp: int) -> None:
         )
     if args.kv_channels is not None and args.kv_channels < 1:
         raise ValueError(f"--kv-channels must be >= 1, got {args.kv_channels}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}: change one, or give the head size with --kv-channels"
+        )
+    if args.ffn_hidden_size % tp:
+        raise ValueError(
+            f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {tp} (each rank holds an equal slice of the MLP)"
+        )
     if args.num_attention_heads % args.num_query_groups:
         raise ValueError(
             f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads {args.num_attention_heads}"
@@ -575,7 +591,9 @@ def _check_positions(args: Flags) -> None:
         and args.position_embedding_type == "learned_absolute"
     ):
         raise ValueError(
-            "--max-position-embeddings must be >= --seq-length with learned_absolute positions"
+            f"--seq-length {args.seq_length} is above --max-position-embeddings "
+            f"{args.max_position_embeddings}: learned_absolute positions are a table of that many "
+            f"rows (Megatron-LM refuses it too); pass --max-position-embeddings {args.seq_length}"
         )
 
 
