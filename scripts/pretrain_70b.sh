@@ -16,11 +16,11 @@
 # >= 5% of what torch_npu can allocate of a 910B (60.97 GiB) free, and
 # ranks them by the step-time model (docs/step-time.md: compute with recompute, exposed TP /
 # CP-ring / PP / DP communication, the pipeline bubble), which reproduces published 70B
-# figures within 8%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (55.1 GiB,
-# 5.9 GiB free, ~95 s per 32 x 128K-token step); next: recompute qkv (51.5 GiB, +2% time),
-# attention (49.9 GiB, +20%), full (33.7 GiB, +32%). TP=, PP=, CP=, RECOMPUTE=, SHARDING= override it.
+# figures within 8%. For 256 NPUs it picks TP8 SP x PP2 x CP16 x DP1, no recompute (54.9 GiB,
+# 6.0 GiB free, ~95 s per 32 x 128K-token step); next: recompute qkv (51.4 GiB, +2% time),
+# attention (49.8 GiB, +20%), full (33.6 GiB, +32%). TP=, PP=, CP=, RECOMPUTE=, SHARDING= override it.
 # Below 64 NPUs nothing fits without ZeRO-3: for 32 (NNODES=4) the planner picks TP2 SP x CP16,
-# full recompute, Megatron-FSDP's optim_grads_params sharded over the 16 CP ranks (docs/planner.md).
+# full recompute for 79 of 80 layers (none for the other), Megatron-FSDP's optim_grads_params sharded over the 16 CP ranks (docs/planner.md).
 #   TP 8 + sequence parallel   one node's 8 NPUs share each layer (HCCS inside the node)
 #   CP                         ring attention over 2*CP chunks: 131072 / CP tokens per rank
 #   PP                         80 layers -> 80/PP per stage, 1F1B

@@ -124,9 +124,10 @@ PROFILES: dict[str, Profile] = {
 class Term:
     """One saved tensor kind: ``module`` (layer-relative path), ``name``, exact ``bytes``.
 
-    ``category`` is ``"activations"`` or ``"attention_stats"``; ``scope`` is
-    ``"attention"`` or ``"mlp"`` for layer terms (what the attention recompute drops),
-    ``"layer"`` for the recompute input, ``"model"`` for terms outside the layers.
+    ``category`` is ``"activations"`` or ``"attention_stats"`` (``"embeddings_logits"``
+    outside the layers; ``"transient"`` for :mod:`.transient_bytes`' peaks, never kept);
+    ``scope`` is ``"attention"`` or ``"mlp"`` for layer terms (what the attention recompute
+    drops), ``"layer"`` for the recompute input, ``"model"`` for terms outside the layers.
     """
 
     module: str
@@ -508,6 +509,8 @@ class OffloadedLayer:
             object, not per storage), so a storage saved through two tensors is copied twice:
             ``D`` is the fused kernel's output, which ``linear_proj`` saves again as its input
             (a reshaped view of it) wherever the kernel's output is kept (``none``, ``qkv``).
+            The tiled MLP's tiles save views of the MLP input, one per tile, which together
+            hold its rows once: copied once, as the untiled ``linear_fc1`` input is.
     """
 
     kept: Fraction

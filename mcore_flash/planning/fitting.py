@@ -110,9 +110,8 @@ def least_offload(
     in ``moments``: the least optimizer offload fraction of :data:`OFFLOAD_FRACTIONS` (bf16
     moments: the whole optimizer only), else the whole optimizer and the fewest
     activation-offloaded layers per stage (device bytes fall as that number grows:
-    bisection; not with the tiled MLP, which the trainer refuses with activation offload);
-    None when even every layer offloaded does not fit (or the host cannot hold the
-    optimizer)."""
+    bisection; an offloaded layer's MLP tiles are parked with the rest of it); None when
+    even every layer offloaded does not fit (or the host cannot hold the optimizer)."""
 
     def planned(fraction: float, layers: int) -> MemoryPlan:
         return replanned(
@@ -130,8 +129,6 @@ def least_offload(
             return candidate
         if candidate.host.fits is False:  # more offload only needs more host
             return None
-    if plan.layout.mlp_chunk_size is not None:
-        return None
     best, low, high = None, 1, plan.model.num_layers // plan.layout.pp
     while low <= high:
         mid = (low + high) // 2

@@ -50,7 +50,9 @@ def offload_stage_bytes(
     :mod:`mcore_flash.transformer.activation_offload` (docs/planner.md, "Activation
     offload"). Layer ``i`` keeps ``S_i``, leaves ``R_i`` on the device when parked and
     fetches ``V_i`` back (:func:`.activation_bytes.offloaded_layer`; under partial recompute the
-    first ``recompute_num_layers`` layers are recomputed whole). Per micro-batch in flight the
+    first ``recompute_num_layers`` layers are recomputed whole; with the tiled MLP the tiles'
+    checkpoints hold the MLP input, parked and fetched like the rest: equal to the emulated
+    NPU's, tests/emulation/test_tiling_memory.py). Per micro-batch in flight the
     device holds the layers not offloaded, ``sum(S_i, i >= N)`` (``activations`` and
     ``attention_statistics``), and the ``R_i`` of the offloaded ones, plus on stages after the
     first the input of layer 0, which megatron's schedule holds for its own backward

@@ -25,6 +25,7 @@ from fractions import Fraction
 from typing import Optional
 
 from . import activation_bytes as act
+from . import transient_bytes as tb
 from .communicators import P2P_HCCL_BUFFSIZE_BYTES, stage_communicators
 from .ddp_state import device_gradient_bytes, exact_ddp_stage, exact_ddp_state, main_gradient_bytes
 from .flops import pipeline_bubble, recompute_overhead, tiling_overhead
@@ -126,18 +127,19 @@ def _mean_layer_bytes(
 def _recompute_workspace(
     terms: list[act.Term],
     none_terms: list[act.Term],
-    tile_terms: list[act.Term],
+    mlp_backward: list[act.Term],
     model: ModelShape,
     layout: Layout,
     micro: _MicroBatch,
 ) -> Fraction:
-    """Estimated bytes alive while one layer runs its backward: what its recompute rebuilds
-    (``none_terms`` less the kept ``terms``) plus the largest gradients inside a layer's
-    backward, ``s_c * b * (fc1 width / tp + 2h) * B``. Under the tiled MLP (``tile_terms``:
-    one tile's intermediates, :func:`.activation_bytes.mlp_tile_terms`, ``N`` tokens) the
-    intermediates are rebuilt one tile at a time whatever the recompute mode (``none_terms``
-    and ``terms`` hold none of them), and the gradients are
-    ``(N * fc1 width / tp + s_c * 2h) * b * B``."""
+    """Bytes alive while one layer runs its backward beyond its kept tensors: what its
+    recompute rebuilds (``none_terms`` less the kept ``terms``), the layer's incoming gradient
+    ``s_t * b * h * B`` (held through its backward: the residual stream's) and the MLP's
+    backward at its peak (``mlp_backward``, :func:`.transient_bytes.mlp_backward_terms`: exact
+    on the emulated NPU, tiled or not; the tiled MLP rebuilds its intermediates one tile at a
+    time there, whatever the recompute mode, so ``none_terms`` and ``terms`` hold none of
+    them). The attention's backward is taken to need no more than the MLP's (an assumption:
+    with SwiGLU's ``f >= 2.7h`` its gradients are narrower; not measured)."""
     if layout.recompute == "full" or layout.recompute_num_layers:
         rebuilt = act.sum_terms(none_terms)
     elif layout.recompute == "attention":
@@ -156,14 +158,8 @@ def _recompute_workspace(
         )
     else:
         rebuilt = Fraction(0)
-    fc1_width_per_rank = Fraction(model.ffn_hidden_size * (2 if model.gated else 1), layout.tp)
-    fc1_tokens = micro.local_tokens if micro.mlp_tile_tokens is None else micro.mlp_tile_tokens
-    gradients = (
-        (fc1_tokens * fc1_width_per_rank + micro.local_tokens * 2 * model.hidden_size)
-        * micro.batch
-        * micro.element_bytes
-    )
-    return rebuilt + act.sum_terms(tile_terms) + gradients
+    incoming = micro.rank_tokens * micro.batch * model.hidden_size * micro.element_bytes
+    return rebuilt + incoming + act.sum_terms(mlp_backward)
 
 
 def _communication_buffers(model: ModelShape, layout: Layout, micro: _MicroBatch) -> Fraction:
@@ -362,7 +358,7 @@ def plan_memory(
         profile=activation_profile,
         dtype_bytes=dtype_bytes,
     )
-    terms, none_terms, full_terms, tile_terms = _layer_term_sets(
+    terms, none_terms, full_terms, mlp_backward = _layer_term_sets(
         model, seq_length, layout, term_options
     )
     recompute_shares = layout.recompute_shares(model.num_layers)
@@ -377,7 +373,7 @@ def plan_memory(
         full_terms=full_terms,
         layer_activations=layer_activations,
         layer_statistics=layer_statistics,
-        workspace=_recompute_workspace(terms, none_terms, tile_terms, model, layout, micro),
+        workspace=_recompute_workspace(terms, none_terms, mlp_backward, model, layout, micro),
         communication=_communication_buffers(model, layout, micro),
         optimizer_per_parameter=optimizer_bytes_per_parameter(
             layout.distributed_optimizer, layout.dp, layout.cp
@@ -420,7 +416,8 @@ def _layer_term_sets(
     model: ModelShape, seq_length: int, layout: Layout, term_options: dict
 ) -> tuple[list[act.Term], list[act.Term], list[act.Term], list[act.Term]]:
     """One layer's terms under ``layout.recompute``, ``none`` and ``full`` (the MLP tiled as
-    ``layout`` says), and one tile's intermediates of the tiled MLP (none untiled)."""
+    ``layout`` says), and the MLP's backward at its peak
+    (:func:`.transient_bytes.mlp_backward_terms`)."""
     terms, none_terms, full_terms = (
         act.layer_terms(
             model,
@@ -431,14 +428,14 @@ def _layer_term_sets(
         )
         for mode in (layout.recompute, "none", "full")
     )
-    tile_terms = act.mlp_tile_terms(
+    mlp_backward = tb.mlp_backward_terms(
         model,
         seq_length,
         layout.micro_batch_size,
         mlp_chunk_size=layout.mlp_chunk_size,
         **{k: v for k, v in term_options.items() if k != "recompute"},
     )
-    return terms, none_terms, full_terms, tile_terms
+    return terms, none_terms, full_terms, mlp_backward
 
 
 def _compute_overhead(
@@ -492,22 +489,23 @@ def _stage_activations(
 
 
 def _logits_bytes(inputs: _PlanInputs, stage: int) -> Fraction:
-    """The last stage's logits and their fp32 copy, ``s_c * b * V/tp * (B + 4)`` (0 on the
-    other stages). The tiled loss holds one tile's, ``N * b * V/tp * (B + 4)`` (forward and
-    backward alike), the fp32 gradient of the output weight accumulated over the tiles,
-    ``V/tp * h * 4``, and under sequence parallelism the tile's gathered hidden states,
-    ``N * b * h * B`` (``N`` = ``min(--loss-chunk-size, s_c)``)."""
-    layout, micro = inputs.layout, inputs.micro
+    """The last stage's loss at its peak beyond its kept tensors (0 on the other stages):
+    :func:`.transient_bytes.loss_peak_terms`, megatron's loss (the bf16 logits beside the kept
+    fp32 softmax, or the output layer's backward) or the tiled loss's (one tile's logits, the
+    hidden states' gradient, the fp32 weight gradient), exact on the emulated NPU."""
+    layout = inputs.layout
     if stage != layout.pp - 1:
         return Fraction(0)
-    vocab_per_rank = Fraction(inputs.model.vocab_size, layout.tp)
-    per_token = micro.batch * vocab_per_rank * (micro.element_bytes + FP32_BYTES)
-    tile = micro.loss_tile_tokens
-    if tile is None:
-        return micro.local_tokens * per_token
-    hidden = inputs.model.hidden_size
-    gathered = tile * micro.batch * hidden * micro.element_bytes if layout.sp else 0
-    return tile * per_token + vocab_per_rank * hidden * FP32_BYTES + gathered
+    options = {k: v for k, v in inputs.term_options.items() if k not in ("recompute", "profile")}
+    return act.sum_terms(
+        tb.loss_peak_terms(
+            inputs.model,
+            inputs.seq_length,
+            layout.micro_batch_size,
+            loss_chunk_size=layout.loss_chunk_size,
+            **options,
+        )
+    )
 
 
 def _stage_plan(inputs: _PlanInputs, stage: int) -> StagePlan:

@@ -100,8 +100,8 @@ class Layout:
     whole-sequence logits); ``mlp_chunk_size`` tokens per tile of every MLP, each tile
     recomputed in its backward (``--mlp-chunk-size N``; None: untiled; a tile of at least the
     CP rank's tokens runs untiled, as the trainer does). Each is a positive number of tokens,
-    a multiple of ``tp`` under sequence parallelism; the tiled MLP does not go with activation
-    offload (the trainer refuses the pair).
+    a multiple of ``tp`` under sequence parallelism. Both go with host offload: the MLP tiles
+    are megatron's checkpoints, whose saved inputs activation offload parks with the layer's.
     """
 
     tp: int = 1
@@ -213,11 +213,6 @@ class Layout:
                     f"{flag} {value}: under --sequence-parallel each tile takes the same number of rows from "
                     f"every one of the --tensor-model-parallel-size {self.tp} ranks; use a multiple of {self.tp}"
                 )
-        if self.mlp_chunk_size is not None and self.activation_offload_layers:
-            raise ValueError(
-                "--mlp-chunk-size with --activation-offload-layers: the trainer refuses the pair (the tiles' "
-                "recompute keeps the MLP input on the device, out of the offload's reach); drop one"
-            )
 
     @property
     def tiled(self) -> bool:

@@ -19,6 +19,7 @@ PACKAGE = "mcore_flash.planning"
 LAYERS = [
     ["units", "models", "hardware"],  # byte sizes, model shapes, device profiles
     ["activation_bytes", "flops", "parameters"],  # per-layer saved bytes, FLOPs, parameter counts
+    ["transient_bytes"],  # the loss's and an MLP backward's bytes at their peaks
     ["fsdp"],  # Megatron-FSDP's parameter groups, padding and bytes per strategy
     ["parallel_layout"],  # the parallel layout and its launch flags
     # the collective library's communicators of a layout; megatron DDP's state bytes per rank

@@ -4,7 +4,8 @@
 Oracles: bytes and seconds written out by hand below from the shapes of what
 ``mcore_flash.transformer.linear_cross_entropy`` and ``.tiled_mlp`` keep and compute (never
 the planner's own functions), the trainer's own flag checks (``runtime/config_checks.py``),
-and the search's answers for the issue's models.
+and the search's answers for the issue's models. The peaks' moments written out here are the
+ones tests/emulation/test_tiling_memory.py finds exact on the emulated NPU's byte counter.
 
 Hand shape: TINY_TEST (L 2, h 64, f 128 SwiGLU, a 4, g 2, d 16, V 128) at s = 512, TP2 with
 sequence parallelism, CP2, micro-batch b = 2, bf16 (B = 2): s_c = 256 tokens per CP rank,
@@ -22,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from mcore_flash.planning import Layout, plan_memory, predict_step_time, search_layouts
+from mcore_flash.planning import activation_bytes as act
 from mcore_flash.planning.cli import main
 from mcore_flash.planning.hardware import HARDWARE_PROFILES, HardwareProfile
 from mcore_flash.planning.parallel_layout import DEFAULT_LOSS_CHUNK_SIZE
@@ -79,24 +81,74 @@ def test_the_tiled_loss_keeps_two_fp32_statistics_per_token_not_the_softmax():
     )
 
 
-def test_the_tiled_loss_holds_one_tiles_logits_and_the_fp32_weight_gradient():
-    untiled, tiled = plan(), plan(loss_chunk_size=N)
-    assert untiled.per_device["logits_buffers"] == S_C * MB * (V // TP) * (B + 4)
-    one_tile = N * MB * (V // TP) * (B + 4)  # the tile's GEMM output and its fp32 copy
-    accumulator = (V // TP) * H * 4  # the output weight's gradient over the tiles, fp32
-    gathered = N * MB * H * B  # the tile's hidden states, gathered over the TP ranks
-    assert tiled.per_device["logits_buffers"] == one_tile + accumulator + gathered
-    no_sp = plan(loss_chunk_size=N, sequence_parallel=False)
-    assert no_sp.per_device["logits_buffers"] == one_tile + accumulator
-    # a tile longer than the CP rank's sequence is the whole sequence (one tile)
-    long = plan(loss_chunk_size=1024)
-    assert long.per_device["logits_buffers"] == (
-        S_C * MB * (V // TP) * (B + 4) + accumulator + S_C * MB * H * B
+TOKENS = S_C * MB  # tokens of the loss: [s_c, b]
+LOGITS = TOKENS * (V // TP)  # elements of a rank's [s_c, b, V/t] logits
+MEGATRON_KEPT = 4 * LOGITS + 9 * TOKENS  # fp32 softmax, target mask, masked targets
+
+
+def test_megatrons_loss_peaks_at_its_forward_beside_the_kept_fp32_softmax():
+    """megatron's loss peaks as its forward's last per-token vector is allocated: the bf16
+    logits beside the fp32 softmax (which is the logits' fp32 copy, its gradient computed in
+    place), five fp32 per-token vectors (maximum, target logit, sum of exponentials, its log,
+    the loss) and GPTModel's int64 copy of the labels (b > 1); its output layer's backward
+    (the logits' bf16 gradient, the input's gradient and its scattered rows, the weight's
+    bf16 gradient, the kept tensors freed) is smaller here."""
+    forward = LOGITS * B + 5 * 4 * TOKENS + 8 * TOKENS
+    backward = LOGITS * B + TOKENS * H * B + S_T * MB * H * B + (V // TP) * H * B - MEGATRON_KEPT
+    assert forward > backward
+    assert plan().per_device["logits_buffers"] == forward
+    # a vocabulary narrower than the hidden size: the output layer's backward is the peak
+    wide = TINY_TEST.with_(hidden_size=256, num_attention_heads=4, kv_channels=16, vocab_size=32)
+    logits = TOKENS * 16  # V/t = 16
+    backward = logits * B + TOKENS * 256 * B + S_T * MB * 256 * B + 16 * 256 * B
+    backward -= 4 * logits + 9 * TOKENS
+    assert backward > logits * B + 28 * TOKENS
+    assert plan_memory(wide, S, layout(), device_memory=BIG).per_device["logits_buffers"] == (
+        backward
+    )
+
+
+def test_the_tiled_loss_peaks_in_a_tiles_backward():
+    """The tiled loss's peak is in the backward of a tile after the first: the loss's fp32
+    gradient, the hidden states' gradient and the output weight's fp32 gradient (alive through
+    the backward), under SP the gathered tile, the tile's positions and per-token vectors
+    (labels, masked targets, megatron's arange, all int64; the target mask; the fp32 softmax
+    update), the previous tile's hidden-state gradient, and the largest of the tile's logits
+    in bf16 and fp32, its logit gradient with its new hidden-state gradient, and its logit
+    gradient with the weight-gradient product."""
+    n = N * MB  # a tile's tokens
+    v = V // TP
+    common = (
+        4 * TOKENS  # the per-token loss's gradient
+        + S_T * MB * H * B  # the hidden states' gradient
+        + v * H * 4  # the output weight's gradient, fp32
+        + n * H * B  # the tile's hidden states gathered over the TP ranks
+        + 8 * N
+        + (8 + 8 + 8 + 1 + 4) * n  # positions; labels, targets, arange, mask, update
+        + n * H * B  # the previous tile's hidden-state gradient
+    )
+    copy, gemm, product = n * v * (B + 4), n * v * B + n * H * B, n * v * B + v * H * B
+    assert copy > max(gemm, product)
+    assert plan(loss_chunk_size=N).per_device["logits_buffers"] == common + copy
+    # without SP the tile is a view of the hidden states
+    no_sp = plan(loss_chunk_size=N, sequence_parallel=False).per_device["logits_buffers"]
+    assert no_sp == common + copy - n * H * B + (S_C - S_T) * MB * H * B
+    # a tile of the whole sequence: one tile, no previous one
+    one = TOKENS
+    whole = plan(loss_chunk_size=1024).per_device["logits_buffers"]
+    assert whole == (
+        4 * TOKENS
+        + S_T * MB * H * B
+        + v * H * 4
+        + one * H * B
+        + 8 * S_C
+        + 29 * one
+        + one * v * (B + 4)
     )
     # only the last stage holds them
     stages = plan(loss_chunk_size=N, pp=2, global_batch_size=4).stages
     assert stages[0].bytes["logits_buffers"] == 0
-    assert stages[1].bytes["logits_buffers"] == one_tile + accumulator + gathered
+    assert stages[1].bytes["logits_buffers"] == common + copy
 
 
 def test_the_tiled_mlp_keeps_its_input_not_its_intermediates():
@@ -110,24 +162,41 @@ def test_the_tiled_mlp_keeps_its_input_not_its_intermediates():
     assert "mlp.activation_func" not in modules
 
 
+def _mlp_moments(tokens: int, rows: int) -> tuple[int, int, int]:
+    """An MLP backward's three moments over ``tokens`` of the fc1 GEMM (``rows`` of this rank's
+    input), TP2 with SP, beyond its kept tensors: fc2's (the output gradient gathered, fc2's
+    input gradient, its bf16 weight gradient), the activation's (fc1's output gradient, fc2's
+    input gradient beside it and fc2's input freed), fc1's (its output and input gradients,
+    the input gradient's scattered rows, its bf16 weight gradient, the intermediates freed)."""
+    f, w = F // TP, 2 * F // TP  # the fc2 input's and the fc1 output's width on a rank
+    fc2 = tokens * MB * H * B + tokens * MB * f * B + H * f * B
+    activation = tokens * MB * w * B
+    fc1 = tokens * MB * w * B + tokens * MB * H * B + rows * MB * H * B + w * H * B
+    return fc2, activation, fc1 - tokens * INTERMEDIATES
+
+
 @pytest.mark.parametrize("recompute", ["none", "qkv", "attention", "full"])
-def test_the_tiled_mlp_rebuilds_one_tile_in_the_recompute_workspace(recompute):
+def test_the_recompute_workspace_holds_the_mlps_backward_at_its_peak(recompute):
     tiled = plan(mlp_chunk_size=M, recompute=recompute).per_device["recompute_workspace"]
     untiled = plan(recompute=recompute).per_device["recompute_workspace"]
-    # tiled: one tile's intermediates, rebuilt in its own backward whatever the mode, and
-    # fc1's width of the largest gradients for one tile only
-    tile = M * INTERMEDIATES + (M * 2 * F // TP + S_C * 2 * H) * MB * B
-    gradients = S_C * MB * (2 * F // TP + 2 * H) * B  # megatron's: fc1's width for s_c
+    incoming = S_T * MB * H * B  # the layer's output gradient, held through its backward
+    megatron = max(_mlp_moments(S_C, S_T))  # fc2's here
+    assert megatron == _mlp_moments(S_C, S_T)[0]
+    # the tiles, last first: the others' input gradients and the recomputed output of the
+    # first (a full one), its intermediates rebuilt and its largest moment, or at the end the
+    # concatenated input gradient
+    first = M * INTERMEDIATES + max(_mlp_moments(M, M // TP))
+    ours = S_T * MB * H * B + max(first, S_T * MB * H * B)
     full_layer = S_C * INTERMEDIATES if recompute == "full" else 0  # full rebuilds them all
-    assert tiled - untiled == tile - gradients - full_layer
+    assert tiled - untiled == ours - megatron - full_layer
     rebuilt = {  # what the layer's recompute rebuilds besides the MLP's intermediates
         "none": 0,
         "attention": ATTENTION + STATISTICS,  # the attention sub-block
         "full": ATTENTION + STATISTICS + MLP_KEPT,  # the layer (its MLP input under the tiles)
     }
     if recompute in rebuilt:
-        assert tiled == rebuilt[recompute] + tile
-        assert untiled == rebuilt[recompute] + full_layer + gradients
+        assert tiled == rebuilt[recompute] + incoming + ours
+        assert untiled == rebuilt[recompute] + full_layer + incoming + megatron
 
 
 def test_an_mlp_tile_of_the_whole_sequence_runs_untiled():
@@ -317,17 +386,6 @@ CHUNK = ["--loss-compute-mode", "chunk", "--loss-chunk-size"]
             "--loss-chunk-size 1020: under --sequence-parallel",
         ),
         (["--mlp-chunk-size", "8191"], ("default", None, 8191, 0), "--mlp-chunk-size 8191: under"),
-        (
-            [
-                "--mlp-chunk-size",
-                "8192",
-                "--optimizer-cpu-offload",
-                "--activation-offload-layers",
-                "4",
-            ],
-            ("default", None, 8192, 4),
-            "--mlp-chunk-size with --activation-offload-layers",
-        ),
     ],
 )
 def test_bad_tiles_are_refused_by_name_as_the_trainer_refuses_them(capsys, flags, trainer, problem):
@@ -377,8 +435,41 @@ def test_layout_refuses_bad_tiles():
     with pytest.raises(ValueError, match="use a multiple of 4"):
         Layout(tp=4, mlp_chunk_size=6)
     Layout(tp=4, sequence_parallel=False, mlp_chunk_size=6)  # no SP: any tile
-    with pytest.raises(ValueError, match="--activation-offload-layers"):
-        Layout(optimizer_offload_fraction=1.0, activation_offload_layers=1, mlp_chunk_size=8)
+
+
+def test_activation_offload_parks_the_mlp_tiles_with_the_layer(capsys):
+    """The trainer takes the tiled MLP with activation offload (the tiles are megatron's
+    checkpoints, their inputs saved with ``save_for_backward``), and so does the planner: an
+    offloaded tiled layer parks and fetches back what it keeps, the MLP input (the tiles'
+    views of it, copied once in all) with the rest; qkv recompute leaves the layer input."""
+    assert not _trainer_refuses(8, True, "default", None, 8192, offload=4)
+    flags = ["--model", "llama3.1-70b", "--tp", "8", "--recompute", "full", "--mlp-chunk-size"]
+    flags += ["8192", "--optimizer-cpu-offload", "--activation-offload-layers", "4"]
+    assert main(flags) in (0, 1)
+    assert "--mlp-chunk-size 8192" in capsys.readouterr().out
+    out = S_C * MB * 2 * D * B  # the kernel's output, saved twice (linear_proj's input)
+    kept = {  # a tiled layer keeps no MLP intermediates
+        "none": ATTENTION + STATISTICS + MLP_KEPT,
+        "qkv": S_T * MB * H * B + out + STATISTICS + MLP_KEPT,  # the layer input left
+    }
+    for recompute, left in (("none", 0), ("qkv", S_T * MB * H * B)):
+        base = layout(recompute=recompute, mlp_chunk_size=M)
+        resident = plan_memory(TINY_TEST, S, base, device_memory=BIG)
+        assert act.sum_terms(resident.layer_terms) == kept[recompute]
+        offloaded = plan_memory(
+            TINY_TEST,
+            S,
+            replace(base, optimizer_offload_fraction=1.0, activation_offload_layers=1),
+            device_memory=BIG,
+        )
+        assert offloaded.stages[0].host_bytes["host_activations"] == kept[recompute] - left + out
+        # the layer leaves the kept categories (what stays of it is an offload buffer)
+        drop = sum(
+            plan.per_device[k] * sign
+            for plan, sign in ((resident, 1), (offloaded, -1))
+            for k in ("activations", "attention_statistics")
+        )
+        assert drop == kept[recompute], recompute
 
 
 # ---- the search ------------------------------------------------------------------------------
@@ -412,32 +503,30 @@ def _tiled(candidate) -> bool:
     return candidate.plan.layout.tiled
 
 
-def test_llama31_70b_on_16_devices_fits_with_the_tiled_loss_before_bf16_gradients():
+def test_llama31_70b_on_16_devices_fits_with_offload_and_fp32_gradients():
+    """Megatron's loss holds its bf16 logits beside the kept fp32 softmax, not an fp32 gradient
+    on top (7.8 GiB at TP8): 16 devices fit on the offload rung, without tiles or bf16 main
+    gradients (before: only with the tiled loss)."""
     capacity = HARDWARE_PROFILES["ascend-910b-64g"].capacity
     found = search_layouts("llama3.1-70b", SEQ, 16, capacity, global_batch_size=32)
-    assert found and all(_tiled(c) and c.rung == "offload" for c in found)
+    assert found and all(c.rung == "offload" and not _tiled(c) for c in found)
     best = found[0].plan
     assert best.fits and best.total <= 0.95 * capacity
-    assert best.layout.loss_chunk_size == 4096 and not best.layout.grad_reduce_in_bf16
-    assert "--loss-compute-mode chunk --loss-chunk-size 4096" in found[0].launch_command
-    # without the tiles only bf16 main gradients make it fit: none with fp32 gradients does
-    untiled = search_layouts(
-        "llama3.1-70b", SEQ, 16, capacity, global_batch_size=32, sequence_tiling=False
-    )
-    assert untiled and all(c.plan.layout.grad_reduce_in_bf16 for c in untiled)
-    assert not any(_tiled(c) for c in untiled)
+    assert not best.layout.grad_reduce_in_bf16 and best.layout.activation_offload_layers
 
 
 @SLOW
-def test_qwen25_72b_on_16_devices_fits_with_the_tiled_loss_before_bf16_gradients():
+def test_qwen25_72b_on_16_devices_fits_with_offload_and_fp32_gradients():
     capacity = HARDWARE_PROFILES["ascend-910b-64g"].capacity
     found = search_layouts("qwen2.5-72b", SEQ, 16, capacity, global_batch_size=32)
-    assert found and all(_tiled(c) and not c.plan.layout.grad_reduce_in_bf16 for c in found)
+    assert found and all(not _tiled(c) and not c.plan.layout.grad_reduce_in_bf16 for c in found)
     assert found[0].plan.fits and found[0].plan.total <= 0.95 * capacity
 
 
 @SLOW
-def test_llama31_70b_fits_one_node_only_with_the_tiled_loss():
+def test_llama31_70b_fits_one_node_only_with_the_tiles():
+    """One node: nothing fits without the tiles; with them the loss and the MLP tiles beside
+    activation offload (the MLP's tiles parked with their layers) and bf16 main gradients."""
     capacity = HARDWARE_PROFILES["ascend-910b-64g"].capacity
     assert (
         search_layouts(
@@ -448,13 +537,14 @@ def test_llama31_70b_fits_one_node_only_with_the_tiled_loss():
     found = search_layouts("llama3.1-70b", SEQ, 8, capacity, global_batch_size=32)
     assert found and all(_tiled(c) for c in found)
     lay = found[0].plan.layout
-    assert (lay.tp, lay.recompute, lay.loss_chunk_size) == (8, "full", 4096)
-    assert lay.grad_reduce_in_bf16 and lay.optimizer_offload_fraction == 1.0
-    # the tiled loss frees its [s, b, V/t] logits (12 GiB here) and fp32 softmax (8 GiB)
+    assert (lay.loss_chunk_size, lay.mlp_chunk_size) == (4096, 8192)
+    assert lay.activation_offload_layers and lay.optimizer_offload_fraction == 1.0
+    assert lay.grad_reduce_in_bf16
+    # the tiled loss frees at least megatron's kept fp32 softmax [s, b, V/t] (V = 128256)
     untiled = plan_memory(
         "llama3.1-70b", SEQ, replace(lay, loss_chunk_size=None), device_memory=capacity
     )
-    assert not untiled.fits and untiled.total - found[0].plan.total > 19 * 2**30
+    assert not untiled.fits and untiled.total - found[0].plan.total > 4 * SEQ * 128256 // lay.tp
 
 
 @SLOW
@@ -464,11 +554,9 @@ def test_the_tiling_rung_comes_before_offload_and_tiles_the_mlp_where_needed():
     assert found and all(c.rung == "sequence tiling" for c in found)
     assert any(c.plan.layout.mlp_chunk_size == 4096 for c in found)
     assert not any(c.plan.layout.offloads for c in found)
-    # without the tiles nothing fits, host offload included: a rank's [s_c, b, V/t] logits
-    # and their fp32 copy are 23.5 GiB at every TP x CP of 8 devices, the kept softmax 15.7
-    assert (
-        search_layouts(
-            "llama3.1-8b", 262144, 8, capacity, global_batch_size=16, sequence_tiling=False
-        )
-        == []
+    # without the tiles only host offload fits: a rank's kept fp32 softmax [s_c, b, V/t] is
+    # 15.7 GiB and its bf16 logits 7.8 GiB at every TP x CP of 8 devices
+    untiled = search_layouts(
+        "llama3.1-8b", 262144, 8, capacity, global_batch_size=16, sequence_tiling=False
     )
+    assert untiled and {c.rung for c in untiled} == {"offload"}

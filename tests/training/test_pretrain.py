@@ -390,7 +390,7 @@ def test_70b_recipe_script_dry_run_fits_a_910b():
     [
         (32, "ZeRO-3", "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"),
         (16, "offload", "--use-precision-aware-optimizer --optimizer-cpu-offload"),
-        (8, "offload", "--activation-offload-layers 68 --grad-reduce-in-bf16"),
+        (8, "offload", "--activation-offload-layers 51 --grad-reduce-in-bf16"),
     ],
 )
 def test_70b_recipe_script_climbs_the_ladder_below_64_npus(devices, rung, flags):
