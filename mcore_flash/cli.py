@@ -61,6 +61,10 @@ COMMANDS = {
         "mcore_flash.benchmarks.cuda_kernels",
         "the cuda backend's kernels against torch SDPA's on one GPU",
     ),
+    "bench-loss": (
+        "mcore_flash.benchmarks.loss",
+        "time and peak bytes of megatron's loss and MLP vs the sequence-tiled ones",
+    ),
 }
 
 
