@@ -616,6 +616,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for case in _cases_at(s, args):
                     run_case(case, args.repeats, args.max_bytes, log)
                     cases[case.part].append(case)
+                    table = loss_table if case.part == "loss" else mlp_table
+                    for row in table([case])[2:]:  # kept in the log should the run not finish
+                        log(f"row {row}")
     cases["loss"].sort(key=lambda case: (case.vocab, case.s))
     load = f"{load_before} -> {loadavg()}"
     title = _title(args, time.perf_counter() - started, load)
