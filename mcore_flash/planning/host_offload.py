@@ -19,6 +19,7 @@ does not fit.
 from __future__ import annotations
 
 from fractions import Fraction
+from itertools import accumulate
 from typing import Optional
 
 from . import activation_bytes as act
@@ -73,15 +74,19 @@ def offload_stage_bytes(
         act.offloaded_layer(full_terms, "full"),
         act.offloaded_layer(terms, layout.recompute),
     )
-    per_layer = [(full_terms, recomputed) if i < whole else (terms, rest) for i in range(layers)]
-    activations = sum((act.sum_terms(t, "activations") for t, _ in per_layer[n:]), Fraction(0))
-    statistics = sum((act.sum_terms(t, "attention_stats") for t, _ in per_layer[n:]), Fraction(0))
-    left = [layer.on_device for _, layer in per_layer[:n]]
-    fetched = [layer.fetched for _, layer in per_layer[:n]]
+    offloaded = [recomputed if i < whole else rest for i in range(n)]
+    whole_kept = max(0, min(whole, layers) - n)  # layers kept on the device, recomputed whole
+    kept = ((full_terms, whole_kept), (terms, layers - n - whole_kept))
+    activations = sum((count * act.sum_terms(t, "activations") for t, count in kept), Fraction(0))
+    statistics = sum(
+        (count * act.sum_terms(t, "attention_stats") for t, count in kept), Fraction(0)
+    )
+    left = [layer.on_device for layer in offloaded]
+    fetched = [layer.fetched for layer in offloaded]
     tail = activations + statistics + sum(left, Fraction(0))
     phases = [
-        sum(left[: j + 1], Fraction(0)) + fetched[j] + (fetched[j - 1] if j else 0)
-        for j in range(n)
+        left_so_far + fetched[j] + (fetched[j - 1] if j else 0)
+        for j, left_so_far in enumerate(accumulate(left))
     ]
     held = act.sum_terms(full_terms) if stage > 0 and not left[0] else Fraction(0)
     buffers = in_flight * (sum(left, Fraction(0)) + held) + max(Fraction(0), max(phases) - tail)

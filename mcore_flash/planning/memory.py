@@ -19,6 +19,7 @@ docs/planner.md ("Per device").
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -358,8 +359,8 @@ def plan_memory(
         profile=activation_profile,
         dtype_bytes=dtype_bytes,
     )
-    terms, none_terms, full_terms, mlp_backward = _layer_term_sets(
-        model, seq_length, layout, term_options
+    terms, none_terms, full_terms, mlp_backward = map(
+        list, _layer_term_sets(model, seq_length, layout, term_options)
     )
     recompute_shares = layout.recompute_shares(model.num_layers)
     layer_activations, layer_statistics = _mean_layer_bytes(terms, full_terms, model, layout)
@@ -406,6 +407,7 @@ def plan_memory(
         mean_document_length=mean_document_length,
         notes=_notes(seq_length, layout, activation_profile),
         host=host_plan(layout, stages, hardware, host_memory),
+        devices_per_node=hardware.devices_per_node,
         min_free_memory=(
             default_min_free_memory(device_memory) if min_free_memory is None else min_free_memory
         ),
@@ -414,28 +416,49 @@ def plan_memory(
 
 def _layer_term_sets(
     model: ModelShape, seq_length: int, layout: Layout, term_options: dict
-) -> tuple[list[act.Term], list[act.Term], list[act.Term], list[act.Term]]:
+) -> tuple[tuple[act.Term, ...], ...]:
     """One layer's terms under ``layout.recompute``, ``none`` and ``full`` (the MLP tiled as
     ``layout`` says), and the MLP's backward at its peak
-    (:func:`.transient_bytes.mlp_backward_terms`)."""
+    (:func:`.transient_bytes.mlp_backward_terms`); computed once per distinct input (a
+    search plans many layouts that share them)."""
+    return _term_sets(
+        model,
+        seq_length,
+        layout.micro_batch_size,
+        layout.mlp_chunk_size,
+        tuple(sorted(term_options.items())),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _term_sets(
+    model: ModelShape,
+    seq_length: int,
+    micro_batch_size: int,
+    mlp_chunk_size: Optional[int],
+    options: tuple,
+) -> tuple[tuple[act.Term, ...], ...]:
+    term_options = dict(options)
     terms, none_terms, full_terms = (
-        act.layer_terms(
-            model,
-            seq_length,
-            layout.micro_batch_size,
-            mlp_chunk_size=layout.mlp_chunk_size,
-            **{**term_options, "recompute": mode},
+        tuple(
+            act.layer_terms(
+                model,
+                seq_length,
+                micro_batch_size,
+                mlp_chunk_size=mlp_chunk_size,
+                **{**term_options, "recompute": mode},
+            )
         )
-        for mode in (layout.recompute, "none", "full")
+        for mode in (term_options["recompute"], "none", "full")
     )
     mlp_backward = tb.mlp_backward_terms(
         model,
         seq_length,
-        layout.micro_batch_size,
-        mlp_chunk_size=layout.mlp_chunk_size,
+        micro_batch_size,
+        mlp_chunk_size=mlp_chunk_size,
         **{k: v for k, v in term_options.items() if k != "recompute"},
     )
-    return terms, none_terms, full_terms, mlp_backward
+    return terms, none_terms, full_terms, tuple(mlp_backward)
 
 
 def _compute_overhead(
