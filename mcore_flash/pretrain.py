@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
+    from mcore_flash.planning.recipes import PlannedRun
     from mcore_flash.runtime.config import TrainingConfig
 
 
@@ -45,6 +46,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if code == 0 and config.emulate_npu:
         _write_rehearsal_report(config.save, summary["optimizer_state"])
     return code
+
+
+def planned_run(argv: Sequence[str], world_size: Optional[int] = None) -> "PlannedRun":
+    """What ``pretrain ARGV --dry-run`` plans (``mcore-flash plan --from-pretrain-args``): the
+    flags read by the trainer's parser with its defaults, for ``world_size`` ranks (None:
+    WORLD_SIZE, else TP x PP x CP); ValueError naming a flag it refuses."""
+    from mcore_flash.planning.recipes import planned_run_for_pretrain_args
+    from mcore_flash.runtime.arguments import parse_config
+
+    argv = list(argv)
+    return planned_run_for_pretrain_args(
+        parse_config(argv if "--dry-run" in argv else [*argv, "--dry-run"], world_size)
+    )
 
 
 def _dry_run(config: TrainingConfig) -> int:

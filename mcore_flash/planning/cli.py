@@ -19,30 +19,42 @@ docs/planner.md, docs/step-time.md and ``--help``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
-from .activation_bytes import PROFILES
 from .compare import DEFAULT_SEQ_LENGTHS, compare_standard
 from .flops import check_mean_document_length
-from .fsdp import FSDP_STRATEGIES, PLANNED_STRATEGIES
-from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile, load_hardware
-from .memory import MIN_FREE_SHARE, plan_memory
-from .models import MODELS, ModelShape, get_model
-from .parallel_layout import DEFAULT_LOSS_CHUNK_SIZE, HOST_MOMENT_BYTES, Layout
+from .fsdp import PLANNED_STRATEGIES
+from .hardware import HardwareProfile, load_hardware
+from .memory import plan_memory
+from .models import ModelShape, get_model
+from .parallel_layout import Layout
+from .plan_flags import (
+    DTYPE_BYTES,
+    build_parser,
+    data_parallel_size,
+    fill_defaults,
+    fsdp_strategy,
+    given_run_flags,
+    host_moment_dtype,
+    offload_fraction,
+    resolve_flags,
+    seq_tokens,
+    tiles,
+)
+from .recipes import PlannedRun
 from .report import (
     format_candidate,
     format_compare,
     format_gap,
     format_plan,
+    format_search_header,
     format_sensitivity,
     format_step_time,
     launch_line,
 )
 from .search import (
-    SEARCH_RECOMPUTE_MODES,
     Candidate,
     closest_offload,
     default_global_batch_size,
@@ -52,318 +64,9 @@ from .search import (
 from .step_time import predict_step_time
 from .units import MiB, format_bytes, parse_bytes
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-def _seq(text: str) -> int:
-    """Tokens from ``"131072"`` or ``"128K"`` (K = 1024)."""
-    text = text.strip().lower()
-    if text.endswith("k"):
-        return int(float(text[:-1]) * 1024)
-    return int(text)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mcore-flash plan",
-        description="Per-device memory of a Megatron-Core layout with the fused attention; layout search.",
-    )
-    p.add_argument(
-        "--model", default="llama2-70b", help=f"preset: {', '.join(MODELS)} (default llama2-70b)"
-    )
-    p.add_argument(
-        "--seq-length", type=_seq, default=131072, help="tokens per sequence, e.g. 131072 or 128K"
-    )
-    p.add_argument(
-        "--mean-document-length",
-        type=_seq,
-        metavar="N",
-        help="mean tokens per document packed into a sequence with document masking, e.g. 8K: attention "
-        "FLOPs scale by N/seq-length, memory does not (default: one document fills each sequence)",
-    )
-    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
-    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1)
-    p.add_argument(
-        "--vp",
-        "--virtual-pipeline-size",
-        dest="vp",
-        type=int,
-        default=1,
-        help="interleaved chunks per rank",
-    )
-    devices = p.add_mutually_exclusive_group()
-    devices.add_argument(
-        "--dp", "--data-parallel-size", dest="dp", type=int, help="data-parallel size"
-    )
-    devices.add_argument(
-        "--num-devices", type=int, help="total devices (dp = devices / (tp*pp*cp))"
-    )
-    p.add_argument("--recompute", choices=SEARCH_RECOMPUTE_MODES, default="none")
-    p.add_argument(
-        "--recompute-num-layers",
-        type=int,
-        default=0,
-        metavar="N",
-        help="partial recompute: the first N layers of each pipeline chunk recomputed whole, --recompute for the "
-        "others (Megatron's --recompute-method block; default 0)",
-    )
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument(
-        "--global-batch-size", type=int, help="sequences per step (default: about 4M tokens)"
-    )
-    p.add_argument(
-        "--device-memory",
-        help="device memory a process can allocate, e.g. 60.97GiB (binary; default the hardware profile's "
-        "capacity as torch/torch_npu report it, not the datasheet's HBM)",
-    )
-    p.add_argument(
-        "--min-free-memory",
-        default=f"{MIN_FREE_SHARE:.0%}",
-        help="device memory a fitting plan leaves free: a size (3GiB) or a share of --device-memory (default %(default)s: "
-        "the plan's transient buffers and fragmentation are estimates)",
-    )
-    p.add_argument(
-        "--hccl-buffsize",
-        type=int,
-        metavar="MB",
-        help="HCCL_BUFFSIZE the run exports (MB): each HCCL communicator holds 2 x this outside the allocator "
-        "(default HCCL's 200; Ascend profiles only)",
-    )
-    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
-    p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
-    p.add_argument(
-        "--use-megatron-fsdp",
-        action="store_true",
-        help="shard over the dp x cp ranks with megatron-core's Megatron-FSDP (implies the distributed "
-        "optimizer); with --search: try this strategy for every layout that does not fit without it (default: "
-        "ZeRO-3 only when nothing fits below it)",
-    )
-    p.add_argument(
-        "--data-parallel-sharding-strategy",
-        dest="sharding_strategy",
-        choices=FSDP_STRATEGIES,
-        help="Megatron-FSDP's strategy (default optim_grads_params = ZeRO-3; needs --use-megatron-fsdp)",
-    )
-    p.add_argument(
-        "--optimizer-cpu-offload",
-        action="store_true",
-        help="the optimizer state (fp32 master, Adam m, v) of --optimizer-offload-fraction of each rank's shard "
-        "lives and steps on the host (megatron-core's HybridDeviceOptimizer; needs the distributed optimizer)",
-    )
-    p.add_argument(
-        "--optimizer-offload-fraction",
-        type=float,
-        metavar="F",
-        help="share of the shard offloaded, in [0, 1] (default 1.0; needs --optimizer-cpu-offload)",
-    )
-    p.add_argument(
-        "--overlap-cpu-optimizer-d2h-h2d",
-        dest="overlap_cpu_optimizer",
-        action="store_true",
-        help="step time: the offloaded optimizer's copies overlap its host step",
-    )
-    p.add_argument(
-        "--activation-offload-layers",
-        type=int,
-        default=0,
-        metavar="N",
-        help="the first N layers of each pipeline stage keep what they save for backward in host memory",
-    )
-    p.add_argument(
-        "--grad-reduce-in-bf16",
-        dest="grad_reduce_in_bf16",
-        action="store_true",
-        help="bf16 main gradients (Megatron-LM's flag; needs --dtype bf16): 2 B per gradient-buffer element, "
-        "plus the distributed optimizer's fp32 gradients of its device shard; --search tries them anyway on "
-        "the offload rung when nothing fits with fp32 gradients",
-    )
-    for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
-        p.add_argument(
-            flag,
-            choices=tuple(HOST_MOMENT_BYTES),
-            default="fp32",
-            help="Adam's moments on the host in bf16 (the trainer's host step; both flags alike, the whole "
-            "optimizer offloaded); --search tries them anyway on the offload rung when the host is too small",
-        )
-    _add_tile_flags(p)
-    p.add_argument(
-        "--host-memory",
-        help="host memory per node, e.g. 2TB (binary; default the hardware profile's, an assumption for the 910B)",
-    )
-    p.add_argument(
-        "--no-offload",
-        dest="offload",
-        action="store_false",
-        help="--search: stop the ladder at ZeRO-3 (no host offload)",
-    )
-    p.add_argument(
-        "--sensitivity",
-        action="store_true",
-        help="how the prediction moves when each assumed hardware figure halves or doubles",
-    )
-    p.add_argument(
-        "--profile",
-        choices=[k for k in PROFILES if k != "korthikanti"],
-        default="npu",
-        help="device kernels' saved tensors (default npu)",
-    )
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="activation dtype")
-    p.add_argument(
-        "--runtime-reserve",
-        default="2GiB",
-        help="fixed reserve for runtime/collectives (default 2GiB)",
-    )
-    p.add_argument(
-        "--fragmentation",
-        type=float,
-        default=0.05,
-        help="fraction of dynamic memory lost (default 0.05)",
-    )
-    p.add_argument(
-        "--hardware",
-        default=DEFAULT_HARDWARE,
-        metavar="NAME|FILE.json",
-        help=f"device profile for the step time: {', '.join(HARDWARE_PROFILES)} or a JSON file with the same "
-        f"fields (docs/step-time.md; default {DEFAULT_HARDWARE})",
-    )
-    p.add_argument(
-        "--tp-comm-overlap", action="store_true", help="step time: TP collectives overlap the GEMMs"
-    )
-    p.add_argument(
-        "--no-overlap-grad-reduce",
-        dest="overlap_grad_reduce",
-        action="store_false",
-        help="launch without --overlap-grad-reduce: megatron's DDP reduces the gradients after the "
-        "last backward (the step time counts it), in one bucket",
-    )
-    p.add_argument(
-        "--overlap-param-gather",
-        action="store_true",
-        help="step time: the distributed optimizer's parameter all-gather overlaps the first forward",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument(
-        "--search", action="store_true", help="enumerate TP/PP/CP/recompute layouts that fit"
-    )
-    p.add_argument(
-        "--top",
-        type=int,
-        default=5,
-        help="layouts shown by --search, with their step-time breakdown (default 5)",
-    )
-    p.add_argument(
-        "--max-tp", type=int, default=8, help="largest TP --search tries (default 8: one node)"
-    )
-    p.add_argument(
-        "--interleave",
-        default="1",
-        help="--search: virtual pipeline sizes to try, e.g. 1,2 (default 1)",
-    )
-    p.add_argument(
-        "--compare-standard",
-        action="store_true",
-        help="standard vs fused attention by sequence length",
-    )
-    p.add_argument(
-        "--seq-lengths", help="--compare-standard lengths, e.g. 1K,4K,128K (default 1K..128K)"
-    )
-    p.add_argument(
-        "--attention-dropout", type=float, default=0.0, help="--compare-standard: attention dropout"
-    )
-    return p
-
-
-def _add_tile_flags(p: argparse.ArgumentParser) -> None:
-    """The sequence tiling flags, the trainer's names (docs/planner.md, "Sequence tiling")."""
-    p.add_argument(
-        "--loss-compute-mode",
-        choices=("default", "chunk"),
-        default="default",
-        help="chunk: the output layer and the cross-entropy per tile of --loss-chunk-size tokens (the "
-        "trainer's flag); --search tries tiles anyway once nothing fits on ZeRO-3",
-    )
-    p.add_argument(
-        "--loss-chunk-size",
-        type=int,
-        metavar="N",
-        help=f"tokens per loss tile with --loss-compute-mode chunk (default {DEFAULT_LOSS_CHUNK_SIZE}; under "
-        "sequence parallelism a multiple of --tp)",
-    )
-    p.add_argument(
-        "--mlp-chunk-size",
-        type=int,
-        metavar="N",
-        help="every MLP in tiles of N tokens, each recomputed in its backward (the trainer's flag; under "
-        "sequence parallelism a multiple of --tp; default: untiled)",
-    )
-
-
-def _fsdp(args) -> Optional[str]:
-    """The strategy of ``--use-megatron-fsdp [--data-parallel-sharding-strategy S]``, or None."""
-    if args.sharding_strategy and not args.use_megatron_fsdp:
-        raise ValueError(
-            "--data-parallel-sharding-strategy needs --use-megatron-fsdp (megatron DDP does not take it)"
-        )
-    if args.use_megatron_fsdp and not args.distributed_optimizer:
-        raise ValueError(
-            "--use-megatron-fsdp implies the distributed optimizer: drop --no-distributed-optimizer"
-        )
-    if not args.use_megatron_fsdp:
-        return None
-    return args.sharding_strategy or "optim_grads_params"
-
-
-def _offload_fraction(args) -> float:
-    """The optimizer offload fraction of ``--optimizer-cpu-offload [--optimizer-offload-fraction F]``."""
-    if args.optimizer_offload_fraction is not None and not args.optimizer_cpu_offload:
-        raise ValueError("--optimizer-offload-fraction needs --optimizer-cpu-offload")
-    if not args.optimizer_cpu_offload:
-        return 0.0
-    fraction = 1.0 if args.optimizer_offload_fraction is None else args.optimizer_offload_fraction
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"--optimizer-offload-fraction {fraction}: a fraction in (0, 1]")
-    return fraction
-
-
-def _host_moment_dtype(args) -> str:
-    """The host moments' dtype of ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` (planned alike)."""
-    if args.exp_avg_dtype != args.exp_avg_sq_dtype:
-        raise ValueError(
-            f"--exp-avg-dtype {args.exp_avg_dtype} and --exp-avg-sq-dtype {args.exp_avg_sq_dtype}: the planner "
-            "plans both moments in one dtype; give them alike"
-        )
-    return args.exp_avg_dtype
-
-
-def _tiles(args) -> tuple[Optional[int], Optional[int]]:
-    """The ``(loss, MLP)`` tiles of ``--loss-compute-mode chunk [--loss-chunk-size N]`` and
-    ``--mlp-chunk-size N`` (tokens; None: untiled), refused by name as the trainer refuses
-    them (a multiple of TP under sequence parallelism: :class:`.parallel_layout.Layout`)."""
-    chunk = args.loss_compute_mode == "chunk"
-    if args.loss_chunk_size is not None and not chunk:
-        raise ValueError(
-            "--loss-chunk-size applies to --loss-compute-mode chunk (the default mode computes the whole "
-            "sequence's logits): add --loss-compute-mode chunk or drop the size"
-        )
-    loss = None
-    if chunk:
-        loss = DEFAULT_LOSS_CHUNK_SIZE if args.loss_chunk_size is None else args.loss_chunk_size
-    for flag, value in (("--loss-chunk-size", loss), ("--mlp-chunk-size", args.mlp_chunk_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be a positive number of tokens, got {value}")
-    return loss, args.mlp_chunk_size
-
-
-def _dp(args) -> int:
-    unit = args.tp * args.pp * args.cp
-    if args.num_devices is not None:
-        if args.num_devices % unit:
-            raise ValueError(
-                f"--num-devices {args.num_devices} is not divisible by tp*pp*cp = {unit}"
-            )
-        return args.num_devices // unit
-    return args.dp or 1
+# ``plan --from-pretrain-args``: the trainer's parser, given by the ``mcore-flash`` command
+# (a layer above the planner): (its flags, world size or None) -> the run it would build
+PretrainReader = Callable[[list, Optional[int]], PlannedRun]
 
 
 class Inputs(NamedTuple):
@@ -374,6 +77,15 @@ class Inputs(NamedTuple):
     device_memory: int  # --device-memory, bytes (default the profile's capacity)
     min_free_memory: int  # --min-free-memory, bytes
     dtype_bytes: int  # --dtype: bytes per parameter and activation element
+
+
+def resolve_args(args) -> Inputs:
+    """Parsed ``args`` (not ``--from-pretrain-args``) resolved in place into the planner's terms
+    (:func:`.plan_flags.resolve_flags`, the run's defaults filled), and their typed inputs."""
+    fill_defaults(args)
+    inputs = resolve(args)
+    resolve_flags(args, inputs.model.num_layers, search=args.search)
+    return inputs
 
 
 def resolve(args) -> Inputs:
@@ -435,11 +147,14 @@ def _with_hccl_buffsize(hardware: HardwareProfile, megabytes: Optional[int]) -> 
     return hardware.with_(communicator_buffer_bytes=2 * megabytes * MiB)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, pretrain_reader: Optional[PretrainReader] = None) -> int:
+    """``mcore-flash plan ARGV``; ``pretrain_reader`` reads ``--from-pretrain-args``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        inputs = resolve(args)
+        if args.from_pretrain_args is not None:
+            return _plan_pretrain_args(args, pretrain_reader)
+        inputs = resolve_args(args)
         if args.compare_standard and args.mean_document_length is not None:
             raise ValueError(
                 "--mean-document-length changes FLOPs, not the saved bytes --compare-standard compares; drop it"
@@ -477,9 +192,8 @@ def _step_options(args) -> dict:
 
 
 def _plan(args, inputs: Inputs) -> int:
-    model, hardware, device_memory, _, dtype_bytes = inputs
-    dp = _dp(args)
-    loss_chunk_size, mlp_chunk_size = _tiles(args)
+    dp = data_parallel_size(args)
+    loss_chunk_size, mlp_chunk_size = tiles(args)
     gbs = args.global_batch_size or default_global_batch_size(
         args.seq_length, args.micro_batch_size, dp
     )
@@ -495,21 +209,54 @@ def _plan(args, inputs: Inputs) -> int:
         micro_batch_size=args.micro_batch_size,
         global_batch_size=gbs,
         distributed_optimizer=args.distributed_optimizer,
-        fsdp=_fsdp(args),
-        optimizer_offload_fraction=_offload_fraction(args),
+        fsdp=fsdp_strategy(args),
+        optimizer_offload_fraction=offload_fraction(args),
         activation_offload_layers=args.activation_offload_layers,
         overlap_cpu_optimizer=args.overlap_cpu_optimizer,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        host_moment_dtype=_host_moment_dtype(args),
+        host_moment_dtype=host_moment_dtype(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         loss_chunk_size=loss_chunk_size,
         mlp_chunk_size=mlp_chunk_size,
     )
+    return _print_plan(args, inputs, args.seq_length, layout)
+
+
+def _plan_pretrain_args(args, pretrain_reader: Optional[PretrainReader]) -> int:
+    """``plan [OPTIONS] --from-pretrain-args FLAGS``: the plan of the run the trainer builds
+    from ``FLAGS`` (its model shape, layout, precision, hardware and device memory)."""
+    if pretrain_reader is None:
+        raise ValueError(
+            "--from-pretrain-args reads the trainer's flags: run it as `mcore-flash plan`"
+        )
+    given = given_run_flags(args)
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} before --from-pretrain-args: the trainer's flags say what the run is; give "
+            "them after --from-pretrain-args as pretrain takes them (or drop them)"
+        )
+    run = pretrain_reader(args.from_pretrain_args, args.num_devices)
+    hardware = _with_hccl_buffsize(run.hardware, args.hccl_buffsize)
+    inputs = Inputs(
+        model=run.model,
+        hardware=hardware,
+        device_memory=run.device_memory,
+        min_free_memory=_min_free_memory(args.min_free_memory, run.device_memory),
+        dtype_bytes=run.dtype_bytes,
+    )
+    check_mean_document_length(run.seq_length, args.mean_document_length)
+    return _print_plan(args, inputs, run.seq_length, run.layout)
+
+
+def _print_plan(args, inputs: Inputs, seq_length: int, layout: Layout) -> int:
+    """Print (or ``--json``) the plan of ``layout`` with its step time and launch line;
+    0 when it fits, 1 when not."""
+    model, hardware, device_memory, _, dtype_bytes = inputs
     if layout.grad_reduce_in_bf16 and dtype_bytes != 2:
         raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
     plan = plan_memory(
         model,
-        args.seq_length,
+        seq_length,
         layout,
         device_memory=device_memory,
         hardware=hardware,
@@ -517,7 +264,7 @@ def _plan(args, inputs: Inputs) -> int:
     )
     step = predict_step_time(
         model,
-        args.seq_length,
+        seq_length,
         layout,
         hardware,
         mean_document_length=args.mean_document_length,
@@ -545,7 +292,7 @@ def search_candidates(args, inputs: Inputs) -> list[Candidate]:
     first (it shows the first ``--top``)."""
     if args.grad_reduce_in_bf16 and inputs.dtype_bytes != 2:
         raise ValueError("--grad-reduce-in-bf16 needs --bf16 (--dtype bf16)")
-    loss_chunk_size, mlp_chunk_size = _tiles(args)
+    loss_chunk_size, mlp_chunk_size = tiles(args)
     return search_layouts(
         inputs.model,
         args.seq_length,
@@ -558,11 +305,11 @@ def search_candidates(args, inputs: Inputs) -> list[Candidate]:
         sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce,
-        fsdp_choices=(_fsdp(args),) if args.use_megatron_fsdp else PLANNED_STRATEGIES,
+        fsdp_choices=(fsdp_strategy(args),) if args.use_megatron_fsdp else PLANNED_STRATEGIES,
         climb="each" if args.use_megatron_fsdp else "needed",
         offload=args.offload,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        host_moment_dtype=_host_moment_dtype(args),
+        host_moment_dtype=host_moment_dtype(args),
         loss_chunk_size=loss_chunk_size,
         mlp_chunk_size=mlp_chunk_size,
         hardware=inputs.hardware,
@@ -610,12 +357,15 @@ def _search(args, inputs: Inputs) -> int:
             out["offload_gap"] = gap.to_dict()
         print(json.dumps(out, indent=2))
         return 0 if found else 1
-    tokens = f"{args.seq_length:,} tokens"
-    if args.mean_document_length is not None:
-        tokens += f" (documents of mean {args.mean_document_length:,})"
     print(
-        f"{args.model} at {tokens} on {args.num_devices} x {hardware.name} with {format_bytes(device_memory)}: "
-        f"{len(found)} layouts fit; best {len(shown)} by predicted step time:"
+        format_search_header(
+            args.model,
+            args.seq_length,
+            args.mean_document_length,
+            f"{args.num_devices} x {hardware.name} with {format_bytes(device_memory)}",
+            len(found),
+            len(shown),
+        )
     )
     for rank, candidate in enumerate(shown, 1):
         print(format_candidate(rank, candidate))
@@ -642,7 +392,7 @@ def _search(args, inputs: Inputs) -> int:
 
 def _compare(args, model: ModelShape, dtype_bytes: int) -> int:
     lengths = (
-        [_seq(x) for x in args.seq_lengths.split(",")]
+        [seq_tokens(x) for x in args.seq_lengths.split(",")]
         if args.seq_lengths
         else list(DEFAULT_SEQ_LENGTHS)
     )

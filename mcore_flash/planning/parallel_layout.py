@@ -195,7 +195,7 @@ class Layout:
         if self.optimizer_offload_fraction and not self.distributed_optimizer:
             raise ValueError(
                 "--optimizer-cpu-offload needs the distributed optimizer (--use-precision-aware-optimizer requires "
-                "it): drop --no-distributed-optimizer"
+                "it): add --use-distributed-optimizer"
             )
 
     def _check_tiles(self) -> None:

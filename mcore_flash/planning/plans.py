@@ -148,6 +148,7 @@ class MemoryPlan:
     host: Optional[HostPlan] = None  # None: the hardware profile gives no host figures
     # bytes of device_memory a fitting plan leaves free (--min-free-memory)
     min_free_memory: int = 0
+    devices_per_node: int = 8  # the hardware's: the launch line's --nproc-per-node
 
     @property
     def worst_stage(self) -> StagePlan:
@@ -259,19 +260,52 @@ class MemoryPlan:
         }
 
 
-def launch_command(
-    plan: MemoryPlan,
-    program: str = "mcore-flash pretrain",
-    distributed_timeout_minutes: Optional[int] = None,
-) -> str:
-    """The ``mcore-flash pretrain`` command line (Megatron-LM flag names) for ``plan``'s layout,
-    with ``--distributed-timeout-minutes`` when given."""
-    return pretrain_command(
+# what every launch line leaves to its user, as shell variables: (flag, value)
+LAUNCH_PLACEHOLDERS = (
+    ("--data-path", "$DATA_PATH"),
+    ("--tokenizer-type", "HuggingFaceTokenizer"),
+    ("--tokenizer-model", "$TOKENIZER_MODEL"),
+    ("--train-iters", "$TRAIN_ITERS"),
+    ("--lr", "$LR"),
+)
+
+
+def torchrun_prefix(world_size: int, devices_per_node: int) -> str:
+    """``torchrun`` with the nodes and processes of ``world_size`` ranks, ``devices_per_node``
+    to a node (``--standalone`` on one node; the rendezvous as ``$NODE_RANK``,
+    ``$MASTER_ADDR``, ``$MASTER_PORT`` across nodes). ValueError when the ranks do not fill
+    whole nodes alike."""
+    nodes = -(-world_size // devices_per_node)
+    if world_size % nodes:
+        raise ValueError(
+            f"{world_size} devices do not split evenly over {nodes} nodes of {devices_per_node}: give a "
+            f"--num-devices that is a multiple of {devices_per_node}"
+        )
+    per_node = world_size // nodes
+    if nodes == 1:
+        return f"torchrun --standalone --nproc-per-node {per_node}"
+    return (
+        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --node-rank $NODE_RANK "
+        "--master-addr $MASTER_ADDR --master-port $MASTER_PORT"
+    )
+
+
+def launch_command(plan: MemoryPlan, distributed_timeout_minutes: Optional[int] = None) -> str:
+    """The complete launch of ``plan``'s run: :func:`torchrun_prefix` for its world size, then
+    ``-m mcore_flash.pretrain`` with its flags (Megatron-LM's names; the trainer's command
+    ``mcore-flash pretrain`` takes the same), ``--distributed-timeout-minutes`` when given, and
+    :data:`LAUNCH_PLACEHOLDERS`: the data, tokenizer, iterations and learning rate, which
+    the user sets."""
+    flags = pretrain_command(
         plan.model,
         plan.seq_length,
         plan.layout,
         dtype_bytes=plan.dtype_bytes,
         mean_document_length=plan.mean_document_length,
         distributed_timeout_minutes=distributed_timeout_minutes,
-        program=program,
+        program="-m mcore_flash.pretrain",
     )
+    lay = plan.layout
+    world_size = lay.tp * lay.pp * lay.cp * lay.dp
+    placeholders = " ".join(f"{flag} {value}" for flag, value in LAUNCH_PLACEHOLDERS)
+    return f"{torchrun_prefix(world_size, plan.devices_per_node)} {flags} {placeholders}"

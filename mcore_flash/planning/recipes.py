@@ -8,9 +8,9 @@ launch; its figures: docs/planner.md), planned against what torch_npu can alloca
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
-from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES
+from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES, HardwareProfile
 from .memory import plan_memory
 from .models import ModelShape, get_model
 from .parallel_layout import Layout
@@ -20,6 +20,8 @@ from .units import parse_bytes
 __all__ = [
     "RECIPE_70B_128K",
     "plan_for_recipe",
+    "PlannedRun",
+    "planned_run_for_pretrain_args",
     "plan_for_pretrain_args",
     "model_shape_for_pretrain_args",
 ]
@@ -89,11 +91,19 @@ def plan_for_recipe(
     )
 
 
-def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> MemoryPlan:
-    """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included)
-    against ``device_memory`` (bytes or a size such as ``"64GB"``; None: the capacity of its
-    ``--hardware`` profile, by default :data:`.hardware.DEFAULT_HARDWARE`'s), with that
-    profile's collective library buffers.
+class PlannedRun(NamedTuple):
+    """What a ``mcore-flash pretrain`` command line trains, in the planner's terms."""
+
+    model: ModelShape  # its --model preset with its shape flags
+    seq_length: int  # tokens
+    layout: Layout
+    dtype_bytes: int  # weights and activations: 2 with --bf16 or --fp16, else 4
+    hardware: HardwareProfile  # its --hardware (default DEFAULT_HARDWARE)
+    device_memory: int  # bytes: its --device-memory, else the profile's capacity
+
+
+def planned_run_for_pretrain_args(args) -> PlannedRun:
+    """The :class:`PlannedRun` of a parsed ``mcore-flash pretrain`` command line.
 
     Megatron's selective recompute counts as ``attention`` when it includes ``core_attn``
     (our spec's attention-only mode), as ``qkv`` with our ``qkv`` module, and as ``none``
@@ -114,7 +124,6 @@ def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> Me
         recompute = "attention"
     else:
         recompute = "none"
-    shape = model_shape_for_pretrain_args(args)
     layout = Layout(
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
@@ -134,19 +143,38 @@ def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> Me
         activation_offload_layers=args.activation_offload_layers,
         overlap_cpu_optimizer=args.overlap_cpu_optimizer_d2h_h2d,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        host_moment_dtype=args.exp_avg_dtype,
         overlap_grad_reduce=args.overlap_grad_reduce,
         loss_chunk_size=args.loss_chunk_size,
         mlp_chunk_size=args.mlp_chunk_size,
     )
     hardware = args.hardware or HARDWARE_PROFILES[DEFAULT_HARDWARE]
-    capacity = hardware.capacity if device_memory is None else parse_bytes(device_memory)
-    return plan_memory(
-        shape,
-        args.seq_length,
-        layout,
-        device_memory=capacity,
-        profile=profile,
+    return PlannedRun(
+        model=model_shape_for_pretrain_args(args),
+        seq_length=args.seq_length,
+        layout=layout,
+        dtype_bytes=2 if args.bf16 or args.fp16 else 4,
         hardware=hardware,
+        device_memory=hardware.capacity
+        if args.device_memory is None
+        else parse_bytes(args.device_memory),
+    )
+
+
+def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> MemoryPlan:
+    """The plan of a parsed ``mcore-flash pretrain`` command line (its shape flags included,
+    :func:`planned_run_for_pretrain_args`) against ``device_memory`` (bytes or a size such as
+    ``"64GB"``; None: its ``--device-memory``, else the capacity of its ``--hardware``
+    profile), with that profile's collective library buffers."""
+    run = planned_run_for_pretrain_args(args)
+    return plan_memory(
+        run.model,
+        run.seq_length,
+        run.layout,
+        device_memory=run.device_memory if device_memory is None else parse_bytes(device_memory),
+        profile=profile,
+        dtype_bytes=run.dtype_bytes,
+        hardware=run.hardware,
     )
 
 

@@ -212,6 +212,34 @@ def launch_line(candidate: Candidate) -> str:
     return f"{env} {candidate.launch_command}" if env else candidate.launch_command
 
 
+def format_search_header(
+    model: str,
+    seq_length: int,
+    mean_document_length: Optional[float],
+    devices: str,
+    found: int,
+    shown: int,
+) -> str:
+    """``plan --search``'s first line: what was searched on ``devices`` (text), how many
+    layouts fit (``found``) and how many follow (``shown``), fastest predicted step first."""
+    tokens = f"{seq_length:,} tokens"
+    if mean_document_length is not None:
+        tokens += f" (documents of mean {mean_document_length:,})"
+    if found == 0:
+        verdict = "no layout fits"
+    elif found == 1:
+        verdict = "1 layout fits:"
+    elif shown == found:
+        verdict = f"{found} layouts fit, fastest predicted step first:"
+    elif shown == 1:
+        verdict = f"{found} layouts fit; the one with the fastest predicted step:"
+    else:
+        verdict = (
+            f"{found} layouts fit; the {shown} with the fastest predicted step, fastest first:"
+        )
+    return f"{model} at {tokens} on {devices}: {verdict}"
+
+
 def format_candidate(rank: int, candidate: Candidate) -> str:
     """One ranked layout of ``mcore-flash plan --search``: its summary line, its step-time
     breakdown, its notes and its launch command."""

@@ -155,3 +155,28 @@ def make_hf_tokenizer(path, vocab=300):
     return {
         f"{name}_id": tokenizer.token_to_id(token) for name, token in TOKENIZER_SPECIALS.items()
     }
+
+
+def make_tokenized_data(root) -> dict[str, str]:
+    """Under the directory ``root``: a :func:`make_hf_tokenizer` tokenizer and 50 short
+    documents preprocessed with it (an EOD after each). Returns ``{"tokenizer": its
+    directory, "data": the indexed dataset's prefix}`` (``--tokenizer-model``, ``--data-path``)."""
+    import io
+    import json
+    import os
+
+    from mcore_flash.preprocess import preprocess
+
+    make_hf_tokenizer(os.path.join(root, "tokenizer"))
+    corpus = os.path.join(root, "corpus.jsonl")
+    with open(corpus, "w") as f:
+        f.writelines(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50))
+    data = preprocess(
+        corpus,
+        os.path.join(root, "corpus"),
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=os.path.join(root, "tokenizer"),
+        append_eod=True,
+        log=io.StringIO(),
+    )["text"]
+    return {"tokenizer": os.path.join(root, "tokenizer"), "data": data}

@@ -38,6 +38,7 @@ from mcore_flash.planning.search import Candidate, closest_offload, sensitivity
 from mcore_flash.planning.units import GiB
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
+from _support.launch_lines import TRAINER_SWITCHES
 from _support.models import TINY_TEST
 
 SEQ = 131072
@@ -279,7 +280,7 @@ def test_offload_flags_of_the_command():
         (dict(optimizer_offload_fraction=1.5), "--optimizer-offload-fraction"),
         (
             dict(optimizer_offload_fraction=1.0, distributed_optimizer=False),
-            "--no-distributed-optimizer",
+            "--use-distributed-optimizer",
         ),
         (dict(activation_offload_layers=-1), "--activation-offload-layers"),
         (dict(overlap_cpu_optimizer=True), "--overlap-cpu-optimizer-d2h-h2d"),
@@ -495,7 +496,7 @@ def test_bf16_gradients_halve_the_gradient_reduction():
 
 
 def test_cli_grad_reduce_in_bf16(capsys):
-    args = ["--tp", "8", "--recompute", "full", "--global-batch-size", "32"]
+    args = ["--tp", "8", "--recompute", "full", "--global-batch-size", "32", *TRAINER_SWITCHES]
     args += [
         "--optimizer-cpu-offload",
         "--activation-offload-layers",
@@ -571,6 +572,7 @@ def test_cli_search_and_refusals(capsys):
 
 def test_cli_host_memory_refusal(capsys):
     args = [
+        *TRAINER_SWITCHES,
         "--tp",
         "8",
         "--recompute",

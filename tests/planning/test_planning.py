@@ -44,6 +44,7 @@ from mcore_flash.planning.report import format_plan
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.gpt_models import VOCAB, build_gpt, tiny_config
+from _support.launch_lines import TRAINER_SWITCHES
 from _support.models import TINY_TEST
 
 RECOMPUTE = ("none", "qkv", "attention", "full")
@@ -757,6 +758,7 @@ def test_cli_plan_json(capsys):
     rc = plan_main(
         "--model llama2-70b --seq-length 131072 --tp 8 --pp 2 --cp 16 --num-devices 256 "
         "--recompute attention --micro-batch-size 1 --device-memory 64GB --json".split()
+        + TRAINER_SWITCHES
     )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] is True
@@ -782,7 +784,7 @@ def test_cli_plan_verdict_does_not_fit(capsys):
 def test_cli_search_lists_fitting_layouts_with_commands(capsys):
     rc = plan_main("--search --num-devices 256 --device-memory 64GB --top 3".split())
     out = capsys.readouterr().out
-    assert rc == 0 and out.count("mcore-flash pretrain") == 3
+    assert rc == 0 and out.count("-m mcore_flash.pretrain") == 3
     assert "--tensor-model-parallel-size 8" in out and "--context-parallel-size" in out
 
 
@@ -876,9 +878,10 @@ def test_step_flops_and_recompute_overhead_with_packed_documents():
     )
 
 
-RECIPE_ARGS = (
-    "--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split()
-)
+RECIPE_ARGS = [
+    *TRAINER_SWITCHES,
+    *"--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split(),
+]
 
 
 def test_cli_mean_document_length_in_text_and_json(capsys):

@@ -31,7 +31,7 @@ LAYERS = [
     ["fitting"],  # one layout up the memory ladder: the least recompute, ZeRO-3, offload
     ["search"],  # the layouts that fit, ranked
     ["recipes"],  # the launch scripts' layouts and the trainer's flags as plans
-    ["report"],  # plans as text
+    ["report", "plan_flags"],  # plans as text; plan's flags in both vocabularies
     ["cli"],  # mcore-flash plan
     ["__init__"],  # the package's public names
 ]

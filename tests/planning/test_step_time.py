@@ -24,6 +24,7 @@ from mcore_flash.planning.hardware import (
 )
 from mcore_flash.planning.step_time import BREAKDOWN_KEYS
 
+from _support.launch_lines import TRAINER_SWITCHES
 from _support.models import TINY_TEST
 
 # ---- hardware profiles ------------------------------------------------------------------
@@ -284,9 +285,10 @@ def test_published_figures_reproduced_within_8_percent(name, published, predicte
 
 # ---- CLI ---------------------------------------------------------------------------------
 
-RECIPE = (
-    "--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split()
-)
+RECIPE = [
+    *TRAINER_SWITCHES,
+    *"--tp 8 --pp 2 --cp 16 --num-devices 256 --recompute attention --device-memory 64GB".split(),
+]
 
 
 def test_cli_plan_json_has_the_step_time(capsys):
@@ -347,5 +349,6 @@ def test_cli_search_ranks_by_predicted_step_time(capsys):
 
     assert plan_main("--search --num-devices 256 --device-memory 64GB --top 2".split()) == 0
     text = capsys.readouterr().out
-    assert "best 2 by predicted step time" in text and text.count("tokens/s per device") == 2
-    assert "attention_kernel" in text and text.count("mcore-flash pretrain") == 2
+    assert "the 2 with the fastest predicted step, fastest first:" in text
+    assert text.count("tokens/s per device") == 2
+    assert "attention_kernel" in text and text.count("-m mcore_flash.pretrain") == 2

@@ -16,7 +16,6 @@ M = 64 tokens.
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -30,6 +29,7 @@ from mcore_flash.planning.parallel_layout import DEFAULT_LOSS_CHUNK_SIZE
 from mcore_flash.planning.search import Candidate, sensitivity, tile_choices
 from mcore_flash.planning.step_time import TILING_BREAKDOWN_KEYS
 
+from _support.launch_lines import TRAINER_SWITCHES, pretrain_argv
 from _support.models import TINY_TEST
 
 S, TP, CP, MB, B = 512, 2, 2, 2, 2
@@ -338,7 +338,7 @@ def test_the_trainer_parses_the_launch_line_into_the_same_plan(model, seq, tiled
     capacity = HARDWARE_PROFILES["ascend-910b-64g"].capacity
     ours = plan_memory(model, seq, tiled, device_memory=capacity)
     step = predict_step_time(model, seq, tiled, HARDWARE_PROFILES["ascend-910b-64g"])
-    argv = shlex.split(Candidate(ours, step).launch_command)[2:]  # after "mcore-flash pretrain"
+    argv = pretrain_argv(Candidate(ours, step).launch_command)
     config = parse_config(argv, world_size=tiled.num_devices)
     assert (config.loss_chunk_size, config.mlp_chunk_size) == (
         tiled.loss_chunk_size,
@@ -389,7 +389,7 @@ CHUNK = ["--loss-compute-mode", "chunk", "--loss-chunk-size"]
     ],
 )
 def test_bad_tiles_are_refused_by_name_as_the_trainer_refuses_them(capsys, flags, trainer, problem):
-    base = ["--model", "llama3.1-70b", "--tp", "8", "--recompute", "full"]
+    base = ["--model", "llama3.1-70b", "--tp", "8", "--recompute", "full", *TRAINER_SWITCHES]
     assert main(base + flags) == 2
     assert problem in capsys.readouterr().err
     assert _trainer_refuses(8, True, *trainer)
@@ -445,6 +445,7 @@ def test_activation_offload_parks_the_mlp_tiles_with_the_layer(capsys):
     assert not _trainer_refuses(8, True, "default", None, 8192, offload=4)
     flags = ["--model", "llama3.1-70b", "--tp", "8", "--recompute", "full", "--mlp-chunk-size"]
     flags += ["8192", "--optimizer-cpu-offload", "--activation-offload-layers", "4"]
+    flags += TRAINER_SWITCHES
     assert main(flags) in (0, 1)
     assert "--mlp-chunk-size 8192" in capsys.readouterr().out
     out = S_C * MB * 2 * D * B  # the kernel's output, saved twice (linear_proj's input)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import math
 import os
 import shlex
@@ -23,13 +24,21 @@ import time
 import pytest
 
 from mcore_flash.planning import cli as plan_cli
+from mcore_flash.planning.models import get_model
+from mcore_flash.planning.parameters import total_parameters
 from mcore_flash.planning.report import launch_line, verdict
+from mcore_flash.pretrain import planned_run
 from mcore_flash.runtime.arguments import parse_config
 
 from _support.dist_utils import run_distributed
+from _support.hf_models import make_tokenized_data
+from _support.launch_lines import pretrain_argv
 from _support.recipe_runs import TINY
 
 MODEL = "llama2-70b"
+TOKENIZER_VOCAB = (
+    300  # make_tokenized_data's (make_hf_tokenizer's default), the placeholders' filling
+)
 DEVICES = (8, 16, 32, 64, 128, 256)
 SEQ_LENGTHS = (4096, 32768, 131072)
 OPTIONS = ("--interleave", "1,2", "--mean-document-length", "4K")
@@ -79,7 +88,7 @@ RUNG_FLAGS = {
     "ZeRO-3": {"--use-megatron-fsdp"},
     "offload": {"--optimizer-cpu-offload", "--activation-offload-layers", "--grad-reduce-in-bf16"},
 }
-PROGRAM = "mcore-flash pretrain "
+LAUNCHER = "torchrun "
 
 
 def _plan_argv(seq: int, devices: int, options: tuple) -> list[str]:
@@ -100,7 +109,7 @@ def _search(seq: int, devices: int, options: tuple) -> tuple:
     """The candidates ``plan --search`` shows for this grid point (its ``--top``), by the
     function the CLI prints them from."""
     args = plan_cli.build_parser().parse_args(_plan_argv(seq, devices, options))
-    return tuple(plan_cli.search_candidates(args, plan_cli.resolve(args))[: args.top])
+    return tuple(plan_cli.search_candidates(args, plan_cli.resolve_args(args))[: args.top])
 
 
 @functools.cache
@@ -120,14 +129,16 @@ def _grid_plans() -> dict:
 
 
 def _flag_names(line: str) -> frozenset:
-    return frozenset(token for token in shlex.split(line) if token.startswith("--"))
+    """The trainer's flags of a launch line (not torchrun's; the data placeholders' neither)."""
+    return frozenset(token for token in pretrain_argv(line) if token.startswith("--"))
 
 
 def _flag_values(line: str) -> set[tuple[str, str]]:
     """``{(flag, value)}`` of a launch line (a flag without a value: not listed)."""
-    return {(flag, value) for flag, values in _options(shlex.split(line)[2:]) for value in values}
+    return {(flag, value) for flag, values in _options(pretrain_argv(line)) for value in values}
 
 
+@pytest.mark.planner  # the searches alone
 def test_the_grid_fits_where_found_and_covers_every_rung_and_flag_kind():
     fits = {point: bool(_search(*point)) for point in GRID}
     assert fits == FITS
@@ -137,11 +148,18 @@ def test_the_grid_fits_where_found_and_covers_every_rung_and_flag_kind():
         flags = RUNG_FLAGS.get(candidate.rung, set())
         assert not flags or flags & _flag_names(candidate.launch_command), candidate.rung
         # the limits the line carries exceed its predicted longest phase
-        minutes = int(candidate.launch_command.split("--distributed-timeout-minutes ")[1])
+        minutes = int(
+            candidate.launch_command.split("--distributed-timeout-minutes ")[1].split()[0]
+        )
         longest = candidate.step.longest_phase_s
         assert minutes * 60 > longest < int(candidate.launch_env["HCCL_EXEC_TIMEOUT"])
     lines = _grid_lines()
-    assert all(line.startswith(PROGRAM) for line in lines)
+    for line, devices in lines.items():  # torchrun with the line's processes, or on nodes of 8
+        prefix = shlex.split(line)[: shlex.split(line).index("-m")]
+        options = dict(_options(prefix[1:]))
+        nodes = int(options.get("--nnodes", ["1"])[0])
+        assert line.startswith(LAUNCHER) and ("--standalone" in options) == (nodes == 1), line
+        assert nodes * int(options["--nproc-per-node"][0]) == devices, line
     names = set().union(*map(_flag_names, lines))
     assert FLAG_KINDS <= names, FLAG_KINDS - names
     values = set().union(*map(_flag_values, lines))
@@ -157,28 +175,52 @@ def test_the_api_lines_are_the_lines_the_cli_prints():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert plan_cli.main(_plan_argv(*point)) == 0
-    printed = [line.strip() for line in out.getvalue().splitlines() if PROGRAM in line]
+    printed = [line.strip() for line in out.getvalue().splitlines() if LAUNCHER in line]
     assert printed == [launch_line(c) for c in _search(*point)]
     assert any("--num-layers-per-virtual-pipeline-stage" in line for line in printed)
 
 
-def _dry_runs(lines: dict[str, int], timeout: float) -> tuple[dict, list[int]]:
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    """What the launch lines' data placeholders are filled with (``make_tokenized_data``)."""
+    return make_tokenized_data(tmp_path_factory.mktemp("launch_lines"))
+
+
+def test_plan_from_pretrain_args_plans_each_line_into_the_searchs_bytes():
+    """Each grid line's trainer flags, read by the trainer's parser (``plan
+    --from-pretrain-args``, what ``pretrain --dry-run`` plans), give the bytes per device the
+    search planned: the flags mean to the trainer what they meant to the search."""
+    differ = {}
+    for line, (devices, plan) in _grid_plans().items():
+        argv = ["--json", "--num-devices", str(devices), "--from-pretrain-args"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = plan_cli.main([*argv, *pretrain_argv(line)], pretrain_reader=planned_run)
+        planned = json.loads(out.getvalue())["per_device_bytes"]
+        if code != 0 or planned != plan.per_device:
+            differ[line] = (code, planned, plan.per_device)
+    assert not differ, differ
+
+
+def _dry_runs(lines: dict[str, int], timeout: float, data: dict) -> tuple[dict, list[int]]:
     """``({line: (exit code, stdout + stderr, seconds)}, [peak RSS bytes of each process])`` of
-    ``pretrain --dry-run`` for each ``{line: device count}``, in one launch of 2 processes:
+    ``pretrain --dry-run`` for each ``{line: device count}``, the trainer's flags of the line
+    with its placeholders filled (``data``'s tokenizer and data), in one launch of 2 processes:
     a process sets up one platform, so rank 0 takes the lines that build on the CPU, rank 1
     those that build on the emulated NPU (``--optimizer-cpu-offload``)."""
     offloaded = [(line, n) for line, n in lines.items() if "--optimizer-cpu-offload" in line]
     on_cpu = [(line, n) for line, n in lines.items() if "--optimizer-cpu-offload" not in line]
     assert offloaded and on_cpu
     results, peaks = {}, []
-    for runs, peak in run_distributed(_w_dry_runs, 2, [on_cpu, offloaded], timeout=timeout):
+    per_rank = [on_cpu, offloaded]
+    for runs, peak in run_distributed(_w_dry_runs, 2, per_rank, data, timeout=timeout):
         results.update(runs)
         peaks.append(peak)
     assert set(results) == set(lines)
     return results, peaks
 
 
-def _w_dry_runs(rank, world_size, per_rank: list) -> tuple[dict, int]:
+def _w_dry_runs(rank, world_size, per_rank: list, data: dict) -> tuple[dict, int]:
     """Worker: ``({line: (exit code, stdout + stderr, seconds)}, peak RSS bytes)`` of
     ``pretrain --dry-run`` (in this process, WORLD_SIZE = the line's device count) for
     ``per_rank[rank]``'s ``(line, device count)``."""
@@ -196,7 +238,10 @@ def _w_dry_runs(rank, world_size, per_rank: list) -> tuple[dict, int]:
         started = time.perf_counter()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                code = main([*shlex.split(line)[2:], "--dry-run"])
+                argv = pretrain_argv(
+                    line, DATA_PATH=data["data"], TOKENIZER_MODEL=data["tokenizer"]
+                )
+                code = main([*argv, "--dry-run"])
         except SystemExit as error:  # argparse: a flag the trainer does not know
             code = error.code
         except Exception as error:  # noqa: BLE001 - what a constructor raised, reported per line
@@ -206,7 +251,7 @@ def _w_dry_runs(rank, world_size, per_rank: list) -> tuple[dict, int]:
     return results, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def test_the_dry_run_builds_ddp_fsdp_and_the_offloaded_optimizer_the_flags_ask_for():
+def test_the_dry_run_builds_ddp_fsdp_and_the_offloaded_optimizer_the_flags_ask_for(data):
     """Three planner lines (the interleaved schedule, ZeRO-3, host offload), each dry-run for
     its device count: the model chunks in DDP or Megatron-FSDP and megatron's distributed
     optimizer, offloaded (``HybridDeviceOptimizer``, on the emulated NPU) where asked, at a
@@ -223,20 +268,20 @@ def test_the_dry_run_builds_ddp_fsdp_and_the_offloaded_optimizer_the_flags_ask_f
     for point, (flag, what) in wanted.items():
         line = next(c.launch_command for c in _search(*point) if flag in c.launch_command)
         lines[line], built[line] = point[1], what
-    results, peaks = _dry_runs(lines, timeout=300)
+    results, peaks = _dry_runs(lines, timeout=300, data=data)
     for line, (code, out, _) in results.items():
         assert code == 0 and built[line] in out, (line, out[-2000:])
-        assert "total parameters: 68,976,648,192" in out
+        assert _parameters_line(line) in out
     assert max(peaks) < 2 * 2**30, peaks
 
 
 @pytest.mark.slow
-def test_every_launch_line_passes_the_dry_run():
+def test_every_launch_line_passes_the_dry_run(data):
     """Each line, for its device count: exit 0 (flags accepted, DDP / FSDP and the optimizer
     built, the trainer's own plan fits), with what the flags ask for really built, and the
     trainer's plan of the flags is the planner's (the same bytes per device: the flags mean
     to the trainer what they meant to the search)."""
-    results, peaks = _dry_runs(_grid_lines(), timeout=1500)
+    results, peaks = _dry_runs(_grid_lines(), timeout=1500, data=data)
     assert max(peaks) < 2 * 2**30, peaks  # the 70B shape only ever on the meta device
     refused = {line: out for line, (code, out, _) in results.items() if code != 0}
     replanned = {  # the trainer's verdict differs from the planner's: the flags lost a meaning
@@ -246,7 +291,7 @@ def test_every_launch_line_passes_the_dry_run():
     }
     assert not (refused or replanned), _report(refused, replanned)
     for line, (_, out, _) in results.items():
-        assert "FITS" in out and "total parameters: 68,976,648,192" in out, line
+        assert "FITS" in out and _parameters_line(line) in out, line
         vp = "--num-layers-per-virtual-pipeline-stage" in line
         wrapper = (
             "FullyShardedDataParallel"
@@ -256,6 +301,16 @@ def test_every_launch_line_passes_the_dry_run():
         assert f": {2 if vp else 1} x {wrapper}, optimizer" in out, (line, out)
         inner = "HybridDeviceOptimizer" if "--optimizer-cpu-offload" in line else "(AdamW)"
         assert inner in out and "DistributedOptimizer" in out, (line, out)
+
+
+def _parameters_line(line: str) -> str:
+    """The dry run's count of the full model the line trains (its preset's shape, meta device)
+    with the ``data`` tokenizer's vocabulary, padded as megatron pads it to a multiple of
+    128 x TP: the planner's formula (``total_parameters``) for that shape."""
+    tp = int(dict(_options(pretrain_argv(line)))["--tensor-model-parallel-size"][0])
+    vocab = -(-TOKENIZER_VOCAB // (128 * tp)) * 128 * tp
+    count = total_parameters(get_model(MODEL).with_(vocab_size=vocab))
+    return f"total parameters: {count:,}"
 
 
 def _verdict(out: str) -> str:
@@ -292,6 +347,8 @@ TINY_VALUES = {
     "--num-layers-per-virtual-pipeline-stage": "1",
     "--activation-offload-layers": "1",
     "--recompute-num-layers": "1",
+    "--train-iters": "1",  # the launch line's placeholders: the user's
+    "--lr": "1e-3",
 }
 
 
@@ -323,7 +380,7 @@ def tiny_run(line: str) -> tuple[list[str], int, bool]:
         "--pipeline-model-parallel-size": str(pp),
     }
     flags = [*TINY, "--num-layers", "4", "--train-iters", "1", "--lr-warmup-iters", "0"]
-    for flag, given in _options(shlex.split(line)[2:]):
+    for flag, given in _options(pretrain_argv(line)):
         flags += [flag, *([values[flag]] if flag in values else given)]
     return flags, max(2, tp * pp * dp), "--optimizer-cpu-offload" in names
 

@@ -19,8 +19,6 @@ resume without ``--save`` saves where it resumed from.
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import re
 import shlex
@@ -31,7 +29,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from _support.hf_models import make_hf_tokenizer
+from _support.hf_models import make_tokenized_data
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "launch-scripts.md")
 
@@ -155,25 +153,12 @@ def paths(tmp_path_factory) -> dict:
     """What the scripts' paths point at: a Hugging Face tokenizer directory, data tokenized
     with it, and a checkpoint stand-in for MindSpeed-LLM's ``--load`` (their ``--no-load-optim``
     needs a checkpoint there; the dry run reads none of it: a tracker and its directory)."""
-    from mcore_flash.preprocess import preprocess
-
     root = tmp_path_factory.mktemp("launch_scripts")
-    make_hf_tokenizer(root / "tokenizer")
-    with open(root / "corpus.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50))
-    data = preprocess(
-        str(root / "corpus.jsonl"),
-        str(root / "corpus"),
-        tokenizer_type="HuggingFaceTokenizer",
-        tokenizer_model=str(root / "tokenizer"),
-        append_eod=True,
-        log=io.StringIO(),
-    )["text"]
+    made = make_tokenized_data(root)
     os.makedirs(root / "load" / "iter_0000001")
     (root / "load" / "latest_checkpointed_iteration.txt").write_text("1")
     return {
-        "data": data,
-        "tokenizer": str(root / "tokenizer"),
+        **made,
         "load": str(root / "load"),
         **{name: str(root / name) for name in ("save", "checkpoints", "tensorboard", "data_cache")},
     }
