@@ -68,10 +68,29 @@ COMMANDS = {
 }
 
 
+def _version() -> str:
+    """``mcore-flash VERSION (python X, torch Y, megatron-core Z)``, from the installed
+    packages' metadata (nothing imported)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = [f"python {platform.python_version()}"]
+    for package in ("torch", "torch_npu", "megatron-core"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            if package != "torch_npu":  # only an Ascend machine has it
+                found.append(f"{package} not installed")
+    return f"mcore-flash {version('mcore-flash')} ({', '.join(found)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        print(_version())
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: mcore-flash <command> [options]\n\ncommands:")
+        print("usage: mcore-flash <command> [options] | --version\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:<18} {help_text}")
         return 0
@@ -86,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
 
     silence()  # before the subcommand's imports: megatron-core warns when imported
     module = importlib.import_module(COMMANDS[name][0])
+    if name == "plan":  # plan --from-pretrain-args reads the trainer's flags with its parser
+        from mcore_flash.pretrain import planned_run
+
+        return int(module.main(rest, pretrain_reader=planned_run) or 0)
     return int(module.main(rest) or 0)
 
 

@@ -197,3 +197,19 @@ def test_help_shows_each_default_once(module):
         assert len(re.findall(r"\(default", flag)) <= 1, flag
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "(default: 10)" in text  # a default the help does not name still shows (the timeout)
+
+
+def test_version_names_the_package_and_what_it_runs_on():
+    """``mcore-flash --version``: this package's version and those of Python, torch and
+    megatron-core as installed (their metadata, nothing imported)."""
+    from importlib.metadata import version
+
+    import mcore_flash
+
+    run = _cli("--version")
+    assert run.returncode == 0 and not run.stderr, run.stderr
+    assert run.stdout.startswith(
+        f"mcore-flash {mcore_flash.__version__} (python {sys.version.split()[0]}, "
+    )
+    assert f"torch {version('torch')}" in run.stdout
+    assert f"megatron-core {version('megatron-core')}" in run.stdout
