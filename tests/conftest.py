@@ -50,3 +50,15 @@ def pytest_configure(config):
         "slow: minutes long; CI runs it in the Python 3.11 job only (the megatron calls it makes run on "
         "the newest megatron-core in faster tests; docs/megatron-versions.md)",
     )
+    config.addinivalue_line(
+        "markers",
+        "planner: the pure-Python planner alone (every test under tests/planning/, and the searches of "
+        "others), which calls neither torch nor megatron-core: CI runs it in the Python 3.11 job only",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under ``tests/planning/`` is marked ``planner``."""
+    for item in items:
+        if "planning" in item.path.parts[-2:-1]:
+            item.add_marker(pytest.mark.planner)
