@@ -14,7 +14,7 @@ from typing import Optional
 
 from .activation_bytes import RECOMPUTE_MODES
 from .fsdp import FSDP_STRATEGIES
-from .models import ModelShape
+from .models import MODELS, ModelShape
 
 __all__ = [
     "Layout",
@@ -30,6 +30,7 @@ __all__ = [
     "tiling_flags",
     "tiling_text",
     "pretrain_command",
+    "shape_flags",
 ]
 
 # what the user-facing recompute names mean in Megatron-LM flags
@@ -401,6 +402,46 @@ def recompute_text(layout: Layout, num_layers: int) -> str:
     )
 
 
+# the trainer's shape flags over its --model preset: (ModelShape field, flag), numbers
+SHAPE_FLAGS = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "--num-query-groups"),
+    ("kv_channels", "--kv-channels"),
+)
+# ... and switches it can only turn on: (ModelShape field or property, flag)
+SHAPE_SWITCHES = (
+    ("gated", "--swiglu"),
+    ("add_qkv_bias", "--add-qkv-bias"),
+    ("qk_layernorm", "--qk-layernorm"),
+)
+
+
+def shape_flags(model: ModelShape) -> list[str]:
+    """The trainer's flags that make its ``--model model.name`` preset into ``model`` (none
+    for the preset itself or a shape with no preset of its name); every number given, since
+    the trainer derives some from others (FFN, query groups). ValueError for a shape those
+    flags cannot make (a switch off that the preset has on)."""
+    preset = MODELS.get(model.name)
+    if preset is None or preset == model:
+        return []
+    flags = []
+    for field, flag in SHAPE_FLAGS:
+        value = getattr(model, field)
+        if value is not None:
+            flags += [flag, str(value)]
+    if model.num_query_groups != model.num_attention_heads:
+        flags.append("--group-query-attention")
+    for field, flag in SHAPE_SWITCHES:
+        if getattr(model, field) and not getattr(preset, field):
+            flags.append(flag)
+        elif getattr(preset, field) and not getattr(model, field):
+            raise ValueError(f"{model.name} without {flag}: the trainer has no flag to turn it off")
+    return flags
+
+
 def pretrain_command(
     model: ModelShape,
     seq_length: int,
@@ -421,6 +462,7 @@ def pretrain_command(
     args = [
         "--model",
         model.name,
+        *shape_flags(model),
         "--seq-length",
         str(seq_length),
         "--micro-batch-size",

@@ -11,7 +11,7 @@ from typing import Optional
 
 from . import activation_bytes as act
 from .models import ModelShape
-from .parallel_layout import offload_text, recompute_text, tiling_text
+from .parallel_layout import offload_text, recompute_text, shape_flags, tiling_text
 from .plans import ESTIMATED_CATEGORIES, OFFLOAD_CATEGORIES, MemoryPlan, launch_command
 from .search import Candidate, OffloadGap
 from .step_time import (
@@ -76,7 +76,7 @@ def format_plan(plan: MemoryPlan, launch: Optional[str] = None) -> str:
     plan's launch command)."""
     lay, model = plan.layout, plan.model
     lines = [
-        f"{model.name}: {plan.total_parameters:,} parameters; seq {plan.seq_length:,}, micro-batch "
+        f"{' '.join([model.name, *shape_flags(model)])}: {plan.total_parameters:,} parameters; seq {plan.seq_length:,}, micro-batch "
         f"{lay.micro_batch_size}, activations {plan.dtype_bytes} B ({plan.profile} profile)",
         f"layout: TP{lay.tp}{' SP' if lay.sp else ''} x PP{lay.pp}"
         f"{f' (v={lay.vp})' if lay.vp > 1 else ''} x CP{lay.cp} x DP{lay.dp} = {lay.num_devices} devices; "

@@ -10,7 +10,7 @@ import shlex
 
 MODULE = "mcore_flash.pretrain"
 # the placeholders of mcore_flash.planning.plans.LAUNCH_PLACEHOLDERS that need no file
-FILLED = {"TRAIN_ITERS": "1000", "LR": "1e-4"}
+FILLED = {"TRAIN_ITERS": "1000", "LR": "1e-3"}
 # the data flags, dropped (the trainer's built-in data) unless DATA_PATH and TOKENIZER_MODEL are given
 DATA_FLAGS = ("--data-path", "--tokenizer-type", "--tokenizer-model")
 

@@ -11,12 +11,13 @@ import json
 import pytest
 
 from mcore_flash.planning.cli import main
+from mcore_flash.planning.models import get_model
 from mcore_flash.planning.recipes import plan_for_pretrain_args
 from mcore_flash.planning.report import format_search_header
 from mcore_flash.pretrain import planned_run
 from mcore_flash.runtime.arguments import parse_config
 
-from _support.launch_lines import TRAINER_SWITCHES
+from _support.launch_lines import TRAINER_SWITCHES, pretrain_argv
 
 RUN = "--model llama2-70b --seq-length 32768 --global-batch-size 16".split()  # the trainer's too
 BASE = [*RUN, "--num-devices", "64"]
@@ -142,3 +143,35 @@ def test_from_pretrain_args_needs_the_trainers_parser(capsys):
 def test_the_search_header_counts_in_words(found, shown, verdict):
     header = format_search_header("llama2-70b", 32768, None, "8 x npu", found, shown)
     assert header == f"llama2-70b at 32,768 tokens on 8 x npu: {verdict}"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "--model llama3.1-70b --num-layers 8 --hidden-size 4096 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --ffn-hidden-size 11008",
+        "--model tiny --num-layers 4 --hidden-size 256 --num-attention-heads 4",
+        "--model llama2-7b --num-layers 4 --add-qkv-bias --qk-layernorm --kv-channels 64",
+    ],
+)
+def test_a_launch_line_keeps_the_shape_flags(shape):
+    """A plan of a preset changed by the trainer's shape flags prints them in its header and
+    launch line; the launch line read back by the trainer's parser is the same shape, and
+    plans the same bytes."""
+    flags = [*shape.split(), "--seq-length", "4096", "--micro-batch-size", "1", "--bf16"]
+    run = planned_run(flags, 8)
+    planned = _json(["--num-devices", "8", "--from-pretrain-args", *flags], planned_run)
+    again = planned_run(pretrain_argv(planned["launch_command"]), 8)
+    assert again.model == run.model != get_model(run.model.name)
+    assert (
+        _json(
+            [
+                "--num-devices",
+                "8",
+                "--from-pretrain-args",
+                *pretrain_argv(planned["launch_command"]),
+            ],
+            planned_run,
+        )["per_device_bytes"]
+        == planned["per_device_bytes"]
+    )
