@@ -100,9 +100,15 @@ def checked_and_derived(args: Flags, world_size: int) -> dict[str, Any]:
             f"allowed: 0.5 = 30 s), got {args.distributed_timeout_minutes}"
         )
     if world_size % (tp * pp * cp):
+        launch = (
+            f": one process (no WORLD_SIZE); launch {tp * pp * cp} or a multiple with torchrun "
+            f"--nproc-per-node {tp * pp * cp} -m mcore_flash.pretrain ..., or check the flags with --dry-run"
+            if world_size == 1
+            else ""
+        )
         raise ValueError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
-            f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp}"
+            f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp}{launch}"
         )
     dp = world_size // (tp * pp * cp)
     _check_model_layout(args, tp, pp, cp)

@@ -224,6 +224,11 @@ def test_seq_length_past_max_position_embeddings_as_megatron_lm_checks_it():
             "is selective recompute",
         ),
         (["--distributed-backend", "gloo"], 1, "the collective library follows the device"),
+        (
+            ["--tensor-model-parallel-size", 2],
+            1,
+            "one process (no WORLD_SIZE); launch 2 or a multiple with torchrun --nproc-per-node 2",
+        ),
     ],
 )
 def test_refusals_name_the_flag_the_reason_and_the_fix(argv, world_size, wanted):
