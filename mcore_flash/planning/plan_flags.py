@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mcore-flash plan",
         description="Per-device memory of a Megatron-Core layout with the fused attention; layout search.",
     )
+    _add_run_flags(p)
+    _add_memory_flags(p)
+    _add_mode_flags(p)
+    return p
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """What run is planned: the model, its sequences, the layout and the batch."""
     p.add_argument("--model", help=f"preset: {', '.join(MODELS)} (default {DEFAULTS['model']})")
     p.add_argument(
         "--seq-length",
@@ -124,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--global-batch-size", type=int, help="sequences per step (default: about 4M tokens)"
     )
+
+
+def _add_memory_flags(p: argparse.ArgumentParser) -> None:
+    """The device and host memory, the sharding, the offloads, the tiles and the precision."""
     p.add_argument(
         "--device-memory",
         help="device memory a process can allocate, e.g. 60.97GiB (binary; default the hardware profile's "
@@ -207,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="--search: stop the ladder at ZeRO-3 (no host offload)",
     )
+
+
+def _add_mode_flags(p: argparse.ArgumentParser) -> None:
+    """The hardware and the step time's options, the output, and the modes (--search,
+    --compare-standard, --from-pretrain-args)."""
     p.add_argument(
         "--sensitivity",
         action="store_true",
@@ -291,7 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention-dropout", type=float, default=0.0, help="--compare-standard: attention dropout"
     )
-    return p
 
 
 # (on, off, dest, what): the trainer's switches, off by default there and in a single plan
