@@ -19,6 +19,7 @@ docs/planner.md, docs/step-time.md and ``--help``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Callable, NamedTuple, Optional
@@ -27,6 +28,7 @@ from .compare import DEFAULT_SEQ_LENGTHS, compare_standard
 from .flops import check_mean_document_length
 from .fsdp import PLANNED_STRATEGIES
 from .hardware import HardwareProfile, load_hardware
+from .longest import longest_sequence
 from .memory import plan_memory
 from .models import ModelShape, get_model
 from .parallel_layout import Layout
@@ -84,7 +86,7 @@ def resolve_args(args) -> Inputs:
     (:func:`.plan_flags.resolve_flags`, the run's defaults filled), and their typed inputs."""
     fill_defaults(args)
     inputs = resolve(args)
-    resolve_flags(args, inputs.model.num_layers, search=args.search)
+    resolve_flags(args, inputs.model.num_layers, search=args.search or args.longest)
     return inputs
 
 
@@ -162,9 +164,11 @@ def main(argv: Optional[list[str]] = None, pretrain_reader: Optional[PretrainRea
         check_mean_document_length(args.seq_length, args.mean_document_length)
         if args.compare_standard:
             return _compare(args, inputs.model, inputs.dtype_bytes)
+        if (args.search or args.longest) and args.num_devices is None:
+            parser.error(f"{'--search' if args.search else '--longest'} needs --num-devices")
+        if args.longest:
+            return _longest(args, inputs)
         if args.search:
-            if args.num_devices is None:
-                parser.error("--search needs --num-devices")
             return _search(args, inputs)
         return _plan(args, inputs)
     except ValueError as error:
@@ -388,6 +392,40 @@ def _search(args, inputs: Inputs) -> int:
         if gap is not None:
             print(format_gap(gap))
     return 0 if found else 1
+
+
+def _longest(args, inputs: Inputs) -> int:
+    """``plan --longest``: the longest multiple of ``--longest-step`` tokens that
+    ``--num-devices`` train (:func:`.longest.longest_sequence` over the search), with its
+    fastest layout; 1 when not even one step fits."""
+
+    def search(seq_length: int) -> list[Candidate]:
+        return search_candidates(
+            argparse.Namespace(**{**vars(args), "seq_length": seq_length}), inputs
+        )
+
+    def progress(seq_length: int, found: int) -> None:
+        verdict = {0: "nothing fits", 1: "1 layout fits"}.get(found, f"{found} layouts fit")
+        print(f"[plan --longest] {seq_length:,} tokens: {verdict}", file=sys.stderr, flush=True)
+
+    found = longest_sequence(search, args.longest_step, progress=progress)
+    devices = (
+        f"{args.num_devices} x {inputs.hardware.name} with {format_bytes(inputs.device_memory)}"
+    )
+    beyond = "the limit" if found.beyond is None else f"{found.beyond:,} does not"
+    if args.json:
+        best = found.candidates[0].to_dict() if found.candidates else None
+        out = {"seq_length": found.seq_length, "beyond": found.beyond, "step": args.longest_step}
+        print(json.dumps({**out, "layout": best}, indent=2))
+    elif not found.seq_length:
+        print(f"{args.model} on {devices}: not even {args.longest_step:,} tokens fit")
+    else:
+        print(
+            f"{args.model} on {devices}: the longest sequence that fits is {found.seq_length:,} tokens "
+            f"(multiples of {args.longest_step:,}; {beyond}); its fastest layout:"
+        )
+        print(format_candidate(1, found.candidates[0]))
+    return 0 if found.seq_length else 1
 
 
 def _compare(args, model: ModelShape, dtype_bytes: int) -> int:

@@ -284,6 +284,18 @@ def _add_mode_flags(p: argparse.ArgumentParser) -> None:
         "--search", action="store_true", help="enumerate TP/PP/CP/recompute layouts that fit"
     )
     p.add_argument(
+        "--longest",
+        action="store_true",
+        help="the longest sequence --num-devices train: the largest multiple of --longest-step tokens "
+        "for which --search finds a layout, with that layout",
+    )
+    p.add_argument(
+        "--longest-step",
+        type=seq_tokens,
+        default=8192,
+        help="--longest's granularity (default 8192)",
+    )
+    p.add_argument(
         "--top",
         type=int,
         default=5,

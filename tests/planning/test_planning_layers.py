@@ -30,6 +30,7 @@ LAYERS = [
     ["timeouts"],  # the limits a planned run launches with
     ["fitting"],  # one layout up the memory ladder: the least recompute, ZeRO-3, offload
     ["search"],  # the layouts that fit, ranked
+    ["longest"],  # the longest sequence that fits
     ["recipes"],  # the launch scripts' layouts and the trainer's flags as plans
     ["report", "plan_flags"],  # plans as text; plan's flags in both vocabularies
     ["cli"],  # mcore-flash plan
