@@ -1,8 +1,10 @@
 """``mcore-flash plan``: per-device memory of a layout, a layout search, standard vs fused.
 
     mcore-flash plan --model llama2-70b --seq-length 131072 --tp 8 --pp 2 --cp 16 \
-        --num-devices 256 --recompute attention --device-memory 64GB [--json]
+        --num-devices 256 --recompute attention --sequence-parallel --use-distributed-optimizer [--json]
     mcore-flash plan --search --num-devices 256 --device-memory 64GB [--top 5]
+    mcore-flash plan --longest --model llama3.1-70b --num-devices 8
+    mcore-flash plan --num-devices 256 --from-pretrain-args <mcore-flash pretrain's flags>
     mcore-flash plan --compare-standard --model llama2-7b [--tp 1]
 
 :func:`main` (``argv`` -> exit status) resolves ``--model``, ``--hardware`` and the sizes
@@ -10,8 +12,8 @@ once (:func:`resolve`) and prints a layout's plan with its predicted step time o
 ``--hardware`` (:mod:`.step_time`), the search's fitting layouts ranked by that step time,
 or the standard vs fused comparison: text, or JSON with ``--json``. Exit status: 0; 1 when
 the layout does not fit or the search finds nothing; 2 on an argument it refuses (the
-message names the flag). Megatron-LM's long flag names (``--tensor-model-parallel-size``
-...) are accepted too. What each flag plans (packed documents, Megatron-FSDP, sequence
+message names the flag). The flags and their defaults are the trainer's where it has them
+(:mod:`.plan_flags`). What each flag plans (packed documents, Megatron-FSDP, sequence
 tiling, host offload and the search's climb to them, bf16 main gradients and host moments,
 ``--sensitivity``):
 docs/planner.md, docs/step-time.md and ``--help``.
