@@ -110,7 +110,8 @@ def planned_run_for_pretrain_args(args) -> PlannedRun:
     otherwise (a conservative upper bound). Full recompute by ``block`` is partial recompute:
     its ``--recompute-num-layers`` layers of each chunk whole, the others by the modules.
     The sequence tiles are the config's resolved ``loss_chunk_size`` (None unless
-    ``--loss-compute-mode chunk``) and ``mlp_chunk_size``.
+    ``--loss-compute-mode chunk``) and ``mlp_chunk_size``. Adam's host moments plan as bf16
+    when ``--exp-avg-dtype`` and ``--exp-avg-sq-dtype`` both are, else as fp32 (an upper bound).
     """
     config = args.recompute.config
     modules = args.recompute.layer_modules
@@ -143,7 +144,9 @@ def planned_run_for_pretrain_args(args) -> PlannedRun:
         activation_offload_layers=args.activation_offload_layers,
         overlap_cpu_optimizer=args.overlap_cpu_optimizer_d2h_h2d,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        host_moment_dtype=args.exp_avg_dtype,
+        host_moment_dtype="bf16"
+        if args.exp_avg_dtype == args.exp_avg_sq_dtype == "bf16"
+        else "fp32",
         overlap_grad_reduce=args.overlap_grad_reduce,
         loss_chunk_size=args.loss_chunk_size,
         mlp_chunk_size=args.mlp_chunk_size,

@@ -175,3 +175,19 @@ def test_a_launch_line_keeps_the_shape_flags(shape):
         )["per_device_bytes"]
         == planned["per_device_bytes"]
     )
+
+
+def test_from_pretrain_args_plans_the_host_moments_dtype():
+    """bf16 host moments (both flags) reach the plan from the trainer's flags, as from plan's."""
+    run = "--model llama2-70b --seq-length 32768 --global-batch-size 16 --sequence-parallel "
+    run += "--use-distributed-optimizer --optimizer-cpu-offload --bf16"
+    trainer = f"{run} --tensor-model-parallel-size 8 --use-precision-aware-optimizer".split()
+    own = [*f"{run} --tp 8 --num-devices 8".split()]
+    for moments in ([], ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]):
+        planned = _json(
+            ["--num-devices", "8", "--from-pretrain-args", *trainer, *moments], planned_run
+        )
+        ours = _json([*own, *moments])
+        assert planned["per_device_bytes"] == ours["per_device_bytes"]
+        assert planned["host"] == ours["host"] and planned["layout"] == ours["layout"]
+    assert planned["layout"]["host_moment_dtype"] == "bf16"
