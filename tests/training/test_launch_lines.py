@@ -186,6 +186,7 @@ def data(tmp_path_factory) -> dict[str, str]:
     return make_tokenized_data(tmp_path_factory.mktemp("launch_lines"))
 
 
+@pytest.mark.slow  # the grid's searches (cached by the planner test above in py311, 40 s alone)
 def test_plan_from_pretrain_args_plans_each_line_into_the_searchs_bytes():
     """Each grid line's trainer flags, read by the trainer's parser (``plan
     --from-pretrain-args``, what ``pretrain --dry-run`` plans), give the bytes per device the
