@@ -50,8 +50,8 @@ RECOMPUTE_FLAGS = {
 }
 # bytes of one Adam moment per element, by the host state's dtype (--exp-avg-dtype's names)
 HOST_MOMENT_BYTES = {"fp32": 4, "bf16": 2}
-# the trainer's tile with --loss-compute-mode chunk and no --loss-chunk-size (its
-# mcore_flash/runtime/config_checks.py LOSS_CHUNK_SIZE, MindSpeed-LLM's)
+# the tile with --loss-compute-mode chunk and no --loss-chunk-size, the trainer's and the
+# planner's (plan_flags.tiles; MindSpeed-LLM's default)
 DEFAULT_LOSS_CHUNK_SIZE = 1024
 
 

@@ -13,6 +13,7 @@ from mcore_flash.checkpoint.directory import FSDP_DTENSOR, TORCH_DIST
 from mcore_flash.data.datasets import parse_data_path, parse_split
 from mcore_flash.data.indexed import check_indexed_dataset
 from mcore_flash.planning.hardware import load_hardware
+from mcore_flash.planning.plan_flags import tiles
 from mcore_flash.transformer.recompute import RecomputeSettings, recompute_settings
 
 # the TrainingConfig being checked: its flag fields, read as attributes (no import: it imports us)
@@ -328,28 +329,15 @@ def _check_overlap_param_gather(args: Flags) -> None:
         )
 
 
-LOSS_CHUNK_SIZE = 1024  # tokens per loss tile unless --loss-chunk-size says (MindSpeed-LLM's)
-
-
 def _loss_chunk_size(args: Flags, tp: int) -> Optional[int]:
-    """``--loss-compute-mode chunk``'s tile (``--loss-chunk-size``, else :data:`LOSS_CHUNK_SIZE`),
-    None in the default mode; ``--mlp-chunk-size`` checked alongside. A tile's tokens under
+    """``--loss-compute-mode chunk``'s tile (``--loss-chunk-size``, else
+    :data:`mcore_flash.planning.parallel_layout.DEFAULT_LOSS_CHUNK_SIZE`),
+    None in the default mode; ``--mlp-chunk-size`` checked alongside, as the planner checks
+    both (:func:`mcore_flash.planning.plan_flags.tiles`). A tile's tokens under
     ``--sequence-parallel`` come from every TP rank alike, so they are a multiple of TP."""
-    chunk = args.loss_compute_mode == "chunk"
-    if args.loss_chunk_size is not None and not chunk:
-        raise ValueError(
-            "--loss-chunk-size applies to --loss-compute-mode chunk (the default mode computes the "
-            "whole sequence's logits): add --loss-compute-mode chunk or drop the size"
-        )
-    size = None
-    if chunk:
-        size = LOSS_CHUNK_SIZE if args.loss_chunk_size is None else args.loss_chunk_size
-    for flag, value in (("--loss-chunk-size", size), ("--mlp-chunk-size", args.mlp_chunk_size)):
-        if value is None:
-            continue
-        if value < 1:
-            raise ValueError(f"{flag} must be a positive number of tokens, got {value}")
-        if args.sequence_parallel and value % tp:
+    size, mlp = tiles(args)
+    for flag, value in (("--loss-chunk-size", size), ("--mlp-chunk-size", mlp)):
+        if value is not None and args.sequence_parallel and value % tp:
             raise ValueError(
                 f"{flag} {value}: under --sequence-parallel each tile takes the same number of rows from "
                 f"every one of the --tensor-model-parallel-size {tp} ranks; use a multiple of {tp}"
