@@ -305,7 +305,6 @@ def launch_command(plan: MemoryPlan, distributed_timeout_minutes: Optional[int] 
         distributed_timeout_minutes=distributed_timeout_minutes,
         program="-m mcore_flash.pretrain",
     )
-    lay = plan.layout
-    world_size = lay.tp * lay.pp * lay.cp * lay.dp
     placeholders = " ".join(f"{flag} {value}" for flag, value in LAUNCH_PLACEHOLDERS)
-    return f"{torchrun_prefix(world_size, plan.devices_per_node)} {flags} {placeholders}"
+    launcher = torchrun_prefix(plan.layout.num_devices, plan.devices_per_node)
+    return f"{launcher} {flags} {placeholders}"
