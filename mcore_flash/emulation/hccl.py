@@ -145,6 +145,11 @@ def reset_communicators() -> None:
     _P2P_PAIRS.clear()
 
 
+def is_point_to_point(func) -> bool:
+    """Whether c10d op ``func`` is a send or a receive (its peer must post the other side)."""
+    return func._schema.name in _P2P_OPS
+
+
 def record_use(func, args, kwargs) -> None:
     """Record the communicator that c10d op ``func`` (called with npu tensors) runs on
     (:class:`Communicators`); ops without a process group (``check_for_nan``) open none."""

@@ -23,6 +23,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import hccl
@@ -307,12 +308,29 @@ def _collective(func, args, kwargs):
             *unwrap(args),
             **{key: unwrap(value) for key, value in kwargs.items()},
         )
+        if not hccl.is_point_to_point(func):
+            _complete(out)
         return rewrap(out)
     finally:
         # the recursive closures form a reference cycle that holds ``wrapper_of``: emptied
         # here, the tensors die when the caller drops them, as a device frees them (not
         # when the garbage collector next runs: the byte counter would overstate the peak)
         wrapper_of.clear()
+
+
+def _complete(out) -> None:
+    """Wait for the work a c10d op returned (a ``ScriptObject``, alone or beside its tensors).
+
+    The emulated device runs everything on one stream, in issue order: a collective is done
+    before the next op, as a device stream orders them. Left to gloo's worker thread, it
+    would run beside the caller, which may free its buffers (Megatron-FSDP releases buckets
+    with ``untyped_storage().resize_(0)``) while gloo still reads or writes them: a
+    segmentation fault, or a read of data not yet gathered. Sends and receives are left
+    asynchronous: gloo completes a send only once its peer receives, and a ring exchange
+    posts both before waiting."""
+    for item in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(item, torch.ScriptObject):
+            dist.Work.unbox(item).wait()
 
 
 def _functional_collective(func, args, kwargs):
