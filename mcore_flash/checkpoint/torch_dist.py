@@ -51,6 +51,7 @@ def load(path: str, model_chunks: list, optimizer, scheduler) -> None:
     with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_steps(optimizer, loaded["optimizer"])
+    _restore_sharded_state(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
 
 
@@ -73,8 +74,16 @@ def _model_keys(model_chunks: list) -> list[str]:
 
 
 def _load_chunk_states(model_chunks: list, loaded: dict) -> None:
+    """Each chunk's weights from ``loaded``; a torch FSDP2 chunk has them already:
+    ``dist_checkpointing.load`` wrote into its shards, the tensors its state dict holds
+    (megatron's ``TorchFullyShardedDataParallel.load_state_dict`` is a no-op for that reason)."""
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel,
+    )
+
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
-        _unwrap(chunk).load_state_dict(loaded[key])
+        if not isinstance(chunk, TorchFullyShardedDataParallel):
+            _unwrap(chunk).load_state_dict(loaded[key])
 
 
 def _sharded_state(model_chunks: list, optimizer, scheduler, is_loading: bool) -> dict:
@@ -133,6 +142,28 @@ def _restore_adam_steps(optimizer, loaded_state: dict) -> None:
         step = float(steps.pop())
         for param_state in inner.optimizer.state.values():
             param_state["step"] = torch.tensor(step)
+
+
+def _restore_sharded_state(optimizer) -> None:
+    """Make the loaded Adam state of each torch FSDP2 parameter (a DTensor) a DTensor sharded as
+    the parameter again: megatron's optimizer checkpoint holds, and so loads, the local shards,
+    and torch's Adam refuses to mix the two ("got mixed torch.Tensor and DTensor")."""
+    from torch.distributed.tensor import DTensor
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for param, state in inner.optimizer.state.items():
+            if not isinstance(param, DTensor):
+                continue
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0 and not isinstance(value, DTensor):
+                    state[key] = DTensor.from_local(
+                        value,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
 
 
 def _unwrap(model):

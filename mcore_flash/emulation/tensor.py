@@ -78,9 +78,9 @@ class NpuTensor(torch.Tensor):
       does by assigning ``param.data``; torch makes new Parameters for a Python wrapper;
     * collectives (``c10d`` ops) reach the process group's ``npu`` backend (:mod:`.hccl`)
       with the CPU buffers; a CPU tensor finds no backend and fails as with HCCL;
-    * pinned host memory is ordinary host memory (``pin_memory=True`` is dropped in the
-      torch factories, ``Tensor.pin_memory()`` copies): a Python backend cannot give torch a
-      pinned allocator.
+    * pinned host memory is ordinary host memory (a Python backend cannot give torch a
+      pinned allocator) that answers ``is_pinned()`` True: ``Tensor.pin_memory()`` copies,
+      as on a device, and the torch factories' ``pin_memory=True`` marks what they make.
     """
 
     _elem: torch.Tensor
@@ -528,14 +528,24 @@ _PINNING_FACTORIES = (
 )
 
 
-def _pinned_is_pageable(factory):
-    """``factory`` with ``pin_memory=True`` dropped: pinned host memory is ordinary host memory
-    here."""
+# the storages of "pinned" host tensors: ordinary host memory that answers is_pinned() True,
+# so code that pins only what is not pinned yet (FSDP2's offloaded shards) keeps its buffer
+_PINNED: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
+
+
+def _pinned(tensor: torch.Tensor) -> torch.Tensor:
+    _PINNED.add(tensor.untyped_storage())
+    return tensor
+
+
+def _pinned_factory(factory):
+    """``factory`` whose ``pin_memory=True`` gives ordinary host memory marked pinned."""
 
     @functools.wraps(factory)
     def wrapper(*args, **kwargs):
-        kwargs.pop("pin_memory", None)
-        return factory(*args, **kwargs)
+        pin = kwargs.pop("pin_memory", False)
+        out = factory(*args, **kwargs)
+        return _pinned(out) if pin else out
 
     return wrapper
 
@@ -588,15 +598,23 @@ def register(device_module) -> None:
             "PrivateUse1",
         )
     # pin_memory() / pin_memory=True ask the accelerator hooks for a pinned allocator, which
-    # Python hooks cannot give: pinned host memory is ordinary host memory here.
+    # Python hooks cannot give: pinned host memory is ordinary host memory here, a copy as
+    # pin_memory() makes, that answers is_pinned() True (:data:`_PINNED`).
     pinning = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pinning.impl(
-            "_pin_memory", lambda self, device=None: self.clone(), "CompositeExplicitAutograd"
+            "_pin_memory",
+            lambda self, device=None: _pinned(self.clone()),
+            "CompositeExplicitAutograd",
+        )
+        pinning.impl(
+            "is_pinned",
+            lambda self, device=None: self.untyped_storage() in _PINNED,
+            "CompositeExplicitAutograd",
         )
     _LIBRARIES.extend([kernels, pinning])
     for name in _PINNING_FACTORIES:
-        setattr(torch, name, _pinned_is_pageable(getattr(torch, name)))
+        setattr(torch, name, _pinned_factory(getattr(torch, name)))
     torch.nn.Module._apply = _keep_parameter_attributes(torch.nn.Module._apply)
     torch.UntypedStorage.resize_ = _resize_counted(torch.UntypedStorage.resize_)

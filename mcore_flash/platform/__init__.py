@@ -8,7 +8,10 @@ to: ``transfer_to_npu`` (Ascend's own), :mod:`.npu_device_capability`,
 :mod:`.megatron_tensor_methods`, :mod:`.checkpoint_without_output`,
 :mod:`.megatron_torch_view`, :mod:`.megatron_cpu_rng`, :mod:`.megatron_fsdp_device_mesh`,
 :mod:`.megatron_fsdp_premul_sum`, :mod:`.megatron_fsdp_cpu_view`,
-:mod:`.te_version_without_te`, :mod:`.megatron_fsdp_no_te`. ``docs/megatron-spec.md``, "The
+:mod:`.te_version_without_te`, :mod:`.megatron_fsdp_no_te`, :mod:`.megatron_clip_host_grads`, :mod:`.megatron_optimizer_ckpt_dtensor`.
+Torch FSDP2's wrapper (:mod:`.torch_fsdp2`) and its gradient finalisation
+(:mod:`.megatron_finalize_host_grads`) are classes and functions the trainer uses, not
+patches. ``docs/megatron-spec.md``, "The
 device adapter", tabulates each: its devices and the code it answers to.
 
 The megatron adaptations are visible to megatron's modules only: the CPU view of
@@ -26,11 +29,13 @@ import torch
 
 from ._common import _state, applied, device_type
 from .checkpoint_without_output import checkpoint_without_output_no_te
+from .megatron_clip_host_grads import megatron_clip_host_grads
 from .megatron_cpu_rng import megatron_cpu_rng
 from .megatron_fsdp_cpu_view import megatron_fsdp_cpu_view
 from .megatron_fsdp_device_mesh import megatron_fsdp_device_mesh
 from .megatron_fsdp_no_te import megatron_fsdp_no_te
 from .megatron_fsdp_premul_sum import megatron_fsdp_premul_sum
+from .megatron_optimizer_ckpt_dtensor import megatron_optimizer_ckpt_dtensor
 from .megatron_tensor_methods import megatron_npu_tensor_type, megatron_tensor_methods
 from .megatron_torch_view import megatron_torch_view
 from .npu_device_capability import npu_device_capability
@@ -57,8 +62,16 @@ _ADAPTATIONS = {
         megatron_fsdp_premul_sum,
         megatron_fsdp_no_te,
         te_version_without_te,
+        megatron_clip_host_grads,
+        megatron_optimizer_ckpt_dtensor,
     ),
-    "cuda": (checkpoint_without_output_no_te, megatron_fsdp_no_te, te_version_without_te),
+    "cuda": (
+        checkpoint_without_output_no_te,
+        megatron_fsdp_no_te,
+        te_version_without_te,
+        megatron_clip_host_grads,
+        megatron_optimizer_ckpt_dtensor,
+    ),
     "cpu": (
         megatron_torch_view,
         megatron_tensor_methods,
@@ -69,6 +82,7 @@ _ADAPTATIONS = {
         megatron_fsdp_no_te,
         megatron_fsdp_cpu_view,
         te_version_without_te,
+        megatron_optimizer_ckpt_dtensor,
     ),
 }
 

@@ -308,6 +308,25 @@ def _add_parallel_flags(par) -> None:
         "ranks with megatron-core's Megatron-FSDP (implies --use-distributed-optimizer)",
     )
     par.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="shard weights, gradients and optimizer state over the data x context parallel ranks "
+        "with torch FSDP2 (fully_shard per transformer layer and embedding; Megatron-LM's flag)",
+    )
+    par.add_argument(
+        "--fsdp2-offload-to-cpu",
+        action="store_true",
+        help="with --use-torch-fsdp2: weights, gradients and optimizer state on the host, each "
+        "layer's weights copied to the device while it computes, the optimizer step on the host",
+    )
+    par.add_argument(
+        "--fsdp2-config-path",
+        default=None,
+        help="MindSpeed's FSDP2 YAML file; keys read: offload_to_cpu, pin_memory, "
+        "reshard_after_forward, param_dtype, reduce_dtype (others are refused); default: none "
+        "(the flags decide)",
+    )
+    par.add_argument(
         "--data-parallel-sharding-strategy",
         choices=SHARDING_STRATEGIES,
         default=None,

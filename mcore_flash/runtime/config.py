@@ -24,6 +24,7 @@ from mcore_flash.checkpoint import directory
 from mcore_flash.planning.hardware import HardwareProfile
 from mcore_flash.planning.models import MODELS, ModelShape
 from mcore_flash.runtime.config_checks import checked_and_derived
+from mcore_flash.runtime.fsdp2_settings import Fsdp2Settings
 from mcore_flash.runtime.launch_flags import resolve_launch_flags
 from mcore_flash.transformer.recompute import RecomputeSettings
 
@@ -103,6 +104,9 @@ class TrainingConfig:
     grad_reduce_in_bf16: bool  # main gradients (and their reduction) in bf16 instead of fp32
     use_megatron_fsdp: bool  # ZeRO-3 by megatron-core's Megatron-FSDP (:mod:`.fsdp`)
     data_parallel_sharding_strategy: Optional[str]  # FSDP's; None without FSDP
+    use_torch_fsdp2: bool  # torch FSDP2 around the model (:mod:`.fsdp2_settings`)
+    fsdp2_offload_to_cpu: bool  # the flag; ``fsdp2`` below holds what flag and file resolve to
+    fsdp2_config_path: Optional[str]
     no_gradient_accumulation_fusion: bool  # accepted as in Megatron-LM; nothing is fused here
     # minutes: a collective's timeout, and the watchdog's limit per iteration and per save
     distributed_timeout_minutes: float
@@ -182,6 +186,7 @@ class TrainingConfig:
     # per iteration and data-parallel rank: global / (micro x DP)
     num_micro_batches: int = field(init=False)
     recompute: RecomputeSettings = field(init=False)
+    fsdp2: Optional[Fsdp2Settings] = field(init=False)  # None without --use-torch-fsdp2
 
     def __post_init__(self):
         """Check the flags against each other and the world size (ValueError naming the flag)

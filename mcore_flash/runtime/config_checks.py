@@ -14,6 +14,7 @@ from mcore_flash.data.datasets import parse_data_path, parse_split
 from mcore_flash.data.indexed import check_indexed_dataset
 from mcore_flash.planning.hardware import load_hardware
 from mcore_flash.planning.plan_flags import tiles
+from mcore_flash.runtime.fsdp2_settings import resolve_fsdp2
 from mcore_flash.transformer.recompute import RecomputeSettings, recompute_settings
 
 # the TrainingConfig being checked: its flag fields, read as attributes (no import: it imports us)
@@ -158,6 +159,7 @@ def checked_and_derived(args: Flags, world_size: int) -> dict[str, Any]:
         raise ValueError(
             "--grad-reduce-in-bf16 keeps the main gradients in the bf16 of the parameters: add --bf16"
         )
+    fsdp2 = resolve_fsdp2(args)
     sharding = _check_sharding(args, dp * cp)
     _check_optimizer_offload(args)
     _check_moment_dtypes(args)
@@ -180,6 +182,7 @@ def checked_and_derived(args: Flags, world_size: int) -> dict[str, Any]:
         num_micro_batches=global_batch_size // (args.micro_batch_size * dp),
         hardware=hardware,
         recompute=recompute,
+        fsdp2=fsdp2,
         synthetic_key_depth=key_depth,
         **sharding,
     )

@@ -41,7 +41,7 @@ def transformer_config(config: TrainingConfig):
         window_size=config.window_size,
         window_attn_skip_freq=config.window_attn_skip_freq,
         sequence_parallel=config.sequence_parallel,
-        params_dtype=dtype,
+        params_dtype=torch.float32 if config.fsdp2 else dtype,  # FSDP2 computes in bf16 itself
         pipeline_dtype=dtype,
         bf16=config.bf16,
         fp16=config.fp16,

@@ -78,11 +78,13 @@ def check_device() -> None:
 
 def state_placement(optimizer) -> dict[str, dict[str, int]]:
     """Bytes of the optimizer's per-parameter state tensors (Adam's moments, the offloaded
-    fp32 master copies) by device type and dtype: ``{"cpu": {"torch.float32": n}, ...}``."""
+    fp32 master copies) by device type and dtype: ``{"cpu": {"torch.float32": n}, ...}``; a
+    DTensor's (torch FSDP2's) by its local shard, which may live on the host of its mesh."""
     placement: dict[str, dict[str, int]] = {}
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in inner.optimizer.state.values():
             for value in state.values():
+                value = getattr(value, "_local_tensor", value)
                 if torch.is_tensor(value) and value.dim() > 0:
                     by_dtype = placement.setdefault(value.device.type, {})
                     dtype = str(value.dtype)

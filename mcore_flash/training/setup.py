@@ -11,7 +11,7 @@ from mcore_flash import platform
 from mcore_flash.checkpoint import checkpointer
 from mcore_flash.runtime.config import TrainingConfig
 from mcore_flash.runtime.model import build_model_chunks
-from mcore_flash.training import fsdp, offload
+from mcore_flash.training import fsdp, fsdp2, offload
 from mcore_flash.transformer.context_parallel import get_batch_on_this_cp_rank
 from mcore_flash.transformer.packed_sequences import pack_documents
 
@@ -23,12 +23,18 @@ def data_parallel_model_chunks(
     (fp32 gradient buffers, bf16 with ``--grad-reduce-in-bf16``; reduce-scattered with the
     distributed optimizer; the chunks after the first in one bucket each, as Megatron-LM:
     their gradients are ready only at the end of the pipeline's backward), or with
-    ``--use-megatron-fsdp`` in its ``FullyShardedDataParallel`` (:mod:`.fsdp`). Weights of a
+    ``--use-megatron-fsdp`` in its ``FullyShardedDataParallel`` (:mod:`.fsdp`), or with
+    ``--use-torch-fsdp2`` in torch FSDP2 (:mod:`.fsdp2`). Weights of a
     checkpoint written without FSDP (``--finetune`` / ``--no-load-optim``: a converted Hugging
     Face checkpoint, say) go into the bare model first: FSDP copies them into its shards."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     device = platform.torch_device()
+    if config.fsdp2:  # one chunk; offloaded, it goes to the device one layer at a time
+        (model,) = build_model_chunks(config, model_config, padded_vocab_size)
+        if not config.fsdp2.offload_to_cpu:
+            model = model.to(device)
+        return [fsdp2.torch_fully_sharded(config, model_config, model, device)]
     chunks = [
         chunk.to(device) for chunk in build_model_chunks(config, model_config, padded_vocab_size)
     ]
@@ -51,9 +57,12 @@ def data_parallel_model_chunks(
 
 
 def megatron_optimizer(config: TrainingConfig, model_config, model_chunks: list):
-    """megatron's Adam (distributed with ``--use-distributed-optimizer``) over the chunks."""
+    """megatron's Adam (distributed with ``--use-distributed-optimizer``) over the chunks.
+    Under FSDP2 the parameters it steps are the fp32 shards (FSDP2 casts what it gathers):
+    megatron's fp32 optimizer, whatever the run's precision."""
     from megatron.core.optimizer import OptimizerConfig
 
+    mixed = not config.fsdp2
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=config.lr,
@@ -62,8 +71,8 @@ def megatron_optimizer(config: TrainingConfig, model_config, model_chunks: list)
         adam_beta1=config.adam_beta1,
         adam_beta2=config.adam_beta2,
         clip_grad=config.clip_grad,
-        bf16=config.bf16,
-        fp16=config.fp16,
+        bf16=config.bf16 and mixed,
+        fp16=config.fp16 and mixed,
         params_dtype=model_config.params_dtype,
         use_distributed_optimizer=config.use_distributed_optimizer,
         **offload.optimizer_settings(config),
@@ -101,10 +110,14 @@ def connect_model_config(
     (the interleaved schedule starts a chunk's as soon as its last backward is done)."""
     from megatron.core.distributed import finalize_model_grads
 
+    from mcore_flash.platform.megatron_finalize_host_grads import finalize_fsdp2_grads
+
     def per_chunk(functions: list):
         return functions[0] if len(functions) == 1 else functions
 
-    model_config.finalize_model_grads_func = finalize_model_grads
+    model_config.finalize_model_grads_func = (
+        finalize_fsdp2_grads if config.fsdp2 else finalize_model_grads
+    )
     model_config.grad_scale_func = optimizer.scale_loss
     model_config.no_sync_func = per_chunk([chunk.no_sync for chunk in model_chunks])
     if config.overlap_grad_reduce:

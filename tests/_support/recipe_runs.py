@@ -12,6 +12,7 @@ worker returns for that run, with the ``(loss, grad norm)`` of every step under 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from _support.pretrain_flags import tiny_flags
@@ -64,22 +65,59 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     else:
         named = list(model.named_parameters())
     weights = {}
+    megatron_fsdp = isinstance(model, FullyShardedDataParallel)
     for name, param in named:
+        # megatron-FSDP's DTensors span the tensor-parallel ranks too; torch FSDP2's shard
+        # this rank's tensor-parallel part over the data-parallel mesh alone
+        tp_dim = getattr(param, "partition_dim", 0)
+        tp_split = tp > 1 and getattr(param, "tensor_model_parallel", False) and not megatron_fsdp
         if isinstance(param, DTensor):
+            group = None if megatron_fsdp else param.device_mesh.get_group()
             offsets = gather_and_compute_chunk_metadata(param).offsets
-            shards = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(shards, (offsets, param.to_local().cpu()))
+            shards = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(
+                shards, (offsets, param.to_local().cpu()), group=group
+            )
             full = torch.zeros(param.shape, dtype=param.dtype)
             for offset, shard in shards:
                 full[tuple(slice(o, o + n) for o, n in zip(offset, shard.shape))] = shard
             param = full
-        elif tp > 1 and getattr(param, "tensor_model_parallel", False):
-            parts = [torch.empty_like(param) for _ in range(tp)]
-            torch.distributed.all_gather(
-                parts, param.detach(), group=parallel_state.get_tensor_model_parallel_group()
+        if tp_split:
+            parts = [None] * tp
+            torch.distributed.all_gather_object(
+                parts, param.detach().cpu(), group=parallel_state.get_tensor_model_parallel_group()
             )
-            param = torch.cat(parts, dim=param.partition_dim)
+            param = torch.cat(parts, dim=tp_dim)
         while name.startswith("module."):
             name = name.removeprefix("module.")
         weights[name] = param.detach().cpu().clone()
     return weights
+
+
+def assert_same_training(result, oracle, label: str) -> None:
+    """``result`` trained as ``oracle`` did (fp32): the loss and grad norm of every iteration
+    (1e-5 relative; a grad norm catches a doubled gradient a loss hides) and every final
+    weight (``"weights"``, :func:`full_weights`)."""
+    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(
+        zip(result["steps"], oracle["steps"]), start=1
+    ):
+        assert loss == pytest.approx(want_loss, rel=1e-5), f"{label}: loss at iteration {step}"
+        assert norm == pytest.approx(want_norm, rel=1e-5), f"{label}: grad norm at iteration {step}"
+    assert result["weights"].keys() == oracle["weights"].keys(), label
+    for name, want in oracle["weights"].items():
+        torch.testing.assert_close(
+            result["weights"][name],
+            want,
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, name=name: f"{label} {name}: {m}",
+        )
+
+
+def refusal(argv, world_size: int = 2) -> str:
+    """The ValueError message of the trainer's config for :data:`TINY` + ``argv``."""
+    from mcore_flash.runtime.arguments import parse_config
+
+    with pytest.raises(ValueError) as error:
+        parse_config([*TINY, *argv], world_size=world_size)
+    return str(error.value)

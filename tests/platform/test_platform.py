@@ -231,6 +231,7 @@ def test_setup_is_idempotent_and_megatron_scoped(single):
         "megatron_fsdp_no_te",
         "megatron_fsdp_cpu_view",
         *TE_VERSION_CHECK_FAILS_WITHOUT_TE[out["te_version_is_none"]],
+        "megatron_optimizer_ckpt_dtensor",
     ]
     assert out["second"] == out["first"]
     assert out["idempotent"]
@@ -394,6 +395,8 @@ def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
         "megatron_fsdp_premul_sum",
         "megatron_fsdp_no_te",
         *TE_VERSION_CHECK_FAILS_WITHOUT_TE[out["te_version_is_none"]],
+        "megatron_clip_host_grads",
+        "megatron_optimizer_ckpt_dtensor",
     ]
     assert (
         out["torch_device"] == out["tensor_device"] == "npu:3"

@@ -13,14 +13,13 @@ gets wrong, and flags that do not combine, are refused by name (the tests at the
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mcore_flash.planning.parallel_layout import RECOMPUTE_FLAGS
 from mcore_flash.runtime.arguments import parse_config
 from mcore_flash.runtime.config_checks import upstream_defect
 
 from _support.dist_utils import retried_after_a_lost_rank, run_distributed
-from _support.recipe_runs import TINY, full_weights, w_recipe_runs
+from _support.recipe_runs import TINY, assert_same_training, full_weights, refusal, w_recipe_runs
 
 ORACLE = ["--use-distributed-optimizer"]
 ZERO3 = ["--use-megatron-fsdp"]  # default strategy: optim_grads_params
@@ -44,28 +43,11 @@ def _weights(recipe, _) -> dict:
     return {"weights": full_weights(recipe.model_chunks[0])}
 
 
-def _assert_same_training(result, oracle, label):
-    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(
-        zip(result["steps"], oracle["steps"]), start=1
-    ):
-        assert loss == pytest.approx(want_loss, rel=1e-5), f"{label}: loss at iteration {step}"
-        assert norm == pytest.approx(want_norm, rel=1e-5), f"{label}: grad norm at iteration {step}"
-    assert result["weights"].keys() == oracle["weights"].keys(), label
-    for name, want in oracle["weights"].items():
-        torch.testing.assert_close(
-            result["weights"][name],
-            want,
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, name=name: f"{label} {name}: {m}",
-        )
-
-
 def _check(per_rank, cases):
     """``cases``: ``{run: oracle run}``; every rank's run equals its oracle."""
     for rank, results in enumerate(per_rank):
         for name, oracle in cases.items():
-            _assert_same_training(results[name], results[oracle], f"rank {rank} {name}")
+            assert_same_training(results[name], results[oracle], f"rank {rank} {name}")
 
 
 TWO_RANKS = {
@@ -156,12 +138,6 @@ def test_fsdp_equals_the_distributed_optimizer_at_four_ranks(tmp_path):
     _check(per_rank, FOUR_RANK_CASES)
 
 
-def _refusal(argv, world_size=2) -> str:
-    with pytest.raises(ValueError) as error:
-        parse_config([*TINY, *argv], world_size=world_size)
-    return str(error.value)
-
-
 @pytest.mark.parametrize(
     "argv, names",
     [
@@ -173,7 +149,7 @@ def _refusal(argv, world_size=2) -> str:
     ],
 )
 def test_flags_that_do_not_combine_with_fsdp_are_refused_by_name(argv, names):
-    message = _refusal(argv)
+    message = refusal(argv)
     assert all(name in message for name in names), message
 
 
@@ -181,13 +157,13 @@ def test_what_megatron_core_gets_wrong_is_refused_by_name():
     """Measured against the oracle on megatron-core 0.16.1 and 0.19.2: no_shard and optim train
     wrong gradients on both; size 1 doubles them before 0.19 (Megatron-LM issue 6660)."""
     for strategy in ("no_shard", "optim"):
-        message = _refusal(["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy])
+        message = refusal(["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy])
         assert f"--data-parallel-sharding-strategy {strategy}" in message, message
     if DP1_TRAINS:
         config = parse_config([*ZERO3, *TP2, *TINY], world_size=2)
         assert config.data_parallel_size == 1 and config.use_megatron_fsdp
     else:
-        message = _refusal([*ZERO3, *TP2])
+        message = refusal([*ZERO3, *TP2])
         assert "6660" in message and "--use-distributed-optimizer" in message, message
 
 

@@ -20,7 +20,7 @@ from mcore_flash.planning.parallel_layout import RECOMPUTE_FLAGS
 
 from _support.dist_utils import init_megatron, run_distributed, teardown_megatron
 from _support.gpt_models import assert_same_bits, batch, flash_gpt, full_grads, tiny_config
-from _support.recipe_runs import TINY, w_recipe_runs
+from _support.recipe_runs import TINY, refusal, w_recipe_runs
 
 MODES = ("none", "full", "qkv")
 SEQ, BATCH, HIDDEN = 64, 2, 64
@@ -347,14 +347,6 @@ def test_trainer_runs_equal_without_offload_at_two_ranks(tmp_path):
             assert base["d2h"] == 0 and offload["d2h"] > 0, (rank, name)
 
 
-def _refusal(argv, world_size=2) -> str:
-    from mcore_flash.runtime.arguments import parse_config
-
-    with pytest.raises(ValueError) as error:
-        parse_config([*TINY, *argv], world_size=world_size)
-    return str(error.value)
-
-
 @pytest.mark.parametrize(
     "argv, names",
     [
@@ -375,7 +367,7 @@ def _refusal(argv, world_size=2) -> str:
     ],
 )
 def test_bad_offload_flags_are_refused_by_name(argv, names):
-    message = _refusal(argv)
+    message = refusal(argv)
     for name in names:
         assert name in message, message
 

@@ -1,0 +1,230 @@
+"""``--use-torch-fsdp2`` (torch FSDP2 through megatron-core's wrapper) trains what the distributed
+optimizer trains; with ``--fsdp2-offload-to-cpu`` the model state is on the host.
+
+Oracle: the same run with ``--use-distributed-optimizer`` (megatron's DDP and distributed
+optimizer), fp32: the loss and grad norm of every iteration and every final weight, gathered
+whole (1e-5). On the CPU FSDP2 runs without offload (host and device are one: offload is
+refused there); on the emulated NPU with it, where host and device differ and the HCCL-strict
+groups refuse AVG reductions and host tensors in a collective. DP2 exercises the gradient
+reduction (FSDP2 would average on top of the per-token division), TP2 + SP the sum of the
+norms' gradients over the tensor-parallel ranks (on the device, from host shards).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_flash.planning.parallel_layout import RECOMPUTE_FLAGS
+from mcore_flash.runtime.arguments import parse_config
+
+from _support.dist_utils import run_distributed
+from _support.recipe_runs import TINY, assert_same_training, full_weights, refusal, w_recipe_runs
+
+ORACLE = ["--use-distributed-optimizer"]
+FSDP2 = ["--use-torch-fsdp2"]
+OFFLOAD = [*FSDP2, "--fsdp2-offload-to-cpu"]
+TP2SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+def _device_bytes():
+    """The emulated device's allocated bytes (None on the CPU)."""
+    import gc
+
+    gc.collect()
+    npu = getattr(torch, "npu", None)
+    return npu.memory_allocated() if npu is not None and npu.is_available() else None
+
+
+def _measure(recipe, baseline) -> dict:
+    """The gathered weights, and where this rank's model state lives: ``{kind: device types}``
+    of the parameters' and optimizer state's local shards, and the device's bytes above what
+    the launch's earlier runs left (``baseline``)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor):
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    model = recipe.model_chunks[0]
+    inner = recipe.optimizer.optimizer
+    placement = {
+        "parameters": {local(p).device.type for p in model.parameters()},
+        "gradients": {
+            local(p.grad if p.grad is not None else p.main_grad).device.type
+            for p in model.parameters()
+        },
+        "optimizer": {
+            local(v).device.type
+            for state in inner.state.values()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        },
+    }
+    device_bytes = None if baseline is None else _device_bytes() - baseline
+    parameter_bytes = sum(local(p).numel() * 4 for p in model.parameters())
+    return {
+        "weights": full_weights(model),
+        "placement": placement,
+        "device_bytes": device_bytes,
+        "parameter_bytes": parameter_bytes,
+    }
+
+
+TILES = ["--loss-compute-mode", "chunk", "--loss-chunk-size", "24", "--mlp-chunk-size", "16"]
+PACKED = ["--reset-attention-mask", "--reset-position-ids"]
+CP2_QKV_PACKED = ["--context-parallel-size", "2", *RECOMPUTE_FLAGS["qkv"], *PACKED]
+ACTIVATIONS = ["--activation-offload-layers", "1", *TILES]
+
+
+def _pairs(layouts: dict, fsdp2: list) -> list:
+    """``(name, flags)`` runs: each layout with the oracle's flags, then with ``fsdp2``'s."""
+    runs = []
+    for name, flags in layouts.items():
+        runs += [(name, [*ORACLE, *flags]), (f"{name}-fsdp2", [*fsdp2, *flags])]
+    return runs
+
+
+def test_fsdp2_equals_the_distributed_optimizer_on_the_cpu(tmp_path):
+    layouts = {
+        "dp2": [],
+        "tp2sp": TP2SP,
+        "dp2-full": RECOMPUTE_FLAGS["full"],
+        "cp2-qkv-packed": CP2_QKV_PACKED,
+        "dp2-tiles": TILES,
+    }
+    per_rank = run_distributed(
+        w_recipe_runs, 2, _pairs(layouts, FSDP2), str(tmp_path), _measure, timeout=600
+    )
+    for rank, results in enumerate(per_rank):
+        for name in layouts:
+            assert_same_training(results[f"{name}-fsdp2"], results[name], f"rank {rank} {name}")
+
+
+def test_fsdp2_offload_keeps_the_model_on_the_host_of_the_emulated_npu(tmp_path):
+    layouts = {"dp2": [], "tp2sp": TP2SP, "dp2-activations": ACTIVATIONS}
+    per_rank = run_distributed(
+        w_recipe_runs,
+        2,
+        _pairs(layouts, OFFLOAD),
+        str(tmp_path),
+        _measure,
+        _device_bytes,
+        timeout=600,
+        emulate_npu=True,
+    )
+    on = {"parameters", "gradients", "optimizer"}
+    for rank, results in enumerate(per_rank):
+        for name in layouts:
+            oracle, streamed, label = results[name], results[f"{name}-fsdp2"], f"rank {rank} {name}"
+            assert_same_training(streamed, oracle, label)
+            assert oracle["placement"] == dict.fromkeys(on, {"npu"}), label
+            assert streamed["placement"] == dict.fromkeys(on, {"cpu"}), label
+            # the oracle holds weights, gradients and Adam's state on the device
+            assert oracle["device_bytes"] > 2 * oracle["parameter_bytes"], label
+
+
+def _w_resume(rank, world_size, root):
+    """Worker: ``{save dir: [(loss, grad norm) per logged iteration]}`` of a 4-iteration run,
+    one stopped after 2, and that one resumed."""
+    import json
+
+    from megatron.core import parallel_state
+
+    from mcore_flash.runtime import distributed
+    from mcore_flash.training import loop
+
+    def run(save, *flags):
+        config = parse_config(
+            [
+                *TINY,
+                *FSDP2,
+                "--train-iters",
+                "4",
+                "--log-interval",
+                "1",
+                "--save",
+                f"{root}/{save}",
+                *flags,
+            ]
+        )
+        distributed.init_distributed(config)
+        try:
+            loop.train(config)
+        finally:
+            parallel_state.destroy_model_parallel()
+
+    run("whole")
+    run("stopped", "--exit-interval", "2")
+    run("stopped", "--load", f"{root}/stopped")
+    logged = {}
+    for save in ("whole", "stopped"):
+        with open(f"{root}/{save}/metrics.jsonl") as lines:
+            records = [json.loads(line) for line in lines]
+        logged[save] = [(r["iteration"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+    return logged
+
+
+def test_fsdp2_resumes_exactly(tmp_path):
+    """Save after 2 of 4 iterations, resume: the same losses and grad norms as without a stop
+    (megatron's dist checkpointing of the FSDP2 shards, and the Adam state made DTensors again)."""
+    (logged,) = run_distributed(_w_resume, 1, str(tmp_path), timeout=300)
+    assert [entry[0] for entry in logged["stopped"]] == [1, 2, 3, 4]
+    assert logged["stopped"] == logged["whole"]
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        ([*FSDP2, "--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size"]),
+        ([*FSDP2, *ORACLE], ["--use-distributed-optimizer"]),
+        ([*FSDP2, "--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
+        ([*FSDP2, "--fp16"], ["--fp16", "--bf16"]),
+        (
+            [*FSDP2, "--model", "llama3.2-1b"],
+            ["--untie-embeddings-and-output-weights"],
+        ),
+        (["--fsdp2-offload-to-cpu"], ["--use-torch-fsdp2"]),
+        (["--fsdp2-config-path", "x.yaml"], ["--use-torch-fsdp2"]),
+    ],
+)
+def test_what_fsdp2_cannot_combine_is_refused_by_name(argv, names):
+    message = refusal(argv)
+    assert all(name in message for name in names), message
+
+
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        ("offload_to_cpu: true\nsharding_size: 8\n", ["'sharding_size'", "offload_to_cpu"]),
+        ("pin_memory: 'yes'\n", ["pin_memory", "bool"]),
+        ("param_dtype: fp16\n", ["param_dtype", "bf16, fp32"]),
+        ("- offload_to_cpu\n", ["mapping"]),
+    ],
+)
+def test_a_bad_fsdp2_config_file_is_refused_naming_the_key(tmp_path, text, names):
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(text)
+    message = refusal([*FSDP2, "--fsdp2-config-path", str(path)])
+    assert str(path) in message and all(name in message for name in names), message
+
+
+def test_the_config_file_sets_what_mindspeed_names(tmp_path):
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text("offload_to_cpu: true\npin_memory: false\nreshard_after_forward: false\n")
+    settings = parse_config([*TINY, *FSDP2, "--fsdp2-config-path", str(path)], world_size=2).fsdp2
+    assert (settings.offload_to_cpu, settings.pin_memory, settings.reshard_after_forward) == (
+        True,
+        False,
+        False,
+    )
+    assert (settings.param_dtype, settings.reduce_dtype) == ("fp32", "fp32")
+    flag = parse_config([*TINY, *OFFLOAD, "--bf16"], world_size=2).fsdp2
+    assert flag.offload_to_cpu and flag.pin_memory and flag.param_dtype == "bf16"
+
+
+def test_offload_on_the_cpu_is_refused_by_name():
+    from mcore_flash.training.fsdp2 import check_offload_device
+
+    settings = parse_config([*TINY, *OFFLOAD], world_size=2).fsdp2
+    with pytest.raises(ValueError, match="--fsdp2-offload-to-cpu.*--emulate-npu"):
+        check_offload_device(settings, torch.device("cpu"))
