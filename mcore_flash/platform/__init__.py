@@ -8,7 +8,7 @@ to: ``transfer_to_npu`` (Ascend's own), :mod:`.npu_device_capability`,
 :mod:`.megatron_tensor_methods`, :mod:`.checkpoint_without_output`,
 :mod:`.megatron_torch_view`, :mod:`.megatron_cpu_rng`, :mod:`.megatron_fsdp_device_mesh`,
 :mod:`.megatron_fsdp_premul_sum`, :mod:`.megatron_fsdp_cpu_view`,
-:mod:`.te_version_without_te`, :mod:`.megatron_fsdp_no_te`, :mod:`.megatron_clip_host_grads`, :mod:`.megatron_optimizer_ckpt_dtensor`.
+:mod:`.te_version_without_te`, :mod:`.megatron_fsdp_no_te`, :mod:`.megatron_clip_host_grads`, :mod:`.megatron_optimizer_ckpt_dtensor`, :mod:`.megatron_swiglu_fsdp2_checkpoint`.
 Torch FSDP2's wrapper (:mod:`.torch_fsdp2`) and its gradient finalisation
 (:mod:`.megatron_finalize_host_grads`) are classes and functions the trainer uses, not
 patches. ``docs/megatron-spec.md``, "The
@@ -36,6 +36,7 @@ from .megatron_fsdp_device_mesh import megatron_fsdp_device_mesh
 from .megatron_fsdp_no_te import megatron_fsdp_no_te
 from .megatron_fsdp_premul_sum import megatron_fsdp_premul_sum
 from .megatron_optimizer_ckpt_dtensor import megatron_optimizer_ckpt_dtensor
+from .megatron_swiglu_fsdp2_checkpoint import megatron_swiglu_fsdp2_checkpoint
 from .megatron_tensor_methods import megatron_npu_tensor_type, megatron_tensor_methods
 from .megatron_torch_view import megatron_torch_view
 from .npu_device_capability import npu_device_capability
@@ -64,6 +65,7 @@ _ADAPTATIONS = {
         te_version_without_te,
         megatron_clip_host_grads,
         megatron_optimizer_ckpt_dtensor,
+        megatron_swiglu_fsdp2_checkpoint,
     ),
     "cuda": (
         checkpoint_without_output_no_te,
@@ -71,6 +73,7 @@ _ADAPTATIONS = {
         te_version_without_te,
         megatron_clip_host_grads,
         megatron_optimizer_ckpt_dtensor,
+        megatron_swiglu_fsdp2_checkpoint,
     ),
     "cpu": (
         megatron_torch_view,
@@ -83,6 +86,7 @@ _ADAPTATIONS = {
         megatron_fsdp_cpu_view,
         te_version_without_te,
         megatron_optimizer_ckpt_dtensor,
+        megatron_swiglu_fsdp2_checkpoint,
     ),
 }
 

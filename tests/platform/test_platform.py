@@ -150,6 +150,7 @@ def _setup_section():
     x = torch.ones(3)
     out = dict(
         te_version_is_none=_te_version_is_none(),
+        swiglu_factory_maps_fsdp2=_swiglu_factory_maps_fsdp2(),
         first=first,
         second=platform.applied_adaptations(),
         idempotent=(
@@ -213,6 +214,16 @@ def _raises(fn):
 TE_VERSION_CHECK_FAILS_WITHOUT_TE = {True: ["te_version_without_te"], False: []}
 
 
+def _swiglu_factory_maps_fsdp2() -> bool:
+    """megatron-core 0.19's SwiGLU checkpoint factory takes the data-parallel group and places
+    FSDP2's pieces itself; 0.16-0.18's needs ``megatron_swiglu_fsdp2_checkpoint``."""
+    import inspect
+
+    from megatron.core.transformer import mlp
+
+    return "dp_group" in inspect.signature(mlp.apply_swiglu_sharded_factory).parameters
+
+
 def _te_version_is_none() -> bool:
     from megatron.core.utils import get_te_version
 
@@ -232,6 +243,7 @@ def test_setup_is_idempotent_and_megatron_scoped(single):
         "megatron_fsdp_cpu_view",
         *TE_VERSION_CHECK_FAILS_WITHOUT_TE[out["te_version_is_none"]],
         "megatron_optimizer_ckpt_dtensor",
+        *([] if out["swiglu_factory_maps_fsdp2"] else ["megatron_swiglu_fsdp2_checkpoint"]),
     ]
     assert out["second"] == out["first"]
     assert out["idempotent"]
@@ -326,6 +338,7 @@ def _w_npu_setup(rank, world_size):
     )  # asserts .type()
     return dict(
         te_version_is_none=_te_version_is_none(),
+        swiglu_factory_maps_fsdp2=_swiglu_factory_maps_fsdp2(),
         device=device,
         applied=platform.applied_adaptations(),
         torch_device=str(platform.torch_device()),
@@ -397,6 +410,7 @@ def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
         *TE_VERSION_CHECK_FAILS_WITHOUT_TE[out["te_version_is_none"]],
         "megatron_clip_host_grads",
         "megatron_optimizer_ckpt_dtensor",
+        *([] if out["swiglu_factory_maps_fsdp2"] else ["megatron_swiglu_fsdp2_checkpoint"]),
     ]
     assert (
         out["torch_device"] == out["tensor_device"] == "npu:3"

@@ -19,6 +19,7 @@ from mcore_flash.planning.parallel_layout import RECOMPUTE_FLAGS
 from mcore_flash.runtime.arguments import parse_config
 
 from _support.dist_utils import run_distributed
+from _support.exports import assert_exports
 from _support.recipe_runs import TINY, assert_same_training, full_weights, refusal, w_recipe_runs
 
 ORACLE = ["--use-distributed-optimizer"]
@@ -170,6 +171,32 @@ def test_fsdp2_resumes_exactly(tmp_path):
     (logged,) = run_distributed(_w_resume, 1, str(tmp_path), timeout=300)
     assert [entry[0] for entry in logged["stopped"]] == [1, 2, 3, 4]
     assert logged["stopped"] == logged["whole"]
+
+
+def _w_saved_weights(rank, world_size, root):
+    """Worker: train 2 iterations with FSDP2 at DP2, saving into ``root``; the gathered weights."""
+    from megatron.core import parallel_state
+
+    from mcore_flash.runtime import distributed
+    from mcore_flash.training import loop
+
+    config = parse_config([*TINY, *FSDP2, "--train-iters", "2", "--save", root])
+    distributed.init_distributed(config)
+    recipe = loop.PretrainRecipe(config)
+    try:
+        recipe.train()
+        return full_weights(recipe.model_chunks[0])
+    finally:
+        recipe.cleanup()
+        parallel_state.destroy_model_parallel()
+
+
+def test_a_dp2_fsdp2_checkpoint_exports_the_weights_it_trained(tmp_path):
+    """Each rank's FSDP2 piece of a SwiGLU linear_fc1 lies in its gate or its up half: the
+    checkpoint must put it there (megatron-core 0.16-0.18 cut it in two as if it were a
+    tensor-parallel shard: every gate and up weight scrambled in any other layout)."""
+    weights, _ = run_distributed(_w_saved_weights, 2, str(tmp_path / "run"), timeout=300)
+    assert_exports(str(tmp_path / "run"), str(tmp_path / "hf"), weights, 2)
 
 
 @pytest.mark.parametrize(
