@@ -125,8 +125,9 @@ def test_fsdp2_offload_keeps_the_model_on_the_host_of_the_emulated_npu(tmp_path)
 
 
 def _w_resume(rank, world_size, root):
-    """Worker: ``{save dir: [(loss, grad norm) per logged iteration]}`` of a 4-iteration run,
-    one stopped after 2, and that one resumed."""
+    """Worker: ``{save dir: [(iteration, loss, grad norm) per logged iteration]}`` of a
+    4-iteration FSDP2 run, one stopped after 2 and resumed, and a run without FSDP2 (megatron's
+    DDP and plain optimizer) stopped after 2 and resumed with FSDP2."""
     import json
 
     from megatron.core import parallel_state
@@ -135,42 +136,39 @@ def _w_resume(rank, world_size, root):
     from mcore_flash.training import loop
 
     def run(save, *flags):
-        config = parse_config(
-            [
-                *TINY,
-                *FSDP2,
-                "--train-iters",
-                "4",
-                "--log-interval",
-                "1",
-                "--save",
-                f"{root}/{save}",
-                *flags,
-            ]
-        )
+        argv = [*TINY, "--train-iters", "4", "--log-interval", "1", "--save", f"{root}/{save}"]
+        config = parse_config([*argv, *flags])
         distributed.init_distributed(config)
         try:
             loop.train(config)
         finally:
             parallel_state.destroy_model_parallel()
 
-    run("whole")
-    run("stopped", "--exit-interval", "2")
-    run("stopped", "--load", f"{root}/stopped")
+    run("whole", *FSDP2)
+    run("stopped", *FSDP2, "--exit-interval", "2")
+    run("stopped", *FSDP2, "--load", f"{root}/stopped")
+    run("from-ddp", "--exit-interval", "2")
+    run("from-ddp", *FSDP2, "--load", f"{root}/from-ddp")
     logged = {}
-    for save in ("whole", "stopped"):
+    for save in ("whole", "stopped", "from-ddp"):
         with open(f"{root}/{save}/metrics.jsonl") as lines:
             records = [json.loads(line) for line in lines]
         logged[save] = [(r["iteration"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
     return logged
 
 
-def test_fsdp2_resumes_exactly(tmp_path):
+def test_fsdp2_resumes_exactly_and_from_a_checkpoint_without_fsdp(tmp_path):
     """Save after 2 of 4 iterations, resume: the same losses and grad norms as without a stop
-    (megatron's dist checkpointing of the FSDP2 shards, and the Adam state made DTensors again)."""
+    (megatron's dist checkpointing of the FSDP2 shards, and the Adam state made DTensors
+    again); a checkpoint of megatron's DDP and plain optimizer resumes under FSDP2 to the same
+    run (1e-5: the two wrappers sum gradients in other orders)."""
     (logged,) = run_distributed(_w_resume, 1, str(tmp_path), timeout=300)
     assert [entry[0] for entry in logged["stopped"]] == [1, 2, 3, 4]
     assert logged["stopped"] == logged["whole"]
+    assert [entry[0] for entry in logged["from-ddp"]] == [1, 2, 3, 4]
+    for (_, loss, norm), (_, want_loss, want_norm) in zip(logged["from-ddp"], logged["whole"]):
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        assert norm == pytest.approx(want_norm, rel=1e-5)
 
 
 def _w_saved_weights(rank, world_size, root):
