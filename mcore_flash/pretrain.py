@@ -44,7 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         emulation.install()  # platform.setup() now finds the emulated torch_npu
     code, summary = _train(config)
     if code == 0 and config.emulate_npu:
-        _write_rehearsal_report(config.save, summary["optimizer_state"])
+        _write_rehearsal_report(config.save, summary["optimizer_state"], summary["model_state"])
     return code
 
 
@@ -110,16 +110,20 @@ def _train(config: TrainingConfig) -> tuple[int, Optional[dict]]:
     return 0, summary  # the done line: the last rank's, from the loop
 
 
-def _write_rehearsal_report(save_dir: str, optimizer_state: dict) -> None:
+def _write_rehearsal_report(save_dir: str, optimizer_state: dict, model_state: dict) -> None:
     """``emulated_npu_rank<r>.json`` in ``--save``: what this rank's rehearsal exercised, and
-    where its optimizer state lives (``{device type: {dtype: bytes}}``)."""
+    where its optimizer state and its weights live (``{device type: {dtype: bytes}}``)."""
     import json
     import os
 
     from mcore_flash import emulation
 
     rank = int(os.environ.get("RANK", "0"))
-    report = {**emulation.report(), "optimizer_state_bytes": optimizer_state}
+    report = {
+        **emulation.report(),
+        "optimizer_state_bytes": optimizer_state,
+        "model_state_bytes": model_state,
+    }
     path = os.path.join(save_dir, f"emulated_npu_rank{rank:05d}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)

@@ -497,6 +497,21 @@ OFFLOAD_DRILL = Drill(
     "<!-- fault-table-offload:begin -->",
     "<!-- fault-table-offload:end -->",
 )
+# torch FSDP2 with its host offload (--use-torch-fsdp2 --fsdp2-offload-to-cpu: weights,
+# gradients and Adam state on the host) on the emulated NPU (the CPU path refuses the offload):
+# every point of the chain
+FSDP2_DRILL = Drill(
+    (
+        *(flag for flag in FLAGS if flag != "--use-distributed-optimizer"),
+        "--emulate-npu",
+        "--use-torch-fsdp2",
+        "--fsdp2-offload-to-cpu",
+    ),
+    CHAIN,
+    ITERATIONS,
+    "<!-- fault-table-fsdp2:begin -->",
+    "<!-- fault-table-fsdp2:end -->",
+)
 # --async-save: kills while a background write is in flight (the model points of the iteration
 # after a save, whose writer may still be running), in the background writer itself, and in the
 # publishing that follows it. Spaced so that each resumed launch publishes a checkpoint before
@@ -549,19 +564,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         action="store_true",
         help="the drill with --optimizer-cpu-offload on the emulated NPU (its own table, no disk-full row)",
     )
-    args = parser.parse_args(argv)
-    drill = (
-        FSDP_DRILL
-        if args.fsdp
-        else ASYNC_DRILL
-        if args.async_save
-        else OFFLOAD_DRILL
-        if args.offload
-        else DRILL
+    kind.add_argument(
+        "--fsdp2",
+        action="store_true",
+        help="the drill with --use-torch-fsdp2 --fsdp2-offload-to-cpu on the emulated NPU (its own "
+        "table, no disk-full row)",
     )
+    args = parser.parse_args(argv)
+    chosen = [
+        (args.fsdp, FSDP_DRILL),
+        (args.async_save, ASYNC_DRILL),
+        (args.offload, OFFLOAD_DRILL),
+    ]
+    chosen.append((args.fsdp2, FSDP2_DRILL))
+    drill = next((drill for asked, drill in chosen if asked), DRILL)
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         parser.error(f"--work-dir {args.work_dir} is not empty")
-    disk_full = not (args.no_disk_full or args.fsdp or args.async_save or args.offload)
+    disk_full = not (args.no_disk_full or drill is not DRILL)
     if disk_full and not can_fill_a_disk():
         if args.write:
             parser.error(

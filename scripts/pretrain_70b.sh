@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Llama-2-70B extended to 131072 tokens by continued pretraining on an Ascend cluster
-# (910B NPUs: 64 GB of HBM, 60.97 GiB of it allocatable), with mcore-flash.
+# A 70B model at 131072 tokens by continued pretraining on an Ascend cluster (910B NPUs: 64 GB
+# of HBM, 60.97 GiB of it allocatable), with mcore-flash. MODEL= llama2-70b (default: extended
+# from 4K), llama3.1-70b or qwen2.5-72b (both trained at 128K already: its own RoPE, ROPE=none).
 #
 #   HF_CHECKPOINT=/models/Llama-2-70b-hf NNODES=32 NODE_RANK=<0..31> MASTER_ADDR=<node 0> \
 #     NPUS_PER_NODE=8 bash scripts/pretrain_70b.sh
+#   MODEL=llama3.1-70b HF_CHECKPOINT=/models/Llama-3.1-70B NUM_DEVICES=8 bash scripts/pretrain_70b.sh
 #   bash scripts/pretrain_70b.sh --dry-run     # on any CPU machine: validate + count, no allocation
 #   bash scripts/pretrain_70b.sh --rehearse    # on any CPU machine: the recipe's code path on 8
 #                                              # emulated NPUs (TP2 x PP2 x CP2), a tiny model
@@ -66,6 +68,12 @@ WORLD_SIZE=$((NNODES * NPUS_PER_NODE))
 
 SEQ_LENGTH=131072
 GLOBAL_BATCH=${GLOBAL_BATCH:-32}
+MODEL=${MODEL:-llama2-70b}
+case "$MODEL" in
+  llama2-70b) DEFAULT_ROPE=abf ;;
+  llama3.1-70b|qwen2.5-72b) DEFAULT_ROPE=none ;;
+  *) echo "MODEL=$MODEL: choose llama2-70b, llama3.1-70b or qwen2.5-72b" >&2; exit 2 ;;
+esac
 PYTHON=${PYTHON:-python}
 # the planner's best fitting layout for this world size (pure Python, well under a second):
 # TP PP CP, the sharding strategy, its rung, its limits (--distributed-timeout-minutes,
@@ -73,11 +81,12 @@ PYTHON=${PYTHON:-python}
 # activations, bf16 gradients). The plan counts HCCL's buffers at the HCCL_BUFFSIZE exported below.
 HCCL_BUFFSIZE=${HCCL_BUFFSIZE:-200}
 read -r PLAN_TP PLAN_PP PLAN_CP PLAN_SHARDING PLAN_RUNG PLAN_TIMEOUT PLAN_HCCL_EXEC_TIMEOUT PLAN_REST < <(
-  "$PYTHON" -m mcore_flash.planning.cli --search --model llama2-70b --seq-length "$SEQ_LENGTH" \
+  "$PYTHON" -m mcore_flash.planning.cli --search --model "$MODEL" --seq-length "$SEQ_LENGTH" \
     --num-devices "$WORLD_SIZE" --global-batch-size "$GLOBAL_BATCH" --hccl-buffsize "$HCCL_BUFFSIZE" \
     --hardware ascend-910b-64g ${HOST_MEMORY:+--host-memory "$HOST_MEMORY"} --top 1 --json |
   "$PYTHON" -c 'import json, sys; best = json.load(sys.stdin)["layouts"][0]; lay = best["layout"]
-offload, limits = best["offload_flags"] + best["gradient_flags"], best["timeouts"]
+offload = best["offload_flags"] + best["gradient_flags"] + best["tiling_flags"] + best["streaming_flags"]
+limits = best["timeouts"]
 print(lay["tp"], lay["pp"], lay["cp"], lay["fsdp"] or "none", best["rung"].replace(" ", "-"),
       limits["distributed_timeout_minutes"], limits["hccl_exec_timeout_s"], *best["recompute_flags"], "::", *offload)'
 ) || { echo "mcore-flash plan --search found no layout of $WORLD_SIZE NPUs that fits their capacity with 5% free" >&2; exit 2; }
@@ -89,11 +98,17 @@ PP=${PP:-$PLAN_PP}
 CP=${CP:-$PLAN_CP}
 SHARDING=${SHARDING:-$PLAN_SHARDING}
 RECOMPUTE=${RECOMPUTE:-planner}  # planner: the plan's recompute flags (partial recompute included)
-DATA_PATH=${DATA_PATH:-/data/llama2_text_document}
-SAVE=${SAVE:-/ckpt/llama2-70b-128k}
+DATA_PATH=${DATA_PATH:-/data/${MODEL}_text_document}
+SAVE=${SAVE:-/ckpt/$MODEL-128k}
 HF_CHECKPOINT=${HF_CHECKPOINT:-}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-${HF_CHECKPOINT:-/models/llama-2-70b}/tokenizer.model}
-ROPE=${ROPE:-abf}
+if [[ "$MODEL" == llama2-70b ]]; then  # Llama-2's SentencePiece model; the others' tokenizer.json
+  TOKENIZER_ARGS=(--tokenizer-type SentencePieceTokenizer
+                  --tokenizer-model "${TOKENIZER_MODEL:-${HF_CHECKPOINT:-/models/llama-2-70b}/tokenizer.model}")
+else
+  TOKENIZER_ARGS=(--tokenizer-type HuggingFaceTokenizer
+                  --tokenizer-model "${TOKENIZER_MODEL:-${HF_CHECKPOINT:-/models/$MODEL}}")
+fi
+ROPE=${ROPE:-$DEFAULT_ROPE}
 DOCUMENT_MASKING=${DOCUMENT_MASKING:-1}
 
 # Ascend runtime: expandable segments against fragmentation at 128K; HCCL's buffers as planned
@@ -121,7 +136,8 @@ case "$RECOMPUTE" in
   *) echo "RECOMPUTE=$RECOMPUTE: choose none, qkv, attention or full" >&2; exit 2 ;;
 esac
 
-# host offload (rung 4): the plan's flags, or OFFLOAD=none
+# host offload (rungs 4-6: optimizer, activations, bf16 gradients, sequence tiles, weights
+# streamed by torch FSDP2): the plan's flags, or OFFLOAD=none
 OFFLOAD=${OFFLOAD:-planner}
 case "$OFFLOAD" in
   planner) OFFLOAD_ARGS=("${PLAN_OFFLOAD_ARGS[@]}") ;;
@@ -130,8 +146,9 @@ case "$OFFLOAD" in
 esac
 
 case "$SHARDING" in
-  none) SHARDING_ARGS=() ;;
-  optim_grads_params|optim_grads) SHARDING_ARGS=(--use-megatron-fsdp --data-parallel-sharding-strategy "$SHARDING") ;;
+  none) SHARDING_ARGS=(--use-distributed-optimizer --overlap-grad-reduce) ;;
+  optim_grads_params|optim_grads) SHARDING_ARGS=(--use-distributed-optimizer --overlap-grad-reduce
+                                                 --use-megatron-fsdp --data-parallel-sharding-strategy "$SHARDING") ;;
   *) echo "SHARDING=$SHARDING: choose none, optim_grads_params or optim_grads" >&2; exit 2 ;;
 esac
 
@@ -148,15 +165,17 @@ case "$DOCUMENT_MASKING" in
   *) echo "DOCUMENT_MASKING=$DOCUMENT_MASKING: choose 1 (attend within documents) or 0" >&2; exit 2 ;;
 esac
 
+# streamed weights (torch FSDP2) shard the optimizer themselves: no distributed optimizer
+[[ " ${OFFLOAD_ARGS[*]} " == *" --use-torch-fsdp2 "* ]] && SHARDING_ARGS=()
+
 ARGS=(
-  --model llama2-70b
+  --model "$MODEL"
   "${ROPE_ARGS[@]}"
   "${DOCUMENT_ARGS[@]}"
   --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
   --tensor-model-parallel-size "$TP" --sequence-parallel
   --pipeline-model-parallel-size "$PP"
   --context-parallel-size "$CP" --cp-comm-type p2p
-  --use-distributed-optimizer --overlap-grad-reduce
   "${SHARDING_ARGS[@]}"
   "${RECOMPUTE_ARGS[@]}"
   "${OFFLOAD_ARGS[@]}"
@@ -166,7 +185,7 @@ ARGS=(
   --lr 1.0e-5 --min-lr 1.0e-6 --lr-decay-style cosine --lr-warmup-iters 100
   --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
   --train-iters 2000
-  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+  "${TOKENIZER_ARGS[@]}"
   --data-path "$DATA_PATH" --split 100,0,0
   --save "$SAVE" --save-interval 100 --log-interval 1
   --distributed-timeout-minutes "$DISTRIBUTED_TIMEOUT_MINUTES"
@@ -212,9 +231,9 @@ if [[ " $* " == *" --rehearse "* ]]; then
     esac
     REHEARSAL+=("$a")
   done
-  # Megatron-FSDP does not pipeline here (refused by name): its rehearsal shards over DP2 x CP2
+  # Megatron-FSDP and FSDP2 do not pipeline here (refused by name): they shard over DP2 x CP2
   REHEARSAL_PP=2
-  [[ "$SHARDING" == none ]] || REHEARSAL_PP=1
+  [[ "$SHARDING" == none && ${#SHARDING_ARGS[@]} -gt 0 ]] || REHEARSAL_PP=1  # FSDP2 too
   REHEARSAL+=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size "$REHEARSAL_PP" --context-parallel-size 2
               --num-layers 4 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 --num-query-groups 2
               --seq-length 128 --max-position-embeddings 128 --global-batch-size 2 --train-iters 2 --lr-warmup-iters 1

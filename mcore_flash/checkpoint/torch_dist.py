@@ -7,6 +7,7 @@ collective."""
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 
@@ -16,7 +17,10 @@ def save(path: str, model_chunks: list, optimizer, scheduler, common: dict) -> N
     from megatron.core import dist_checkpointing
 
     dist_checkpointing.save(
-        {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common}, path
+        _interned(
+            {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common}
+        ),
+        path,
     )
 
 
@@ -32,7 +36,9 @@ def async_request(path: str, model_chunks: list, optimizer, scheduler, common: d
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         strategy = {"async_strategy": "mcore"}
     return dist_checkpointing.save(
-        {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common},
+        _interned(
+            {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common}
+        ),
         path,
         async_sharded_save=True,
         **strategy,
@@ -144,26 +150,43 @@ def _restore_adam_steps(optimizer, loaded_state: dict) -> None:
             param_state["step"] = torch.tensor(step)
 
 
+def _interned(state):
+    """``state``'s dicts, lists and tuples rebuilt with every string interned, so that equal
+    state pickles into equal bytes (``common.pt``): pickle writes a string it has seen as a
+    reference to the same object, and a resumed run's strings (a loaded optimizer's
+    ``param_groups`` keys) are other objects than an uninterrupted run's (the code's
+    constants)."""
+    if isinstance(state, str):
+        return sys.intern(state)
+    if type(state) is dict:
+        return {_interned(key): _interned(value) for key, value in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(_interned(item) for item in state)
+    return state
+
+
 def _restore_sharded_state(optimizer) -> None:
     """Make the loaded Adam state of each torch FSDP2 parameter (a DTensor) a DTensor sharded as
-    the parameter again: megatron's optimizer checkpoint holds, and so loads, the local shards,
-    and torch's Adam refuses to mix the two ("got mixed torch.Tensor and DTensor")."""
+    the parameter, its local shard where the parameter's is (the host, with FSDP2's offload):
+    megatron's optimizer checkpoint holds, and so loads, the local shards, which torch's
+    ``load_state_dict`` moves to the parameter's mesh device; torch's Adam refuses to mix plain
+    tensors and DTensors, or host and device shards."""
     from torch.distributed.tensor import DTensor
 
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         for param, state in inner.optimizer.state.items():
             if not isinstance(param, DTensor):
                 continue
+            home = param.to_local().device
             for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0 and not isinstance(value, DTensor):
-                    state[key] = DTensor.from_local(
-                        value,
-                        param.device_mesh,
-                        param.placements,
-                        run_check=False,
-                        shape=param.shape,
-                        stride=param.stride(),
-                    )
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    continue
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if isinstance(value, DTensor) and local.device == home:
+                    continue
+                # as FSDP2 makes its host shards (``_fsdp_common._from_local_no_grad``):
+                # ``DTensor.from_local`` would move the shard to the mesh's device
+                state[key] = DTensor(local.to(home), param._spec, requires_grad=False)
 
 
 def _unwrap(model):

@@ -45,6 +45,7 @@ from .plan_flags import (
     offload_fraction,
     resolve_flags,
     seq_tokens,
+    stream_weights,
     tiles,
 )
 from .recipes import PlannedRun
@@ -79,7 +80,7 @@ class Inputs(NamedTuple):
     model: ModelShape  # --model
     hardware: HardwareProfile  # --hardware, with --hccl-buffsize's communicator buffers
     device_memory: int  # --device-memory, bytes (default the profile's capacity)
-    min_free_memory: int  # --min-free-memory, bytes
+    min_free_memory: Optional[int]  # --min-free-memory, bytes (None: each plan's default)
     dtype_bytes: int  # --dtype: bytes per parameter and activation element
 
 
@@ -117,8 +118,11 @@ def resolve(args) -> Inputs:
     )
 
 
-def _min_free_memory(value: str, device_memory: int) -> int:
-    """``--min-free-memory``: a size, or a share of ``device_memory`` ("5%"), in bytes."""
+def _min_free_memory(value: Optional[str], device_memory: int) -> Optional[int]:
+    """``--min-free-memory``: a size, or a share of ``device_memory`` ("5%"), in bytes; None
+    when not given (each plan's default, :func:`.memory.default_min_free_memory`)."""
+    if value is None:
+        return None
     text = value.strip()
     try:
         free = (
@@ -224,6 +228,7 @@ def _plan(args, inputs: Inputs) -> int:
         overlap_grad_reduce=args.overlap_grad_reduce,
         loss_chunk_size=loss_chunk_size,
         mlp_chunk_size=mlp_chunk_size,
+        stream_weights=stream_weights(args),
     )
     return _print_plan(args, inputs, args.seq_length, layout)
 
@@ -383,7 +388,7 @@ def _search(args, inputs: Inputs) -> int:
             + (
                 " (ZeRO-3 with Megatron-FSDP was tried too"
                 + (
-                    "; host offload too)"
+                    "; host offload and weight streaming too)"
                     if args.offload
                     else "; host offload was not: drop --no-offload)"
                 )

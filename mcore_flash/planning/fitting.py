@@ -7,13 +7,15 @@ pipeline chunk recomputed whole that make it fit (``Layout.recompute_num_layers`
 recompute just enough, by bisection); one that still does not fit with each Megatron-FSDP
 strategy it is given, or with the least host offload that fits: the least optimizer
 offload fraction of :data:`OFFLOAD_FRACTIONS`, else the whole optimizer and the fewest
-activation-offloaded layers per stage (:func:`least_offload`).
+activation-offloaded layers per stage (:func:`least_offload`); on the streaming rung its
+weights streamed from the host with the fewest activation-offloaded layers
+(:func:`least_streaming`).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .hardware import HOST_FIELDS, HardwareProfile
 from .memory import plan_memory
@@ -26,6 +28,7 @@ __all__ = [
     "climb_layout",
     "knows_host",
     "least_offload",
+    "least_streaming",
     "replanned",
 ]
 
@@ -52,17 +55,28 @@ def climb_layout(
     plan_kwargs: dict,
     host_offload: bool = False,
     moments: str = "fp32",
+    streaming: bool = False,
 ) -> list[MemoryPlan]:
     """The plans of ``layout`` up the ladder: itself (with just enough partial recompute);
     if that does not fit, one plan per FSDP strategy of ``fsdp_choices`` (dp x cp > 1),
     each with just enough partial recompute, or with ``host_offload`` its least host
-    offload that fits (:func:`least_offload`, host moments in ``moments``), keeping the
-    non-fitting first plan only when nothing fits either."""
+    offload that fits (:func:`least_offload`, host moments in ``moments``), or with
+    ``streaming`` its weights streamed (:func:`least_streaming`), keeping the non-fitting
+    first plan only when nothing fits either."""
     plan = _just_enough_recompute(
         plan_memory(model, seq_length, layout, device_memory=device_memory, **plan_kwargs),
         partial_recompute,
         plan_kwargs,
     )
+    if (
+        not plan.fits
+        and streaming
+        and layout.pp == 1  # the trainer runs FSDP2 at --pipeline-model-parallel-size 1
+        and layout.fsdp is None
+        and model.untie_embeddings_and_output_weights
+        and knows_host(plan_kwargs["hardware"])
+    ):
+        return [least_streaming(plan, plan_kwargs) or plan]
     if (
         not plan.fits
         and host_offload
@@ -129,10 +143,48 @@ def least_offload(
             return candidate
         if candidate.host.fits is False:  # more offload only needs more host
             return None
-    best, low, high = None, 1, plan.model.num_layers // plan.layout.pp
+    return _fewest_offloaded_layers(
+        lambda layers: planned(1.0, layers), plan.model.num_layers // plan.layout.pp
+    )
+
+
+def least_streaming(plan: MemoryPlan, plan_kwargs: dict) -> Optional[MemoryPlan]:
+    """The fitting plan of ``plan``'s layout (PP1) with its weights, gradients and optimizer
+    state streamed from the host (``Layout.stream_weights``: FSDP2 with CPU offload, no
+    distributed optimizer, fp32 gradients and moments, no optimizer offload) and the fewest
+    activation-offloaded layers (none first); None when even every layer offloaded does not
+    fit, or the host cannot hold the model's state."""
+
+    def planned(layers: int) -> MemoryPlan:
+        return replanned(
+            plan,
+            plan_kwargs,
+            stream_weights=True,
+            distributed_optimizer=False,
+            grad_reduce_in_bf16=False,
+            optimizer_offload_fraction=0.0,
+            overlap_cpu_optimizer=False,
+            host_moment_dtype="fp32",
+            activation_offload_layers=layers,
+        )
+
+    candidate = planned(0)
+    if candidate.fits:
+        return candidate
+    if candidate.host.fits is False:
+        return None
+    return _fewest_offloaded_layers(planned, plan.model.num_layers)
+
+
+def _fewest_offloaded_layers(
+    planned: Callable[[int], MemoryPlan], layers: int
+) -> Optional[MemoryPlan]:
+    """The fitting plan ``planned(n)`` with the fewest activation-offloaded layers ``n`` in
+    ``1..layers`` (device bytes fall as ``n`` grows, host bytes rise: bisection), or None."""
+    best, low, high = None, 1, layers
     while low <= high:
         mid = (low + high) // 2
-        candidate = planned(1.0, mid)
+        candidate = planned(mid)
         if candidate.fits:
             best, high = candidate, mid - 1
         elif candidate.device_fits:  # the host is full: more layers only add to it

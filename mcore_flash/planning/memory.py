@@ -42,6 +42,7 @@ from .parameters import (
     total_parameters,
 )
 from .plans import MemoryPlan, StagePlan
+from .streaming import stream_device_bytes, stream_host_bytes
 from .units import BF16_BYTES, FP32_BYTES, GiB
 
 __all__ = [
@@ -49,12 +50,19 @@ __all__ = [
     "collective_library_bytes",
     "default_min_free_memory",
     "MIN_FREE_SHARE",
+    "MIN_FREE_SHARE_HOST",
 ]
 
 # the share of the device memory a fitting plan leaves free by default (--min-free-memory):
 # its transient buffers, fragmentation and runtime reserve are estimates, and an allocator
 # near its capacity fails on the first fragmented request; 5% is 3.05 GiB of a 910B's 60.97
 MIN_FREE_SHARE = 0.05
+# ... and of a layout that keeps state on the host (the offload and streaming rungs): their
+# host-device copies run on side streams whose buffers the caching allocator frees only when
+# the copy's event completes (FSDP2's all-gather and reduce-scatter buffers too), the pinned
+# staging is the runtime's, and none of it is measured on a real device: 10% (6.10 GiB of a
+# 910B), the margin DeepSpeed's and Megatron's users keep for an offloaded run
+MIN_FREE_SHARE_HOST = 0.10
 
 
 def _ceil(x: Fraction | float) -> int:
@@ -279,9 +287,12 @@ def _fsdp_stage_bytes(
     )
 
 
-def default_min_free_memory(device_memory: Optional[int]) -> int:
-    """:data:`MIN_FREE_SHARE` of ``device_memory`` in bytes (0 without one)."""
-    return 0 if device_memory is None else int(MIN_FREE_SHARE * device_memory)
+def default_min_free_memory(device_memory: Optional[int], layout: Optional[Layout] = None) -> int:
+    """:data:`MIN_FREE_SHARE` of ``device_memory`` in bytes (0 without one);
+    :data:`MIN_FREE_SHARE_HOST` of it for a ``layout`` that keeps state on the host
+    (:attr:`.parallel_layout.Layout.offloads`: the offload and streaming rungs)."""
+    share = MIN_FREE_SHARE_HOST if layout is not None and layout.offloads else MIN_FREE_SHARE
+    return 0 if device_memory is None else int(share * device_memory)
 
 
 @dataclass(frozen=True)
@@ -333,8 +344,8 @@ def plan_memory(
 
     ``profile`` names the device behaviour (:data:`.activation_bytes.PROFILES`; ``npu`` for the
     Ascend recipes) unless ``activation_profile`` gives one. ``device_memory`` (bytes) makes
-    the verdict, which keeps ``min_free_memory`` (bytes; default :data:`MIN_FREE_SHARE` of
-    ``device_memory``) of it free; ``runtime_reserve`` (bytes) is set aside for the runtime and collectives;
+    the verdict, which keeps ``min_free_memory`` (bytes; default :func:`default_min_free_memory`:
+    5% of ``device_memory``, 10% with state on the host) of it free; ``runtime_reserve`` (bytes) is set aside for the runtime and collectives;
     ``fragmentation`` is the fraction of the dynamic bytes the allocator loses.
     ``dtype_bytes``: activations, ``param_bytes``: weights; the main gradients are fp32, or
     bf16 with ``layout.grad_reduce_in_bf16`` (which needs ``param_bytes`` 2: ValueError).
@@ -409,7 +420,9 @@ def plan_memory(
         host=host_plan(layout, stages, hardware, host_memory),
         devices_per_node=hardware.devices_per_node,
         min_free_memory=(
-            default_min_free_memory(device_memory) if min_free_memory is None else min_free_memory
+            default_min_free_memory(device_memory, layout)
+            if min_free_memory is None
+            else min_free_memory
         ),
     )
 
@@ -547,6 +560,8 @@ def _stage_plan(inputs: _PlanInputs, stage: int) -> StagePlan:
         else {}
     )
     transient = sum(sharded.get(name, 0) for name in FSDP_CATEGORIES)
+    streamed = stream_device_bytes(model, layout) if layout.stream_weights else {}
+    transient += sum(streamed.values())  # the units in flight are allocated step by step
     kept_activations, kept_statistics, offload_buffers, host_activations = _stage_activations(
         inputs, stage, chunks_in_flight
     )
@@ -586,7 +601,10 @@ def _stage_plan(inputs: _PlanInputs, stage: int) -> StagePlan:
         "host_activations": _ceil(host_activations),
     }
     rank_host: tuple[dict[str, int], ...] = ()
-    if exact_ddp_state(layout):  # the distributed optimizer with offload or bf16 gradients
+    if layout.stream_weights:  # FSDP2 + CPUOffloadPolicy: the state on the host (.streaming)
+        nbytes.update(streamed)
+        host_bytes.update(stream_host_bytes(model, layout))
+    elif exact_ddp_state(layout):  # the distributed optimizer with offload or bf16 gradients
         nbytes, host_bytes, rank_host = exact_ddp_stage(
             model, layout, stage, inputs.param_bytes, nbytes, host_bytes
         )

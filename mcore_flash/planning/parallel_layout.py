@@ -27,6 +27,7 @@ __all__ = [
     "offload_flags",
     "offload_text",
     "gradient_flags",
+    "streaming_flags",
     "tiling_flags",
     "tiling_text",
     "pretrain_command",
@@ -103,6 +104,15 @@ class Layout:
     CP rank's tokens runs untiled, as the trainer does). Each is a positive number of tokens,
     a multiple of ``tp`` under sequence parallelism. Both go with host offload: the MLP tiles
     are megatron's checkpoints, whose saved inputs activation offload parks with the layer's.
+
+    Weight streaming (the ladder's top rung, ``"streaming"``; docs/planner.md, "Weight
+    streaming"): ``stream_weights`` puts the model in torch FSDP2 ``fully_shard`` with
+    ``CPUOffloadPolicy(pin_memory=True)`` over the ``dp * cp`` ranks (``--use-torch-fsdp2
+    --fsdp2-offload-to-cpu``): the fp32 sharded parameters, their gradients and Adam's state
+    live on the host and each unit (the embedding, every layer) is copied to the device for
+    its forward and again for its backward (:mod:`.streaming`). As the trainer: PP1, no
+    distributed optimizer, no Megatron-FSDP, no optimizer offload, fp32 gradient reduction
+    and fp32 moments; it combines with TP/SP/CP, recompute, activation offload and the tiles.
     """
 
     tp: int = 1
@@ -125,6 +135,7 @@ class Layout:
     overlap_grad_reduce: bool = True
     loss_chunk_size: Optional[int] = None
     mlp_chunk_size: Optional[int] = None
+    stream_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "vp", "micro_batch_size"):
@@ -149,6 +160,7 @@ class Layout:
                 "--use-megatron-fsdp implies the distributed optimizer: drop --no-distributed-optimizer"
             )
         self._check_offload()
+        self._check_streaming()
         self._check_tiles()
         if self.vp > 1 and self.pp == 1:
             raise ValueError("an interleaved schedule (vp > 1) needs pp > 1")
@@ -199,6 +211,25 @@ class Layout:
                 "it): add --use-distributed-optimizer"
             )
 
+    def _check_streaming(self) -> None:
+        """ValueError naming the flag for weight streaming the trainer refuses (or the planner
+        does not model)."""
+        if not self.stream_weights:
+            return
+        refused = (
+            (self.pp > 1, "--pipeline-model-parallel-size > 1"),
+            (self.distributed_optimizer, "--use-distributed-optimizer"),
+            (self.fsdp is not None, "--use-megatron-fsdp"),
+            (bool(self.optimizer_offload_fraction), "--optimizer-cpu-offload"),
+            (self.grad_reduce_in_bf16, "--grad-reduce-in-bf16 (FSDP2 reduces in fp32)"),
+        )
+        for bad, flag in refused:
+            if bad:
+                raise ValueError(
+                    f"--use-torch-fsdp2 --fsdp2-offload-to-cpu with {flag}: the trainer refuses the "
+                    "combination (the model's state is already on the host); drop one"
+                )
+
     def _check_tiles(self) -> None:
         """ValueError naming the flag for tiles the trainer refuses (its ``_loss_chunk_size``)."""
         for flag, value in (
@@ -223,17 +254,23 @@ class Layout:
 
     @property
     def offloads(self) -> bool:
-        """Whether anything lives on the host: optimizer state or activations."""
-        return bool(self.optimizer_offload_fraction or self.activation_offload_layers)
+        """Whether anything lives on the host: optimizer state, activations or (streaming)
+        the whole model's state."""
+        return bool(
+            self.optimizer_offload_fraction or self.activation_offload_layers or self.stream_weights
+        )
 
     @property
     def rung(self) -> str:
         """The rung of the memory ladder this layout stands on: ``"flash attention"`` (no
         recompute, no sharding beyond the distributed optimizer), ``"recompute"``,
         ``"ZeRO-3"`` (Megatron-FSDP, with or without recompute), ``"sequence tiling"`` (the
-        tiled loss or MLP, with or without those) or ``"offload"`` (host offload of the
+        tiled loss or MLP, with or without those), ``"offload"`` (host offload of the
         optimizer or of activations, or the narrower state of bf16 main gradients, with or
-        without any of those)."""
+        without any of those) or ``"streaming"`` (weights, gradients and optimizer state on
+        the host, streamed unit by unit: :attr:`stream_weights`)."""
+        if self.stream_weights:
+            return "streaming"
         if self.offloads or self.grad_reduce_in_bf16:
             return "offload"
         if self.tiled:
@@ -248,12 +285,12 @@ class Layout:
     def ddp_bucket_size(self) -> Optional[int]:
         """Elements per gradient bucket of megatron's DDP buffer on the first pipeline stage's
         first model chunk (the others have one bucket: ``disable_bucketing`` for later chunks,
-        ``pp_rank > 0``), or None for one bucket: with ``--overlap-grad-reduce`` megatron's
+        ``pp_rank > 0``), or None for one bucket (and under FSDP2 streaming): with ``--overlap-grad-reduce`` megatron's
         default ``max(40000000, 1000000 x dp)`` (``dp`` without context parallelism:
         ``DistributedDataParallel.__init__``, megatron-core 0.16.1
         ``distributed_data_parallel.py:64-68``, 0.19.2 ``:68-72``); without it None, as under
         Megatron-FSDP."""
-        if not self.overlap_grad_reduce or self.fsdp is not None:
+        if not self.overlap_grad_reduce or self.fsdp is not None or self.stream_weights:
             return None
         return max(40_000_000, 1_000_000 * self.dp)
 
@@ -305,11 +342,14 @@ class Layout:
 
     def to_dict(self) -> dict:
         """The fields, ``num_devices`` and ``num_microbatches``; the tile sizes only where set
-        (the JSON of an untiled layout is what it was before tiling existed)."""
+        and ``stream_weights`` only when on (the JSON of an untiled, unstreamed layout is what
+        it was before either existed)."""
         out = asdict(self)
         for name in ("loss_chunk_size", "mlp_chunk_size"):
             if out[name] is None:
                 del out[name]
+        if not self.stream_weights:
+            del out["stream_weights"]
         out["num_devices"] = self.num_devices
         out["num_microbatches"] = self.num_microbatches
         return out
@@ -357,6 +397,12 @@ def gradient_flags(layout: Layout) -> list[str]:
     return ["--grad-reduce-in-bf16"] if layout.grad_reduce_in_bf16 else []
 
 
+def streaming_flags(layout: Layout) -> list[str]:
+    """``--use-torch-fsdp2 --fsdp2-offload-to-cpu`` for ``layout``'s weight streaming; none
+    without it."""
+    return ["--use-torch-fsdp2", "--fsdp2-offload-to-cpu"] if layout.stream_weights else []
+
+
 def tiling_flags(layout: Layout) -> list[str]:
     """The ``mcore-flash pretrain`` flags of ``layout``'s sequence tiling (none untiled):
     ``--loss-compute-mode chunk --loss-chunk-size N`` and ``--mlp-chunk-size N``."""
@@ -380,7 +426,11 @@ def tiling_text(layout: Layout) -> str:
 
 def offload_text(layout: Layout) -> str:
     """``layout``'s host offload in words (empty without it)."""
-    parts = []
+    parts = (
+        ["weights, gradients and optimizer on the host, streamed (FSDP2)"]
+        if layout.stream_weights
+        else []
+    )
     if layout.optimizer_offload_fraction:
         parts.append(f"optimizer offload {layout.optimizer_offload_fraction:g}")
     if layout.activation_offload_layers:
@@ -490,6 +540,7 @@ def pretrain_command(
     if layout.ddp_bucket_size is not None:
         args.append("--overlap-grad-reduce")
     args += fsdp_flags(layout)
+    args += streaming_flags(layout)
     args += offload_flags(layout)
     args += gradient_flags(layout)
     args += tiling_flags(layout)

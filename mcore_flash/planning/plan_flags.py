@@ -17,7 +17,7 @@ from typing import Optional
 from .activation_bytes import PROFILES
 from .fsdp import FSDP_STRATEGIES
 from .hardware import DEFAULT_HARDWARE, HARDWARE_PROFILES
-from .memory import MIN_FREE_SHARE
+from .memory import MIN_FREE_SHARE, MIN_FREE_SHARE_HOST
 from .models import MODELS
 from .parallel_layout import DEFAULT_LOSS_CHUNK_SIZE, HOST_MOMENT_BYTES
 from .search import SEARCH_RECOMPUTE_MODES
@@ -143,8 +143,8 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--min-free-memory",
-        default=f"{MIN_FREE_SHARE:.0%}",
-        help="device memory a fitting plan leaves free: a size (3GiB) or a share of --device-memory (default %(default)s: "
+        help=f"device memory a fitting plan leaves free: a size (3GiB) or a share of --device-memory (default "
+        f"{MIN_FREE_SHARE:.0%}, {MIN_FREE_SHARE_HOST:.0%} for a layout with state on the host, offload or streaming: "
         "the plan's transient buffers and fragmentation are estimates)",
     )
     p.add_argument(
@@ -166,6 +166,18 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
         dest="sharding_strategy",
         choices=FSDP_STRATEGIES,
         help="Megatron-FSDP's strategy (default optim_grads_params = ZeRO-3; needs --use-megatron-fsdp)",
+    )
+    p.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="torch FSDP2 fully_shard over the dp x cp ranks (the trainer's flag; with --fsdp2-offload-to-cpu: "
+        "weights, gradients and optimizer state on the host, streamed unit by unit; PP1, no distributed "
+        "optimizer)",
+    )
+    p.add_argument(
+        "--fsdp2-offload-to-cpu",
+        action="store_true",
+        help="FSDP2's CPUOffloadPolicy (the trainer's flag; needs --use-torch-fsdp2)",
     )
     p.add_argument(
         "--optimizer-cpu-offload",
@@ -404,6 +416,26 @@ def _add_tile_flags(p: argparse.ArgumentParser) -> None:
         help="every MLP in tiles of N tokens, each recomputed in its backward (the trainer's flag; under "
         "sequence parallelism a multiple of --tp; default: untiled)",
     )
+
+
+def stream_weights(args) -> bool:
+    """Whether ``--use-torch-fsdp2 --fsdp2-offload-to-cpu`` stream the weights
+    (``Layout.stream_weights``); ValueError naming the flag for one without the other, or
+    with ``--search`` / ``--longest`` (which climb to streaming themselves)."""
+    fsdp2, offload = args.use_torch_fsdp2, args.fsdp2_offload_to_cpu
+    if not (fsdp2 or offload):
+        return False
+    if not (fsdp2 and offload):
+        raise ValueError(
+            "--use-torch-fsdp2 and --fsdp2-offload-to-cpu: the planner plans them together (weights, gradients "
+            "and optimizer state streamed from the host); give both"
+        )
+    if args.search or args.longest:
+        raise ValueError(
+            "--use-torch-fsdp2 --fsdp2-offload-to-cpu with --search/--longest: the search climbs to streaming "
+            "when no layout fits below it; drop the flags"
+        )
+    return True
 
 
 def fsdp_strategy(args) -> Optional[str]:

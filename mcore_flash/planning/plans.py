@@ -23,6 +23,8 @@ from .parallel_layout import (
     offload_flags,
     pretrain_command,
     recompute_flags,
+    streaming_flags,
+    tiling_flags,
 )
 
 __all__ = [
@@ -252,6 +254,8 @@ class MemoryPlan:
             "fsdp_flags": fsdp_flags(self.layout),
             "offload_flags": offload_flags(self.layout),
             "gradient_flags": gradient_flags(self.layout),
+            "tiling_flags": tiling_flags(self.layout),
+            "streaming_flags": streaming_flags(self.layout),
             "main_gradient_bytes_per_element": main_gradient_bytes(self.layout),
             "device_fits": self.device_fits,
             "host": None if self.host is None else self.host.to_dict(),

@@ -112,6 +112,8 @@ def planned_run_for_pretrain_args(args) -> PlannedRun:
     The sequence tiles are the config's resolved ``loss_chunk_size`` (None unless
     ``--loss-compute-mode chunk``) and ``mlp_chunk_size``. Adam's host moments plan as bf16
     when ``--exp-avg-dtype`` and ``--exp-avg-sq-dtype`` both are, else as fp32 (an upper bound).
+    ``use_torch_fsdp2`` and ``fsdp2_offload_to_cpu`` (read with ``getattr``: off where the
+    parser lacks them) together stream the weights (``Layout.stream_weights``).
     """
     config = args.recompute.config
     modules = args.recompute.layer_modules
@@ -150,6 +152,7 @@ def planned_run_for_pretrain_args(args) -> PlannedRun:
         overlap_grad_reduce=args.overlap_grad_reduce,
         loss_chunk_size=args.loss_chunk_size,
         mlp_chunk_size=args.mlp_chunk_size,
+        stream_weights=_streams(args),
     )
     hardware = args.hardware or HARDWARE_PROFILES[DEFAULT_HARDWARE]
     return PlannedRun(
@@ -162,6 +165,21 @@ def planned_run_for_pretrain_args(args) -> PlannedRun:
         if args.device_memory is None
         else parse_bytes(args.device_memory),
     )
+
+
+def _streams(args) -> bool:
+    """Whether a parsed ``mcore-flash pretrain`` command line streams its weights from the
+    host: ``--use-torch-fsdp2 --fsdp2-offload-to-cpu`` (absent from a parser without them:
+    off). ValueError for FSDP2 without the offload (not planned) or the offload without it."""
+    fsdp2, offload = (
+        getattr(args, name, False) for name in ("use_torch_fsdp2", "fsdp2_offload_to_cpu")
+    )
+    if fsdp2 != offload:
+        raise ValueError(
+            "--use-torch-fsdp2 without --fsdp2-offload-to-cpu (or the other way round): the planner plans "
+            "FSDP2 only with its CPU offload (weight streaming)"
+        )
+    return bool(fsdp2)
 
 
 def plan_for_pretrain_args(args, device_memory=None, profile: str = "npu") -> MemoryPlan:

@@ -11,7 +11,7 @@ from typing import Optional
 
 from . import activation_bytes as act
 from .models import ModelShape
-from .parallel_layout import offload_text, recompute_text, shape_flags, tiling_text
+from .parallel_layout import Layout, offload_text, recompute_text, shape_flags, tiling_text
 from .plans import ESTIMATED_CATEGORIES, OFFLOAD_CATEGORIES, MemoryPlan, launch_command
 from .search import Candidate, OffloadGap
 from .step_time import (
@@ -81,7 +81,7 @@ def format_plan(plan: MemoryPlan, launch: Optional[str] = None) -> str:
         f"layout: TP{lay.tp}{' SP' if lay.sp else ''} x PP{lay.pp}"
         f"{f' (v={lay.vp})' if lay.vp > 1 else ''} x CP{lay.cp} x DP{lay.dp} = {lay.num_devices} devices; "
         f"recompute {recompute_text(lay, model.num_layers)}; "
-        f"{'distributed' if lay.distributed_optimizer else 'replicated'} optimizer; "
+        f"{_optimizer_text(lay)} optimizer; "
         f"{'bf16 main gradients (--grad-reduce-in-bf16); ' if lay.grad_reduce_in_bf16 else ''}"
         f"{sharding_text(lay)}"
         f"{f'{tiling_text(lay)}; ' if lay.tiled else ''}"
@@ -179,10 +179,18 @@ def sharding_text(layout) -> str:
     return f"Megatron-FSDP {layout.fsdp} over {layout.sharding_ranks} ranks (ZeRO-3); "
 
 
+def _optimizer_text(layout: Layout) -> str:
+    """Where the layout's optimizer state lives, in a word or three."""
+    if layout.stream_weights:
+        return "host-sharded (FSDP2 streaming)"
+    return "distributed" if layout.distributed_optimizer else "replicated"
+
+
 def format_step_time(step: StepTime) -> str:
     """A headline (step time, tokens/s per device, MFU on which devices), then one line per
-    non-zero part of the breakdown (seconds and share of the step) and, with sequence
-    tiling, the tiles' assumed GEMM efficiency."""
+    non-zero part of the breakdown (seconds and share of the step) and the assumptions it
+    rests on: with host offload or streaming the host link's bandwidth and the host
+    optimizer's speed, with sequence tiling the tiles' GEMM efficiency."""
     total, hw = step.step_time_s, step.hardware
     devices = (
         f"{step.layout.num_devices} x {hw.name} ({hw.peak_bf16_tflops:g} TFLOP/s peak x "
@@ -198,6 +206,12 @@ def format_step_time(step: StepTime) -> str:
         seconds = step.breakdown.get(key, 0.0)
         if seconds:
             lines.append(f"  {key:<26} {seconds:>10.3f} s  {seconds / total:>6.1%}")
+    if any(key in step.breakdown for key in OFFLOAD_BREAKDOWN_KEYS):
+        lines.append(
+            f"  assumption: host-device copies at {hw.host_device_bandwidth / 1e9:g} GB/s "
+            f"(host_device_bandwidth), the host's Adam step at {hw.host_optimizer_elements_per_s:g} "
+            "parameters/s per node (host_optimizer_elements_per_s); not measured, --sensitivity"
+        )
     if "tile_efficiency" in step.details:
         lines.append(
             f"  assumption: the tiles' GEMMs at {step.details['tile_efficiency']:g} x the untiled speed "

@@ -7,7 +7,8 @@ fits when the device holds its worst stage with ``min_free_memory`` left free (a
 :func:`plan_memory` keyword; the CLI's ``--min-free-memory``, default 5% of the capacity)
 and, with host offload, the host its fullest node. A layout that does not fit climbs the
 memory ladder (:data:`LADDER`: flash attention and recompute, ZeRO-3, sequence tiling,
-host offload and its narrower state, each with and then without the tiles), by default each
+host offload and its narrower state, weight streaming, each without and then with the
+tiles), by default each
 rung only when no layout of the device count fits below it (the climb:
 :func:`search_layouts`, :mod:`.fitting`; docs/planner.md, "The ladder in ``--search``");
 ``Candidate.rung`` names the rung it needed. When nothing fits,
@@ -151,6 +152,7 @@ def search_layouts(
     bf16_moments: bool = True,
     host_moment_dtype: str = "fp32",
     sequence_tiling: bool = True,
+    streaming: bool = True,
     loss_chunk_size: Optional[int] = None,
     mlp_chunk_size: Optional[int] = None,
     hardware: HardwareProfile = HARDWARE_PROFILES[DEFAULT_HARDWARE],
@@ -174,7 +176,10 @@ def search_layouts(
     host offload (just enough), and when that fails too and ``bf16_moments``, with bf16 host
     moments as well; with ``sequence_tiling`` the ladder tries the tiled loss and MLP
     (:func:`tile_choices`) once nothing fits on ZeRO-3, alone (with ZeRO-3 where needed) and
-    then after each offload step has failed without them; ``grad_reduce_in_bf16`` plans every
+    then after each offload step has failed without them; when nothing fits there either and
+    ``streaming``, every PP1 layout with its weights, gradients and optimizer state streamed
+    from the host (``Layout.stream_weights``, fewest activation-offloaded layers first),
+    untiled and then tiled; ``grad_reduce_in_bf16`` plans every
     layout with bf16 main gradients, ``host_moment_dtype`` every offloaded one with those
     moments, ``loss_chunk_size`` / ``mlp_chunk_size`` every layout with those tiles (tokens;
     layouts whose TP does not divide them under sequence parallelism are left out, and the
@@ -217,6 +222,7 @@ def search_layouts(
         bf16_moments=bf16_moments,
         host_moment_dtype=host_moment_dtype,
         sequence_tiling=sequence_tiling,
+        streaming=streaming,
         tiles=(loss_chunk_size, mlp_chunk_size),
         hardware=hardware,
         step_kwargs=step_kwargs,
@@ -265,6 +271,7 @@ class _Search:
     bf16_moments: bool
     host_moment_dtype: str
     sequence_tiling: bool
+    streaming: bool
     tiles: tuple[Optional[int], Optional[int]]  # the given (loss, MLP) tiles: every layout's
     hardware: HardwareProfile
     step_kwargs: dict
@@ -292,7 +299,9 @@ class Rung:
     ``fsdp_choices`` (``fsdp``; on every rung with ``climb="each"``) or with its least host
     offload that fits (``host_offload``); ``bf16_gradients``: with bf16 main gradients where
     the search allows them, ``bf16_moments``: with bf16 host moments; ``tiling``: every
-    layout with each of its :func:`tile_choices`. ``climbable``: whether a search may climb
+    layout with each of its :func:`tile_choices`; ``streaming``: every PP1 layout that does
+    not fit with its weights streamed from the host (:func:`.fitting.least_streaming`).
+    ``climbable``: whether a search may climb
     to it; ``optional``: when it may not, the next rung is still tried, else the climb ends
     there."""
 
@@ -304,6 +313,7 @@ class Rung:
     bf16_moments: bool = False
     optional: bool = False
     tiling: bool = False
+    streaming: bool = False
 
 
 def _tiled(rung: Rung) -> Rung:
@@ -338,6 +348,13 @@ _BF16_MOMENTS = Rung(
     bf16_moments=True,
     optional=True,
 )
+# weights, gradients and optimizer state on the host (Layout.stream_weights)
+_STREAMING = Rung(
+    "streaming",
+    climbable=lambda search: search.offload and search.streaming,
+    streaming=True,
+    optional=True,
+)
 
 # the memory ladder, lowest first: the search climbs a rung only while no layout of the
 # device count fits on the rung below (climb="needed")
@@ -370,6 +387,9 @@ LADDER = (
     _tiled(_BF16_GRADIENTS),
     _BF16_MOMENTS,
     _tiled(_BF16_MOMENTS),
+    # the model's state on the host, streamed unit by unit (PP1: FSDP2 + CPUOffloadPolicy)
+    _STREAMING,
+    _tiled(_STREAMING),
 )
 
 
@@ -488,6 +508,7 @@ def _rung_candidates(search: _Search, rung: Rung) -> list[Candidate]:
             s.plan_kwargs,
             rung.host_offload,
             moments,
+            rung.streaming,
         ):
             if plan.fits or s.include_non_fitting:
                 step = predict_step_time(

@@ -35,6 +35,7 @@ from .hardware import HardwareProfile
 from .models import ModelShape
 from .parallel_layout import Layout
 from .parameters import stage_parameters
+from .streaming import stream_copy_seconds, stream_units
 
 __all__ = [
     "StepTime",
@@ -77,6 +78,7 @@ FSDP_BREAKDOWN_KEYS = ("fsdp_param_gather_exposed", "fsdp_grad_reduce_exposed")
 # the breakdown's extra parts under host offload (absent without it)
 OFFLOAD_BREAKDOWN_KEYS = (
     "activation_offload_exposed",
+    "weight_streaming_exposed",
     "host_optimizer_step",
     "optimizer_offload_copies",
 )
@@ -246,13 +248,20 @@ def kept_layer_bytes(
 
 
 def _offload_per_step(
-    layout: Layout, hw: HardwareProfile, shard_elements: float
+    model: ModelShape, layout: Layout, hw: HardwareProfile, shard_elements: float
 ) -> dict[str, float]:
-    """Seconds per step of the offloaded optimizer: its host step and its copies."""
+    """Seconds per step of the optimizer on the host: its host step (the node's ranks
+    together at ``host_optimizer_elements_per_s``) and the offloaded optimizer's copies
+    (none when streaming: the model's state lives on the host, :mod:`.streaming`)."""
+    ranks_per_node = min(hw.devices_per_node, layout.num_devices)
+    if layout.stream_weights:
+        units, root = stream_units(model, layout.tp, layout.sharding_ranks)
+        elements = sum(u.shard for u in units) + root.shard
+        step = ranks_per_node * elements / hw.host("host_optimizer_elements_per_s")
+        return {"host_optimizer_step": step}
     offloaded = layout.optimizer_offload_fraction * shard_elements
     if not offloaded:
         return {}
-    ranks_per_node = min(hw.devices_per_node, layout.num_devices)
     step = ranks_per_node * offloaded / hw.host("host_optimizer_elements_per_s")
     copies = OFFLOAD_COPY_BYTES * offloaded / hw.host("host_device_bandwidth")
     if layout.overlap_cpu_optimizer:  # the copies of one group overlap the step of another
@@ -465,6 +474,35 @@ def _activation_offload_per_micro_batch(
     return {"activation_offload_exposed": layout.activation_offload_layers * exposed}
 
 
+def _streaming_per_micro_batch(
+    step: _Step, compute: _LayerCompute, bandwidth: float
+) -> dict[str, float]:
+    """Exposed seconds of weight streaming in one micro-batch (none without it): the
+    host-device copies beyond the compute they hide behind (:func:`.streaming.stream_copy_seconds`)
+    and FSDP2's collectives over the ``dp * cp`` ranks, each layer's bf16 all-gather (forward
+    and backward) and fp32 reduce-scatter beyond one layer's compute."""
+    layout = step.layout
+    if not layout.stream_weights:
+        return {}
+    _, exposed = stream_copy_seconds(
+        step.model,
+        layout,
+        step.hw.host("host_device_bandwidth"),
+        compute.forward,
+        compute.backward,
+    )
+    units, _ = stream_units(step.model, layout.tp, layout.sharding_ranks)
+    n = layout.sharding_ranks
+    collectives = 0.0
+    for unit in units:
+        gather = _ring(n, unit.elements * step.dtype_bytes, bandwidth)
+        reduce = _ring(n, unit.elements * 4, bandwidth)
+        collectives += max(0.0, gather - compute.forward) + max(
+            0.0, gather + reduce - compute.backward
+        )
+    return {"weight_streaming_exposed": exposed + collectives}
+
+
 def _tiling_per_micro_batch(
     step: _Step, compute: _LayerCompute, stage_layers: int
 ) -> dict[str, float]:
@@ -486,6 +524,8 @@ def _dp_per_step(step: _Step, bandwidth: float) -> tuple[float, float, int]:
     params = max(
         sum(stage_parameters(step.model, lay.tp, lay.pp, st).values()) for st in range(lay.pp)
     )
+    if lay.stream_weights:  # FSDP2 gathers and reduces every micro-batch (per micro-batch)
+        return 0.0, 0.0, params
     grad = 2 if lay.grad_reduce_in_bf16 else 4  # --grad-reduce-in-bf16 reduces bf16 gradients
     grad_reduce = _ring(n, params * grad, bandwidth) * (1 if lay.distributed_optimizer else 2)
     gather = _ring(n, params * step.dtype_bytes, bandwidth) if lay.distributed_optimizer else 0.0
@@ -550,6 +590,7 @@ def predict_step_time(
         "pp_send_recv": _pp_send_per_micro_batch(step),
         **_fsdp_slowest_stage(step, dp_bandwidth, compute),
         **_activation_offload_per_micro_batch(step, compute, activation_profile),
+        **_streaming_per_micro_batch(step, compute, dp_bandwidth),
     }
     breakdown = {key: micro * seconds for key, seconds in per_micro.items()}
     breakdown["pipeline_bubble"] = pipeline_bubble(lay.pp, micro, lay.vp) * sum(breakdown.values())
@@ -572,7 +613,7 @@ def predict_step_time(
         max(0.0, param_gather - forward) if overlap_param_gather else param_gather
     )
     breakdown.update(per_step_parts)
-    breakdown.update(_offload_per_step(lay, hardware, params / (lay.dp * lay.cp)))
+    breakdown.update(_offload_per_step(model, lay, hardware, params / (lay.dp * lay.cp)))
 
     sequences = micro * lay.micro_batch_size * lay.dp  # per step
     megatron = _megatron_flops_per_sequence(model, seq_length, mean_document_length)

@@ -124,6 +124,11 @@ def _refuse_combinations(args) -> None:
             "with --fsdp2-offload-to-cpu the optimizer state is on the host already: drop it",
         ),
         "--fp16": (args.fp16, "FSDP2's loss scaling of sharded gradients is untested: use --bf16"),
+        "--grad-reduce-in-bf16": (
+            args.grad_reduce_in_bf16,
+            "FSDP2 reduces in the config file's reduce_dtype (fp32 unless --fsdp2-config-path "
+            "says bf16): drop the flag",
+        ),
         "tied embeddings": (
             not args.untie_embeddings_and_output_weights,
             "the output layer would read the embedding's weight after FSDP2 freed it: add "

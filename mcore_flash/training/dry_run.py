@@ -52,10 +52,12 @@ def dry_run(config: TrainingConfig) -> dict:
 
 def _init_world(config: TrainingConfig) -> str:
     """The fake world of ``config.world_size`` ranks, on the CPU or, with
-    ``--optimizer-cpu-offload``, on the emulated NPU; returns the device in words."""
+    ``--optimizer-cpu-offload`` or ``--fsdp2-offload-to-cpu`` (which need a device apart from
+    the host), on the emulated NPU; returns the device in words."""
     from mcore_flash.runtime import distributed
 
-    if not config.optimizer_cpu_offload:
+    streams = config.fsdp2 is not None and config.fsdp2.offload_to_cpu
+    if not (config.optimizer_cpu_offload or streams):
         distributed.init_fake_world(config)
         _fake_gloo_groups()
         return "cpu"

@@ -41,7 +41,8 @@ class TrainingDiverged(RuntimeError):
 def train(config: TrainingConfig) -> dict:
     """Run ``config.train_iters`` iterations (resuming from ``--load``); call after
     ``init_distributed(config)``. Returns ``{"iteration", "first_loss", "last_loss", "save",
-    "optimizer_state"}`` (:func:`.offload.state_placement`: where the optimizer state lives)."""
+    "optimizer_state", "model_state"}`` (:func:`.offload.state_placement`,
+    :func:`.offload.model_state_placement`: where the optimizer state and the weights live)."""
     recipe = PretrainRecipe(config)
     try:
         return recipe.train()
@@ -238,6 +239,7 @@ class PretrainRecipe:
             "last_loss": last_loss,
             "save": config.save,
             "optimizer_state": offload.state_placement(self.optimizer),
+            "model_state": offload.model_state_placement(self.model_chunks),
         }
 
     def _agree_after_step(self, loss: Optional[float]) -> tuple[bool, Optional[str]]:

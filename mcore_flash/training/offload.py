@@ -80,13 +80,26 @@ def state_placement(optimizer) -> dict[str, dict[str, int]]:
     """Bytes of the optimizer's per-parameter state tensors (Adam's moments, the offloaded
     fp32 master copies) by device type and dtype: ``{"cpu": {"torch.float32": n}, ...}``; a
     DTensor's (torch FSDP2's) by its local shard, which may live on the host of its mesh."""
+    return _placement(
+        value
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+        for state in inner.optimizer.state.values()
+        for value in state.values()
+    )
+
+
+def model_state_placement(model_chunks: list) -> dict[str, dict[str, int]]:
+    """Bytes of this rank's parameters (their local shards) by device type and dtype, as
+    :func:`state_placement`: the host holds them all under ``--fsdp2-offload-to-cpu``."""
+    return _placement(param for chunk in model_chunks for param in chunk.parameters())
+
+
+def _placement(tensors) -> dict[str, dict[str, int]]:
     placement: dict[str, dict[str, int]] = {}
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in inner.optimizer.state.values():
-            for value in state.values():
-                value = getattr(value, "_local_tensor", value)
-                if torch.is_tensor(value) and value.dim() > 0:
-                    by_dtype = placement.setdefault(value.device.type, {})
-                    dtype = str(value.dtype)
-                    by_dtype[dtype] = by_dtype.get(dtype, 0) + value.numel() * value.element_size()
+    for value in tensors:
+        value = getattr(value, "_local_tensor", value)
+        if torch.is_tensor(value) and value.dim() > 0:
+            by_dtype = placement.setdefault(value.device.type, {})
+            dtype = str(value.dtype)
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + value.numel() * value.element_size()
     return placement

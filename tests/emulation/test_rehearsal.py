@@ -243,6 +243,24 @@ def test_70b_recipe_script_rehearses_zero3_on_8_emulated_npus(tmp_path):
 
 
 @pytest.mark.slow
+def test_70b_recipe_script_rehearses_the_streamed_plan_on_8_emulated_npus(tmp_path):
+    """NUM_DEVICES=4 (nodes of 4): nothing below the ladder's top rung holds Llama-2-70B at 128K
+    on 4 NPUs, so the plan streams the weights (--use-torch-fsdp2 --fsdp2-offload-to-cpu, no
+    distributed optimizer); its flags run on 8 emulated NPUs (TP2 x CP2 x DP2: FSDP2 does not
+    pipeline), and every rank's weights and Adam state are on the host, in fp32."""
+    save = tmp_path / "run"
+    output = rehearse_recipe(save, NUM_DEVICES="4", NPUS_PER_NODE="4")
+    assert "rung streaming" in output and "iteration 2/2" in output
+    assert "use_torch_fsdp2 ................................. True" in output
+    assert "use_distributed_optimizer ....................... False" in output
+    for report in rank_reports(save):
+        assert report["model_state_bytes"].keys() == {"cpu"}, report
+        assert report["model_state_bytes"]["cpu"].keys() == {"torch.float32"}, report
+        assert report["optimizer_state_bytes"].keys() == {"cpu"}, report
+        assert report["optimizer_state_bytes"]["cpu"].keys() == {"torch.float32"}, report
+
+
+@pytest.mark.slow
 def test_70b_recipe_script_rehearses_the_one_node_plan_on_8_emulated_npus(tmp_path):
     """NUM_DEVICES=8 on nodes of HOST_MEMORY=1.2TB: the planner's one-node layout needs host
     offload (rung 4) and, the host too small for fp32 optimizer state, bf16 host moments; the

@@ -22,8 +22,9 @@ LAYERS = [
     ["transient_bytes"],  # the loss's and an MLP backward's bytes at their peaks
     ["fsdp"],  # Megatron-FSDP's parameter groups, padding and bytes per strategy
     ["parallel_layout"],  # the parallel layout and its launch flags
-    # the collective library's communicators of a layout; megatron DDP's state bytes per rank
-    ["communicators", "ddp_state"],
+    # the collective library's communicators of a layout; megatron DDP's state bytes per rank;
+    # FSDP2 weight streaming's device, host and copy terms
+    ["communicators", "ddp_state", "streaming"],
     ["plans"],  # a memory plan's types: a stage's bytes, a node's host bytes, the plan
     ["host_offload"],  # activation offload's bytes of a stage, a node's host bytes
     ["memory", "step_time", "compare"],  # a memory plan, a step time, standard vs fused attention

@@ -519,8 +519,9 @@ def test_llama31_70b_on_16_devices_fits_with_offload_and_fp32_gradients():
 def test_qwen25_72b_on_16_devices_fits_with_offload_and_fp32_gradients():
     capacity = HARDWARE_PROFILES["ascend-910b-64g"].capacity
     found = search_layouts("qwen2.5-72b", SEQ, 16, capacity, global_batch_size=32)
-    assert found and all(not _tiled(c) and not c.plan.layout.grad_reduce_in_bf16 for c in found)
-    assert found[0].plan.fits and found[0].plan.total <= 0.95 * capacity
+    # with the 10% the host rungs keep free (5% before) the offload needs the tiles beside it
+    assert found and all(_tiled(c) and not c.plan.layout.grad_reduce_in_bf16 for c in found)
+    assert found[0].plan.fits and found[0].plan.total <= 0.90 * capacity
 
 
 @SLOW
@@ -528,9 +529,15 @@ def test_llama31_70b_fits_one_node_only_with_the_tiles():
     """One node: nothing fits without the tiles; with them the loss and the MLP tiles beside
     activation offload (the MLP's tiles parked with their layers) and bf16 main gradients."""
     capacity = HARDWARE_PROFILES["ascend-910b-64g"].capacity
-    assert (
+    assert (  # below the streaming rung, which fits without the tiles (test_streaming_plan.py)
         search_layouts(
-            "llama3.1-70b", SEQ, 8, capacity, global_batch_size=32, sequence_tiling=False
+            "llama3.1-70b",
+            SEQ,
+            8,
+            capacity,
+            global_batch_size=32,
+            sequence_tiling=False,
+            streaming=False,
         )
         == []
     )

@@ -98,15 +98,17 @@ def test_fault_drill_table(reference, tmp_path):
 
 
 @pytest.mark.slow  # each chain's 11 launches: CI's Python 3.11 job
-@pytest.mark.parametrize("kind", ["fsdp", "offload"])
-def test_fault_drill_table_of_zero3_and_of_the_offloaded_optimizer(kind, tmp_path, request):
-    """The drill at every fault point with --use-megatron-fsdp (fsdp_dtensor checkpoints), and
-    with --optimizer-cpu-offload on the emulated NPU (the optimizer state and step on the host):
-    docs/fault-tolerance.md holds these tables (regenerate: ... --fsdp / --offload --write)."""
+@pytest.mark.parametrize("kind", ["fsdp", "offload", "fsdp2"])
+def test_fault_drill_tables_of_zero3_fsdp2_and_the_offloaded_optimizer(kind, tmp_path, request):
+    """The drill at every fault point with --use-megatron-fsdp (fsdp_dtensor checkpoints), with
+    --optimizer-cpu-offload on the emulated NPU (the optimizer state and step on the host), and
+    with --use-torch-fsdp2 --fsdp2-offload-to-cpu there (weights, gradients and optimizer state
+    on the host): docs/fault-tolerance.md holds these tables (regenerate: ... --fsdp /
+    --offload / --fsdp2 --write)."""
     if kind == "fsdp":
         drill, reference = fault_drill.FSDP_DRILL, request.getfixturevalue("fsdp_reference")
     else:
-        drill = fault_drill.OFFLOAD_DRILL
+        drill = {"offload": fault_drill.OFFLOAD_DRILL, "fsdp2": fault_drill.FSDP2_DRILL}[kind]
         reference = fault_drill.run_uninterrupted(str(tmp_path / "uninterrupted"), drill)
     rows = fault_drill.run_drill(str(tmp_path / "chain"), reference, disk_full=False, drill=drill)
     assert fault_drill.failures(rows, str(tmp_path / "chain")) == []

@@ -390,7 +390,7 @@ def test_70b_recipe_script_dry_run_fits_a_910b():
     [
         (32, "ZeRO-3", "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"),
         (16, "offload", "--use-precision-aware-optimizer --optimizer-cpu-offload"),
-        (8, "offload", "--activation-offload-layers 51 --grad-reduce-in-bf16"),
+        (8, "offload", "--activation-offload-layers 63 --grad-reduce-in-bf16"),
     ],
 )
 def test_70b_recipe_script_climbs_the_ladder_below_64_npus(devices, rung, flags):
@@ -400,6 +400,18 @@ def test_70b_recipe_script_climbs_the_ladder_below_64_npus(devices, rung, flags)
     result = _recipe_dry_run(NUM_DEVICES=str(devices))
     assert f"= {devices} devices" in result.stdout and "FITS" in result.stdout
     assert f"rung {rung}" in result.stderr and flags in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, parameters", [("llama3.1-70b", "70,553,706,496")])
+def test_70b_recipe_script_takes_the_model_of_2026_on_one_node(model, parameters):
+    """MODEL=llama3.1-70b NUM_DEVICES=8: the preset's model (its vocabulary, RoPE scaling and
+    Hugging Face tokenizer) with the planner's one-node layout for it, sequence tiles included,
+    accepted by the trainer's dry run for 8 ranks and fitting a 910B and the node's host."""
+    result = _recipe_dry_run(MODEL=model, NUM_DEVICES="8")
+    assert f"total parameters: {parameters}" in result.stdout and "FITS" in result.stdout
+    assert "rung offload" in result.stderr and "--loss-compute-mode chunk" in result.stdout
+    assert f"--model {model}" in result.stdout
 
 
 def _short_documents(tmp_path) -> str:

@@ -85,6 +85,7 @@ def _pairs(layouts: dict, fsdp2: list) -> list:
     return runs
 
 
+@pytest.mark.slow  # CI's Python 3.11 job: the emulated NPU's test below runs on both
 def test_fsdp2_equals_the_distributed_optimizer_on_the_cpu(tmp_path):
     layouts = {
         "dp2": [],
@@ -124,10 +125,10 @@ def test_fsdp2_offload_keeps_the_model_on_the_host_of_the_emulated_npu(tmp_path)
             assert oracle["device_bytes"] > 2 * oracle["parameter_bytes"], label
 
 
-def _w_resume(rank, world_size, root):
+def _w_resume(rank, world_size, root, fsdp2):
     """Worker: ``{save dir: [(iteration, loss, grad norm) per logged iteration]}`` of a
-    4-iteration FSDP2 run, one stopped after 2 and resumed, and a run without FSDP2 (megatron's
-    DDP and plain optimizer) stopped after 2 and resumed with FSDP2."""
+    4-iteration run with the flags ``fsdp2``, one stopped after 2 and resumed, and a run without
+    FSDP2 (megatron's DDP and plain optimizer) stopped after 2 and resumed with ``fsdp2``."""
     import json
 
     from megatron.core import parallel_state
@@ -144,11 +145,11 @@ def _w_resume(rank, world_size, root):
         finally:
             parallel_state.destroy_model_parallel()
 
-    run("whole", *FSDP2)
-    run("stopped", *FSDP2, "--exit-interval", "2")
-    run("stopped", *FSDP2, "--load", f"{root}/stopped")
+    run("whole", *fsdp2)
+    run("stopped", *fsdp2, "--exit-interval", "2")
+    run("stopped", *fsdp2, "--load", f"{root}/stopped")
     run("from-ddp", "--exit-interval", "2")
-    run("from-ddp", *FSDP2, "--load", f"{root}/from-ddp")
+    run("from-ddp", *fsdp2, "--load", f"{root}/from-ddp")
     logged = {}
     for save in ("whole", "stopped", "from-ddp"):
         with open(f"{root}/{save}/metrics.jsonl") as lines:
@@ -157,12 +158,18 @@ def _w_resume(rank, world_size, root):
     return logged
 
 
-def test_fsdp2_resumes_exactly_and_from_a_checkpoint_without_fsdp(tmp_path):
+@pytest.mark.parametrize(
+    "device, fsdp2", [pytest.param("cpu", FSDP2, marks=pytest.mark.slow), ("npu", OFFLOAD)]
+)
+def test_fsdp2_resumes_exactly_and_from_a_checkpoint_without_fsdp(tmp_path, device, fsdp2):
     """Save after 2 of 4 iterations, resume: the same losses and grad norms as without a stop
     (megatron's dist checkpointing of the FSDP2 shards, and the Adam state made DTensors
     again); a checkpoint of megatron's DDP and plain optimizer resumes under FSDP2 to the same
-    run (1e-5: the two wrappers sum gradients in other orders)."""
-    (logged,) = run_distributed(_w_resume, 1, str(tmp_path), timeout=300)
+    run (1e-5: the two wrappers sum gradients in other orders). On the emulated NPU with the
+    host offload: the loaded Adam state goes back to the host beside its parameters."""
+    (logged,) = run_distributed(
+        _w_resume, 1, str(tmp_path), fsdp2, timeout=300, emulate_npu=device == "npu"
+    )
     assert [entry[0] for entry in logged["stopped"]] == [1, 2, 3, 4]
     assert logged["stopped"] == logged["whole"]
     assert [entry[0] for entry in logged["from-ddp"]] == [1, 2, 3, 4]
@@ -204,6 +211,7 @@ def test_a_dp2_fsdp2_checkpoint_exports_the_weights_it_trained(tmp_path):
         ([*FSDP2, *ORACLE], ["--use-distributed-optimizer"]),
         ([*FSDP2, "--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
         ([*FSDP2, "--fp16"], ["--fp16", "--bf16"]),
+        ([*FSDP2, "--bf16", "--grad-reduce-in-bf16"], ["--grad-reduce-in-bf16", "reduce_dtype"]),
         (
             [*FSDP2, "--model", "llama3.2-1b"],
             ["--untie-embeddings-and-output-weights"],
