@@ -210,9 +210,14 @@ def _dry_runs(lines: dict[str, int], timeout: float, data: dict) -> tuple[dict, 
     ``pretrain --dry-run`` for each ``{line: device count}``, the trainer's flags of the line
     with its placeholders filled (``data``'s tokenizer and data), in one launch of 2 processes:
     a process sets up one platform, so rank 0 takes the lines that build on the CPU, rank 1
-    those that build on the emulated NPU (``--optimizer-cpu-offload``)."""
-    offloaded = [(line, n) for line, n in lines.items() if "--optimizer-cpu-offload" in line]
-    on_cpu = [(line, n) for line, n in lines.items() if "--optimizer-cpu-offload" not in line]
+    those that build on the emulated NPU (``--optimizer-cpu-offload``,
+    ``--fsdp2-offload-to-cpu``: a device apart from the host)."""
+
+    def on_host(line: str) -> bool:
+        return "--optimizer-cpu-offload" in line or "--fsdp2-offload-to-cpu" in line
+
+    offloaded = [(line, n) for line, n in lines.items() if on_host(line)]
+    on_cpu = [(line, n) for line, n in lines.items() if not on_host(line)]
     assert offloaded and on_cpu
     results, peaks = {}, []
     per_rank = [on_cpu, offloaded]
@@ -296,6 +301,9 @@ def test_every_launch_line_passes_the_dry_run(data):
     for line, (_, out, _) in results.items():
         assert "FITS" in out and _parameters_line(line) in out, line
         vp = "--num-layers-per-virtual-pipeline-stage" in line
+        if "--use-torch-fsdp2" in line:  # FSDP2 shards: megatron's plain fp32 optimizer
+            assert ": 1 x TorchFSDP2, optimizer ChainedOptimizer[FP32Optimizer(AdamW)]" in out, line
+            continue
         wrapper = (
             "FullyShardedDataParallel"
             if "--use-megatron-fsdp" in line
