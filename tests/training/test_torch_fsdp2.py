@@ -103,7 +103,12 @@ def test_fsdp2_equals_the_distributed_optimizer_on_the_cpu(tmp_path):
 
 
 def test_fsdp2_offload_keeps_the_model_on_the_host_of_the_emulated_npu(tmp_path):
-    layouts = {"dp2": [], "tp2sp": TP2SP, "dp2-activations": ACTIVATIONS}
+    layouts = {
+        "dp2": [],
+        "tp2sp": TP2SP,
+        "dp2-activations": ACTIVATIONS,
+        "cp2-qkv": ["--context-parallel-size", "2", *RECOMPUTE_FLAGS["qkv"]],
+    }
     per_rank = run_distributed(
         w_recipe_runs,
         2,
