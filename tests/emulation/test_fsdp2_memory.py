@@ -37,7 +37,6 @@ Per rank, measured (the emulated device counts every byte, ``torch.npu.memory_al
 
 from __future__ import annotations
 
-import gc
 from dataclasses import replace
 
 import pytest
@@ -51,6 +50,7 @@ from mcore_flash.planning.streaming import (
 )
 from mcore_flash.planning.units import BF16_BYTES, FP32_BYTES
 
+from _support.device_bytes import set_up_and_stepped
 from _support.dist_utils import run_distributed
 from _support.models import TINY_TEST
 
@@ -76,13 +76,6 @@ SCALE_ONE = 4  # megatron's FP32Optimizer._scale_one, fp32 [1], on the device
 HEAD_DIM = MODEL.hidden_size // MODEL.num_attention_heads
 ROTARY = SEQ * HEAD_DIM * 4 + HEAD_DIM // 2 * 4  # RoPE's cached embedding and inv_freq, fp32
 MASK = 2048 * 2048  # the npu backend's compressed causal mask, bool (the first run's)
-
-
-def _allocated() -> int:
-    import torch
-
-    gc.collect()  # object collectives' byte tensors die in reference cycles
-    return torch.npu.memory_allocated()
 
 
 class _Held:
@@ -221,24 +214,16 @@ def _w_measure(rank, world_size, root):
     """``{run: bytes}``: after setup, after step 1, FSDP2's largest (by kind) and at the
     device's peak in step 2, and the host's."""
     import torch
-    from megatron.core import parallel_state
 
     from mcore_flash.runtime import distributed
     from mcore_flash.runtime.arguments import parse_config
-    from mcore_flash.training import loop
 
     out = {}
     _instrument()
     for name, flags in RUNS.items():
         config = parse_config([*FLAGS, *flags, "--save", f"{root}/{name}"], world_size=world_size)
         distributed.init_distributed(config)
-        start = _allocated()
-        recipe = loop.PretrainRecipe(config)
-        try:
-            assert recipe.padded_vocab_size == MODEL.vocab_size
-            setup = _allocated() - start
-            recipe.train_step()
-            step = _allocated() - start
+        with set_up_and_stepped(config, MODEL.vocab_size) as (recipe, _, setup, step):
             torch.npu.reset_peak_memory_stats()
             _Held.reset()
             _Held.on = True
@@ -246,10 +231,6 @@ def _w_measure(rank, world_size, root):
             _Held.on = False
             out[name] = dict(setup=setup, step=step, **_Held.top, at_peak=_Held.at_peak)
             out[name].update(_host(recipe))
-        finally:
-            recipe.cleanup()
-            parallel_state.destroy_model_parallel()
-            del recipe
     return out
 
 

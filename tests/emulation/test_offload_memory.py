@@ -38,12 +38,12 @@ weights, gradients and optimizer state.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import replace
 
 from mcore_flash.planning import Layout, plan_memory
 from mcore_flash.planning.ddp_state import ddp_host_bytes, ddp_state_bytes, rank_shards
 
+from _support.device_bytes import set_up_and_stepped
 from _support.dist_utils import run_distributed
 from _support.models import TINY_TEST
 
@@ -88,43 +88,24 @@ LAYOUTS = {  # the runs measured against the resident one, and their flags
 RUNS = {"warm-up": [], "resident": [], **{name: flags for name, (_, flags) in LAYOUTS.items()}}
 
 
-def _allocated() -> int:
-    import torch
-
-    gc.collect()  # object collectives' byte tensors die in reference cycles
-    return torch.npu.memory_allocated()
-
-
 def _w_measure(rank, world_size, root):
     """``{run: {"setup": bytes, "step": bytes, "peak": bytes, host bytes}}`` this rank's device
     took for each run (the peak: the highest during a second step)."""
     import torch
-    from megatron.core import parallel_state
 
     from mcore_flash.runtime import distributed
     from mcore_flash.runtime.arguments import parse_config
-    from mcore_flash.training import loop
 
     out = {}
     for name, flags in RUNS.items():
         save = f"{root}/{name.replace(' ', '_').replace('+', 'and')}"
         config = parse_config([*FLAGS, *flags, "--save", save], world_size=world_size)
         distributed.init_distributed(config)
-        start = _allocated()
-        recipe = loop.PretrainRecipe(config)
-        try:
-            assert recipe.padded_vocab_size == MODEL.vocab_size
-            setup = _allocated() - start
-            recipe.train_step()
-            step = _allocated() - start
+        with set_up_and_stepped(config, MODEL.vocab_size) as (recipe, start, setup, step):
             torch.npu.reset_peak_memory_stats()
             recipe.train_step()
             peak = torch.npu.max_memory_allocated() - start  # the second step's peak
             out[name] = {"setup": setup, "step": step, "peak": peak, **_host(recipe.optimizer)}
-        finally:
-            recipe.cleanup()
-            parallel_state.destroy_model_parallel()
-            del recipe
     return out
 
 
