@@ -35,7 +35,7 @@ from .hardware import HardwareProfile
 from .models import ModelShape
 from .parallel_layout import Layout
 from .parameters import stage_parameters
-from .streaming import stream_copy_seconds, stream_units
+from .streaming import stream_copy_seconds, stream_shard_elements, stream_units
 
 __all__ = [
     "StepTime",
@@ -255,8 +255,7 @@ def _offload_per_step(
     (none when streaming: the model's state lives on the host, :mod:`.streaming`)."""
     ranks_per_node = min(hw.devices_per_node, layout.num_devices)
     if layout.stream_weights:
-        units, root = stream_units(model, layout.tp, layout.sharding_ranks)
-        elements = sum(u.shard for u in units) + root.shard
+        elements = stream_shard_elements(model, layout)
         step = ranks_per_node * elements / hw.host("host_optimizer_elements_per_s")
         return {"host_optimizer_step": step}
     offloaded = layout.optimizer_offload_fraction * shard_elements

@@ -75,6 +75,7 @@ __all__ = [
     "StreamMoment",
     "stream_backward_moments",
     "stream_device_bytes",
+    "stream_shard_elements",
     "stream_host_bytes",
     "stream_copy_seconds",
 ]
@@ -183,12 +184,18 @@ def stream_device_bytes(
     return {"weights": worst.weights, "gradients": worst.gradients, "optimizer_state": 0}
 
 
+def stream_shard_elements(model: ModelShape, layout: Layout) -> int:
+    """One rank's padded shard elements of every unit and the root: what its host Adam steps."""
+    units, root = stream_units(model, layout.tp, layout.sharding_ranks)
+    return sum(u.shard for u in units) + root.shard
+
+
 def stream_host_bytes(model: ModelShape, layout: Layout) -> dict[str, int]:
     """One rank's host bytes under weight streaming: ``host_optimizer_state`` (fp32 master,
     m, v: 12 B per shard element, and a 4-byte step per parameter) and
     ``host_gradient_copy`` (the fp32 gradient shard, 4 B per element)."""
     units, root = stream_units(model, layout.tp, layout.sharding_ranks)
-    shard = sum(u.shard for u in units) + root.shard
+    shard = stream_shard_elements(model, layout)
     parameters = sum(u.parameters for u in units) + root.parameters
     return {
         "host_optimizer_state": ADAM_STATE_BYTES * shard + STEP_COUNTER_BYTES * parameters,

@@ -62,7 +62,6 @@ them exactly, the same on 0.16.1 and 0.19.2 unless said:
 
 from __future__ import annotations
 
-import gc
 import math
 import weakref
 from dataclasses import replace
@@ -81,6 +80,7 @@ from mcore_flash.planning.fsdp import (
 )
 from mcore_flash.planning.parameters import layer_parameters, total_parameters
 
+from _support.device_bytes import allocated
 from _support.dist_utils import run_distributed
 from _support.models import TINY_TEST
 
@@ -107,13 +107,6 @@ HEAD_DIM = MODEL.hidden_size // MODEL.num_attention_heads
 ROTARY = SEQ * HEAD_DIM * 4 + HEAD_DIM // 2 * 4  # RoPE's cached embedding and inv_freq, fp32
 MASK = 2048 * 2048  # the npu backend's compressed causal mask, bool (COMPRESSED_MASK_SIZE)
 RELEASE = tuple(int(x) for x in version("megatron-core").split(".")[:2])  # the installed one
-
-
-def _allocated() -> int:
-    import torch
-
-    gc.collect()  # object collectives' byte tensors die in reference cycles
-    return torch.npu.memory_allocated()
 
 
 class _Transients:
@@ -236,13 +229,13 @@ def _measure(config) -> dict:
 
     from mcore_flash.training import loop
 
-    start = _allocated()  # earlier runs' leftovers (megatron-FSDP's are never freed)
+    start = allocated()  # earlier runs' leftovers (megatron-FSDP's are never freed)
     recipe = loop.PretrainRecipe(config)
     try:
         assert recipe.padded_vocab_size == MODEL.vocab_size
-        setup = _allocated() - start
+        setup = allocated() - start
         recipe.train_step()
-        step = _allocated() - start
+        step = allocated() - start
         torch.npu.reset_peak_memory_stats()
         rest = torch.npu.memory_allocated()
         _Transients.active.on = True

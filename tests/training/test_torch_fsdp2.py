@@ -18,6 +18,7 @@ import torch
 from mcore_flash.planning.parallel_layout import RECOMPUTE_FLAGS
 from mcore_flash.runtime.arguments import parse_config
 
+from _support.device_bytes import allocated
 from _support.dist_utils import run_distributed
 from _support.exports import assert_exports
 from _support.recipe_runs import TINY, assert_same_training, full_weights, refusal, w_recipe_runs
@@ -26,15 +27,6 @@ ORACLE = ["--use-distributed-optimizer"]
 FSDP2 = ["--use-torch-fsdp2"]
 OFFLOAD = [*FSDP2, "--fsdp2-offload-to-cpu"]
 TP2SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-
-
-def _device_bytes():
-    """The emulated device's allocated bytes (None on the CPU)."""
-    import gc
-
-    gc.collect()
-    npu = getattr(torch, "npu", None)
-    return npu.memory_allocated() if npu is not None and npu.is_available() else None
 
 
 def _measure(recipe, baseline) -> dict:
@@ -61,7 +53,7 @@ def _measure(recipe, baseline) -> dict:
             if torch.is_tensor(v) and v.dim() > 0
         },
     }
-    device_bytes = None if baseline is None else _device_bytes() - baseline
+    device_bytes = None if baseline is None else allocated() - baseline
     parameter_bytes = sum(local(p).numel() * 4 for p in model.parameters())
     return {
         "weights": full_weights(model),
@@ -115,7 +107,7 @@ def test_fsdp2_offload_keeps_the_model_on_the_host_of_the_emulated_npu(tmp_path)
         _pairs(layouts, OFFLOAD),
         str(tmp_path),
         _measure,
-        _device_bytes,
+        allocated,
         timeout=600,
         emulate_npu=True,
     )
