@@ -71,18 +71,20 @@ class Watchdog:
                 self._deadline = time.monotonic() + self.timeout_s
 
     def install(self, model_chunks: list, model_config, optimizer) -> None:
-        """Mark progress from hooks: a forward pre-hook on the GPTModel inside each of
-        ``model_chunks`` (megatron's DDP or FSDP wrappers) marks each micro-batch's "forward", a
-        hook on its output's gradient its "backward"; ``model_config.finalize_model_grads_func`` (the gradient
+        """Mark progress from hooks: a forward pre-hook on the decoder of the GPTModel inside
+        each of ``model_chunks`` (megatron's DDP or FSDP wrappers; not on the GPTModel itself,
+        whose hooks Megatron-FSDP bypasses by calling its ``forward``) marks each
+        micro-batch's "forward", a hook on the decoder output's gradient its "backward"; ``model_config.finalize_model_grads_func`` (the gradient
         reduce-scatter/all-reduce that megatron's schedule calls) and ``optimizer.step`` are
         wrapped to mark "gradient reduction", "optimizer" and what follows the update."""
         self._hooks = []
         for model in model_chunks:
             while hasattr(model, "module"):
                 model = model.module
+            decoder = model.decoder
             self._hooks += [
-                model.register_forward_pre_hook(lambda module, args: self.phase("forward")),
-                model.register_forward_hook(self._mark_backward),
+                decoder.register_forward_pre_hook(lambda module, args: self.phase("forward")),
+                decoder.register_forward_hook(self._mark_backward),
             ]
         finalize = model_config.finalize_model_grads_func
 

@@ -45,6 +45,63 @@ def w_recipe_runs(rank, world_size, runs, save_root, measure, before=None):
     return results
 
 
+def w_stops(rank, world_size, save_root, flags):
+    """Worker: two runs of :data:`TINY` + ``flags``: ``"sigterm"`` (SIGTERM raised on rank 1
+    before the first iteration ends) -> ``(iteration it stopped after, latest checkpoint)``,
+    and ``"diverged"`` (a lr that makes the loss infinite) -> the ``TrainingDiverged``
+    message; ``"phases"``: the watchdog's progress marks of the first run's first iteration,
+    in order, repeats dropped."""
+    import os
+    import signal
+
+    from megatron.core import parallel_state
+
+    from mcore_flash.checkpoint.directory import latest_iteration
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
+
+    outcomes = {}
+    for name, extra in (
+        ("sigterm", ["--train-iters", "100"]),
+        ("diverged", ["--lr", "1e30", "--clip-grad", "0", "--lr-warmup-iters", "0"]),
+    ):
+        save = os.path.join(save_root, name)
+        config = parse_config([*TINY, *flags, *extra, "--save", save])
+        distributed.init_distributed(config)
+        recipe = loop.PretrainRecipe(config)
+        if name == "sigterm":
+            outcomes["phases"] = phases = []
+            mark = recipe.watchdog.phase
+
+            def marked(phase, phases=phases, mark=mark):
+                if phases[-1:] != [phase]:
+                    phases.append(phase)
+                mark(phase)
+
+            recipe.watchdog.phase = marked  # the hooks look the method up at each call
+            if rank == 1:
+                signal.raise_signal(signal.SIGTERM)  # the handler only sets a flag
+        try:
+            outcomes[name] = recipe.train()["iteration"], latest_iteration(save)
+        except loop.TrainingDiverged as error:
+            outcomes[name] = str(error)
+        finally:
+            recipe.cleanup()
+            parallel_state.destroy_model_parallel()
+    return outcomes
+
+
+def assert_stopped_as_without_a_wrapper(outcome) -> None:
+    """What :func:`w_stops` returned on a rank: every rank stopped after iteration 1 and saved
+    it, the divergence named ``--lr``, and the watchdog saw each phase of an iteration."""
+    assert outcome["sigterm"] == (1, 1)
+    assert "training diverged" in outcome["diverged"] and "--lr" in outcome["diverged"]
+    phases = iter(outcome["phases"])  # each in turn, after the one before
+    for phase in ("forward", "backward", "gradient reduction", "optimizer", "after the update"):
+        assert any(seen.startswith(phase) for seen in phases), (phase, outcome["phases"])
+
+
 def full_weights(model) -> dict[str, torch.Tensor]:
     """``{name: the full weight}`` of ``model``: megatron's DDP (the tensor-parallel shards
     concatenated along their partition dim) or FullyShardedDataParallel (its parameters are

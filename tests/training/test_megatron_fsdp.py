@@ -19,7 +19,15 @@ from mcore_flash.runtime.arguments import parse_config
 from mcore_flash.runtime.config_checks import upstream_defect
 
 from _support.dist_utils import retried_after_a_lost_rank, run_distributed
-from _support.recipe_runs import TINY, assert_same_training, full_weights, refusal, w_recipe_runs
+from _support.recipe_runs import (
+    TINY,
+    assert_same_training,
+    assert_stopped_as_without_a_wrapper,
+    full_weights,
+    refusal,
+    w_recipe_runs,
+    w_stops,
+)
 
 ORACLE = ["--use-distributed-optimizer"]
 ZERO3 = ["--use-megatron-fsdp"]  # default strategy: optim_grads_params
@@ -184,46 +192,12 @@ def test_a_strategy_typo_names_the_choices(capsys):
     assert "--data-parallel-sharding-strategy" in err and "optim_grads_params" in err
 
 
-def _w_stops(rank, world_size, save_root):
-    """Two FSDP runs: SIGTERM on rank 1 before the first iteration ends, then a lr that makes
-    the loss infinite; returns each run's outcome on this rank."""
-    import os
-    import signal
-
-    from megatron.core import parallel_state
-
-    from mcore_flash.checkpoint.directory import latest_iteration
-    from mcore_flash.runtime import distributed
-    from mcore_flash.training import loop
-
-    outcomes = {}
-    for name, flags in (
-        ("sigterm", ["--train-iters", "100"]),
-        ("diverged", ["--lr", "1e30", "--clip-grad", "0", "--lr-warmup-iters", "0"]),
-    ):
-        save = os.path.join(save_root, name)
-        config = parse_config([*TINY, *ZERO3, *flags, "--save", save])
-        distributed.init_distributed(config)
-        recipe = loop.PretrainRecipe(config)
-        if name == "sigterm" and rank == 1:
-            signal.raise_signal(signal.SIGTERM)  # the handler only sets a flag
-        try:
-            outcomes[name] = recipe.train()["iteration"], latest_iteration(save)
-        except loop.TrainingDiverged as error:
-            outcomes[name] = str(error)
-        finally:
-            recipe.cleanup()
-            parallel_state.destroy_model_parallel()
-    return outcomes
-
-
 def test_sigterm_and_divergence_stop_an_fsdp_run_as_without_it(tmp_path):
     outcomes, _ = retried_after_a_lost_rank(
-        lambda root: run_distributed(_w_stops, 2, root, timeout=300), str(tmp_path)
+        lambda root: run_distributed(w_stops, 2, root, ZERO3, timeout=300), str(tmp_path)
     )
     for outcome in outcomes:
-        assert outcome["sigterm"] == (1, 1)  # every rank stopped after iteration 1, saved it
-        assert "training diverged" in outcome["diverged"] and "--lr" in outcome["diverged"]
+        assert_stopped_as_without_a_wrapper(outcome)
 
 
 NPU_FOUR_RANKS = {

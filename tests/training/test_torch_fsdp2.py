@@ -21,7 +21,15 @@ from mcore_flash.runtime.arguments import parse_config
 from _support.device_bytes import allocated
 from _support.dist_utils import run_distributed
 from _support.exports import assert_exports
-from _support.recipe_runs import TINY, assert_same_training, full_weights, refusal, w_recipe_runs
+from _support.recipe_runs import (
+    TINY,
+    assert_same_training,
+    assert_stopped_as_without_a_wrapper,
+    full_weights,
+    refusal,
+    w_recipe_runs,
+    w_stops,
+)
 
 ORACLE = ["--use-distributed-optimizer"]
 FSDP2 = ["--use-torch-fsdp2"]
@@ -258,3 +266,14 @@ def test_offload_on_the_cpu_is_refused_by_name():
     settings = parse_config([*TINY, *OFFLOAD], world_size=2).fsdp2
     with pytest.raises(ValueError, match="--fsdp2-offload-to-cpu.*--emulate-npu"):
         check_offload_device(settings, torch.device("cpu"))
+
+
+def test_sigterm_divergence_and_the_watchdog_under_streaming_as_without_it(tmp_path):
+    """On the emulated NPU with the host offload: SIGTERM on one rank stops every rank after the
+    iteration and saves it, an infinite loss stops the run naming --lr, and the watchdog's
+    hooks (on the GPTModel inside FSDP2's wrapper, its gradient reduction and the host
+    optimizer's step) mark every phase of an iteration."""
+    for outcome in run_distributed(
+        w_stops, 2, str(tmp_path), OFFLOAD, timeout=300, emulate_npu=True
+    ):
+        assert_stopped_as_without_a_wrapper(outcome)
