@@ -107,6 +107,7 @@ def test_fsdp2_offload_keeps_the_model_on_the_host_of_the_emulated_npu(tmp_path)
         "dp2": [],
         "tp2sp": TP2SP,
         "dp2-activations": ACTIVATIONS,
+        "dp2-full": RECOMPUTE_FLAGS["full"],
         "cp2-qkv": ["--context-parallel-size", "2", *RECOMPUTE_FLAGS["qkv"]],
     }
     per_rank = run_distributed(
