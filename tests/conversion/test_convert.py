@@ -417,7 +417,7 @@ def _metrics(save):
 @pytest.mark.slow
 def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
     """--finetune starts at iteration 0 from the converted weights (its first loss is the
-    converted model's); interrupted at 2 and resumed with --load, the run equals the
+    converted model's), under torch FSDP2 too; interrupted at 2 and resumed with --load, the run equals the
     uninterrupted one bit for bit, losses and final weights (dropout on, so RNG is restored)."""
     src = make_hf_llama(tmp_path / "hf", vocab=258)
     convert("hf-to-mcore", "--hf-dir", src, "--save", tmp_path / "mc")
@@ -435,6 +435,11 @@ def test_finetune_from_converted_checkpoint_then_exact_resume(tmp_path):
         *TRAIN,
     ]
     pretrain(1, *common, "--save", tmp_path / "full")
+    # torch FSDP2 fine-tunes the converted weights to the same run (1e-5: another sum order)
+    pretrain(1, *common, "--use-torch-fsdp2", "--save", tmp_path / "fsdp2")
+    full, fsdp2 = _metrics(tmp_path / "full"), _metrics(tmp_path / "fsdp2")
+    assert sorted(fsdp2) == [1, 2, 3, 4]
+    assert fsdp2 == pytest.approx(full, rel=1e-5)
     pretrain(1, *common, "--save", tmp_path / "part", "--exit-interval", 2)
     shutil.copytree(tmp_path / "part", tmp_path / "part_at_2")
     shutil.copytree(tmp_path / "part", tmp_path / "optim_at_2")
