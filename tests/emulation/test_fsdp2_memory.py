@@ -27,9 +27,11 @@ Per rank, measured (the emulated device counts every byte, ``torch.npu.memory_al
   input, which FSDP2 keeps until layer 0's reduce-scatter);
 * at the step's peak (layer 1's attention backward), FSDP2's bytes there equal the planner's
   moment ``decoder.layers.1`` ``computed`` less the gradients not made yet (linear_qkv's and
-  input_layernorm's: bf16 304000 = 320512 - 16512 B, fp32 608000); the rest of the peak,
-  the activations and the kernels' scratch (bf16 1147236 B, fp32 1335652 B above the step's
-  start), is the other rungs' terms and is not compared here;
+  input_layernorm's: bf16 304000 = 320512 - 16512 B, fp32 608000); the rest of the peak's
+  rise above the step's start (bf16 1147236 B, fp32 1335652 B) equals the rise of the same
+  step without streaming (``--use-distributed-optimizer``, all model state resident: the
+  activations and the kernels' scratch), as the planner's plans of the two layouts differ in
+  the model state's terms only;
 * the host (after the steps): the fp32 parameter shards, Adam's m, v and step and the
   gradient shards, each asserted on the host, equal :func:`stream_host_bytes` exactly
   (739260 and 246400 B per rank).
@@ -50,7 +52,7 @@ from mcore_flash.planning.streaming import (
 )
 from mcore_flash.planning.units import BF16_BYTES, FP32_BYTES
 
-from _support.device_bytes import set_up_and_stepped
+from _support.device_bytes import allocated, set_up_and_stepped
 from _support.dist_utils import run_distributed
 from _support.models import TINY_TEST
 
@@ -66,9 +68,17 @@ FLAGS = [
     *("--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3"),
     *("--lr-warmup-iters", "1", "--train-iters", "2", "--log-interval", "1"),
     *("--make-vocab-size-divisible-by", "128", "--untie-embeddings-and-output-weights"),
-    *("--use-torch-fsdp2", "--fsdp2-offload-to-cpu"),
 ]
-RUNS = {"warm-up": ["--bf16"], "bf16": ["--bf16"], "fp32": []}  # the first takes the mask
+STREAM = ["--use-torch-fsdp2", "--fsdp2-offload-to-cpu"]
+RESIDENT = ["--use-distributed-optimizer"]  # the oracle of the step's activations and scratch
+RUNS = {  # the first takes the mask
+    "warm-up": [*STREAM, "--bf16"],
+    "bf16": [*STREAM, "--bf16"],
+    "fp32": STREAM,
+    "resident-bf16": [*RESIDENT, "--bf16"],
+    "resident-fp32": RESIDENT,
+}
+STREAMED = ("warm-up", "bf16", "fp32")
 PARAM_BYTES = {"warm-up": BF16_BYTES, "bf16": BF16_BYTES, "fp32": FP32_BYTES}
 LATER_GRADIENTS = ("input_layernorm", "self_attention.linear_qkv")  # after the attention's
 LAYOUT = Layout(dp=DP, distributed_optimizer=False, stream_weights=True)
@@ -211,8 +221,9 @@ def _host(recipe) -> dict:
 
 
 def _w_measure(rank, world_size, root):
-    """``{run: bytes}``: after setup, after step 1, FSDP2's largest (by kind) and at the
-    device's peak in step 2, and the host's."""
+    """``{run: bytes}``: after setup, after step 1, the rise of step 2's peak above its start;
+    for the streamed runs also FSDP2's largest (by kind) and at the device's peak in step 2,
+    and the host's."""
     import torch
 
     from mcore_flash.runtime import distributed
@@ -224,13 +235,16 @@ def _w_measure(rank, world_size, root):
         config = parse_config([*FLAGS, *flags, "--save", f"{root}/{name}"], world_size=world_size)
         distributed.init_distributed(config)
         with set_up_and_stepped(config, MODEL.vocab_size) as (recipe, _, setup, step):
+            before = allocated()
             torch.npu.reset_peak_memory_stats()
             _Held.reset()
             _Held.on = True
             recipe.train_step()
             _Held.on = False
-            out[name] = dict(setup=setup, step=step, **_Held.top, at_peak=_Held.at_peak)
-            out[name].update(_host(recipe))
+            rise = torch.npu.max_memory_allocated() - before
+            out[name] = dict(setup=setup, step=step, rise=rise)
+            if name in STREAMED:
+                out[name].update(**_Held.top, at_peak=_Held.at_peak, **_host(recipe))
     return out
 
 
@@ -247,7 +261,8 @@ def test_streamed_model_state_is_on_the_host_and_equals_the_planners(per_rank):
     plan = plan_memory(MODEL, SEQ, LAYOUT)
     assert {key: plan.stages[0].host_bytes[key] for key in host} == host
     for rank, result in enumerate(per_rank):
-        for run, measured in result.items():
+        for run in STREAMED:
+            measured = result[run]
             print(f"rank {rank} {run}: {measured}")
             state = stream_device_bytes(MODEL, LAYOUT, PARAM_BYTES[run])["optimizer_state"]
             mask = MASK if run == "warm-up" else 0
@@ -280,3 +295,28 @@ def test_fsdp2_device_bytes_equal_the_planners(per_rank):
     plan = plan_memory(MODEL, SEQ, LAYOUT).per_device
     bf16 = stream_device_bytes(MODEL, LAYOUT)
     assert {key: plan[key] for key in bf16} == bf16
+
+
+def test_the_rest_of_the_streamed_peak_is_the_resident_runs_activations(per_rank):
+    """Streaming adds FSDP2's bytes to the step's peak and nothing else: the rise of the
+    streamed step's peak above its start, less FSDP2's bytes there, equals the rise of the
+    resident run's (the distributed optimizer's, whose weights, gradients and Adam state
+    stay on the device throughout: its rise is the activations and kernels' scratch), bf16
+    and fp32. The planner says the same: its streamed plan differs from the resident one in
+    the model state's terms only."""
+    streamed, resident = (
+        plan_memory(MODEL, SEQ, layout).per_device
+        for layout in (LAYOUT, Layout(dp=DP, distributed_optimizer=True))
+    )
+    state = ("weights", "gradients", "optimizer_state", "allocator_fragmentation")
+    for term in streamed.keys() - set(state):
+        assert streamed[term] == resident[term], term
+    for rank, result in enumerate(per_rank):
+        for run in ("bf16", "fp32"):
+            streamed, resident = result[run], result[f"resident-{run}"]
+            rest = streamed["rise"] - streamed["at_peak"]
+            print(
+                f"rank {rank} {run}: streamed rise {streamed['rise']} - FSDP2 "
+                f"{streamed['at_peak']} = {rest}, resident rise {resident['rise']}"
+            )
+            assert rest == resident["rise"], (rank, run)
