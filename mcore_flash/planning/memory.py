@@ -560,7 +560,9 @@ def _stage_plan(inputs: _PlanInputs, stage: int) -> StagePlan:
         else {}
     )
     transient = sum(sharded.get(name, 0) for name in FSDP_CATEGORIES)
-    streamed = stream_device_bytes(model, layout) if layout.stream_weights else {}
+    streamed = (
+        stream_device_bytes(model, layout, inputs.param_bytes) if layout.stream_weights else {}
+    )
     transient += sum(streamed.values())  # the units in flight are allocated step by step
     kept_activations, kept_statistics, offload_buffers, host_activations = _stage_activations(
         inputs, stage, chunks_in_flight

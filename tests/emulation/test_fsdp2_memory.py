@@ -292,9 +292,10 @@ def test_fsdp2_device_bytes_equal_the_planners(per_rank):
             for key in ("weights", "gradients"):
                 assert measured[key] == planned[key], (rank, run, key)
             assert measured["at_peak"] == at_peak, (rank, run)
-    plan = plan_memory(MODEL, SEQ, LAYOUT).per_device
-    bf16 = stream_device_bytes(MODEL, LAYOUT)
-    assert {key: plan[key] for key in bf16} == bf16
+    for param_bytes in (BF16_BYTES, FP32_BYTES):
+        plan = plan_memory(MODEL, SEQ, LAYOUT, param_bytes=param_bytes).per_device
+        planned = stream_device_bytes(MODEL, LAYOUT, param_bytes)
+        assert {key: plan[key] for key in planned} == planned, param_bytes
 
 
 def test_the_rest_of_the_streamed_peak_is_the_resident_runs_activations(per_rank):
