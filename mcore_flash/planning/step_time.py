@@ -35,7 +35,12 @@ from .hardware import HardwareProfile
 from .models import ModelShape
 from .parallel_layout import Layout
 from .parameters import stage_parameters
-from .streaming import stream_copy_seconds, stream_shard_elements, stream_units
+from .streaming import (
+    stream_accumulation_seconds,
+    stream_copy_seconds,
+    stream_shard_elements,
+    stream_units,
+)
 
 __all__ = [
     "StepTime",
@@ -79,6 +84,7 @@ FSDP_BREAKDOWN_KEYS = ("fsdp_param_gather_exposed", "fsdp_grad_reduce_exposed")
 OFFLOAD_BREAKDOWN_KEYS = (
     "activation_offload_exposed",
     "weight_streaming_exposed",
+    "host_gradient_accumulation",
     "host_optimizer_step",
     "optimizer_offload_copies",
 )
@@ -248,20 +254,29 @@ def kept_layer_bytes(
 
 
 def _offload_per_step(
-    model: ModelShape, layout: Layout, hw: HardwareProfile, shard_elements: float
+    model: ModelShape, layout: Layout, hw: HardwareProfile, shard_elements: float, micro: int
 ) -> dict[str, float]:
     """Seconds per step of the optimizer on the host: its host step (the node's ranks
     together at ``host_optimizer_elements_per_s``) and the offloaded optimizer's copies
-    (none when streaming: the model's state lives on the host, :mod:`.streaming`)."""
+    (none when streaming: the model's state lives on the host, :mod:`.streaming`; there the
+    ``micro - 1`` micro-batches after the first accumulate their gradients on the host,
+    :func:`.streaming.stream_accumulation_seconds`, the host's adds timed at the Adam step's
+    rate: ASSUMPTION, an upper bound, AdamW reads and writes more bytes per element)."""
     ranks_per_node = min(hw.devices_per_node, layout.num_devices)
+    offloaded = layout.optimizer_offload_fraction * shard_elements
+    if not (layout.stream_weights or offloaded):
+        return {}
+    host_rate = hw.host("host_optimizer_elements_per_s")
     if layout.stream_weights:
         elements = stream_shard_elements(model, layout)
-        step = ranks_per_node * elements / hw.host("host_optimizer_elements_per_s")
-        return {"host_optimizer_step": step}
-    offloaded = layout.optimizer_offload_fraction * shard_elements
-    if not offloaded:
-        return {}
-    step = ranks_per_node * offloaded / hw.host("host_optimizer_elements_per_s")
+        accumulation = stream_accumulation_seconds(
+            model, layout, hw.host("host_device_bandwidth"), host_rate / ranks_per_node
+        )
+        return {
+            "host_gradient_accumulation": (micro - 1) * accumulation,
+            "host_optimizer_step": ranks_per_node * elements / host_rate,
+        }
+    step = ranks_per_node * offloaded / host_rate
     copies = OFFLOAD_COPY_BYTES * offloaded / hw.host("host_device_bandwidth")
     if layout.overlap_cpu_optimizer:  # the copies of one group overlap the step of another
         return {"host_optimizer_step": max(step, copies), "optimizer_offload_copies": 0.0}
@@ -612,7 +627,7 @@ def predict_step_time(
         max(0.0, param_gather - forward) if overlap_param_gather else param_gather
     )
     breakdown.update(per_step_parts)
-    breakdown.update(_offload_per_step(model, lay, hardware, params / (lay.dp * lay.cp)))
+    breakdown.update(_offload_per_step(model, lay, hardware, params / (lay.dp * lay.cp), micro))
 
     sequences = micro * lay.micro_batch_size * lay.dp  # per step
     megatron = _megatron_flops_per_sequence(model, seq_length, mean_document_length)
@@ -624,7 +639,9 @@ def predict_step_time(
         "dp_grad_reduce_s": grad_reduce,
         "dp_param_gather_s": param_gather,
         "recompute_overhead": compute.overhead,
-        "micro_batch_s": sum(per_micro.values()),
+        # a later micro-batch's, with its gradients' accumulation on the host when streaming
+        "micro_batch_s": sum(per_micro.values())
+        + breakdown.get("host_gradient_accumulation", 0.0) / max(1, micro - 1),
         "pipeline_fill_s": (lay.pp - 1) * forward,
     }
     if lay.loss_chunk_size is not None or step.mlp_tiled:  # the assumption the parts rest on

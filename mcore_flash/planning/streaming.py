@@ -50,12 +50,15 @@ the fp32 gradient shard (``host_gradient_copy`` = 4 B per shard element): 16 B p
 element, pinned (the parameters and gradients; Adam's state is pageable).
 
 **Copies** (:func:`stream_copy_seconds`, per micro-batch): every unit's fp32 shard host to
-device twice (before its forward and its backward; the root once), its fp32 gradient shard
-device to host once, at the profile's ``host_device_bandwidth`` (the offload rung's
-assumption), each hidden behind the previous unit's compute (prefetch one unit ahead) but
-the first of each pass and the last gradient. (The root is gathered for its backward too, as
-above, so its shard goes up twice: the copy model still counts it once, a small term left
-for a change of its own with the step-time tests.)
+device twice (before its forward and its backward; the root too, gathered again for its
+backward as above), its fp32 gradient shard device to host once, at the profile's
+``host_device_bandwidth`` (the offload rung's assumption), each hidden behind the previous
+unit's compute (prefetch one unit ahead) but the first of each pass and the last gradient.
+That holds for a step's first micro-batch only: from the second on, a unit's gradient shard
+already exists on the host, and FSDP2 (``foreach_reduce``) copies the new one down with
+``non_blocking=False`` and adds it there, on the thread that issues the next unit's
+backward (:func:`stream_accumulation_seconds`: each layer's gradient copy is exposed, and
+the host's add of the rank's shard).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ __all__ = [
     "stream_shard_elements",
     "stream_host_bytes",
     "stream_copy_seconds",
+    "stream_accumulation_seconds",
 ]
 
 ADAM_STATE_BYTES = 3 * FP32_BYTES  # the fp32 master (the sharded parameter), m, v
@@ -209,16 +213,28 @@ def stream_copy_seconds(
     """``(copies, exposed)``: seconds of one micro-batch's host-device copies on a rank and
     the part of them not hidden behind compute, at ``bandwidth`` bytes/s per direction.
     Copies: each unit's fp32 shard up before its forward and its backward and its fp32
-    gradient shard down (the root's up and down once). Exposed: the first unit's copy of
-    each pass, the last gradient's and the root's, and each layer's copy beyond the previous
+    gradient shard down, the root's too. Exposed: the first unit's copy of each pass, the
+    last gradient's and the root's, and each layer's copy beyond the previous
     layer's compute (``layer_forward`` / ``layer_backward`` seconds; in the backward the
     copy up and the gradient down run at once, one direction each)."""
     units, root = stream_units(model, layout.tp, layout.sharding_ranks)
     seconds = [FP32_BYTES * u.shard / bandwidth for u in units]  # one shard, one direction
     root_s = FP32_BYTES * root.shard / bandwidth
-    copies = 3 * sum(seconds) + 2 * root_s
+    copies = 3 * (sum(seconds) + root_s)
     layers = seconds[1:]  # the embedding computes (almost) nothing: its copies are exposed
-    exposed = 3 * seconds[0] + 2 * root_s + layers[0] + layers[-1]
+    exposed = 3 * (seconds[0] + root_s) + layers[0] + layers[-1]
     exposed += sum(max(0.0, t - layer_forward) for t in layers[1:])
     exposed += sum(max(0.0, t - layer_backward) for t in layers[:-1])
     return copies, exposed
+
+
+def stream_accumulation_seconds(
+    model: ModelShape, layout: Layout, bandwidth: float, add_elements_per_s: float
+) -> float:
+    """Seconds one micro-batch after a step's first adds on a rank to :func:`stream_copy_seconds`'
+    exposed part: each layer's fp32 gradient shard copied down blocking (the embedding's and the
+    root's are exposed in every micro-batch already) at ``bandwidth`` bytes/s, and the host's
+    add of the rank's whole shard at ``add_elements_per_s`` (this rank's share of the host)."""
+    units, _ = stream_units(model, layout.tp, layout.sharding_ranks)
+    copies = sum(FP32_BYTES * u.shard for u in units[1:]) / bandwidth
+    return copies + stream_shard_elements(model, layout) / add_elements_per_s

@@ -239,10 +239,13 @@ P_TP8 = 80 * LAYER_TP8 + EMBEDDING_TP8 + ROOT_TP8
 def test_streamed_step_time_terms_and_their_sensitivity():
     """At D = 1 a shard is the whole TP rank. The node's 8 ranks step 8 x P on the host at the
     profile's 2e9 parameters/s (an assumption); per micro-batch the embedding's fp32 shard goes
-    up twice and its gradient down, the root's up and down once, and the first layer of each
-    pass waits for its copy: the rest hide behind a layer's compute (about a second). The
-    sensitivity rows halve and double those assumptions: halving the bandwidth doubles the
-    exposed copies, halving the host's speed the host step."""
+    up twice and its gradient down, the root's too (FSDP2 reshards it after the forward and
+    gathers it again for the backward), and the first layer of each
+    pass waits for its copy: the rest hide behind a layer's compute (about a second). From
+    the second micro-batch on FSDP2 copies each layer's gradient down blocking and the host
+    adds the rank's shard (at the Adam step's rate shared by the 8 ranks). The sensitivity
+    rows halve and double those assumptions: halving the bandwidth doubles the copies'
+    exposed time, halving the host's speed the host step and the adds."""
     layout = Layout(
         tp=8,
         recompute="full",
@@ -255,14 +258,17 @@ def test_streamed_step_time_terms_and_their_sensitivity():
     assert "optimizer_offload_copies" not in step.breakdown
     assert step.breakdown["dp_grad_reduce_exposed"] == 0
     copy = 4 / 25e9  # seconds per fp32 element, one direction
-    exposed = 32 * copy * (3 * EMBEDDING_TP8 + 2 * ROOT_TP8 + 2 * LAYER_TP8)
+    exposed = 32 * copy * (3 * EMBEDDING_TP8 + 3 * ROOT_TP8 + 2 * LAYER_TP8)
     assert step.breakdown["weight_streaming_exposed"] == pytest.approx(exposed)
+    blocking = 31 * copy * 80 * LAYER_TP8  # micro-batches 2-32: each layer's gradient
+    adds = 31 * P_TP8 / (2e9 / 8)
+    assert step.breakdown["host_gradient_accumulation"] == pytest.approx(blocking + adds)
     plan = plan_memory("llama2-70b", SEQ, layout, device_memory=NPU.capacity)
     rows = {(r["field"], r["factor"]): r for r in sensitivity(Candidate(plan, step))}
     halved = rows[("host_device_bandwidth", 0.5)]["step_time_change"]
-    assert halved == pytest.approx(exposed / step.step_time_s)
+    assert halved == pytest.approx((exposed + blocking) / step.step_time_s)
     slower = rows[("host_optimizer_elements_per_s", 0.5)]["step_time_change"]
-    assert slower == pytest.approx(8 * P_TP8 / 2e9 / step.step_time_s)
+    assert slower == pytest.approx((8 * P_TP8 / 2e9 + adds) / step.step_time_s)
     # the node's 8 x 16 B x P = 1.0 TiB of state and 192 GiB besides: 1 TiB does not hold it
     assert plan.host.per_node > NPU.host_memory_bytes // 2
     assert rows[("host_memory_bytes", 0.5)]["fits"] is False
