@@ -38,15 +38,14 @@ bf16 upload, (2, 2) bf16 shards (:data:`BYTES`). Every FSDP2 copy keeps its dtyp
 before or after, never in it); the ups are non-blocking; the gradients come down
 non-blocking in the first micro-batch and blocking in the second (FSDP2 then adds them to
 the host gradient on the CPU). Besides FSDP2: each micro-batch's tokens, labels, positions
-and loss mask go up (:data:`BATCH_BYTES`), a few scalars (token count, loss, gradient norm)
-come down. On the host: parameter shards, gradients and Adam's m and v in the shards'
+and loss mask go up (:data:`BATCH_BYTES`), and a few scalars cross (the token count, the
+loss, the gradient norm). On the host: parameter shards, gradients and Adam's m and v in the shards'
 dtype. Accuracy: the bf16 upload's losses and gradient norms equal the fp32 run's bit for
-bit; the bf16 shards' are printed, bounded loosely for this run.
+bit; the bf16 shards' differ from the third step on (printed).
 
 The planner's copy model (:func:`stream_copy_seconds` at 1 byte/s: its seconds are bytes)
-counts ``4 * (3 * sum(S_units) + 2 * S_root)`` bytes per micro-batch, the root's shard up
-once: FSDP2 moves exactly ``4 * S_root`` more (the root's backward gather, the gap its
-docstring names).
+counts ``4 * 3 * (sum(S_units) + S_root)`` bytes a micro-batch, the root's shard up twice
+as FSDP2 sends it: the fp32 run's bytes exactly.
 """
 
 from __future__ import annotations
@@ -164,10 +163,9 @@ class Copy(NamedTuple):
 
 
 class _Copies:
-    """This process's host<->device copies while ``on``: ``events``, one tuple each,
-    ``(micro-batch, phase, unit, direction, source dtype, destination dtype, bytes,
-    non_blocking)``; ``stack``: the ``FSDPParamGroup`` methods running, outermost first;
-    ``kernel``: inside an emulated ``torch_npu`` op."""
+    """This process's host<->device copies while ``on``: ``events``, one tuple each with
+    :class:`Copy`'s fields; ``micro``: the micro-batch; ``stack``: the ``FSDPParamGroup``
+    methods running, outermost first; ``kernel``: inside an emulated ``torch_npu`` op."""
 
     on = False
     kernel = 0
@@ -308,7 +306,8 @@ def _host_bytes(recipe) -> dict:
 
 
 def _w_measure(rank, world_size, root):
-    """``{run: {"shards", "steps": [(loss, grad norm)], "events"}}`` of this rank."""
+    """``{run: {"shards": _shards, "steps": [(loss, grad norm)], "events": [Copy tuple],
+    "host": _host_bytes}}`` of this rank, :data:`MEASURED_STEP`'s copies."""
     from megatron.core import parallel_state
 
     from mcore_flash.runtime import distributed
@@ -391,10 +390,9 @@ def test_fsdp2_copies_each_shard_up_twice_and_its_gradient_down_once(per_rank):
             assert len(others) - len(batch) <= 8, (rank, run, others)  # the scalars
 
 
-def test_the_planners_copy_model_counts_the_roots_shard_up_once(per_rank):
-    """The planner's units have the shards counted from the model; per micro-batch its
-    copy model's bytes are the fp32 run's less the root's fp32 shard (FSDP2 gathers the
-    root for the backward too)."""
+def test_the_planners_copy_model_counts_fsdp2s_bytes(per_rank):
+    """The planner's units have the shards counted from the model, and its copy model's
+    bytes a micro-batch are the fp32 run's (the root's shard up twice)."""
     units, root = stream_units(MODEL, LAYOUT.tp, LAYOUT.sharding_ranks)
     planned, _ = stream_copy_seconds(MODEL, LAYOUT, 1.0, 0.0, 0.0)  # at 1 B/s, seconds = bytes
     for rank, result in enumerate(per_rank):
@@ -403,7 +401,7 @@ def test_the_planners_copy_model_counts_the_roots_shard_up_once(per_rank):
         for micro in range(1, MICRO_BATCHES + 1):
             moved = _sums(_fsdp2(_events(measured)), micro=micro)
             print(f"rank {rank} micro-batch {micro}: moved {moved} B, planned {planned:.0f} B")
-            assert moved - planned == FP32_BYTES * root.shard, (rank, micro)
+            assert moved == planned, (rank, micro)
 
 
 def test_bf16_shards_keep_the_master_and_adam_in_bf16(per_rank):
@@ -429,8 +427,8 @@ def test_bf16_shards_keep_the_master_and_adam_in_bf16(per_rank):
 def test_bf16_upload_changes_nothing_and_bf16_shards_change_the_gradients(per_rank):
     """The bf16 upload's losses and gradient norms are the fp32 run's, bit for bit. With
     bf16 shards the first two losses are the fp32 run's (the same bf16 weights compute them:
-    the first update is at lr 0) and the rest differ by the bf16 gradients and updates:
-    within 1e-2 relative here (a bound for this run, printed, not a guarantee)."""
+    the first update is at lr 0) and the later ones differ (bf16 gradients accumulated over
+    the micro-batches, a bf16 master and Adam state; the differences are printed)."""
     for rank, result in enumerate(per_rank):
         fp32, upload, shards = (result[run]["steps"] for run in BYTES)
         assert upload == fp32, rank
@@ -440,5 +438,4 @@ def test_bf16_upload_changes_nothing_and_bf16_shards_change_the_gradients(per_ra
                 f"rank {rank} step {step}: fp32 shards loss {loss!r} grad norm {norm!r}; bf16 "
                 f"shards {loss16!r} ({loss16 / loss - 1:+.2e}), {norm16!r} ({norm16 / norm - 1:+.2e})"
             )
-            assert loss16 == pytest.approx(loss, rel=1e-2), (rank, step)
-            assert norm16 == pytest.approx(norm, rel=1e-2), (rank, step)
+            assert (loss16 == loss) == (step <= 2), (rank, step)
