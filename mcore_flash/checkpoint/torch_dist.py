@@ -16,12 +16,15 @@ def save(path: str, model_chunks: list, optimizer, scheduler, common: dict) -> N
     """The model, optimizer and scheduler with the ``common`` counters into ``path``."""
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(
-        _interned(
-            {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common}
-        ),
-        path,
-    )
+    from mcore_flash.platform.megatron_sync_save_queue import in_process_write_results
+
+    with in_process_write_results():
+        dist_checkpointing.save(
+            _interned(
+                {**_sharded_state(model_chunks, optimizer, scheduler, is_loading=False), **common}
+            ),
+            path,
+        )
 
 
 def async_request(path: str, model_chunks: list, optimizer, scheduler, common: dict):

@@ -19,6 +19,9 @@ fault_drill = importlib.import_module("fault_drill")  # a CI harness, not in the
 from mcore_flash import faults  # noqa: E402
 from mcore_flash.checkpoint.directory import checkpoint_dir  # noqa: E402
 
+from _support.dist_utils import run_distributed  # noqa: E402
+from _support.recipe_runs import TINY  # noqa: E402
+
 SHORT = ("--train-iters", "3")
 
 
@@ -94,3 +97,38 @@ def _timeless(table: str) -> list[list[str]]:
         if cells[0].strip("| `").split("@")[0] in faults.MODEL_POINTS:
             cells[3] = cells[5] = "(timing)"
     return rows
+
+
+def _w_save_once(rank, world_size, save):
+    """Worker: two iterations, then a synchronous save (torch_dist); then whether megatron's
+    writer made its results queue (``filesystem_async._results_queue``), and the names of this
+    process's live children."""
+    import multiprocessing
+
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mcore_flash.runtime import distributed
+    from mcore_flash.runtime.arguments import parse_config
+    from mcore_flash.training import loop
+
+    config = parse_config([*TINY, "--train-iters", "2", "--save", save])
+    distributed.init_distributed(config)
+    try:
+        loop.train(config)
+    finally:
+        parallel_state.destroy_model_parallel()
+    made = filesystem_async._results_queue is not None
+    return made, [child.name for child in multiprocessing.active_children()]
+
+
+def test_a_synchronous_save_starts_no_process_that_outlives_it(tmp_path):
+    """megatron's torch_dist writer makes its results queue in a spawned Manager process on a
+    process's first save (a new interpreter: seconds, and a process a SIGKILL leaves behind);
+    a synchronous save collects in this process instead
+    (``mcore_flash/platform/megatron_sync_save_queue.py``): no queue made, no child alive."""
+    from mcore_flash.checkpoint.directory import latest_iteration
+
+    for made, children in run_distributed(_w_save_once, 2, str(tmp_path), timeout=300):
+        assert not made and children == []
+    assert latest_iteration(str(tmp_path)) == 2
