@@ -39,19 +39,27 @@ class AfterImportFinder(importlib.abc.MetaPathFinder):
     def __init__(self, wanted: Callable[[str], bool], callback: Callable):
         self.wanted = wanted
         self.callback = callback
+        self._finding: set[str] = set()  # names this finder asks the others for now
 
     def find_spec(self, fullname, path, target=None):
-        if not self.wanted(fullname):
+        """The other finders' spec for a wanted module, its loader wrapped to call back. Two
+        such finders wanting one module each ask the other: the inner one then passes (it
+        is finding that name already), so both wrap the loader and both call back."""
+        if not self.wanted(fullname) or fullname in self._finding:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _AfterExecLoader(spec.loader, self.callback)
-                return spec
-        return None
+        self._finding.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _AfterExecLoader(spec.loader, self.callback)
+                    return spec
+            return None
+        finally:
+            self._finding.discard(fullname)
 
     def install(self) -> None:
         """Apply to the modules imported already, then to every later import (idempotent:

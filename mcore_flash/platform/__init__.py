@@ -8,7 +8,8 @@ to: ``transfer_to_npu`` (Ascend's own), :mod:`.npu_device_capability`,
 :mod:`.megatron_tensor_methods`, :mod:`.checkpoint_without_output`,
 :mod:`.megatron_torch_view`, :mod:`.megatron_cpu_rng`, :mod:`.megatron_fsdp_device_mesh`,
 :mod:`.megatron_fsdp_premul_sum`, :mod:`.megatron_fsdp_cpu_view`,
-:mod:`.te_version_without_te`, :mod:`.megatron_fsdp_no_te`, :mod:`.megatron_clip_host_grads`, :mod:`.megatron_optimizer_ckpt_dtensor`, :mod:`.megatron_swiglu_fsdp2_checkpoint`.
+:mod:`.te_version_without_te`, :mod:`.megatron_fsdp_no_te`, :mod:`.megatron_clip_host_grads`, :mod:`.megatron_optimizer_ckpt_dtensor`, :mod:`.megatron_swiglu_fsdp2_checkpoint`,
+:mod:`.megatron_jit_fuser_off`.
 Torch FSDP2's wrapper (:mod:`.torch_fsdp2`) and its gradient finalisation
 (:mod:`.megatron_finalize_host_grads`) are classes and functions the trainer uses, not
 patches. ``docs/megatron-spec.md``, "The
@@ -35,6 +36,7 @@ from .megatron_fsdp_cpu_view import megatron_fsdp_cpu_view
 from .megatron_fsdp_device_mesh import megatron_fsdp_device_mesh
 from .megatron_fsdp_no_te import megatron_fsdp_no_te
 from .megatron_fsdp_premul_sum import megatron_fsdp_premul_sum
+from .megatron_jit_fuser_off import megatron_jit_fuser_off
 from .megatron_optimizer_ckpt_dtensor import megatron_optimizer_ckpt_dtensor
 from .megatron_swiglu_fsdp2_checkpoint import megatron_swiglu_fsdp2_checkpoint
 from .megatron_tensor_methods import megatron_npu_tensor_type, megatron_tensor_methods
@@ -56,6 +58,7 @@ DEVICES = ("npu", "cuda", "cpu")
 
 _ADAPTATIONS = {
     "npu": (
+        megatron_jit_fuser_off,
         npu_device_capability,
         megatron_npu_tensor_type,
         checkpoint_without_output_no_te,
@@ -68,6 +71,7 @@ _ADAPTATIONS = {
         megatron_swiglu_fsdp2_checkpoint,
     ),
     "cuda": (
+        megatron_jit_fuser_off,
         checkpoint_without_output_no_te,
         megatron_fsdp_no_te,
         te_version_without_te,
@@ -76,6 +80,7 @@ _ADAPTATIONS = {
         megatron_swiglu_fsdp2_checkpoint,
     ),
     "cpu": (
+        megatron_jit_fuser_off,
         megatron_torch_view,
         megatron_tensor_methods,
         megatron_cpu_rng,

@@ -11,6 +11,8 @@ run without checkpointing, a closed-form formula).
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -233,6 +235,7 @@ def _te_version_is_none() -> bool:
 def test_setup_is_idempotent_and_megatron_scoped(single):
     out = _get(single, "setup")
     assert out["first"] == [
+        "megatron_jit_fuser_off",
         "megatron_torch_view",
         "megatron_tensor_methods",
         "megatron_cpu_rng",
@@ -401,6 +404,7 @@ def test_npu_setup_binds_local_rank_and_adapts_megatron_only():
     out = run_distributed(_w_npu_setup, 1, emulate_npu=True, bind_device=False)[0]
     assert out["device"] == "npu"
     assert out["applied"] == [
+        "megatron_jit_fuser_off",
         "npu_device_capability",
         "megatron_npu_tensor_type",
         "checkpoint_without_output_no_te",
@@ -756,3 +760,24 @@ def test_dist_checkpointing_round_trip(pair):
     for mismatched, n in (_get(r, "dist_ckpt") for r in pair):
         assert n > 0
         assert mismatched == []
+
+
+FUSED = """
+import sys
+from mcore_flash import platform
+platform.setup("cpu")
+from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.transformer import transformer_block
+print(hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable"), transformer_block.torch is sys.modules["torch"])
+"""
+
+
+def test_megatron_imported_after_setup_compiles_nothing_and_sees_the_view():
+    """megatron's ``jit_fuser`` is ``torch.compile`` (seconds of dynamo set-up per process);
+    after ``setup()`` its fused functions are plain ones (megatron's ``disable_jit_fuser``,
+    run as ``megatron.core.jit`` is imported), and the torch view's hook on every megatron
+    module still applies beside that hook on one of them (each asks the other for the
+    module: the import must not recurse)."""
+    run = subprocess.run([sys.executable, "-c", FUSED], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["False", "False"]
