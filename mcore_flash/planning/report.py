@@ -209,8 +209,9 @@ def format_step_time(step: StepTime) -> str:
     if any(key in step.breakdown for key in OFFLOAD_BREAKDOWN_KEYS):
         lines.append(
             f"  assumption: host-device copies at {hw.host_device_bandwidth / 1e9:g} GB/s "
-            f"(host_device_bandwidth), the host's Adam step at {hw.host_optimizer_elements_per_s:g} "
-            "parameters/s per node (host_optimizer_elements_per_s); not measured, --sensitivity"
+            f"(host_device_bandwidth), the host's Adam step (and a streamed run's gradient adds) at "
+            f"{hw.host_optimizer_elements_per_s:g} parameters/s per node "
+            "(host_optimizer_elements_per_s); not measured, --sensitivity"
         )
     if "tile_efficiency" in step.details:
         lines.append(
