@@ -8,7 +8,10 @@ phase, at least Megatron-LM's default of 10 minutes. HCCL's own limit on a devic
 collective must exceed the longest phase too, and end before the watchdog, so that the
 device's error, which names the collective, comes first (docs/fault-tolerance.md): the
 largest multiple of 68 s (CANN rounds it down to one; range 68-17340 s, CANN 6.0.1's
-environment-variable reference) at least a minute below the limit.
+environment-variable reference) at least a minute below the limit. Without pipeline
+parallelism no collective waits for a peer's whole phase (the ranks run in step and every
+collective is a layer's or the step's): there a phase longer than HCCL can wait leaves
+``HCCL_EXEC_TIMEOUT`` at its largest, 17340 s; with stages it is refused.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ class RunTimeouts:
 
 
 def run_timeouts(step: StepTime) -> RunTimeouts:
-    """The limits of ``step``'s layout on its hardware (ValueError when the longest phase
-    exceeds what HCCL can wait)."""
+    """The limits of ``step``'s layout on its hardware (ValueError when, with pipeline
+    stages, the longest phase exceeds what HCCL can wait)."""
     longest = step.longest_phase_s
     minutes = max(MIN_MINUTES, math.ceil(MARGIN * longest / 60))
     hccl = None
@@ -50,7 +53,7 @@ def run_timeouts(step: StepTime) -> RunTimeouts:
             HCCL_EXEC_TIMEOUT_MAX_S,
             below_watchdog // HCCL_EXEC_TIMEOUT_UNIT_S * HCCL_EXEC_TIMEOUT_UNIT_S,
         )
-        if hccl < longest:
+        if hccl < longest and step.layout.pp > 1:
             raise ValueError(
                 f"a phase of {longest:.0f} s is longer than HCCL_EXEC_TIMEOUT can wait "
                 f"({HCCL_EXEC_TIMEOUT_MAX_S} s): use more devices or shorter sequences"

@@ -9,6 +9,7 @@ up by hand.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -141,3 +142,28 @@ def test_every_llama31_70b_launch_line_at_128k_carries_limits_above_its_longest_
         minutes = float(command.split("--distributed-timeout-minutes ")[1].split()[0])
         longest = layout["timeouts"]["longest_phase_s"]
         assert minutes * 60 > longest < int(layout["launch_env"]["HCCL_EXEC_TIMEOUT"])
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_phase_longer_than_hccl_can_wait_is_refused_only_across_pipeline_stages(pp):
+    """A 19179 s micro-batch (a 64-NPU streamed layout at 8.9M tokens): the watchdog's limit is
+    3 x the phase; HCCL can wait 17340 s at most. A pipeline receive waits for the previous
+    stage's whole micro-batch, so with stages the layout is refused; without them no
+    collective waits a phase, and HCCL's limit is its largest."""
+    from types import SimpleNamespace
+
+    from mcore_flash.planning.hardware import HARDWARE_PROFILES
+    from mcore_flash.planning.timeouts import run_timeouts
+
+    step = SimpleNamespace(
+        longest_phase_s=19179.0,
+        hardware=HARDWARE_PROFILES["ascend-910b-64g"],
+        layout=SimpleNamespace(pp=pp),
+    )
+    if pp > 1:
+        with pytest.raises(ValueError, match="HCCL_EXEC_TIMEOUT can wait"):
+            run_timeouts(step)
+        return
+    limits = run_timeouts(step)
+    assert limits.distributed_timeout_minutes == math.ceil(3 * 19179 / 60)
+    assert limits.hccl_exec_timeout_s == 17340
