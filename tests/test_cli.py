@@ -14,7 +14,7 @@ from mcore_flash import quiet_imports
 
 from _support.hf_models import make_hf_llama
 
-COMMANDS = ["convert", "generate", "pretrain", "evaluate"]
+COMMANDS = ["convert", "generate", "pretrain", "evaluate", "plan"]
 
 
 def _cli(*argv, python_flags=()):

@@ -144,7 +144,7 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--min-free-memory",
         help=f"device memory a fitting plan leaves free: a size (3GiB) or a share of --device-memory (default "
-        f"{MIN_FREE_SHARE:.0%}, {MIN_FREE_SHARE_HOST:.0%} for a layout with state on the host, offload or streaming: "
+        f"{MIN_FREE_SHARE:.0%}%, {MIN_FREE_SHARE_HOST:.0%}% for a layout with state on the host, offload or streaming: "
         "the plan's transient buffers and fragmentation are estimates)",
     )
     p.add_argument(
