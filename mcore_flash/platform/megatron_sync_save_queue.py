@@ -15,16 +15,13 @@ from __future__ import annotations
 import contextlib
 import queue
 
-WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-
 
 @contextlib.contextmanager
 def in_process_write_results():
     """Within the block, megatron's torch_dist writer puts its results in a ``queue.Queue``
     of this process (its module's ``_results_queue``); restored after it."""
-    import importlib
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as writer
 
-    writer = importlib.import_module(WRITER_MODULE)
     saved = writer._results_queue
     writer._results_queue = queue.Queue()
     try:

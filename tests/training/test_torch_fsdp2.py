@@ -272,7 +272,7 @@ def test_offload_on_the_cpu_is_refused_by_name():
 def test_sigterm_divergence_and_the_watchdog_under_streaming_as_without_it(tmp_path):
     """On the emulated NPU with the host offload: SIGTERM on one rank stops every rank after the
     iteration and saves it, an infinite loss stops the run naming --lr, and the watchdog's
-    hooks (on the GPTModel inside FSDP2's wrapper, its gradient reduction and the host
+    hooks (on the decoder inside FSDP2's wrapper, its gradient reduction and the host
     optimizer's step) mark every phase of an iteration."""
     for outcome in run_distributed(
         w_stops, 2, str(tmp_path), OFFLOAD, timeout=300, emulate_npu=True
